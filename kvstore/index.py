@@ -1,0 +1,170 @@
+"""The prefix index: one node per block, linked to its parent and children.
+
+Blocks form a forest per namespace: a node's parent is the block before it in every
+prompt that contains it. The index answers "how much of this key chain is usable" and
+keeps the bookkeeping that eviction needs; it knows nothing about bytes, tiers' storage
+or policy order (see store.py and policy.py).
+
+Memory matters (millions of blocks): a node is one slotted object with intrusive links
+(first child / siblings for the tree, prev / next for the per-tier eviction lists), so
+indexing a block costs one object, its key bytes and one dict entry, nothing else.
+
+Notes:
+1. A node is *in host* when ``host_offset >= 0`` and *on disk* when ``on_disk``; a
+   pending node always has a host slot.
+2. ``host_children`` / ``disk_children`` count the children held in that tier, so
+   "leaf in tier T" is one integer test (eviction is leaf-first per tier).
+3. ``pins`` counts leases and in-flight copies; a pinned node never leaves a tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.keys import BlockKey, NamespaceSpec
+
+PENDING = 0
+READY = 1
+
+
+@dataclass(slots=True)
+class NamespaceEntry:
+    """A registered namespace and its counters."""
+
+    spec: NamespaceSpec
+    blocks: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    roots: set[BlockKey] = field(default_factory=set)  # keys of first blocks of chains
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    key: BlockKey
+    ns: NamespaceEntry
+    parent: Node | None
+    size: int
+    state: int = PENDING
+    priority: int = 35
+    priority_until: float = 0.0  # monotonic time when priority falls back; 0: never
+    last_access: float = 0.0  # wall clock, persisted with disk records
+    hits: int = 0
+    pins: int = 0
+    checksum: int = 0  # xxh3_64 of the payload, set when first written to disk
+    host_offset: int = -1
+    on_disk: bool = False
+    host_children: int = 0
+    disk_children: int = 0
+    # tree links
+    first_child: Node | None = None
+    next_sibling: Node | None = None
+    prev_sibling: Node | None = None
+    # eviction-list links, one pair per tier (owned by policy.TierPolicy)
+    host_prev: Node | None = None
+    host_next: Node | None = None
+    host_list: Any = None
+    disk_prev: Node | None = None
+    disk_next: Node | None = None
+    disk_list: Any = None
+
+    @property
+    def in_host(self) -> bool:
+        return self.host_offset >= 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+    def children(self) -> Iterator[Node]:
+        child = self.first_child
+        while child is not None:
+            nxt = child.next_sibling
+            yield child
+            child = nxt
+
+    def ancestors(self) -> Iterator[Node]:
+        """This node's parent, grandparent, ... up to the root."""
+        node = self.parent
+        while node is not None:
+            yield node
+            node = node.parent
+
+    def __repr__(self) -> str:  # keep reprs short: nodes link to whole trees
+        where = ("H" if self.in_host else "") + ("D" if self.on_disk else "")
+        state = "ready" if self.ready else "pending"
+        return f"Node({self.key.hex()[:12]}, {state}, {where or '-'}, pins={self.pins})"
+
+
+class Index:
+    """Key -> node map plus the tree links; every mutation keeps parents consistent."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[BlockKey, Node] = {}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def get(self, key: BlockKey) -> Node | None:
+        return self.nodes.get(key)
+
+    def walk(self, keys: Sequence[BlockKey]) -> list[Node]:
+        """Nodes of the longest prefix of ``keys`` present in the index (any state)."""
+        nodes = self.nodes
+        found: list[Node] = []
+        parent: Node | None = None
+        for key in keys:
+            node = nodes.get(key)
+            if node is None or node.parent is not parent:
+                break
+            found.append(node)
+            parent = node
+        return found
+
+    def add(self, node: Node) -> None:
+        """Insert a new childless node under its parent (which must be indexed)."""
+        assert node.key not in self.nodes, "block indexed twice"
+        parent = node.parent
+        if parent is None:
+            node.ns.roots.add(node.key)
+        else:
+            head = parent.first_child
+            node.next_sibling = head
+            if head is not None:
+                head.prev_sibling = node
+            parent.first_child = node
+        self.nodes[node.key] = node
+        node.ns.blocks += 1
+        node.ns.bytes += node.size
+
+    def remove(self, node: Node) -> None:
+        """Unlink a childless node that has left every tier."""
+        assert node.first_child is None, "removing a block that still has children"
+        assert not node.in_host and not node.on_disk, "removing a block still held in a tier"
+        parent = node.parent
+        if parent is None:
+            node.ns.roots.discard(node.key)
+        else:
+            if node.prev_sibling is not None:
+                node.prev_sibling.next_sibling = node.next_sibling
+            else:
+                parent.first_child = node.next_sibling
+            if node.next_sibling is not None:
+                node.next_sibling.prev_sibling = node.prev_sibling
+            node.prev_sibling = node.next_sibling = None
+        del self.nodes[node.key]
+        node.ns.blocks -= 1
+        node.ns.bytes -= node.size
+
+    def subtree_postorder(self, root: Node) -> list[Node]:
+        """``root`` and all its descendants, children before parents (iterative)."""
+        order: list[Node] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children())
+        order.reverse()
+        return order

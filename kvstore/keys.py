@@ -1,0 +1,255 @@
+"""Namespaces and block keys: the one place where token ids become cache keys.
+
+A namespace fixes everything that makes two KV blocks interchangeable: the model id,
+the KV layout (layers, KV heads, head dim, dtype, tokens per block, bytes per block,
+tensor-parallel rank and world size), a tenant salt and the hash algorithm. Its digest
+seeds every chain, so blocks of different models, layouts or tenants never match.
+
+Block keys form a chain::
+
+    key[0] = H(namespace.digest || extra || tokens[0 : T])
+    key[i] = H(key[i-1]         || extra || tokens[i*T : (i+1)*T])
+
+where T is tokens per block, tokens are encoded as little-endian uint32 and ``extra``
+is a length-prefixed blob of extra keys (LoRA id, multimodal hashes) for that block.
+Only full blocks get keys. H is SHA-256 (default, 32-byte keys) or xxh3-128 (16-byte
+keys). Nothing here depends on Python's ``hash()``, PYTHONHASHSEED or any random seed:
+the same tokens give the same keys in every process, on every host, after restarts.
+The daemon and the client both call :func:`chain_keys`, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+from kvstore.errors import InvalidArgument
+
+BlockKey = NewType("BlockKey", bytes)
+"""A block's identity: the chained hash of its namespace, its ancestors and its tokens."""
+
+MIN_BLOCK_TOKENS = 2
+MAX_BLOCK_TOKENS = 256
+DEFAULT_BLOCK_TOKENS = 16
+MAX_TOKEN_ID = 2**32 - 1
+MAX_BLOCK_BYTES = 1 << 30
+HASH_ALGORITHMS = ("sha256", "xxh3-128")
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSpec:
+    """What a client declares when it opens a namespace.
+
+    ``block_bytes`` is the size of one stored block (all layers, K and V, of
+    ``block_tokens`` tokens on this rank). When the layout fields are given
+    (``num_layers``, ``num_kv_heads``, ``head_dim``), ``block_bytes`` must equal
+    ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes * block_tokens``;
+    a zero ``block_bytes`` is then derived from them.
+    """
+
+    model: str
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    block_bytes: int = 0
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    dtype: str = "bfloat16"
+    rank: int = 0
+    world_size: int = 1
+    tenant_salt: str = ""
+    hash_algorithm: str = "sha256"
+    vocab_size: int = 0  # 0: any uint32 token id is accepted
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        if self.block_bytes == 0:
+            object.__setattr__(self, "block_bytes", self.layout_bytes())
+        object.__setattr__(self, "digest", _namespace_digest(self))
+
+    def layout_bytes(self) -> int:
+        """Bytes per block implied by the layout fields (0 when they are not all given)."""
+        if not (self.num_layers and self.num_kv_heads and self.head_dim):
+            return 0
+        return (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * self.head_dim
+            * DTYPE_BYTES[self.dtype]
+            * self.block_tokens
+        )
+
+    @property
+    def ns_id(self) -> str:
+        """Stable printable id: model name plus the first 12 hex digits of the digest."""
+        return f"{self.model}@{self.digest.hex()[:12]}"
+
+    @property
+    def key_bytes(self) -> int:
+        return 32 if self.hash_algorithm == "sha256" else 16
+
+    def to_dict(self) -> dict[str, object]:
+        """The declared fields, for persistence (LMDB) and the wire; digest excluded."""
+        return {
+            "model": self.model,
+            "block_tokens": self.block_tokens,
+            "block_bytes": self.block_bytes,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "tenant_salt": self.tenant_salt,
+            "hash_algorithm": self.hash_algorithm,
+            "vocab_size": self.vocab_size,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> NamespaceSpec:
+        return cls(**data)  # type: ignore[arg-type]
+
+
+def _validate(spec: NamespaceSpec) -> None:
+    if not spec.model or len(spec.model) > 256:
+        raise InvalidArgument("model must be a non-empty string of at most 256 characters")
+    if not MIN_BLOCK_TOKENS <= spec.block_tokens <= MAX_BLOCK_TOKENS:
+        raise InvalidArgument(
+            f"block_tokens must be in [{MIN_BLOCK_TOKENS}, {MAX_BLOCK_TOKENS}], "
+            f"got {spec.block_tokens}"
+        )
+    if spec.dtype not in DTYPE_BYTES:
+        raise InvalidArgument(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {spec.dtype!r}")
+    if spec.hash_algorithm not in HASH_ALGORITHMS:
+        raise InvalidArgument(
+            f"hash_algorithm must be one of {list(HASH_ALGORITHMS)}, got {spec.hash_algorithm!r}"
+        )
+    for name in ("num_layers", "num_kv_heads", "head_dim", "rank", "vocab_size"):
+        if getattr(spec, name) < 0:
+            raise InvalidArgument(f"{name} must be >= 0, got {getattr(spec, name)}")
+    if spec.world_size < 1 or not 0 <= spec.rank < spec.world_size:
+        raise InvalidArgument(
+            f"rank must be in [0, world_size), got rank={spec.rank} world_size={spec.world_size}"
+        )
+    implied = spec.layout_bytes()
+    if spec.block_bytes < 0 or spec.block_bytes > MAX_BLOCK_BYTES:
+        raise InvalidArgument(
+            f"block_bytes must be in [1, {MAX_BLOCK_BYTES}], got {spec.block_bytes}"
+        )
+    if spec.block_bytes == 0 and implied == 0:
+        raise InvalidArgument(
+            "block_bytes is required unless num_layers, num_kv_heads and head_dim are all given"
+        )
+    if spec.block_bytes and implied and spec.block_bytes != implied:
+        raise InvalidArgument(
+            f"block_bytes={spec.block_bytes} does not match the layout "
+            f"(2 x {spec.num_layers} layers x {spec.num_kv_heads} heads x {spec.head_dim} "
+            f"x {DTYPE_BYTES[spec.dtype]} bytes x {spec.block_tokens} tokens = {implied})"
+        )
+
+
+def _namespace_digest(spec: NamespaceSpec) -> bytes:
+    """SHA-256 over a canonical, length-prefixed encoding of every declared field."""
+    h = hashlib.sha256(b"kvstore.namespace.v1")
+    for name, value in sorted(spec.to_dict().items()):
+        encoded = str(value).encode()
+        h.update(struct.pack("<I", len(name)) + name.encode())
+        h.update(struct.pack("<I", len(encoded)) + encoded)
+    return h.digest()
+
+
+def encode_extra(parts: Sequence[bytes | str | int]) -> bytes:
+    """Count- and length-prefixed encoding of extra keys (LoRA id, multimodal hashes).
+
+    The prefixes make the encoding unambiguous, so no two different lists of extra
+    keys can hash alike.
+    """
+    out = bytearray(struct.pack("<I", len(parts)))
+    for part in parts:
+        if isinstance(part, int):
+            raw = str(part).encode()
+        elif isinstance(part, str):
+            raw = part.encode()
+        else:
+            raw = bytes(part)
+        out += struct.pack("<I", len(raw)) + raw
+    return bytes(out)
+
+
+def tokens_array(tokens: Sequence[int] | np.ndarray, vocab_size: int = 0) -> np.ndarray:
+    """Validate token ids and return them as a contiguous little-endian uint32 array.
+
+    Raises InvalidArgument for negative ids, ids >= 2**32, ids >= vocab_size (when
+    the namespace sets one), or anything that is not a flat sequence of integers.
+    """
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"tokens must be a flat sequence of integers, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.empty(0, dtype="<u4")
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"tokens must be integers, got dtype {arr.dtype}")
+    low, high = int(arr.min()), int(arr.max())
+    if low < 0:
+        raise InvalidArgument(f"token ids must be >= 0, got {low}")
+    limit = vocab_size if vocab_size else MAX_TOKEN_ID + 1
+    if high >= limit:
+        raise InvalidArgument(f"token ids must be < {limit}, got {high}")
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def chain_keys(
+    spec: NamespaceSpec,
+    tokens: Sequence[int] | np.ndarray,
+    extra: Sequence[bytes | str | int] = (),
+    block_extra: Mapping[int, Sequence[bytes | str | int]] | None = None,
+    max_blocks: int | None = None,
+) -> list[BlockKey]:
+    """Keys of every full block of ``tokens`` in namespace ``spec``, root first.
+
+    ``extra`` is mixed into every block (e.g. a LoRA adapter id); ``block_extra``
+    maps a block index to extra keys for that block only (e.g. the hash of an image
+    whose placeholder tokens fall inside it). A trailing partial block gets no key.
+    """
+    arr = tokens_array(tokens, spec.vocab_size)
+    n_blocks = arr.size // spec.block_tokens
+    if max_blocks is not None:
+        n_blocks = min(n_blocks, max_blocks)
+    if n_blocks == 0:
+        return []
+    raw = arr[: n_blocks * spec.block_tokens].tobytes()
+    stride = spec.block_tokens * 4
+    common = encode_extra(extra)
+    per_block = block_extra or {}
+    keys: list[BlockKey] = []
+    parent = spec.digest
+    if spec.hash_algorithm == "sha256":
+        new = hashlib.sha256
+        for i in range(n_blocks):
+            suffix = common + encode_extra(per_block[i]) if i in per_block else common
+            parent = new(parent + suffix + raw[i * stride : (i + 1) * stride]).digest()
+            keys.append(BlockKey(parent))
+    else:
+        digest = xxhash.xxh3_128_digest
+        for i in range(n_blocks):
+            suffix = common + encode_extra(per_block[i]) if i in per_block else common
+            parent = digest(parent + suffix + raw[i * stride : (i + 1) * stride])
+            keys.append(BlockKey(parent))
+    return keys

@@ -1,0 +1,199 @@
+"""Eviction order, one object per tier, swappable.
+
+A policy only orders blocks; the store decides whether a candidate may go (ready,
+unpinned, and for leaf-first policies: no children left in that tier). Two policies:
+
+- ``PriorityLRU`` (default): one LRU list per priority level 0..100; candidates come
+  lowest priority first, least recently used first within a level. A use touches the
+  whole prefix with one timestamp, leaf first, so in every list a parent sits after
+  (is newer than) its children: ``lastUse(parent) >= lastUse(child)`` and the oldest
+  entries are leaves. ``leaf_first`` is True.
+- ``PlainLRU``: the naive baseline kept for comparison (the seed scenario test): one
+  list, only the blocks a request names are touched, a block may be evicted while its
+  children remain (the store then drops those orphans, since they are unusable).
+
+Lists are intrusive (links live in the nodes) so a block costs no extra objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from kvstore.index import Node
+
+MAX_PRIORITY = 100
+
+
+class LruList:
+    """Doubly linked list through two node attributes; oldest at the head."""
+
+    __slots__ = ("_prev", "_next", "_owner", "head", "tail", "size")
+
+    def __init__(self, prev_attr: str, next_attr: str, owner_attr: str) -> None:
+        self._prev = prev_attr
+        self._next = next_attr
+        self._owner = owner_attr
+        self.head: Node | None = None
+        self.tail: Node | None = None
+        self.size = 0
+
+    def push_newest(self, node: Node) -> None:
+        assert getattr(node, self._owner) is None, "node already in an eviction list"
+        setattr(node, self._prev, self.tail)
+        setattr(node, self._next, None)
+        if self.tail is None:
+            self.head = node
+        else:
+            setattr(self.tail, self._next, node)
+        self.tail = node
+        setattr(node, self._owner, self)
+        self.size += 1
+
+    def insert_by_time(self, node: Node) -> None:
+        """Insert at the place its ``last_access`` gives (scanning from the newest end).
+
+        Used when a block changes list without being used (priority change or expiry),
+        so it keeps its recency instead of looking freshly used.
+        """
+        after = self.tail
+        while after is not None and after.last_access > node.last_access:
+            after = getattr(after, self._prev)
+        if after is None or after is self.tail:
+            if after is None and self.head is not None:
+                self._link_before(node, self.head)
+            else:
+                self.push_newest(node)
+            return
+        self._link_before(node, getattr(after, self._next))
+
+    def _link_before(self, node: Node, successor: Node) -> None:
+        assert getattr(node, self._owner) is None, "node already in an eviction list"
+        prev = getattr(successor, self._prev)
+        setattr(node, self._prev, prev)
+        setattr(node, self._next, successor)
+        setattr(successor, self._prev, node)
+        if prev is None:
+            self.head = node
+        else:
+            setattr(prev, self._next, node)
+        setattr(node, self._owner, self)
+        self.size += 1
+
+    def remove(self, node: Node) -> None:
+        assert getattr(node, self._owner) is self, "node not in this list"
+        prev = getattr(node, self._prev)
+        nxt = getattr(node, self._next)
+        if prev is None:
+            self.head = nxt
+        else:
+            setattr(prev, self._next, nxt)
+        if nxt is None:
+            self.tail = prev
+        else:
+            setattr(nxt, self._prev, prev)
+        setattr(node, self._prev, None)
+        setattr(node, self._next, None)
+        setattr(node, self._owner, None)
+        self.size -= 1
+
+    def oldest_first(self) -> Iterator[Node]:
+        """Iterate from the head; the yielded node may be removed before resuming."""
+        node = self.head
+        while node is not None:
+            nxt = getattr(node, self._next)
+            yield node
+            node = nxt
+
+
+class TierPolicy(Protocol):
+    leaf_first: bool
+    touch_prefix: bool
+
+    def insert(self, node: Node) -> None: ...
+    def touch(self, node: Node) -> None: ...
+    def remove(self, node: Node) -> None: ...
+    def reprioritize(self, node: Node) -> None: ...
+    def candidates(self) -> Iterator[Node]: ...
+    def __contains__(self, node: Node) -> bool: ...
+
+
+def _attrs(tier: str) -> tuple[str, str, str]:
+    return f"{tier}_prev", f"{tier}_next", f"{tier}_list"
+
+
+class PriorityLRU:
+    leaf_first = True
+    touch_prefix = True
+
+    def __init__(self, tier: str) -> None:
+        self._owner = _attrs(tier)[2]
+        self._lists = [LruList(*_attrs(tier)) for _ in range(MAX_PRIORITY + 1)]
+
+    def __contains__(self, node: Node) -> bool:
+        return getattr(node, self._owner) is not None
+
+    def insert(self, node: Node) -> None:
+        self._lists[node.priority].push_newest(node)
+
+    def touch(self, node: Node) -> None:
+        lst: LruList = getattr(node, self._owner)
+        lst.remove(node)
+        self._lists[node.priority].push_newest(node)
+
+    def remove(self, node: Node) -> None:
+        lst: LruList = getattr(node, self._owner)
+        lst.remove(node)
+
+    def reprioritize(self, node: Node) -> None:
+        lst: LruList = getattr(node, self._owner)
+        lst.remove(node)
+        self._lists[node.priority].insert_by_time(node)
+
+    def candidates(self) -> Iterator[Node]:
+        for lst in self._lists:
+            if lst.size:
+                yield from lst.oldest_first()
+
+
+class PlainLRU:
+    leaf_first = False
+    touch_prefix = False
+
+    def __init__(self, tier: str) -> None:
+        self._owner = _attrs(tier)[2]
+        self._list = LruList(*_attrs(tier))
+
+    def __contains__(self, node: Node) -> bool:
+        return getattr(node, self._owner) is not None
+
+    def insert(self, node: Node) -> None:
+        self._list.push_newest(node)
+
+    def touch(self, node: Node) -> None:
+        self._list.remove(node)
+        self._list.push_newest(node)
+
+    def remove(self, node: Node) -> None:
+        self._list.remove(node)
+
+    def reprioritize(self, node: Node) -> None:
+        """Plain LRU ignores priorities."""
+
+    def candidates(self) -> Iterator[Node]:
+        yield from self._list.oldest_first()
+
+
+POLICIES: dict[str, type[PriorityLRU] | type[PlainLRU]] = {
+    "priority-lru": PriorityLRU,
+    "plain-lru": PlainLRU,
+}
+
+
+def make_policy(name: str, tier: str) -> TierPolicy:
+    try:
+        return POLICIES[name](tier)
+    except KeyError:
+        raise ValueError(
+            f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}"
+        ) from None

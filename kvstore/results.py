@@ -1,0 +1,134 @@
+"""Plain result types returned by :class:`kvstore.store.Store`.
+
+They carry no references into the store (no nodes, no locks): the daemon turns them
+into protobuf messages, tests compare them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvstore.keys import BlockKey
+
+
+class Tier(str, Enum):
+    HOST = "host"
+    DISK = "disk"
+
+
+class EventKind(str, Enum):
+    STORED = "stored"  # a block became ready (committed) in the store
+    REMOVED = "removed"  # a block left the store entirely
+    DEMOTED = "demoted"  # host -> disk
+    PROMOTED = "promoted"  # disk -> host
+    PENDING_DROPPED = "pending_dropped"  # a reserved block was abandoned or its lease ran out
+    CORRUPT = "corrupt"  # a disk record failed its checksum and was dropped
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    seq: int  # strictly increasing from 1 within one store lifetime
+    kind: EventKind
+    ns_id: str
+    key: BlockKey
+    tier: Tier | None
+    timestamp: float  # wall clock (time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Longest usable prefix of a key chain.
+
+    ``ready_blocks`` counts blocks from the root that are ready and stored with all
+    their ancestors; ``host_blocks + disk_blocks == ready_blocks`` (a block held in
+    both tiers counts as host). ``pending_keys`` are the reserved-but-uncommitted
+    blocks that directly follow the ready prefix (an owner is computing them).
+    """
+
+    ready_blocks: int
+    host_blocks: int
+    disk_blocks: int
+    pending_keys: tuple[BlockKey, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a put did with each offered block (counts add up to the blocks offered)."""
+
+    stored: int  # newly stored and ready
+    existing: int  # already ready (or pending under another owner): nothing written
+    refused: int  # not admitted: no room, or an ancestor is missing
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """One block's bytes in the shared host arena: ``arena[offset : offset + size]``."""
+
+    index: int  # position of the block in the request's key chain
+    key: BlockKey
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Write lease from :meth:`Store.reserve`: fill each slot, then commit.
+
+    ``slots`` are the newly reserved (pending) blocks, in chain order. Blocks of the
+    request that were already ready are counted in ``existing``; blocks that could
+    not be reserved (no room, or pending under another owner) end the reservation.
+    """
+
+    lease_id: int
+    expires_at: float  # monotonic clock
+    slots: tuple[SlotRef, ...]
+    existing: int
+    refused: int
+
+
+@dataclass(frozen=True, slots=True)
+class Acquisition:
+    """Read lease from :meth:`Store.acquire`: the ready prefix, pinned in host slots."""
+
+    lease_id: int  # 0 when no block was pinned (nothing to release)
+    expires_at: float
+    slots: tuple[SlotRef, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    name: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    evictions: int
+    bytes_in: int
+    bytes_out: int
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceStats:
+    ns_id: str
+    model: str
+    block_tokens: int
+    block_bytes: int
+    blocks: int
+    bytes: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    tiers: tuple[TierStats, ...]
+    namespaces: tuple[NamespaceStats, ...]
+    demotions: int
+    promotions: int
+    pending_blocks: int
+    leases: int
+    corrupt_reads: int
+    disk_queue_bytes: int
+    counters: dict[str, int] = field(default_factory=dict)

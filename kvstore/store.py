@@ -1,0 +1,1139 @@
+"""The store: index + policy + host arena + disk tier behind one lock.
+
+Protocol (every method is thread-safe; all key chains start at the namespace root):
+
+- ``open_namespace(spec)`` registers a namespace (idempotent; a different layout under
+  the same ns_id raises LayoutMismatch). ``keys_for(ns_id, tokens)`` computes the chain.
+- ``lookup(ns_id, keys)`` -> longest ready prefix, per-tier counts, pending keys after it.
+- Inline data path: ``put(ns_id, keys, payloads, start)`` stores ``payloads[i]`` as the
+  block ``keys[start + i]`` (each exactly ``block_bytes``); ``read(ns_id, keys, out)``
+  copies the longest ready prefix into one contiguous buffer.
+- Shared-arena data path: ``reserve`` -> the caller writes the arena slots -> ``commit``
+  (partial commits allowed, in chain order; ``abandon`` drops the rest). ``acquire`` pins
+  the ready prefix in host slots under a read lease -> the caller reads -> ``release``.
+  Leases expire after their TTL; an expired write lease drops its pending blocks.
+- ``delete``/``clear``/``set_priority``/``stats``/``events_since``/``flush``/``close``.
+
+Copies of block bytes happen outside the lock: the blocks involved are pinned (lease
+count) while the lock is released, so eviction cannot free a slot under a reader.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvstore.arena import HostArena, PinHook
+from kvstore.disk import DiskRecord, DiskTier
+from kvstore.errors import (
+    InvalidArgument,
+    LayoutMismatch,
+    LeaseError,
+    StoreClosed,
+    UnknownNamespace,
+)
+from kvstore.index import READY, Index, NamespaceEntry, Node
+from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
+from kvstore.policy import MAX_PRIORITY, POLICIES, TierPolicy, make_policy
+from kvstore.results import (
+    Acquisition,
+    Event,
+    EventKind,
+    LookupResult,
+    NamespaceStats,
+    PutResult,
+    Reservation,
+    SlotRef,
+    StoreStats,
+    Tier,
+    TierStats,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRIORITY = 35
+ADMISSION_POLICIES = ("write-back", "write-through", "selective")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Capacities and policies of one store. Sizes are bytes."""
+
+    host_bytes: int
+    disk_dir: str | None = None
+    disk_bytes: int = 0  # 0: no disk tier
+    admission: str = "write-back"  # write-back | write-through | selective
+    selective_hits: int = 2  # selective: demote to disk only after this many hits
+    disk_min_priority: int = 0  # blocks below this priority are dropped, not demoted
+    default_priority: int = DEFAULT_PRIORITY
+    lease_ttl_s: float = 30.0
+    max_lease_ttl_s: float = 600.0
+    max_blocks_per_request: int = 8192
+    arena_dir: str | None = None  # where the shared arena file lives (default /dev/shm)
+    shared_arena: bool = True  # False: anonymous memory (single-process tests)
+    persist_on_close: bool = True  # close() writes host-only blocks to disk first
+    event_buffer: int = 65536
+    eviction_policy: str = "priority-lru"  # priority-lru | plain-lru (baseline only)
+
+    def validate(self) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        if self.host_bytes < 4096:
+            raise InvalidArgument(f"host_bytes must be >= 4096, got {self.host_bytes}")
+        if self.disk_bytes < 0:
+            raise InvalidArgument(f"disk_bytes must be >= 0, got {self.disk_bytes}")
+        if self.disk_bytes and not self.disk_dir:
+            raise InvalidArgument("disk_dir is required when disk_bytes > 0")
+        if self.admission not in ADMISSION_POLICIES:
+            raise InvalidArgument(
+                f"admission must be one of {list(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
+        if self.eviction_policy not in POLICIES:
+            raise InvalidArgument(
+                f"eviction_policy must be one of {sorted(POLICIES)}, got {self.eviction_policy!r}"
+            )
+        for name in ("default_priority", "disk_min_priority"):
+            value = getattr(self, name)
+            if not 0 <= value <= MAX_PRIORITY:
+                raise InvalidArgument(f"{name} must be in [0, {MAX_PRIORITY}], got {value}")
+        if not 0 < self.lease_ttl_s <= self.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"lease_ttl_s must be in (0, max_lease_ttl_s={self.max_lease_ttl_s}], "
+                f"got {self.lease_ttl_s}"
+            )
+        if self.max_blocks_per_request < 1:
+            raise InvalidArgument("max_blocks_per_request must be >= 1")
+        if self.selective_hits < 0:
+            raise InvalidArgument(f"selective_hits must be >= 0, got {self.selective_hits}")
+
+
+@dataclass(slots=True, eq=False)
+class _Lease:
+    lease_id: int
+    write: bool
+    entry: NamespaceEntry
+    nodes: list[Node]  # read: pinned ready prefix; write: reserved blocks in chain order
+    expires_at: float
+    committed: int = 0  # write leases: nodes[:committed] are ready
+
+
+@dataclass(slots=True)
+class _Counters:
+    host_hits: int = 0
+    host_misses: int = 0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    host_evictions: int = 0
+    disk_evictions: int = 0
+    host_bytes_in: int = 0
+    host_bytes_out: int = 0
+    disk_bytes_in: int = 0
+    disk_bytes_out: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    dropped: int = 0
+    lost_on_disk: int = 0
+
+
+_ENDED_LEASES_KEPT = 4096
+
+
+class Store:
+    """One process's tiered block store. See the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        pin: PinHook | None = None,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self._clock = clock
+        self._wall = wall
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)  # events, commits, drops
+        self._index = Index()
+        self._namespaces: dict[str, NamespaceEntry] = {}
+        self._by_digest: dict[bytes, NamespaceEntry] = {}
+        self._host_policy = make_policy(config.eviction_policy, "host")
+        self._disk_policy = make_policy(config.eviction_policy, "disk")
+        self._leases: dict[int, _Lease] = {}
+        self._lease_heap: list[tuple[float, int]] = []
+        self._ended: dict[int, str] = {}  # recently ended lease id -> why (for precise errors)
+        self._priority_heap: list[tuple[float, int, Node]] = []
+        self._priority_seq = itertools.count()
+        self._events: deque[Event] = deque(maxlen=config.event_buffer)
+        self._seq = 0
+        self._host_blocks = 0
+        self._disk_blocks = 0
+        self._pending = 0
+        self._c = _Counters()
+        self._platform = "cpu-only"
+        self._closed = False
+        self._arena = HostArena(
+            config.host_bytes,
+            directory=config.arena_dir,
+            shared=config.shared_arena,
+            pin=pin,
+        )
+        self._disk: DiskTier | None = None
+        try:
+            if config.disk_bytes > 0 and config.disk_dir:
+                self._disk = DiskTier(config.disk_dir, config.disk_bytes)
+                self._rebuild_from_disk()
+        except BaseException:
+            self._arena.close()
+            if self._disk is not None:
+                self._disk.close()
+            raise
+        self._reaper_stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
+        self._reaper.start()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Persist host-only blocks to disk (if configured), flush the writer, free the arena."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for lease in list(self._leases.values()):
+                self._end_lease(lease, "the store closed")
+            if self._disk is not None and self.config.persist_on_close:
+                self._persist_host_blocks()
+            self._changed.notify_all()
+        self._reaper_stop.set()
+        self._reaper.join(timeout=5)
+        if self._disk is not None:
+            self._disk.close()
+        self._arena.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued disk write is committed."""
+        if self._disk is not None:
+            self._disk.flush(timeout)
+
+    @property
+    def arena_path(self) -> str | None:
+        return self._arena.path
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._arena.capacity_bytes
+
+    @property
+    def arena(self) -> HostArena:
+        return self._arena
+
+    @property
+    def platform(self) -> str:
+        return self._platform
+
+    def set_platform(self, profile: str) -> None:
+        """Called by the GPU layer once it has detected the machine ('pcie', 'c2c')."""
+        self._platform = profile
+
+    # ----------------------------------------------------------------- namespaces
+    def open_namespace(self, spec: NamespaceSpec) -> NamespaceSpec:
+        if spec.block_bytes > self._arena.capacity_bytes:
+            raise InvalidArgument(
+                f"block_bytes={spec.block_bytes} exceeds the host arena "
+                f"({self._arena.capacity_bytes} bytes)"
+            )
+        with self._lock:
+            self._check_open()
+            entry = self._namespaces.get(spec.ns_id)
+            if entry is not None:
+                if entry.spec.digest != spec.digest:
+                    raise LayoutMismatch(f"namespace {spec.ns_id} is open with a different layout")
+                return entry.spec
+            self._register(spec)
+            if self._disk is not None:
+                self._disk.save_namespace(spec.digest, spec.to_dict())
+            return spec
+
+    def namespace(self, ns_id: str) -> NamespaceSpec:
+        return self._entry(ns_id).spec
+
+    def namespaces(self) -> list[NamespaceSpec]:
+        with self._lock:
+            return [entry.spec for entry in self._namespaces.values()]
+
+    def keys_for(
+        self,
+        ns_id: str,
+        tokens: Sequence[int] | np.ndarray,
+        extra: Sequence[bytes | str | int] = (),
+    ) -> list[BlockKey]:
+        spec = self._entry(ns_id).spec
+        arr = tokens_array(tokens, spec.vocab_size)
+        n_blocks = arr.size // spec.block_tokens
+        if n_blocks > self.config.max_blocks_per_request:
+            raise InvalidArgument(
+                f"{arr.size} tokens make {n_blocks} blocks, more than "
+                f"max_blocks_per_request={self.config.max_blocks_per_request}"
+            )
+        return chain_keys(spec, arr, extra)
+
+    # ------------------------------------------------------------------ read side
+    def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> LookupResult:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        with self._lock:
+            self._expire()
+            return self._lookup(keys)
+
+    def read(
+        self, ns_id: str, keys: Sequence[BlockKey], out: memoryview | None = None
+    ) -> tuple[int, memoryview]:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        size = entry.spec.block_bytes
+        if out is not None:
+            out = memoryview(out).cast("B")
+            if out.readonly or out.nbytes < len(keys) * size:
+                raise InvalidArgument(
+                    f"out must be a writable buffer of >= {len(keys) * size} bytes "
+                    f"({len(keys)} blocks x {size}), got {out.nbytes}"
+                    + (" (read-only)" if out.readonly else "")
+                )
+        nodes, fresh = self._pin_prefix(entry, keys, promote_all=False)
+        if out is None:
+            out = memoryview(bytearray(len(nodes) * size))
+        ok = len(nodes)
+        try:
+            ok = self._copy_out(nodes, fresh, out, size)
+        finally:
+            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=False)
+        return ok, out[: ok * size]
+
+    def acquire(
+        self, ns_id: str, keys: Sequence[BlockKey], ttl_s: float | None = None
+    ) -> Acquisition:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        ttl = self._ttl(ttl_s)
+        nodes, fresh = self._pin_prefix(entry, keys, promote_all=True)
+        ok = len(nodes)
+        try:
+            ok = self._fill_promotions(nodes, fresh)
+        finally:
+            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True)
+        kept = nodes[:ok]
+        with self._lock:
+            if not kept:
+                return Acquisition(lease_id=0, expires_at=0.0, slots=())
+            lease = self._new_lease(entry, kept, write=False, ttl=ttl)
+            slots = tuple(
+                SlotRef(i, node.key, node.host_offset, node.size) for i, node in enumerate(kept)
+            )
+            return Acquisition(lease.lease_id, lease.expires_at, slots)
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id)
+            self._end_lease(lease, "released")
+
+    # ----------------------------------------------------------------- write side
+    def put(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        start: int = 0,
+        priority: int | None = None,
+    ) -> PutResult:
+        entry = self._entry(ns_id)
+        size = entry.spec.block_bytes
+        self._check_keys(entry, keys)
+        if not 0 <= start <= len(keys) or start + len(payloads) > len(keys):
+            raise InvalidArgument(
+                f"{len(payloads)} payloads from block {start} do not fit a chain of "
+                f"{len(keys)} blocks"
+            )
+        views = [memoryview(p).cast("B") for p in payloads]
+        for i, view in enumerate(views):
+            if view.nbytes != size:
+                raise InvalidArgument(
+                    f"payload {i} is {view.nbytes} bytes; namespace {ns_id} stores "
+                    f"blocks of {size} bytes"
+                )
+        chain = keys[: start + len(views)]
+        reservation = self.reserve(ns_id, chain, start, priority=priority)
+        try:
+            array = self._arena.array()
+            for slot in reservation.slots:
+                view = views[slot.index - start]
+                array[slot.offset : slot.offset + size] = np.frombuffer(view, dtype=np.uint8)
+        except BaseException:
+            if reservation.slots:
+                self.abandon(reservation.lease_id)
+            raise
+        if reservation.slots:
+            self.commit(reservation.lease_id)
+        return PutResult(len(reservation.slots), reservation.existing, reservation.refused)
+
+    def reserve(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        start: int = 0,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+    ) -> Reservation:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        if not 0 <= start <= len(keys):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        prio = self._priority(priority)
+        ttl = self._ttl(ttl_s)
+        with self._lock:
+            self._check_open()
+            self._expire()
+            walk = self._index.walk(keys)
+            offered = len(keys) - start
+            if start > 0 and (len(walk) < start or not walk[start - 1].ready):
+                return Reservation(0, 0.0, (), existing=0, refused=offered)
+            existing = 0
+            for node in walk[start:]:
+                if not node.ready:  # another owner is computing it: wait or recompute
+                    return Reservation(0, 0.0, (), existing, offered - existing)
+                existing += 1
+            for node in walk:
+                node.pins += 1
+            created: list[Node] = []
+            try:
+                parent = walk[-1] if walk else None
+                for i in range(max(start, len(walk)), len(keys)):
+                    offset = self._alloc_host(entry.spec.block_bytes)
+                    if offset is None:
+                        break
+                    node = Node(keys[i], entry, parent, entry.spec.block_bytes, priority=prio)
+                    node.pins = 1
+                    self._index.add(node)
+                    self._host_add(node, offset)
+                    created.append(node)
+                    parent = node
+            finally:
+                for node in walk:
+                    node.pins -= 1
+            self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
+            refused = offered - existing - len(created)
+            if not created:
+                return Reservation(0, 0.0, (), existing, refused)
+            self._pending += len(created)
+            lease = self._new_lease(entry, created, write=True, ttl=ttl)
+            first = len(keys) - refused - len(created)
+            slots = tuple(
+                SlotRef(first + i, node.key, node.host_offset, node.size)
+                for i, node in enumerate(created)
+            )
+            return Reservation(lease.lease_id, lease.expires_at, slots, existing, refused)
+
+    def commit(self, lease_id: int, count: int | None = None) -> int:
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id, write=True)
+            remaining = len(lease.nodes) - lease.committed
+            n = remaining if count is None else count
+            if not 0 <= n <= remaining:
+                raise InvalidArgument(
+                    f"count={count} is outside [0, {remaining}] for lease {lease_id}"
+                )
+            batch = lease.nodes[lease.committed : lease.committed + n]
+            for node in batch:
+                node.state = READY
+                node.pins -= 1
+                self._host_policy.insert(node)
+                self._emit(EventKind.STORED, node, Tier.HOST)
+            self._pending -= n
+            self._c.host_bytes_in += n * lease.entry.spec.block_bytes
+            lease.committed += n
+            if batch:
+                self._touch(batch)
+                if self.config.admission == "write-through" and self._disk is not None:
+                    for node in batch:
+                        self._write_to_disk(node)
+            if lease.committed == len(lease.nodes):
+                self._forget_lease(lease, "committed")
+            self._changed.notify_all()
+            return n
+
+    def abandon(self, lease_id: int) -> int:
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id, write=True)
+            dropped = len(lease.nodes) - lease.committed
+            self._end_lease(lease, "abandoned")
+            return dropped
+
+    def delete(self, ns_id: str, keys: Sequence[BlockKey], start: int = 0) -> int:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        if not 0 <= start < max(len(keys), 1):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        with self._lock:
+            self._expire()
+            walk = self._index.walk(keys)
+            if len(walk) <= start:
+                return 0
+            return self._delete_subtree(walk[start])
+
+    def clear(self, ns_id: str | None = None) -> int:
+        entries = [self._entry(ns_id)] if ns_id is not None else None
+        with self._lock:
+            self._expire()
+            removed = 0
+            for entry in entries or list(self._namespaces.values()):
+                for key in list(entry.roots):
+                    root = self._index.get(key)
+                    if root is not None:
+                        removed += self._delete_subtree(root)
+            return removed
+
+    def set_priority(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        priority: int,
+        duration_s: float | None = None,
+        start: int = 0,
+    ) -> int:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        prio = self._priority(priority)
+        if duration_s is not None and not duration_s > 0:
+            raise InvalidArgument(f"duration_s must be > 0 when given, got {duration_s}")
+        if not 0 <= start <= len(keys):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        with self._lock:
+            self._expire()
+            until = self._clock() + duration_s if duration_s else 0.0
+            changed = self._index.walk(keys)[start:]
+            for node in changed:
+                self._set_node_priority(node, prio, until)
+                if until:
+                    heapq.heappush(self._priority_heap, (until, next(self._priority_seq), node))
+            return len(changed)
+
+    # -------------------------------------------------------------- observability
+    def stats(self) -> StoreStats:
+        with self._lock:
+            self._expire()
+            c = self._c
+            tiers = [
+                TierStats(
+                    Tier.HOST,
+                    self._arena.capacity_bytes,
+                    self._arena.used_bytes,
+                    self._host_blocks,
+                    c.host_hits,
+                    c.host_misses,
+                    c.host_evictions,
+                    c.host_bytes_in,
+                    c.host_bytes_out,
+                )
+            ]
+            disk_queue = 0
+            corrupt = 0
+            if self._disk is not None:
+                dstats = self._disk.stats()
+                disk_queue = dstats.queue_bytes
+                corrupt = dstats.corrupt_reads
+                tiers.append(
+                    TierStats(
+                        Tier.DISK,
+                        self._disk.capacity_bytes,
+                        self._disk.used_bytes,
+                        self._disk_blocks,
+                        c.disk_hits,
+                        c.disk_misses,
+                        c.disk_evictions,
+                        c.disk_bytes_in,
+                        c.disk_bytes_out,
+                    )
+                )
+            namespaces = tuple(
+                NamespaceStats(
+                    ns_id,
+                    e.spec.model,
+                    e.spec.block_tokens,
+                    e.spec.block_bytes,
+                    e.blocks,
+                    e.bytes,
+                    e.hits,
+                    e.misses,
+                )
+                for ns_id, e in self._namespaces.items()
+            )
+            return StoreStats(
+                tiers=tuple(tiers),
+                namespaces=namespaces,
+                demotions=c.demotions,
+                promotions=c.promotions,
+                pending_blocks=self._pending,
+                leases=len(self._leases),
+                corrupt_reads=corrupt,
+                disk_queue_bytes=disk_queue,
+                counters={"dropped": c.dropped, "lost_on_disk": c.lost_on_disk},
+            )
+
+    def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]:
+        deadline = self._clock() + max(timeout, 0.0)
+        with self._changed:
+            while self._seq <= seq and not self._closed:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    return []
+                self._changed.wait(remaining)
+            if not self._events:
+                return []
+            first = self._events[0].seq
+            begin = max(seq + 1 - first, 0)
+            return list(itertools.islice(self._events, begin, begin + limit))
+
+    def wait_ready(self, ns_id: str, keys: Sequence[BlockKey], timeout: float) -> LookupResult:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        deadline = self._clock() + max(timeout, 0.0)
+        with self._changed:
+            while True:
+                self._expire()
+                result = self._lookup(keys)
+                remaining = deadline - self._clock()
+                if not result.pending_keys or remaining <= 0 or self._closed:
+                    return result
+                # short slices: a lapsed owner lease is noticed by _expire() promptly
+                self._changed.wait(min(remaining, 0.05))
+
+    def expire(self) -> None:
+        """Reclaim expired leases and priorities now (also done on every call)."""
+        with self._lock:
+            self._expire()
+
+    # =============================================================== internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed("the store is closed")
+
+    def _entry(self, ns_id: str | None) -> NamespaceEntry:
+        entry = self._namespaces.get(ns_id or "")
+        if entry is None:
+            raise UnknownNamespace(f"unknown namespace {ns_id!r}; open it first")
+        return entry
+
+    def _register(self, spec: NamespaceSpec) -> NamespaceEntry:
+        entry = NamespaceEntry(spec)
+        self._namespaces[spec.ns_id] = entry
+        self._by_digest[spec.digest] = entry
+        return entry
+
+    def _check_keys(self, entry: NamespaceEntry, keys: Sequence[BlockKey]) -> None:
+        limit = self.config.max_blocks_per_request
+        if len(keys) > limit:
+            raise InvalidArgument(
+                f"{len(keys)} blocks in one request, more than max_blocks_per_request={limit}"
+            )
+        width = entry.spec.key_bytes
+        for key in keys:
+            if not isinstance(key, bytes) or len(key) != width:
+                raise InvalidArgument(
+                    f"block keys of namespace {entry.spec.ns_id} are {width} bytes"
+                )
+
+    def _priority(self, priority: int | None) -> int:
+        if priority is None:
+            return self.config.default_priority
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidArgument(f"priority must be an integer, got {priority!r}")
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise InvalidArgument(f"priority must be in [0, {MAX_PRIORITY}], got {priority}")
+        return priority
+
+    def _ttl(self, ttl_s: float | None) -> float:
+        if ttl_s is None:
+            return self.config.lease_ttl_s
+        if not 0 < ttl_s <= self.config.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"ttl_s must be in (0, {self.config.max_lease_ttl_s}], got {ttl_s}"
+            )
+        return ttl_s
+
+    def _lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        walk = self._index.walk(keys)
+        ready = host = 0
+        for node in walk:
+            if not node.ready:
+                break
+            ready += 1
+            host += node.in_host
+        pending = tuple(
+            node.key for node in itertools.takewhile(lambda n: not n.ready, walk[ready:])
+        )
+        return LookupResult(ready, host, ready - host, pending)
+
+    # --- pinned reads -----------------------------------------------------------
+    def _pin_prefix(
+        self, entry: NamespaceEntry, keys: Sequence[BlockKey], promote_all: bool
+    ) -> tuple[list[Node], dict[int, int]]:
+        """Pin the ready prefix and reserve host slots for its disk-only blocks.
+
+        Returns the pinned nodes and {position: fresh host offset} for blocks to promote.
+        With ``promote_all`` the prefix is cut at the first block that gets no slot
+        (acquire needs every block in host); otherwise that block is read from disk.
+        """
+        with self._lock:
+            self._check_open()
+            self._expire()
+            nodes: list[Node] = []
+            for node in self._index.walk(keys):
+                if not node.ready:
+                    break
+                node.pins += 1
+                nodes.append(node)
+            fresh: dict[int, int] = {}
+            for i, node in enumerate(nodes):
+                if node.in_host:
+                    continue
+                offset = self._alloc_host(node.size)
+                if offset is None:
+                    if promote_all:
+                        for late in nodes[i:]:
+                            late.pins -= 1
+                        del nodes[i:]
+                    break
+                fresh[i] = offset
+            return nodes, fresh
+
+    def _copy_out(
+        self, nodes: list[Node], fresh: dict[int, int], out: memoryview, size: int
+    ) -> int:
+        """Copy pinned blocks into ``out`` (no lock held); returns blocks copied."""
+        array = self._arena.array()
+        dst = np.frombuffer(out, dtype=np.uint8)
+        for i, node in enumerate(nodes):
+            target = dst[i * size : (i + 1) * size]
+            if node.in_host:
+                target[:] = array[node.host_offset : node.host_offset + size]
+                continue
+            assert self._disk is not None
+            if i in fresh:
+                slot = self._arena.view(fresh[i], size)
+                if self._disk.read(node.key, out=slot) is None:
+                    return i
+                target[:] = array[fresh[i] : fresh[i] + size]
+            elif self._disk.read(node.key, out=out[i * size : (i + 1) * size]) is None:
+                return i
+        return len(nodes)
+
+    def _fill_promotions(self, nodes: list[Node], fresh: dict[int, int]) -> int:
+        """Read disk-only blocks into their fresh host slots (no lock held)."""
+        for i in sorted(fresh):
+            assert self._disk is not None
+            slot = self._arena.view(fresh[i], nodes[i].size)
+            if self._disk.read(nodes[i].key, out=slot) is None:
+                return i
+        return len(nodes)
+
+    def _finish_pinned(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        nodes: list[Node],
+        fresh: dict[int, int],
+        ok: int,
+        keep_pins: bool,
+    ) -> None:
+        """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits, unpin."""
+        with self._lock:
+            host_hits = sum(1 for node in nodes[:ok] if node.in_host)
+            for i, offset in fresh.items():
+                node = nodes[i]
+                if i < ok and not node.in_host and not self._closed:
+                    self._host_add(node, offset)
+                    self._host_policy.insert(node)
+                    self._c.promotions += 1
+                    self._c.host_bytes_in += node.size
+                    self._c.disk_bytes_out += node.size
+                    self._emit(EventKind.PROMOTED, node, Tier.HOST)
+                else:
+                    self._arena.free(offset)
+            for i in range(len(nodes)):
+                if keep_pins and i < ok:
+                    continue
+                nodes[i].pins -= 1
+            if ok < len(nodes) and nodes[ok].on_disk:
+                self._lost_on_disk(nodes[ok])
+            disk_hits = ok - host_hits
+            c = self._c
+            c.host_hits += host_hits
+            c.host_misses += len(keys) - host_hits
+            c.disk_hits += disk_hits
+            c.disk_misses += len(keys) - ok
+            c.host_bytes_out += host_hits * entry.spec.block_bytes
+            c.disk_bytes_out += sum(
+                node.size
+                for i, node in enumerate(nodes[:ok])
+                if i not in fresh and not node.in_host
+            )
+            entry.hits += ok
+            entry.misses += len(keys) - ok
+            for node in nodes[:ok]:
+                node.hits += 1
+            self._touch([node for node in nodes[:ok] if self._index.get(node.key) is node])
+
+    def _lost_on_disk(self, node: Node) -> None:
+        """A block the index had on disk could not be read back (checksum or gone)."""
+        self._c.lost_on_disk += 1
+        self._emit(EventKind.CORRUPT, node, Tier.DISK)
+        if node.in_host:
+            self._disk_drop(node)
+            return
+        for late in self._index.subtree_postorder(node):
+            if late.pins:
+                continue  # a concurrent reader still holds it; it goes when released
+            self._drop_node(late)
+
+    # --- leases -------------------------------------------------------------------
+    def _new_lease(
+        self, entry: NamespaceEntry, nodes: list[Node], write: bool, ttl: float
+    ) -> _Lease:
+        lease_id = secrets.randbits(62) + 1
+        while lease_id in self._leases or lease_id in self._ended:
+            lease_id = secrets.randbits(62) + 1
+        lease = _Lease(lease_id, write, entry, nodes, self._clock() + ttl)
+        self._leases[lease_id] = lease
+        heapq.heappush(self._lease_heap, (lease.expires_at, lease_id))
+        return lease
+
+    def _lease(self, lease_id: int, write: bool | None = None) -> _Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            why = self._ended.get(lease_id)
+            if why is None:
+                raise LeaseError(f"unknown lease {lease_id}")
+            raise LeaseError(f"lease {lease_id} has ended ({why})")
+        if write is not None and lease.write != write:
+            kind = "write (reserve)" if lease.write else "read (acquire)"
+            raise LeaseError(f"lease {lease_id} is a {kind} lease")
+        return lease
+
+    def _end_lease(self, lease: _Lease, why: str) -> None:
+        if lease.write:
+            dropped = lease.nodes[lease.committed :]
+            for node in reversed(dropped):
+                node.pins -= 1
+                self._emit(EventKind.PENDING_DROPPED, node, Tier.HOST)
+                self._host_drop(node)
+                self._index.remove(node)
+            self._pending -= len(dropped)
+        else:
+            for node in lease.nodes:
+                node.pins -= 1
+        self._forget_lease(lease, why)
+        self._changed.notify_all()
+
+    def _forget_lease(self, lease: _Lease, why: str) -> None:
+        del self._leases[lease.lease_id]
+        self._ended[lease.lease_id] = why
+        if len(self._ended) > _ENDED_LEASES_KEPT:
+            del self._ended[next(iter(self._ended))]
+
+    def _expire(self) -> None:
+        now = self._clock()
+        heap = self._lease_heap
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                self._end_lease(lease, "expired")
+        pheap = self._priority_heap
+        while pheap and pheap[0][0] <= now:
+            until, _, node = heapq.heappop(pheap)
+            if node.priority_until == until and self._index.get(node.key) is node:
+                self._set_node_priority(node, self.config.default_priority, 0.0)
+
+    def _reap(self) -> None:
+        while not self._reaper_stop.wait(0.25):
+            with self._lock:
+                if self._closed:
+                    return
+                self._expire()
+
+    # --- tiers ----------------------------------------------------------------------
+    def _host_add(self, node: Node, offset: int) -> None:
+        node.host_offset = offset
+        self._host_blocks += 1
+        if node.parent is not None:
+            node.parent.host_children += 1
+
+    def _host_drop(self, node: Node) -> None:
+        if node in self._host_policy:
+            self._host_policy.remove(node)
+        self._arena.free(node.host_offset)
+        node.host_offset = -1
+        self._host_blocks -= 1
+        if node.parent is not None:
+            node.parent.host_children -= 1
+
+    def _disk_add(self, node: Node) -> None:
+        node.on_disk = True
+        self._disk_blocks += 1
+        self._disk_policy.insert(node)
+        if node.parent is not None:
+            node.parent.disk_children += 1
+
+    def _disk_drop(self, node: Node) -> None:
+        assert self._disk is not None
+        self._disk.delete(node.key)
+        self._disk_policy.remove(node)
+        node.on_disk = False
+        self._disk_blocks -= 1
+        if node.parent is not None:
+            node.parent.disk_children -= 1
+
+    def _drop_node(self, node: Node) -> None:
+        """Remove a childless, unpinned block from every tier and the index."""
+        if node.in_host:
+            self._host_drop(node)
+        if node.on_disk:
+            self._disk_drop(node)
+        self._index.remove(node)
+        self._c.dropped += 1
+        self._emit(EventKind.REMOVED, node, None)
+
+    def _delete_subtree(self, root: Node) -> int:
+        """Drop ``root`` and its descendants, keeping busy blocks and their ancestors."""
+        removed = 0
+        for node in self._index.subtree_postorder(root):
+            if node.pins or not node.ready or node.first_child is not None:
+                continue
+            self._drop_node(node)
+            removed += 1
+        return removed
+
+    def _set_node_priority(self, node: Node, priority: int, until: float) -> None:
+        node.priority = priority
+        node.priority_until = until
+        if node in self._host_policy:
+            self._host_policy.reprioritize(node)
+        if node in self._disk_policy:
+            self._disk_policy.reprioritize(node)
+            assert self._disk is not None
+            self._disk.touch(node.key, priority, node.last_access)
+
+    def _touch(self, named: Sequence[Node]) -> None:
+        """Mark a use of the blocks a request named (root-to-leaf order).
+
+        Prefix-aware policies count a use of a block as a use of its whole prefix:
+        one timestamp, walked leaf to root so every parent ends up after (newer than)
+        its children in the eviction lists. Plain LRU touches only ``named``.
+        """
+        if not named:
+            return
+        now = self._wall()
+        nodes: Iterable[Node] = named
+        if self._host_policy.touch_prefix:
+            nodes = itertools.chain((named[-1],), named[-1].ancestors())
+        for node in nodes:
+            if not node.ready:
+                continue
+            node.last_access = now
+            if node in self._host_policy:
+                self._host_policy.touch(node)
+            if node in self._disk_policy:
+                self._disk_policy.touch(node)
+
+    # --- eviction -------------------------------------------------------------------
+    def _alloc_host(self, size: int) -> int | None:
+        """A host slot of ``size`` bytes, evicting host leaves until one fits."""
+        while True:
+            offset = self._arena.alloc(size)
+            if offset is not None:
+                return offset
+            victim = self._victim(self._host_policy, host=True)
+            if victim is None:
+                return None
+            self._evict_from_host(victim)
+
+    def _victim(self, policy: TierPolicy, host: bool) -> Node | None:
+        for node in policy.candidates():
+            if node.pins or not node.ready:
+                continue
+            if policy.leaf_first:
+                if (node.host_children if host else node.disk_children) == 0:
+                    return node
+            elif not self._subtree_busy(node):
+                return node
+        return None
+
+    def _subtree_busy(self, node: Node) -> bool:
+        return any(n.pins or not n.ready for n in self._index.subtree_postorder(node))
+
+    def _evict_from_host(self, node: Node) -> None:
+        self._c.host_evictions += 1
+        if not self._host_policy.leaf_first:  # plain LRU: descendants become unusable
+            for late in self._index.subtree_postorder(node)[:-1]:
+                self._drop_node(late)
+        if node.on_disk or self._write_to_disk(node):
+            self._host_drop(node)
+            self._c.demotions += 1
+            self._emit(EventKind.DEMOTED, node, Tier.DISK)
+            return
+        for late in self._index.subtree_postorder(node):  # node and its disk-only descendants
+            self._drop_node(late)
+
+    def _admit(self, node: Node) -> bool:
+        if node.disk_children:
+            return True  # its descendants on disk need it
+        if node.priority < self.config.disk_min_priority:
+            return False
+        if self.config.admission == "selective":
+            return node.hits >= self.config.selective_hits
+        return True
+
+    def _write_to_disk(self, node: Node) -> bool:
+        """Queue a host block's bytes for the disk tier; False if not admitted or no room."""
+        disk = self._disk
+        if disk is None or node.on_disk or not self._admit(node):
+            return False
+        if not self._make_disk_room(disk.footprint(node.size)):
+            return False
+        payload = self._arena.view(node.host_offset, node.size)
+        node.checksum = xxhash.xxh3_64_intdigest(payload)
+        parent = node.parent.key if node.parent is not None else b""
+        record = DiskRecord(
+            node.key,
+            node.ns.spec.digest,
+            parent,
+            node.size,
+            node.checksum,
+            node.priority,
+            node.last_access or self._wall(),
+        )
+        disk.write(record, payload)
+        self._disk_add(node)
+        self._c.disk_bytes_in += node.size
+        return True
+
+    def _make_disk_room(self, nbytes: int) -> bool:
+        disk = self._disk
+        assert disk is not None
+        if disk.drain_map_full():
+            self._shrink_disk(disk)
+        capacity = disk.capacity_bytes
+        if nbytes > capacity:
+            return False
+        while disk.used_bytes + nbytes > capacity:
+            victim = self._victim(self._disk_policy, host=False)
+            if victim is None:
+                return False
+            self._evict_from_disk(victim)
+        return True
+
+    def _shrink_disk(self, disk: DiskTier) -> None:
+        """LMDB said its map is full: free a tenth of the tier's bytes, leaves first."""
+        target = disk.used_bytes * 9 // 10
+        while disk.used_bytes > target:
+            victim = self._victim(self._disk_policy, host=False)
+            if victim is None:
+                return
+            self._evict_from_disk(victim)
+
+    def _evict_from_disk(self, node: Node) -> None:
+        self._c.disk_evictions += 1
+        if not self._disk_policy.leaf_first:
+            for late in self._index.subtree_postorder(node)[:-1]:
+                self._drop_node(late)
+        if node.in_host:
+            self._disk_drop(node)
+        else:
+            self._drop_node(node)
+
+    def _persist_host_blocks(self) -> None:
+        """At close: write host-only ready blocks to disk, parents first, while room lasts."""
+        for entry in self._namespaces.values():
+            queue = [self._index.nodes[key] for key in entry.roots]
+            while queue:
+                node = queue.pop()
+                if not node.in_host or not node.ready:
+                    continue
+                if not node.on_disk and not self._write_to_disk(node):
+                    continue  # not admitted: its descendants would be orphans on disk
+                queue.extend(node.children())
+
+    def _rebuild_from_disk(self) -> None:
+        """Rebuild the index of disk blocks from LMDB; drop records that lost their parent."""
+        disk = self._disk
+        assert disk is not None
+        for digest, spec_dict in disk.namespaces().items():
+            spec = NamespaceSpec.from_dict(spec_dict)
+            if spec.digest == digest:
+                self._register(spec)
+        records = {record.key: record for record in disk.records()}
+        depth: dict[bytes, int] = {}
+        orphans: list[bytes] = []
+        for key in records:
+            chain: list[DiskRecord] = []
+            cursor: bytes | None = key
+            while cursor is not None and cursor not in depth:
+                record = records.get(cursor)
+                if record is None or record.ns_digest not in self._by_digest:
+                    orphans.extend(r.key for r in chain)
+                    chain = []
+                    break
+                chain.append(record)
+                cursor = record.parent or None
+            for record in reversed(chain):
+                parent = self._index.get(BlockKey(record.parent)) if record.parent else None
+                node = Node(
+                    BlockKey(record.key),
+                    self._by_digest[record.ns_digest],
+                    parent,
+                    record.size,
+                    state=READY,
+                    priority=record.priority,
+                    last_access=record.last_access,
+                    checksum=record.checksum,
+                )
+                self._index.add(node)
+                node.on_disk = True
+                self._disk_blocks += 1
+                if parent is not None:
+                    parent.disk_children += 1
+                depth[record.key] = depth.get(record.parent, -1) + 1
+        for key in orphans:
+            disk.delete(key)
+        order = sorted(depth, key=lambda k: (records[k].last_access, -depth[k]))
+        for key in order:
+            self._disk_policy.insert(self._index.nodes[BlockKey(key)])
+        if orphans:
+            log.warning("dropped %d disk blocks whose parent was missing", len(orphans))
+        log.info("rebuilt %d disk blocks in %d namespaces", len(depth), len(self._namespaces))
+
+    # --- events ---------------------------------------------------------------------
+    def _emit(self, kind: EventKind, node: Node, tier: Tier | None) -> None:
+        self._seq += 1
+        self._events.append(
+            Event(self._seq, kind, node.ns.spec.ns_id, node.key, tier, self._wall())
+        )
+        self._changed.notify_all()
