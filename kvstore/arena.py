@@ -1,0 +1,503 @@
+"""The host tier's shared-memory arena and its slot allocator.
+
+The host tier is one region of memory created by the daemon at start-up and never
+grown: a file in ``/dev/shm`` (or another directory) mapped ``MAP_SHARED``, so that
+client processes on the same host can map the same bytes by path with
+:func:`map_arena` and copy KV blocks straight into and out of slots. gRPC then only
+carries slot offsets. ``shared=False`` gives an anonymous mapping for single-process
+use (tests, the inline data path only).
+
+Protocol:
+
+- The daemon owns a :class:`HostArena`: ``alloc(size)`` -> offset (``None`` when no
+  free extent can hold the slot: shortage is a value, not an error), ``free(offset)``,
+  ``view(offset, size)`` / ``array()`` for its own copies, ``stats()``, ``close()``.
+- A client calls ``map_arena(path)`` and reads/writes ``view(offset, size)`` for the
+  offsets the daemon handed it. It never allocates; the daemon's index says which
+  slots are whose.
+- ``pin`` is called once with the whole region right after mapping and returns the
+  matching unpin, called on ``close``. The GPU mover plugs ``cudaHostRegister`` in
+  here; without it the region is plain pageable memory.
+- Pages are faulted in lazily: nothing touches the region at start-up, because on
+  the VMs we run on a fresh page costs about 1 ms per MiB to fault.
+
+Allocator design (two-level segregated fit, "TLSF"). Namespaces with different block
+sizes (256 B ... 8 MiB) share the arena, so fixed-size pools would strand memory in
+the wrong size; instead every slot is one contiguous extent carved from free extents:
+
+1. Sizes are rounded up: requests that round to 4096 bytes or more to a multiple of
+   4096, placed at 4096-aligned offsets (page-aligned for DMA); smaller ones to a
+   multiple of 64 at 64-aligned offsets. A slot is always one contiguous range, so a
+   client can take a zero-copy view of it.
+2. Free extents are kept in size classes: 16 linear classes below 1 KiB, then 16
+   classes per power of two (each class spans 1/16 of its octave). One Python int is
+   the bitmap of non-empty classes, so "first non-empty class >= c" is a shift and a
+   lowest-set-bit, O(1) for any arena we will ever build (a few hundred bits).
+3. alloc looks in the first non-empty class whose every extent is large enough
+   (request rounded up to the next class boundary), so it pops any extent there
+   without comparing sizes (good fit, O(1)); a page-aligned slot whose extent turns
+   out misaligned retries where even the worst alignment pad fits. When that finds
+   nothing it scans the extents of the classes it skipped (the request's own class,
+   at most a couple), so alloc returns None only when no free extent can hold the
+   slot at all. That scan is the only step that is not O(1); it runs when the arena
+   is nearly full.
+4. Boundary tags are two dicts of int -> int (free extent start -> size and end ->
+   start); live slots are one dict offset -> size. free() merges the slot with free
+   neighbours immediately (O(1) dict lookups), so space freed by one block size is
+   reusable by any other, and free extents are always maximal.
+5. Large slots are carved from the head of an extent (after its alignment pad, which
+   stays free), small ones from its tail, which keeps the start of the remaining
+   extent page-aligned for the next large slot.
+
+Per slot this costs one dict entry: hundreds of thousands of slots are fine. The
+arena is not thread-safe; the store calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import operator
+import os
+import secrets
+import tempfile
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PinHook = Callable[[memoryview], Callable[[], None]]
+"""Called once with the whole region after mapping; returns the unpin, run on close."""
+
+PAGE_SIZE = 4096  # slots of at least this size are page-aligned
+GRAIN = 64  # alignment and size granule of smaller slots (one cache line)
+_PAGE_MASK = PAGE_SIZE - 1
+_GRAIN_MASK = GRAIN - 1
+_GRAIN_SHIFT = 6
+_SL_LOG2 = 4  # 2**4 = 16 second-level classes per power of two
+_SL_COUNT = 1 << _SL_LOG2
+_DEFAULT_DIR = "/dev/shm"
+
+
+# -- size classes ---------------------------------------------------------------------
+
+
+def _class_of(size: int) -> int:
+    """The class holding extents of ``size`` bytes (a multiple of GRAIN)."""
+    granules = size >> _GRAIN_SHIFT
+    if granules < _SL_COUNT:
+        return granules
+    fl = granules.bit_length() - 1
+    return ((fl - _SL_LOG2 + 1) << _SL_LOG2) + (granules >> (fl - _SL_LOG2)) - _SL_COUNT
+
+
+def _class_at_least(size: int) -> int:
+    """The lowest class whose every extent has at least ``size`` bytes."""
+    granules = size >> _GRAIN_SHIFT
+    if granules >= _SL_COUNT:
+        granules += (1 << (granules.bit_length() - 1 - _SL_LOG2)) - 1
+    return _class_of(granules << _GRAIN_SHIFT)
+
+
+def _class_min(cls: int) -> int:
+    """Smallest extent size (bytes) that falls in class ``cls``."""
+    if cls < _SL_COUNT:
+        return cls << _GRAIN_SHIFT
+    fl = (cls >> _SL_LOG2) + _SL_LOG2 - 1
+    sl = cls & (_SL_COUNT - 1)
+    return ((_SL_COUNT + sl) << (fl - _SL_LOG2)) << _GRAIN_SHIFT
+
+
+def _slot_shape(size: int) -> tuple[int, int]:
+    """(rounded size, alignment) of a slot asked for ``size`` bytes."""
+    if size > PAGE_SIZE - GRAIN:  # rounds to a page or more: a page-aligned slot
+        return (size + _PAGE_MASK) & ~_PAGE_MASK, PAGE_SIZE
+    return (size + _GRAIN_MASK) & ~_GRAIN_MASK, GRAIN
+
+
+def _slot_start(start: int, extent: int, rounded: int, align: int) -> int:
+    """Where a slot goes inside a free extent: large at the aligned head, small at the tail."""
+    if align == GRAIN:
+        return start + extent - rounded
+    return (start + _PAGE_MASK) & ~_PAGE_MASK
+
+
+def _fits(start: int, extent: int, rounded: int, align: int) -> bool:
+    slot = _slot_start(start, extent, rounded, align)
+    return start <= slot and slot + rounded <= start + extent
+
+
+# -- the region -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaStats:
+    """Occupancy of an arena. ``fragmentation`` is 1 - largest_free/free (0.0 when full)."""
+
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+    slots: int
+    largest_free_bytes: int
+    fragmentation: float
+
+
+class ArenaMapping:
+    """One process's mapping of an arena region; what a client gets from :func:`map_arena`.
+
+    ``close`` unmaps. Views and arrays handed out earlier keep the mapping alive until
+    they are dropped (unmapping under them would crash the process), so close never
+    fails because of them.
+    """
+
+    def __init__(self, region: mmap.mmap, path: str | None, *, writable: bool) -> None:
+        self._region: mmap.mmap | None = region
+        self._buffer: memoryview | None = memoryview(region)
+        self._array: np.ndarray | None = None
+        self.path = path
+        self.size = len(region)
+        self.writable = writable
+
+    @property
+    def closed(self) -> bool:
+        return self._region is None
+
+    def view(self, offset: int, size: int) -> memoryview:
+        """Zero-copy view of ``region[offset:offset + size]`` (read-only if mapped so)."""
+        if self._buffer is None:
+            raise ValueError("arena mapping is closed")
+        offset, size = operator.index(offset), operator.index(size)
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise ValueError(
+                f"range [{offset}, {offset + size}) is outside the arena of {self.size} bytes"
+            )
+        return self._buffer[offset : offset + size]
+
+    def array(self) -> np.ndarray:
+        """The whole region as a uint8 array (no copy)."""
+        if self._region is None:
+            raise ValueError("arena mapping is closed")
+        if self._array is None:
+            self._array = np.frombuffer(self._region, dtype=np.uint8)
+        return self._array
+
+    def close(self) -> None:
+        """Unmap now, or when the last view handed out is dropped. Idempotent."""
+        region, self._region = self._region, None
+        if region is None:
+            return
+        self._array = None
+        if self._buffer is not None:
+            self._buffer.release()
+            self._buffer = None
+        try:
+            region.close()
+        except BufferError:
+            log.debug("arena %s: views still alive, unmapped when they are dropped", self.path)
+
+    def __enter__(self) -> ArenaMapping:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def map_arena(path: str, *, writable: bool = True) -> ArenaMapping:
+    """Map an existing arena file (created by the daemon's :class:`HostArena`) by path."""
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size <= 0:
+            raise ValueError(f"{path} is empty: not an arena")
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        region = mmap.mmap(fd, size, access=access)
+    finally:
+        os.close(fd)
+    return ArenaMapping(region, path, writable=writable)
+
+
+def _default_directory() -> str:
+    if os.path.isdir(_DEFAULT_DIR) and os.access(_DEFAULT_DIR, os.W_OK | os.X_OK):
+        return _DEFAULT_DIR
+    return tempfile.gettempdir()
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _create_region(directory: str, name_prefix: str, size: int) -> tuple[str, mmap.mmap]:
+    """Create an owner-only file of ``size`` bytes and map it, without touching its pages."""
+    vfs = os.statvfs(directory)
+    if vfs.f_bavail * vfs.f_frsize < size:
+        # tmpfs accepts ftruncate beyond its size and then SIGBUSes on first touch
+        raise OSError(errno.ENOSPC, f"{directory} has less than {size} bytes free")
+    name = f"{name_prefix}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except BaseException:
+        _unlink_quietly(path)
+        raise
+    finally:
+        os.close(fd)  # the mapping keeps its own reference to the file
+    return path, region
+
+
+# -- the arena ------------------------------------------------------------------------
+
+
+class HostArena:
+    """The daemon's host tier: one shared region plus the allocator of its slots."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        directory: str | None = None,
+        shared: bool = True,
+        name_prefix: str = "kvstore",
+        pin: PinHook | None = None,
+    ) -> None:
+        capacity = operator.index(capacity_bytes) & ~_PAGE_MASK
+        if capacity < PAGE_SIZE:
+            raise ValueError(
+                f"arena capacity must be at least {PAGE_SIZE} bytes, got {capacity_bytes}"
+            )
+        self.capacity_bytes = capacity
+        self.path: str | None = None
+        self._unlink: Callable[[], object] | None = None
+        if shared:
+            path, region = _create_region(directory or _default_directory(), name_prefix, capacity)
+            self.path = path
+            # unlinks the file if the arena is dropped (or the interpreter exits) unclosed
+            self._unlink = weakref.finalize(self, _unlink_quietly, path)
+        else:
+            region = mmap.mmap(-1, capacity, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self._mapping = ArenaMapping(region, self.path, writable=True)
+        self._pin_view: memoryview | None = None
+        self._unpin: Callable[[], None] | None = None
+        if pin is not None:
+            self._pin(pin, region)
+        self._init_allocator()
+
+    def _pin(self, pin: PinHook, region: mmap.mmap) -> None:
+        self._pin_view = memoryview(region)
+        try:
+            self._unpin = pin(self._pin_view)
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_allocator(self) -> None:
+        n_classes = _class_of(self.capacity_bytes) + 1
+        self._slots: dict[int, int] = {}  # live slot offset -> rounded size
+        self._free_size: dict[int, int] = {}  # free extent start -> size
+        self._free_start: dict[int, int] = {}  # free extent end -> start
+        self._classes: list[dict[int, int]] = [{} for _ in range(n_classes)]  # start -> size
+        self._bitmap = 0  # bit c set <=> self._classes[c] is not empty
+        self._used_bytes = 0
+        self._insert(0, self.capacity_bytes)
+
+    # -- public allocator interface
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by live slots (rounded sizes); never more than capacity_bytes."""
+        return self._used_bytes
+
+    def alloc(self, size: int) -> int | None:
+        """Offset of a new slot of at least ``size`` bytes, or None when nothing fits."""
+        size = operator.index(size)
+        if size <= 0:
+            raise ValueError(f"slot size must be positive, got {size}")
+        rounded, align = _slot_shape(size)
+        if rounded > self.capacity_bytes:
+            return None
+        found = self._good_fit(rounded, align)
+        if found is None:
+            found = self._scan_fit(rounded, align)
+            if found is None:
+                return None
+        start, extent = found
+        return self._carve(start, extent, rounded, align)
+
+    def free(self, offset: int) -> None:
+        """Return a slot; merges it with free neighbours. Unknown offsets raise ValueError."""
+        size = self._slots.pop(offset, None)
+        if size is None:
+            raise ValueError(f"offset {offset} is not a live slot (double free?)")
+        self._used_bytes -= size
+        start, end = offset, offset + size
+        right = self._free_size.get(end)
+        if right is not None:
+            self._remove(end, right)
+            end += right
+        left = self._free_start.get(start)
+        if left is not None:
+            self._remove(left, start - left)
+            start = left
+        self._insert(start, end - start)
+
+    def slot_size(self, offset: int) -> int:
+        """Bytes reserved for the live slot at ``offset`` (after rounding)."""
+        size = self._slots.get(offset)
+        if size is None:
+            raise ValueError(f"offset {offset} is not a live slot")
+        return size
+
+    def view(self, offset: int, size: int) -> memoryview:
+        """Writable zero-copy view of ``arena[offset:offset + size]``."""
+        return self._mapping.view(offset, size)
+
+    def array(self) -> np.ndarray:
+        """The whole region as a uint8 array (no copy)."""
+        return self._mapping.array()
+
+    def stats(self) -> ArenaStats:
+        free = self.capacity_bytes - self._used_bytes
+        largest = self._largest_free()
+        return ArenaStats(
+            capacity_bytes=self.capacity_bytes,
+            used_bytes=self._used_bytes,
+            free_bytes=free,
+            slots=len(self._slots),
+            largest_free_bytes=largest,
+            fragmentation=1.0 - largest / free if free else 0.0,
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._mapping.closed
+
+    def close(self) -> None:
+        """Unpin, unlink the file and unmap. Idempotent.
+
+        Clients that mapped the file keep their mapping until they close it; the
+        memory goes back to the system when the last mapping goes.
+        """
+        if self._mapping.closed:
+            return
+        unpin, self._unpin = self._unpin, None
+        try:
+            if unpin is not None:
+                unpin()
+        finally:
+            self._release_pin_view()
+            if self._unlink is not None:
+                self._unlink()
+            self._mapping.close()
+
+    def _release_pin_view(self) -> None:
+        view, self._pin_view = self._pin_view, None
+        if view is None:
+            return
+        try:
+            view.release()
+        except BufferError:  # the hook kept an export (e.g. an array) of the region
+            log.debug("arena %s: pin hook still holds the region", self.path)
+
+    def __enter__(self) -> HostArena:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- free-extent bookkeeping
+
+    def _insert(self, start: int, size: int) -> None:
+        cls = _class_of(size)
+        self._free_size[start] = size
+        self._free_start[start + size] = start
+        self._classes[cls][start] = size
+        self._bitmap |= 1 << cls
+
+    def _remove(self, start: int, size: int) -> None:
+        cls = _class_of(size)
+        del self._free_size[start]
+        del self._free_start[start + size]
+        members = self._classes[cls]
+        del members[start]
+        if not members:
+            self._bitmap &= ~(1 << cls)
+
+    def _good_fit(self, rounded: int, align: int) -> tuple[int, int] | None:
+        """O(1): an extent of the first non-empty class where every extent fits.
+
+        Large slots first ignore the alignment pad: extents almost always start on a
+        page (see _slot_start), and counting the pad would send the search one class
+        up, splitting a bigger extent while an exact hole sits unused.
+        """
+        found = self._pop_first(_class_at_least(rounded))
+        if found is None or align == GRAIN or _fits(found[0], found[1], rounded, align):
+            return found
+        self._insert(*found)  # misaligned: put it back, look where the pad always fits
+        return self._pop_first(_class_at_least(rounded + align - GRAIN))
+
+    def _pop_first(self, cls: int) -> tuple[int, int] | None:
+        """Unlist and return any extent of the first non-empty class >= cls."""
+        candidates = self._bitmap >> cls
+        if not candidates:
+            return None
+        cls += (candidates & -candidates).bit_length() - 1
+        members = self._classes[cls]
+        # popitem, not peek-then-del: it is O(1) and hands back the most recently freed
+        start, size = members.popitem()
+        if not members:
+            self._bitmap &= ~(1 << cls)
+        del self._free_size[start]
+        del self._free_start[start + size]
+        return start, size
+
+    def _scan_fit(self, rounded: int, align: int) -> tuple[int, int] | None:
+        """Fallback: look at each extent of the classes the good fit skipped."""
+        first = _class_of(rounded)
+        last = _class_at_least(rounded + align - GRAIN)  # exclusive: _good_fit saw those
+        for cls in range(first, last):
+            if not (self._bitmap >> cls) & 1:
+                continue
+            for start, size in self._classes[cls].items():
+                if _fits(start, size, rounded, align):
+                    self._remove(start, size)
+                    return start, size
+        return None
+
+    def _carve(self, start: int, extent: int, rounded: int, align: int) -> int:
+        """Place a slot in a free extent (already unlisted); list what is left of it."""
+        slot = _slot_start(start, extent, rounded, align)
+        if slot > start:
+            self._insert(start, slot - start)
+        end, extent_end = slot + rounded, start + extent
+        if extent_end > end:
+            self._insert(end, extent_end - end)
+        self._slots[slot] = rounded
+        self._used_bytes += rounded
+        return slot
+
+    def _largest_free(self) -> int:
+        if not self._bitmap:
+            return 0
+        return max(self._classes[self._bitmap.bit_length() - 1].values())
+
+    def _free_extents(self) -> list[tuple[int, int]]:
+        """Sorted (start, size) of every free extent: for tests and debugging, O(n)."""
+        return sorted(self._free_size.items())
