@@ -8,6 +8,9 @@ or policy order (see store.py and policy.py).
 Memory matters (millions of blocks): a node is one slotted object with intrusive links
 (first child / siblings for the tree, prev / next for the per-tier eviction lists), so
 indexing a block costs one object, its key bytes and one dict entry, nothing else.
+What every block of a namespace shares (its size) lives on the namespace; what few
+blocks have (a timed priority) lives in the store's side tables; the payload checksum
+lives in the disk record, which is the only place it is checked.
 
 Notes:
 1. A node is *in host* when ``host_offset >= 0`` and *on disk* when ``on_disk``; a
@@ -46,14 +49,11 @@ class Node:
     key: BlockKey
     ns: NamespaceEntry
     parent: Node | None
-    size: int
     state: int = PENDING
     priority: int = 35
-    priority_until: float = 0.0  # monotonic time when priority falls back; 0: never
     last_access: float = 0.0  # wall clock, persisted with disk records
     hits: int = 0
     pins: int = 0
-    checksum: int = 0  # xxh3_64 of the payload, set when first written to disk
     host_offset: int = -1
     on_disk: bool = False
     host_children: int = 0
@@ -69,6 +69,10 @@ class Node:
     disk_prev: Node | None = None
     disk_next: Node | None = None
     disk_list: Any = None
+
+    @property
+    def size(self) -> int:
+        return self.ns.spec.block_bytes
 
     @property
     def in_host(self) -> bool:

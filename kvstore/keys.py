@@ -20,6 +20,7 @@ The daemon and the client both call :func:`chain_keys`, so they cannot disagree.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 from collections.abc import Mapping, Sequence
@@ -198,14 +199,26 @@ def tokens_array(tokens: Sequence[int] | np.ndarray, vocab_size: int = 0) -> np.
 
     Raises InvalidArgument for negative ids, ids >= 2**32, ids >= vocab_size (when
     the namespace sets one), or anything that is not a flat sequence of integers.
+    Python sequences go through ``array.array('q')``: one C loop that refuses floats,
+    about twice as fast as numpy's type inference on a list.
     """
-    arr = np.asarray(tokens)
-    if arr.ndim != 1:
-        raise InvalidArgument(f"tokens must be a flat sequence of integers, got shape {arr.shape}")
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+        if arr.ndim != 1:
+            raise InvalidArgument(
+                f"tokens must be a flat sequence of integers, got shape {arr.shape}"
+            )
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidArgument(f"tokens must be integers, got dtype {arr.dtype}")
+    else:
+        try:
+            arr = np.frombuffer(array.array("q", tokens), dtype=np.int64)
+        except OverflowError:
+            raise InvalidArgument(f"token ids must be < {MAX_TOKEN_ID + 1}") from None
+        except TypeError as exc:
+            raise InvalidArgument(f"tokens must be a flat sequence of integers ({exc})") from None
     if arr.size == 0:
         return np.empty(0, dtype="<u4")
-    if arr.dtype.kind not in "iu":
-        raise InvalidArgument(f"tokens must be integers, got dtype {arr.dtype}")
     low, high = int(arr.min()), int(arr.max())
     if low < 0:
         raise InvalidArgument(f"token ids must be >= 0, got {low}")

@@ -173,6 +173,7 @@ class Store:
         self._lease_heap: list[tuple[float, int]] = []
         self._ended: dict[int, str] = {}  # recently ended lease id -> why (for precise errors)
         self._priority_heap: list[tuple[float, int, Node]] = []
+        self._priority_until: dict[Node, float] = {}  # blocks whose priority is timed
         self._priority_seq = itertools.count()
         self._events: deque[Event] = deque(maxlen=config.event_buffer)
         self._seq = 0
@@ -423,11 +424,13 @@ class Store:
             created: list[Node] = []
             try:
                 parent = walk[-1] if walk else None
-                for i in range(max(start, len(walk)), len(keys)):
+                # new blocks go to host, so their prefix must be there too (parents first)
+                promoted = all(self._promote_now(node) for node in walk if not node.in_host)
+                for i in range(max(start, len(walk)), len(keys) if promoted else 0):
                     offset = self._alloc_host(entry.spec.block_bytes)
                     if offset is None:
                         break
-                    node = Node(keys[i], entry, parent, entry.spec.block_bytes, priority=prio)
+                    node = Node(keys[i], entry, parent, priority=prio)
                     node.pins = 1
                     self._index.add(node)
                     self._host_add(node, offset)
@@ -530,9 +533,12 @@ class Store:
             until = self._clock() + duration_s if duration_s else 0.0
             changed = self._index.walk(keys)[start:]
             for node in changed:
-                self._set_node_priority(node, prio, until)
+                self._set_node_priority(node, prio)
                 if until:
+                    self._priority_until[node] = until
                     heapq.heappush(self._priority_heap, (until, next(self._priority_seq), node))
+                else:
+                    self._priority_until.pop(node, None)
             return len(changed)
 
     # -------------------------------------------------------------- observability
@@ -629,6 +635,41 @@ class Store:
         """Reclaim expired leases and priorities now (also done on every call)."""
         with self._lock:
             self._expire()
+
+    def verify_invariants(self) -> None:
+        """Walk the whole index and raise AssertionError on any broken invariant.
+
+        O(blocks): for tests and debugging, not for the serving path.
+        """
+        with self._lock:
+            host = disk = pending = 0
+            for node in self._index.nodes.values():
+                parent = node.parent
+                assert node.pins >= 0, f"{node}: negative pins"
+                assert node.in_host or node.on_disk, f"{node}: indexed but in no tier"
+                if not node.ready:
+                    pending += 1
+                    assert node.in_host and node.pins >= 1, f"{node}: pending without slot/lease"
+                if parent is not None:
+                    assert self._index.get(parent.key) is parent, f"{node}: parent not indexed"
+                    assert node.ready <= parent.ready, f"{node}: ready under a pending parent"
+                    if node.in_host:
+                        assert parent.in_host, f"{node}: in host, parent is not"
+                    if node.on_disk:
+                        assert parent.on_disk, f"{node}: on disk, parent is not"
+                children = list(node.children())
+                assert node.host_children == sum(c.in_host for c in children), f"{node}: host count"
+                assert node.disk_children == sum(c.on_disk for c in children), f"{node}: disk count"
+                listed = node in self._host_policy
+                assert listed == (node.in_host and node.ready), f"{node}: host list membership"
+                assert (node in self._disk_policy) == node.on_disk, f"{node}: disk list membership"
+                host += node.in_host
+                disk += node.on_disk
+            assert host == self._host_blocks and disk == self._disk_blocks, "tier block counts"
+            assert pending == self._pending, "pending count"
+            assert self._arena.used_bytes <= self._arena.capacity_bytes, "host over capacity"
+            if self._disk is not None:
+                assert self._disk.used_bytes <= self._disk.capacity_bytes, "disk over capacity"
 
     # =============================================================== internals
     def _check_open(self) -> None:
@@ -801,17 +842,45 @@ class Store:
                 node.hits += 1
             self._touch([node for node in nodes[:ok] if self._index.get(node.key) is node])
 
+    def _promote_now(self, node: Node) -> bool:
+        """Copy a disk-only block into a host slot while holding the lock.
+
+        Only for the prefix of a reserve (a few blocks, usually after a restart); reads
+        promote outside the lock. The caller pins ``node`` and its ancestors.
+        """
+        assert self._disk is not None and node.on_disk and not node.in_host
+        offset = self._alloc_host(node.size)
+        if offset is None:
+            return False
+        if self._disk.read(node.key, out=self._arena.view(offset, node.size)) is None:
+            self._arena.free(offset)
+            self._lost_on_disk(node)
+            return False
+        self._host_add(node, offset)
+        self._host_policy.insert(node)
+        self._c.promotions += 1
+        self._c.host_bytes_in += node.size
+        self._c.disk_bytes_out += node.size
+        self._emit(EventKind.PROMOTED, node, Tier.HOST)
+        return True
+
     def _lost_on_disk(self, node: Node) -> None:
-        """A block the index had on disk could not be read back (checksum or gone)."""
+        """A block the index had on disk could not be read back (checksum or gone).
+
+        Its disk descendants lose their parent there: blocks also in host just leave the
+        disk tier, disk-only ones are dropped. If a concurrent reader still pins a
+        disk-only block of that subtree, cleanup waits for the next failed read.
+        """
+        subtree = [n for n in self._index.subtree_postorder(node) if n.on_disk]
+        if any(n.pins and not n.in_host for n in subtree):
+            return
         self._c.lost_on_disk += 1
         self._emit(EventKind.CORRUPT, node, Tier.DISK)
-        if node.in_host:
-            self._disk_drop(node)
-            return
-        for late in self._index.subtree_postorder(node):
-            if late.pins:
-                continue  # a concurrent reader still holds it; it goes when released
-            self._drop_node(late)
+        for late in subtree:
+            if late.in_host:
+                self._disk_drop(late)
+            else:
+                self._drop_node(late)
 
     # --- leases -------------------------------------------------------------------
     def _new_lease(
@@ -869,8 +938,9 @@ class Store:
         pheap = self._priority_heap
         while pheap and pheap[0][0] <= now:
             until, _, node = heapq.heappop(pheap)
-            if node.priority_until == until and self._index.get(node.key) is node:
-                self._set_node_priority(node, self.config.default_priority, 0.0)
+            if self._priority_until.get(node) == until:
+                del self._priority_until[node]
+                self._set_node_priority(node, self.config.default_priority)
 
     def _reap(self) -> None:
         while not self._reaper_stop.wait(0.25):
@@ -918,6 +988,7 @@ class Store:
         if node.on_disk:
             self._disk_drop(node)
         self._index.remove(node)
+        self._priority_until.pop(node, None)
         self._c.dropped += 1
         self._emit(EventKind.REMOVED, node, None)
 
@@ -931,9 +1002,8 @@ class Store:
             removed += 1
         return removed
 
-    def _set_node_priority(self, node: Node, priority: int, until: float) -> None:
+    def _set_node_priority(self, node: Node, priority: int) -> None:
         node.priority = priority
-        node.priority_until = until
         if node in self._host_policy:
             self._host_policy.reprioritize(node)
         if node in self._disk_policy:
@@ -999,41 +1069,63 @@ class Store:
             self._c.demotions += 1
             self._emit(EventKind.DEMOTED, node, Tier.DISK)
             return
-        for late in self._index.subtree_postorder(node):  # node and its disk-only descendants
-            self._drop_node(late)
+        self._drop_node(node)  # a host leaf that is not on disk has no disk children
 
     def _admit(self, node: Node) -> bool:
-        if node.disk_children:
-            return True  # its descendants on disk need it
         if node.priority < self.config.disk_min_priority:
             return False
         if self.config.admission == "selective":
             return node.hits >= self.config.selective_hits
         return True
 
-    def _write_to_disk(self, node: Node) -> bool:
-        """Queue a host block's bytes for the disk tier; False if not admitted or no room."""
+    def _write_to_disk(self, node: Node, evict: bool = True) -> bool:
+        """Queue a host block's bytes for the disk tier; False if not admitted or no room.
+
+        The disk tier is prefix-closed on its own: ancestors missing from disk are
+        written first (they stay in host too), so what is on disk is always a usable
+        forest by itself and survives a restart whole. ``evict=False`` writes only into
+        free room (used at close, so persisting the host tier never pushes out blocks
+        that were already committed to disk).
+        """
         disk = self._disk
         if disk is None or node.on_disk or not self._admit(node):
             return False
-        if not self._make_disk_room(disk.footprint(node.size)):
-            return False
+        chain = [node]
+        for ancestor in node.ancestors():
+            if ancestor.on_disk:
+                break
+            chain.append(ancestor)
+        for pinned in chain:
+            pinned.pins += 1
+        try:
+            for block in reversed(chain):  # parents first
+                footprint = disk.footprint(block.size)
+                if evict:
+                    if not self._make_disk_room(footprint):
+                        return False
+                elif disk.used_bytes + footprint > disk.capacity_bytes:
+                    return False
+                self._queue_disk_write(disk, block)
+            return True
+        finally:
+            for pinned in chain:
+                pinned.pins -= 1
+
+    def _queue_disk_write(self, disk: DiskTier, node: Node) -> None:
         payload = self._arena.view(node.host_offset, node.size)
-        node.checksum = xxhash.xxh3_64_intdigest(payload)
         parent = node.parent.key if node.parent is not None else b""
         record = DiskRecord(
             node.key,
             node.ns.spec.digest,
             parent,
             node.size,
-            node.checksum,
+            xxhash.xxh3_64_intdigest(payload),
             node.priority,
             node.last_access or self._wall(),
         )
         disk.write(record, payload)
         self._disk_add(node)
         self._c.disk_bytes_in += node.size
-        return True
 
     def _make_disk_room(self, nbytes: int) -> bool:
         disk = self._disk
@@ -1051,9 +1143,9 @@ class Store:
         return True
 
     def _shrink_disk(self, disk: DiskTier) -> None:
-        """LMDB said its map is full: free a tenth of the tier's bytes, leaves first."""
-        target = disk.used_bytes * 9 // 10
-        while disk.used_bytes > target:
+        """LMDB ran out of map space and lowered the tier's effective capacity: evict
+        disk leaves until the blocks fit it again."""
+        while disk.used_bytes > disk.capacity_bytes:
             victim = self._victim(self._disk_policy, host=False)
             if victim is None:
                 return
@@ -1077,7 +1169,7 @@ class Store:
                 node = queue.pop()
                 if not node.in_host or not node.ready:
                     continue
-                if not node.on_disk and not self._write_to_disk(node):
+                if not node.on_disk and not self._write_to_disk(node, evict=False):
                     continue  # not admitted: its descendants would be orphans on disk
                 queue.extend(node.children())
 
@@ -1105,15 +1197,17 @@ class Store:
                 cursor = record.parent or None
             for record in reversed(chain):
                 parent = self._index.get(BlockKey(record.parent)) if record.parent else None
+                entry = self._by_digest[record.ns_digest]
+                if record.size != entry.spec.block_bytes:
+                    orphans.append(record.key)
+                    continue
                 node = Node(
                     BlockKey(record.key),
-                    self._by_digest[record.ns_digest],
+                    entry,
                     parent,
-                    record.size,
                     state=READY,
                     priority=record.priority,
                     last_access=record.last_access,
-                    checksum=record.checksum,
                 )
                 self._index.add(node)
                 node.on_disk = True

@@ -1,0 +1,64 @@
+"""kvclient: Python client of kvstored (sync and asyncio) and the ``kvctl`` tool.
+
+    from kvclient import KVClient
+
+    with KVClient() as client:                      # $KVSTORE_ADDR or the default socket
+        ns = client.namespace("llama3-8b", block_tokens=16, num_layers=32,
+                              num_kv_heads=8, head_dim=128, dtype="bfloat16")
+        hit = ns.lookup(prompt_tokens)              # .tokens cached, per-tier counts
+        got = ns.get(prompt_tokens)                 # .blocks: uint8[n, block_bytes]
+        ns.put(prompt_tokens, new_blocks, start=got.n_blocks)
+
+Results are frozen dataclasses (numpy arrays for block bytes); errors are
+:class:`KVStoreError` subclasses. See :mod:`kvclient.sync_client` for the protocol.
+"""
+
+from kvclient.async_client import AsyncKVClient, AsyncNamespace
+from kvclient.errors import (
+    ArenaUnavailableError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    KVStoreError,
+    LayoutMismatchError,
+    LeaseError,
+    NamespaceNotFoundError,
+    OutOfSpaceError,
+    RequestTimeoutError,
+)
+from kvclient.results import (
+    Event,
+    GetResult,
+    LookupResult,
+    NamespaceInfo,
+    NamespaceStats,
+    PutResult,
+    ServerInfo,
+    Stats,
+    TierStats,
+)
+from kvclient.sync_client import KVClient, Namespace
+
+__all__ = [
+    "ArenaUnavailableError",
+    "AsyncKVClient",
+    "AsyncNamespace",
+    "DaemonUnavailableError",
+    "Event",
+    "GetResult",
+    "InvalidArgumentError",
+    "KVClient",
+    "KVStoreError",
+    "LayoutMismatchError",
+    "LeaseError",
+    "LookupResult",
+    "Namespace",
+    "NamespaceInfo",
+    "NamespaceNotFoundError",
+    "NamespaceStats",
+    "OutOfSpaceError",
+    "PutResult",
+    "RequestTimeoutError",
+    "ServerInfo",
+    "Stats",
+    "TierStats",
+]

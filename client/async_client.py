@@ -1,0 +1,493 @@
+"""The asyncio twin of :mod:`kvclient.sync_client`: ``AsyncKVClient`` / ``AsyncNamespace``.
+
+Same methods, same protocol, same results and exceptions, as coroutines over
+``grpc.aio``:
+
+- put, shared arena: Reserve -> copy into the slots (in a worker thread, so a large
+  copy does not stall the event loop) -> Commit; Abandon on any exception, including
+  cancellation.
+- put, inline: client-streaming Put per batch (header, then chunks).
+- get, shared arena: Acquire -> copy out (worker thread) -> Release in a ``finally``.
+- get, inline: server-streaming Get, called again while the header says truncated.
+
+Create the client inside the running event loop (``async with AsyncKVClient() as c``).
+The arena mapping is checked before each use and made again after the daemon was
+unreachable or restarted, as in the sync client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from kvclient import wire
+from kvclient.address import CHANNEL_OPTIONS, resolve_address
+from kvclient.arena_path import ClientArena, read_slots, write_slots
+from kvclient.errors import (
+    ArenaUnavailableError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    KVStoreError,
+    error_from_rpc,
+)
+from kvclient.payloads import (
+    as_blocks,
+    as_tokens,
+    blocks_per_call,
+    check_cover,
+    check_out,
+    check_priority,
+    check_start,
+    output_array,
+)
+from kvclient.results import (
+    Event,
+    GetResult,
+    LookupResult,
+    NamespaceInfo,
+    PutResult,
+    ServerInfo,
+    Stats,
+)
+from kvclient.sync_client import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S
+from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstored.hostinfo import host_id
+
+log = logging.getLogger(__name__)
+
+_Response = TypeVar("_Response")
+
+
+class AsyncKVClient:
+    """asyncio client of one kvstored; ``await client.close()`` (or ``async with``)."""
+
+    def __init__(
+        self,
+        addr: str | None = None,
+        *,
+        use_arena: bool | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.addr = resolve_address(addr)
+        self.use_arena = use_arena
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(self.addr, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._lock = asyncio.Lock()
+        self._info: ServerInfo | None = None  # None: ask the daemon again
+        self._arena: ClientArena | None = None
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the channel and unmap the arena. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._channel.close()
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
+
+    async def __aenter__(self) -> AsyncKVClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"AsyncKVClient({self.addr!r}, use_arena={self.use_arena})"
+
+    # -- plumbing -------------------------------------------------------------------
+
+    async def _call(self, method: Callable[..., Awaitable[_Response]], request: Any) -> _Response:
+        """One unary call; every gRPC error becomes a KVStoreError."""
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+
+    def _error(self, exc: grpc.RpcError) -> KVStoreError:
+        error = error_from_rpc(exc, self.addr)
+        if isinstance(error, DaemonUnavailableError):
+            self._info = None  # it may come back as a new process with a new arena
+        return error
+
+    async def _refresh(self) -> tuple[ServerInfo, ClientArena | None]:
+        """Server info and the arena mapping; asked again after the daemon was unreachable
+        or when the mapped arena file is no longer the daemon's."""
+        async with self._lock:
+            info, arena = self._info, self._arena
+            if info is not None and (arena is None or arena.is_current()):
+                return info, arena
+            response = await self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
+            info = wire.server_info(response)
+            old, arena = self._arena, None
+            if self.use_arena is not False:
+                arena = ClientArena.open(info.arena_path, info.host_id, host_id())
+            self._info, self._arena = info, arena
+        if old is not None:
+            old.close()
+        return info, arena
+
+    async def _arena_for_data(self) -> tuple[ServerInfo, ClientArena | None]:
+        info, arena = await self._refresh()
+        if arena is None and self.use_arena:
+            raise ArenaUnavailableError(
+                f"the shared arena of kvstored at {self.addr} cannot be mapped here "
+                f"(arena {info.arena_path or 'not shared'}, same host: "
+                f"{info.host_id == host_id()})",
+                addr=self.addr,
+            )
+        return info, arena
+
+    async def arena_in_use(self) -> bool:
+        """Whether data calls go through the shared arena (asks the daemon once)."""
+        return (await self._arena_for_data())[1] is not None
+
+    # -- daemon-wide calls ----------------------------------------------------------
+
+    async def server_info(self) -> ServerInfo:
+        return wire.server_info(await self._call(self._stub.ServerInfo, pb.ServerInfoRequest()))
+
+    async def stats(self) -> Stats:
+        return wire.stats(await self._call(self._stub.Stats, pb.StatsRequest()))
+
+    async def namespaces(self) -> list[NamespaceInfo]:
+        response = await self._call(self._stub.ListNamespaces, pb.ListNamespacesRequest())
+        return [wire.namespace_info(ns) for ns in response.namespaces]
+
+    async def clear(self, ns: str | None = None) -> int:
+        """Remove every block (of namespace ``ns``, or of all); returns blocks removed."""
+        response = await self._call(self._stub.Clear, pb.ClearRequest(ns_id=ns or ""))
+        return int(response.removed)
+
+    async def events(
+        self,
+        from_seq: int = 0,
+        *,
+        ns_id: str = "",
+        kinds: Sequence[str] = (),
+        from_now: bool = False,
+        duration_s: float | None = None,
+    ) -> AsyncIterator[Event]:
+        """Events with seq > ``from_seq``, following the stream until the caller stops
+        (or ``duration_s`` passes). Leaving the ``async for`` cancels the call."""
+        try:
+            request = pb.WatchEventsRequest(
+                from_seq=from_seq,
+                from_now=from_now,
+                ns_id=ns_id,
+                kinds=wire.event_kind_values(kinds),
+            )
+        except KeyError as exc:
+            raise InvalidArgumentError(f"unknown event kind {exc}") from None
+        call = self._stub.WatchEvents(request, timeout=duration_s)
+        try:
+            async for msg in call:
+                if msg.missed:
+                    log.warning("kvstored dropped %d events before they were sent", msg.missed)
+                for event in wire.events(msg):
+                    yield event
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if code is grpc.StatusCode.CANCELLED:
+                return
+            if code is grpc.StatusCode.DEADLINE_EXCEEDED and duration_s is not None:
+                return
+            raise self._error(exc) from None
+        finally:
+            call.cancel()
+
+    # -- namespaces -----------------------------------------------------------------
+
+    async def namespace(
+        self,
+        model: str,
+        block_tokens: int = 16,
+        block_bytes: int = 0,
+        *,
+        name: str = "",
+        **layout: Any,
+    ) -> AsyncNamespace:
+        """Open (or re-open) a namespace; ``layout`` as in :meth:`KVClient.namespace`."""
+        request = wire.namespace_request(model, block_tokens, block_bytes, name, layout)
+        info = await self._call(self._stub.OpenNamespace, request)
+        return AsyncNamespace(self, wire.namespace_info(info))
+
+    async def open_namespace(self, ns_id: str) -> AsyncNamespace:
+        """A handle on an existing namespace, by ns_id or bound name (NOT_FOUND if none)."""
+        request = pb.DescribeNamespaceRequest(ns_id=ns_id)
+        info = await self._call(self._stub.DescribeNamespace, request)
+        return AsyncNamespace(self, wire.namespace_info(info))
+
+
+class AsyncNamespace:
+    """Data calls of one namespace, as coroutines (see :class:`kvclient.Namespace`)."""
+
+    def __init__(self, client: AsyncKVClient, info: NamespaceInfo) -> None:
+        self.client = client
+        self.info = info
+        self.ns_id = info.ns_id
+        self.block_tokens = info.block_tokens
+        self.block_bytes = info.block_bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncNamespace({self.ns_id!r}, block_tokens={self.block_tokens}, "
+            f"block_bytes={self.block_bytes})"
+        )
+
+    # -- read side ------------------------------------------------------------------
+
+    async def lookup(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        extra_keys: wire.ExtraKeys = (),
+        wait_pending_s: float = 0.0,
+    ) -> LookupResult:
+        request = pb.LookupRequest(
+            ns_id=self.ns_id,
+            tokens=as_tokens(tokens).tolist(),
+            extra_keys=wire.extra_bytes(extra_keys),
+            wait_pending_s=wait_pending_s,
+        )
+        return wire.lookup_result(await self.client._call(self.client._stub.Lookup, request))
+
+    async def get(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        extra_keys: wire.ExtraKeys = (),
+        out: np.ndarray | None = None,
+    ) -> GetResult:
+        token_list = as_tokens(tokens).tolist()
+        max_blocks = check_out(out, self.block_bytes)
+        _, arena = await self.client._arena_for_data()
+        extra = wire.extra_bytes(extra_keys)
+        if arena is not None:
+            return await self._get_arena(arena, token_list, extra, out, max_blocks)
+        return await self._get_inline(token_list, extra, out, max_blocks)
+
+    async def _get_arena(
+        self,
+        arena: ClientArena,
+        tokens: list[int],
+        extra: list[bytes],
+        out: np.ndarray | None,
+        max_blocks: int,
+    ) -> GetResult:
+        client = self.client
+        request = pb.AcquireRequest(
+            ns_id=self.ns_id, tokens=tokens, extra_keys=extra, max_blocks=max_blocks
+        )
+        acquired = await client._call(client._stub.Acquire, request)
+        try:
+            slots = wire.slots(acquired.slots)
+            blocks = output_array(out, len(slots), self.block_bytes)
+            await asyncio.to_thread(read_slots, arena.mapping, slots, blocks, self.block_bytes)
+        finally:
+            if acquired.lease_id:
+                release = pb.ReleaseRequest(lease_id=acquired.lease_id)
+                await client._call(client._stub.Release, release)
+        return GetResult(tokens=len(slots) * self.block_tokens, blocks=blocks)
+
+    async def _get_inline(
+        self, tokens: list[int], extra: list[bytes], out: np.ndarray | None, max_blocks: int
+    ) -> GetResult:
+        client = self.client
+        blocks: np.ndarray | None = None
+        received = 0
+        while True:
+            remaining = (max_blocks - received) if max_blocks else 0
+            request = pb.GetRequest(
+                ns_id=self.ns_id,
+                tokens=tokens,
+                extra_keys=extra,
+                start_block=received,
+                max_blocks=remaining,
+            )
+            header: pb.GetHeader | None = None
+            n = filled = 0
+            flat = np.empty(0, dtype=np.uint8)
+            try:
+                async for msg in client._stub.Get(request, timeout=client.timeout):
+                    if header is None:
+                        header = msg.header
+                        if blocks is None:
+                            total = header.ready_blocks
+                            if max_blocks:
+                                total = min(total, max_blocks)
+                            blocks = output_array(out, total, self.block_bytes)
+                        n = min(header.n_blocks, blocks.shape[0] - received)
+                        flat = blocks[received : received + n].reshape(-1)
+                        continue
+                    data = msg.data
+                    take = min(len(data), flat.size - filled)
+                    flat[filled : filled + take] = np.frombuffer(data, np.uint8, take)
+                    filled += len(data)
+            except grpc.RpcError as exc:
+                raise client._error(exc) from None
+            if header is None or blocks is None:
+                raise KVStoreError("kvstored closed the Get stream before its header")
+            if filled < n * self.block_bytes:
+                raise KVStoreError(
+                    f"Get stream ended after {filled} of {n * self.block_bytes} bytes",
+                    addr=client.addr,
+                )
+            received += n
+            if not header.truncated or n == 0 or received >= blocks.shape[0]:
+                break
+        return GetResult(tokens=received * self.block_tokens, blocks=blocks[:received])
+
+    # -- write side -----------------------------------------------------------------
+
+    async def put(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Any,
+        start: int = 0,
+        priority: int | None = None,
+        *,
+        extra_keys: wire.ExtraKeys = (),
+    ) -> PutResult:
+        arr = as_tokens(tokens)
+        rows = as_blocks(blocks, self.block_bytes)
+        n = len(rows)
+        check_cover(arr, self.block_tokens, start, n)
+        check_priority(priority)
+        if n == 0:
+            return PutResult(stored=0, existing=0, refused=0)
+        token_list = arr[: (start + n) * self.block_tokens].tolist()
+        extra = wire.extra_bytes(extra_keys)
+        info, arena = await self.client._arena_for_data()
+        if arena is not None:
+            return await self._put_arena(arena, token_list, extra, rows, start, priority)
+        return await self._put_inline(info, token_list, extra, rows, start, priority)
+
+    async def _put_arena(
+        self,
+        arena: ClientArena,
+        tokens: list[int],
+        extra: list[bytes],
+        rows: np.ndarray | list[np.ndarray],
+        start: int,
+        priority: int | None,
+    ) -> PutResult:
+        client = self.client
+        request = pb.ReserveRequest(
+            ns_id=self.ns_id,
+            tokens=tokens,
+            extra_keys=extra,
+            start_block=start,
+            n_blocks=len(rows),
+            priority=priority,
+        )
+        reserved = await client._call(client._stub.Reserve, request)
+        slots = wire.slots(reserved.slots)
+        committed = 0
+        if reserved.lease_id:
+            try:
+                await asyncio.to_thread(
+                    write_slots, arena.mapping, slots, rows, self.block_bytes, start
+                )
+                commit = pb.CommitRequest(lease_id=reserved.lease_id)
+                committed = (await client._call(client._stub.Commit, commit)).committed
+            except BaseException:
+                await _abandon_quietly(client, reserved.lease_id)
+                raise
+        return PutResult(
+            stored=committed,
+            existing=reserved.existing,
+            refused=reserved.refused + len(slots) - committed,
+        )
+
+    async def _put_inline(
+        self,
+        info: ServerInfo,
+        tokens: list[int],
+        extra: list[bytes],
+        rows: np.ndarray | list[np.ndarray],
+        start: int,
+        priority: int | None,
+    ) -> PutResult:
+        client = self.client
+        chunk = info.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        per_call = blocks_per_call(
+            info.max_transfer_bytes, info.max_blocks_per_request, self.block_bytes
+        )
+        stored = existing = refused = 0
+        done = 0
+        while done < len(rows):
+            n = min(per_call, len(rows) - done)
+            header = pb.PutHeader(
+                ns_id=self.ns_id,
+                tokens=tokens[: (start + done + n) * self.block_tokens],
+                extra_keys=extra,
+                start_block=start + done,
+                n_blocks=n,
+                priority=priority,
+            )
+            messages = wire.put_messages(header, rows[done : done + n], chunk)
+            try:
+                result = await client._stub.Put(messages, timeout=client.timeout)
+            except grpc.RpcError as exc:
+                raise client._error(exc) from None
+            stored += result.stored
+            existing += result.existing
+            refused += result.refused
+            done += n
+            if result.refused:  # the chain is broken: later blocks have no parent
+                refused += len(rows) - done
+                break
+        return PutResult(stored=stored, existing=existing, refused=refused)
+
+    # -- management -----------------------------------------------------------------
+
+    async def delete(
+        self, tokens: Sequence[int] | np.ndarray, start: int = 0, *, extra_keys: wire.ExtraKeys = ()
+    ) -> int:
+        request = pb.DeleteRequest(
+            ns_id=self.ns_id,
+            tokens=as_tokens(tokens).tolist(),
+            extra_keys=wire.extra_bytes(extra_keys),
+            start_block=check_start(start),
+        )
+        return int((await self.client._call(self.client._stub.Delete, request)).removed)
+
+    async def set_priority(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        priority: int,
+        duration_s: float | None = None,
+        *,
+        start: int = 0,
+        extra_keys: wire.ExtraKeys = (),
+    ) -> int:
+        check_priority(priority)
+        request = pb.SetPriorityRequest(
+            ns_id=self.ns_id,
+            tokens=as_tokens(tokens).tolist(),
+            extra_keys=wire.extra_bytes(extra_keys),
+            start_block=check_start(start),
+            priority=priority,
+            duration_s=duration_s or 0.0,
+        )
+        return int((await self.client._call(self.client._stub.SetPriority, request)).changed)
+
+
+async def _abandon_quietly(client: AsyncKVClient, lease_id: int) -> None:
+    """Drop a write lease after a failed copy; the lease expiring does it otherwise."""
+    try:
+        await client._call(client._stub.Abandon, pb.AbandonRequest(lease_id=lease_id))
+    except KVStoreError as exc:
+        log.warning("abandon of lease %d failed (%s); it expires on its own", lease_id, exc)

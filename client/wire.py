@@ -1,0 +1,218 @@
+"""Protobuf <-> client types: the only module besides the clients that touches ``kvproto``.
+
+Requests are built from already-validated Python values; responses become the frozen
+dataclasses of :mod:`kvclient.results`. No I/O here, so the sync and the asyncio
+client share every conversion and differ only in how they await calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from kvclient.arena_path import Slot
+from kvclient.errors import InvalidArgumentError
+from kvclient.results import (
+    Event,
+    LookupResult,
+    NamespaceInfo,
+    NamespaceStats,
+    PutResult,
+    ServerInfo,
+    Stats,
+    TierStats,
+)
+from kvproto.v1 import kvstore_pb2 as pb
+
+ExtraKeys = Sequence[bytes | str | int]
+
+EVENT_KINDS: dict[int, str] = {
+    pb.EVENT_KIND_STORED: "stored",
+    pb.EVENT_KIND_REMOVED: "removed",
+    pb.EVENT_KIND_DEMOTED: "demoted",
+    pb.EVENT_KIND_PROMOTED: "promoted",
+    pb.EVENT_KIND_PENDING_DROPPED: "pending_dropped",
+    pb.EVENT_KIND_CORRUPT: "corrupt",
+}
+TIERS: dict[int, str] = {pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
+
+# Layout fields a caller may pass to KVClient.namespace(), with their wire defaults.
+LAYOUT_FIELDS = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "rank",
+    "world_size",
+    "tenant_salt",
+    "hash_algorithm",
+    "vocab_size",
+)
+
+
+def extra_bytes(extra_keys: ExtraKeys) -> list[bytes]:
+    """Extra keys as bytes, encoded as kvstore.keys.encode_extra encodes them."""
+    out = []
+    for part in extra_keys:
+        if isinstance(part, (bytes, bytearray, memoryview)):
+            out.append(bytes(part))
+        else:
+            out.append(str(part).encode())
+    return out
+
+
+def namespace_request(
+    model: str, block_tokens: int, block_bytes: int, name: str, layout: dict[str, object]
+) -> pb.OpenNamespaceRequest:
+    """OpenNamespace request; InvalidArgumentError for fields the wire cannot carry."""
+    unknown = sorted(set(layout) - set(LAYOUT_FIELDS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown layout field(s) {unknown}; expected some of {list(LAYOUT_FIELDS)}"
+        )
+    if not isinstance(model, str) or not model:
+        raise InvalidArgumentError("model must be a non-empty string")
+    try:
+        spec = pb.NamespaceSpec(
+            model=model, block_tokens=block_tokens, block_bytes=block_bytes, **layout
+        )
+        return pb.OpenNamespaceRequest(spec=spec, name=name)
+    except (TypeError, ValueError) as exc:  # negative or non-integer sizes, wrong types
+        raise InvalidArgumentError(f"bad namespace spec: {exc}") from None
+
+
+def namespace_info(msg: pb.NamespaceInfo) -> NamespaceInfo:
+    return NamespaceInfo(
+        ns_id=msg.ns_id,
+        model=msg.spec.model,
+        block_tokens=msg.block_tokens,
+        block_bytes=msg.block_bytes,
+    )
+
+
+def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
+    return ServerInfo(
+        version=msg.version,
+        host_id=msg.host_id,
+        platform=msg.platform,
+        arena_path=msg.arena_path,
+        arena_bytes=msg.arena_bytes,
+        pid=msg.pid,
+        uptime_s=msg.uptime_s,
+        default_lease_ttl_s=msg.default_lease_ttl_s,
+        max_blocks_per_request=msg.max_blocks_per_request,
+        max_message_bytes=msg.max_message_bytes,
+        max_chunk_bytes=msg.max_chunk_bytes,
+        max_transfer_bytes=msg.max_transfer_bytes,
+    )
+
+
+def lookup_result(msg: pb.LookupResponse) -> LookupResult:
+    return LookupResult(
+        tokens=msg.ready_tokens,
+        blocks=msg.ready_blocks,
+        host_blocks=msg.host_blocks,
+        disk_blocks=msg.disk_blocks,
+        pending_blocks=msg.pending_blocks,
+    )
+
+
+def put_result(msg: pb.PutResponse) -> PutResult:
+    return PutResult(stored=msg.stored, existing=msg.existing, refused=msg.refused)
+
+
+def slots(msgs: Sequence[pb.Slot]) -> list[Slot]:
+    return [Slot(index=s.index, offset=s.offset, size=s.size) for s in msgs]
+
+
+def _tier_stats(msg: pb.TierStats) -> TierStats:
+    return TierStats(
+        name=msg.name,
+        capacity_bytes=msg.capacity_bytes,
+        used_bytes=msg.used_bytes,
+        blocks=msg.blocks,
+        hits=msg.hits,
+        misses=msg.misses,
+        evictions=msg.evictions,
+        bytes_in=msg.bytes_in,
+        bytes_out=msg.bytes_out,
+    )
+
+
+def _namespace_stats(msg: pb.NamespaceStats) -> NamespaceStats:
+    return NamespaceStats(
+        ns_id=msg.ns_id,
+        name=msg.name,
+        model=msg.model,
+        block_tokens=msg.block_tokens,
+        block_bytes=msg.block_bytes,
+        blocks=msg.blocks,
+        bytes=msg.bytes,
+        hits=msg.hits,
+        misses=msg.misses,
+    )
+
+
+def stats(msg: pb.StatsResponse) -> Stats:
+    return Stats(
+        platform=msg.platform,
+        uptime_s=msg.uptime_s,
+        tiers=tuple(_tier_stats(t) for t in msg.tiers),
+        namespaces=tuple(_namespace_stats(n) for n in msg.namespaces),
+        demotions=msg.demotions,
+        promotions=msg.promotions,
+        pending_blocks=msg.pending_blocks,
+        leases=msg.leases,
+        corrupt_reads=msg.corrupt_reads,
+        disk_queue_bytes=msg.disk_queue_bytes,
+        counters=dict(msg.counters),
+    )
+
+
+def events(msg: pb.WatchEventsResponse) -> list[Event]:
+    return [
+        Event(
+            seq=e.seq,
+            kind=EVENT_KINDS.get(e.kind, "unknown"),
+            ns_id=e.ns_id,
+            key=e.key,
+            tier=TIERS.get(e.tier, ""),
+            timestamp=e.timestamp,
+        )
+        for e in msg.events
+    ]
+
+
+def event_kind_values(kinds: Sequence[str]) -> list[int]:
+    by_name = {name: value for value, name in EVENT_KINDS.items()}
+    return [by_name[k] for k in kinds]
+
+
+def put_messages(
+    header: pb.PutHeader, data: np.ndarray | list[np.ndarray], chunk_bytes: int
+) -> Iterator[pb.PutRequest]:
+    """The Put stream: the header, then the block bytes in chunks of <= chunk_bytes.
+
+    ``data`` is ``uint8[n, block_bytes]`` (sliced flat, one copy per chunk into the
+    message) or a list of per-block views (coalesced into chunks the same way).
+    """
+    yield pb.PutRequest(header=header)
+    if isinstance(data, np.ndarray):
+        flat = data.reshape(-1)
+        for offset in range(0, flat.size, chunk_bytes):
+            yield pb.PutRequest(data=flat[offset : offset + chunk_bytes].tobytes())
+        return
+    pending: list[bytes] = []
+    size = 0
+    for row in data:
+        raw = row.tobytes()
+        for offset in range(0, len(raw), chunk_bytes):
+            piece = raw[offset : offset + chunk_bytes]
+            if size + len(piece) > chunk_bytes:
+                yield pb.PutRequest(data=b"".join(pending))
+                pending, size = [], 0
+            pending.append(piece)
+            size += len(piece)
+    if pending:
+        yield pb.PutRequest(data=b"".join(pending))

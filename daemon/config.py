@@ -1,0 +1,450 @@
+"""Daemon configuration: one table of keys, four layers, one error per bad value.
+
+Every key in :data:`KEYS` is at once a TOML key (file given by ``--config`` or
+``KVSTORED_CONFIG``), an environment variable ``KVSTORED_<KEY>`` and a flag
+``--<key>`` (dashes or underscores). Layers apply in this order, later wins::
+
+    embedded defaults < TOML file < environment < command-line flags
+
+Defaults are chosen so that ``kvstored`` runs with no arguments: a unix socket in the
+user's runtime dir, a host arena of 25% of MemAvailable (64 MiB .. 16 GiB), an LMDB
+disk tier under the user's data dir bounded to min(25% of free disk, 64 GiB).
+
+Values are parsed and checked here, before anything is started: a bad value raises
+:class:`ConfigError` naming the key and where the value came from, which ``main``
+prints as one line and turns into exit code 2. Sizes are plain bytes or a number with
+a binary unit (``KiB``, ``MiB``, ``GiB``, ``TiB``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
+from kvstored import hostinfo, paths
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "KVSTORED_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+MAX_CHUNK_BYTES = 4 << 20  # largest Put data chunk; max_message_bytes must exceed it
+# Get chunks stay under gRPC's default 4 MiB receive limit with room for framing, so a
+# client with default channel options can read them.
+GET_CHUNK_BYTES = (4 << 20) - (64 << 10)
+MESSAGE_OVERHEAD = 64 << 10  # room for headers beside a full chunk
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key and its source."""
+
+    def __init__(self, key: str, message: str, source: str = "") -> None:
+        self.key = key
+        self.source = source
+        where = f" (from {source})" if source else ""
+        super().__init__(f"{key}: {message}{where}")
+
+
+# --- value parsers: raw (str from env/flags, or a TOML value) -> typed value ------------
+
+
+def parse_size(raw: object) -> int:
+    """``1073741824``, ``"1GiB"``, ``"1.5 GiB"``, ``"512 MiB"`` -> bytes."""
+    if isinstance(raw, bool):
+        raise ValueError(f"expected a size, got {raw!r}")
+    if isinstance(raw, int):
+        value = raw
+    else:
+        m = _SIZE_RE.match(str(raw))
+        unit = m.group(2).lower() if m else ""
+        if not m or unit not in _UNITS:
+            raise ValueError(
+                f"invalid size {raw!r}: use bytes or a number with KiB, MiB, GiB or TiB"
+            )
+        number = float(m.group(1)) * _UNITS[unit]
+        if number != int(number):
+            raise ValueError(f"invalid size {raw!r}: not a whole number of bytes")
+        value = int(number)
+    if value < 0:
+        raise ValueError(f"size must be >= 0, got {raw!r}")
+    return value
+
+
+def format_size(n: int) -> str:
+    """Bytes -> the largest binary unit that divides them exactly (``64 MiB``)."""
+    for unit, mult in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult} {unit}"
+    return f"{n} B"
+
+
+def human_size(n: int) -> str:
+    """Bytes -> ``12.3 GiB`` (rounded, for log lines)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def parse_int(raw: object) -> int:
+    if isinstance(raw, bool):
+        raise ValueError(f"expected an integer, got {raw!r}")
+    if isinstance(raw, int):
+        return raw
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {raw!r}") from None
+
+
+def parse_float(raw: object) -> float:
+    if isinstance(raw, bool):
+        raise ValueError(f"expected a number, got {raw!r}")
+    try:
+        value = float(raw) if isinstance(raw, int | float) else float(str(raw).strip())
+    except ValueError:
+        raise ValueError(f"expected a number, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {raw!r}")
+    return value
+
+
+def parse_bool(raw: object) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {raw!r}")
+
+
+def parse_path(raw: object) -> str:
+    """A filesystem path (``~`` expanded, made absolute); empty means "not set"."""
+    if not isinstance(raw, str):
+        raise ValueError(f"expected a path string, got {raw!r}")
+    if not raw.strip():
+        return ""
+    return str(Path(raw.strip()).expanduser().absolute())
+
+
+def parse_address(raw: object) -> str:
+    """``unix:///abs/path`` (also ``unix:/abs/path``) or ``host:port`` for TCP."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(f"expected unix:///path or host:port, got {raw!r}")
+    text = raw.strip()
+    sock = paths.socket_path_of(text)
+    if sock is not None:
+        if not sock.is_absolute():
+            raise ValueError(f"unix socket path must be absolute, got {raw!r}")
+        if len(os.fsencode(str(sock))) > UNIX_PATH_MAX:
+            raise ValueError(
+                f"unix socket path is {len(os.fsencode(str(sock)))} bytes, "
+                f"longer than the {UNIX_PATH_MAX}-byte limit: {str(sock)!r}"
+            )
+        return paths.UNIX_PREFIX + str(sock)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected unix:///path or host:port, got {raw!r}")
+    return text
+
+
+def _choice(options: Sequence[str]) -> Callable[[object], str]:
+    def parse(raw: object) -> str:
+        text = str(raw).strip().lower()
+        if text not in options:
+            raise ValueError(f"must be one of {', '.join(options)}; got {raw!r}")
+        return text
+
+    return parse
+
+
+# --- the table -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One configuration key: its TOML name, parser, default and help.
+
+    ``default`` is a value, or a function of the values resolved so far (for defaults
+    that depend on the machine or on another key, e.g. disk_bytes on disk_dir).
+    """
+
+    name: str
+    type: str  # shown in --help and in the docs table
+    parse: Callable[[object], Any]
+    default: object
+    help: str
+    check: Callable[[Any], str | None] | None = None  # -> error message or None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _auto_host_bytes(_: Mapping[str, Any]) -> int:
+    quarter = hostinfo.mem_available_bytes() // 4
+    return max(64 << 20, min(16 << 30, quarter)) >> 20 << 20
+
+
+def _auto_disk_bytes(resolved: Mapping[str, Any]) -> int:
+    disk_dir = resolved["disk_dir"]
+    if not disk_dir:
+        return 0
+    quarter = hostinfo.disk_free_bytes(disk_dir) // 4
+    return min(64 << 30, quarter) >> 20 << 20
+
+
+def _at_least(low: float, unit: str = "") -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be >= {format_size(int(low)) if unit else low}"
+
+
+def _between(low: int, high: int) -> Callable[[Any], str | None]:
+    return lambda v: None if low <= v <= high else f"must be in [{low}, {high}], got {v}"
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v}"
+
+
+KEYS: tuple[Key, ...] = (
+    Key("listen", "address", parse_address, lambda _: paths.default_address(),
+        "unix:///path or host:port (TCP only when given; port 0 picks a free one); "
+        "default $XDG_RUNTIME_DIR/kvstore/kvstored.sock"),
+    Key("host_bytes", "size", parse_size, _auto_host_bytes,
+        "host arena size; default 25% of MemAvailable, 64 MiB .. 16 GiB",
+        _at_least(1 << 20, "size")),
+    Key("disk_dir", "path", parse_path, lambda _: str(paths.default_data_dir()),
+        "LMDB directory of the disk tier; default $XDG_DATA_HOME/kvstore"),
+    Key("disk_bytes", "size", parse_size, _auto_disk_bytes,
+        "disk tier capacity, 0 disables it; default min(25% of free disk, 64 GiB)"),
+    Key("admission", "choice", _choice(ADMISSION_POLICIES), "write-back",
+        "disk admission: " + " | ".join(ADMISSION_POLICIES)),
+    Key("selective_hits", "int", parse_int, 2,
+        "selective admission: hits before a block goes to disk", _at_least(1)),
+    Key("disk_min_priority", "int", parse_int, 0,
+        "blocks below this priority are dropped, not demoted", _between(0, 100)),
+    Key("default_priority", "int", parse_int, DEFAULT_PRIORITY,
+        "priority (0..100) of blocks put without one", _between(0, 100)),
+    Key("lease_ttl_s", "float", parse_float, 30.0, "default lease duration (seconds)",
+        _positive),
+    Key("max_lease_ttl_s", "float", parse_float, 600.0,
+        "longest lease a client may ask for (seconds)", _positive),
+    Key("max_blocks_per_request", "int", parse_int, 8192, "most blocks one request may name",
+        _between(1, 1 << 20)),
+    Key("max_message_bytes", "size", parse_size, 64 << 20,
+        "largest gRPC message received or sent; bigger ones get RESOURCE_EXHAUSTED",
+        _between(MAX_CHUNK_BYTES + MESSAGE_OVERHEAD, (1 << 31) - 1)),
+    Key("max_transfer_bytes", "size", parse_size, 1 << 30,
+        "most block bytes one Put or Get moves (bounds daemon memory per call)",
+        _at_least(1 << 20, "size")),
+    Key("arena_dir", "path", parse_path, "",
+        "directory of the shared arena file; default /dev/shm"),
+    Key("shared_arena", "bool", parse_bool, True,
+        "false: anonymous arena memory (no zero-copy clients)"),
+    Key("persist_on_close", "bool", parse_bool, True,
+        "on shutdown, write host-only blocks to disk"),
+    Key("event_buffer", "int", parse_int, 65536, "events kept for WatchEvents", _at_least(16)),
+    Key("workers", "int", parse_int, 8, "threads that run store calls (copies, disk reads)",
+        _between(1, 256)),
+    Key("grace_s", "float", parse_float, 10.0,
+        "on SIGTERM, how long in-flight calls may finish",
+        lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
+    Key("log_level", "choice", _choice(LOG_LEVELS), "info", " | ".join(LOG_LEVELS)),
+)
+KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """The effective configuration; ``sources[key]`` says where each value came from."""
+
+    listen: str
+    host_bytes: int
+    disk_dir: str
+    disk_bytes: int
+    admission: str
+    selective_hits: int
+    disk_min_priority: int
+    default_priority: int
+    lease_ttl_s: float
+    max_lease_ttl_s: float
+    max_blocks_per_request: int
+    max_message_bytes: int
+    max_transfer_bytes: int
+    arena_dir: str
+    shared_arena: bool
+    persist_on_close: bool
+    event_buffer: int
+    workers: int
+    grace_s: float
+    log_level: str
+    sources: Mapping[str, str]
+    config_file: str = ""
+
+    @property
+    def socket_path(self) -> Path | None:
+        return paths.socket_path_of(self.listen)
+
+    def store_config(self) -> StoreConfig:
+        return StoreConfig(
+            host_bytes=self.host_bytes,
+            disk_dir=self.disk_dir if self.disk_bytes else None,
+            disk_bytes=self.disk_bytes,
+            admission=self.admission,
+            selective_hits=self.selective_hits,
+            disk_min_priority=self.disk_min_priority,
+            default_priority=self.default_priority,
+            lease_ttl_s=self.lease_ttl_s,
+            max_lease_ttl_s=self.max_lease_ttl_s,
+            max_blocks_per_request=self.max_blocks_per_request,
+            arena_dir=self.arena_dir or None,
+            shared_arena=self.shared_arena,
+            persist_on_close=self.persist_on_close,
+            event_buffer=self.event_buffer,
+        )
+
+    def render(self) -> str:
+        """The effective config as TOML (loadable with --config), each line with its source."""
+        lines = ["# kvstored effective configuration (precedence: default < file < env < flag)"]
+        for key in KEYS:
+            value = getattr(self, key.name)
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, int | float):
+                text = repr(value)
+            else:
+                text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            note = f"  ({format_size(value)})" if key.type == "size" else ""
+            lines.append(f"{key.name} = {text}  # {self.sources[key.name]}{note}")
+        return "\n".join(lines) + "\n"
+
+
+assert [f.name for f in fields(DaemonConfig)][: len(KEYS)] == [k.name for k in KEYS]
+
+
+# --- layers ----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage, so errors stay one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError("arguments", message)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvstored",
+        description="Tiered KV-cache offload daemon (gRPC service kvstore.v1.KVStore).",
+        epilog=f"Every setting is also a TOML key (--config) and an env var {ENV_PREFIX}<KEY>; "
+        "precedence: default < file < env < flag. Sizes: bytes or KiB/MiB/GiB/TiB.",
+    )
+    parser.add_argument("--config", metavar="FILE", help=f"TOML config file (env {CONFIG_ENV})")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective config and its sources"
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    for key in KEYS:
+        names = [key.flag] + ([f"--{key.name}"] if "_" in key.name else [])
+        parser.add_argument(
+            *names,
+            dest=key.name,
+            metavar=key.type.upper(),
+            default=None,
+            help=key.help.replace("%", "%%"),  # argparse formats help with %
+        )
+    return parser
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    for name in data:
+        if name not in KEYS_BY_NAME:
+            raise ConfigError(name, "unknown setting", f"file {path}")
+    return data
+
+
+def load_config(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> tuple[DaemonConfig, argparse.Namespace]:
+    """Resolve every key through the four layers; raises ConfigError on any bad value."""
+    env = os.environ if env is None else env
+    args = build_arg_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    layers: list[tuple[str, Callable[[Key], object]]] = []
+    config_file = args.config or env.get(CONFIG_ENV, "")
+    if config_file:
+        data = _read_toml(config_file)
+        layers.append((f"file {config_file}", lambda k: data.get(k.name)))
+    for name in env:
+        if (
+            name.startswith(ENV_PREFIX)
+            and name != CONFIG_ENV
+            and name[len(ENV_PREFIX) :].lower() not in KEYS_BY_NAME
+        ):
+            raise ConfigError(name, "unknown setting", "env")
+    layers.append(("env {}", lambda k: env.get(k.env)))
+    layers.append(("flag {}", lambda k: getattr(args, k.name)))
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key in KEYS:  # table order: a computed default sees the keys above it
+        raw: object = None
+        source = "default"
+        for label, get in layers:
+            found = get(key)
+            if found is not None:
+                raw = found
+                source = label.format(key.env if label.startswith("env") else key.flag)
+        if raw is None:
+            value = key.default(values) if callable(key.default) else key.default
+            if callable(key.default):
+                source = "default (auto)"
+        else:
+            try:
+                value = key.parse(raw)
+            except ValueError as exc:
+                raise ConfigError(key.name, str(exc), source) from None
+        if key.check is not None and (problem := key.check(value)):
+            raise ConfigError(key.name, problem, source)
+        values[key.name] = value
+        sources[key.name] = source
+
+    if values["lease_ttl_s"] > values["max_lease_ttl_s"]:
+        raise ConfigError(
+            "lease_ttl_s",
+            f"{values['lease_ttl_s']} exceeds max_lease_ttl_s={values['max_lease_ttl_s']}",
+            sources["lease_ttl_s"],
+        )
+    if values["disk_bytes"] and not values["disk_dir"]:
+        raise ConfigError("disk_dir", "is empty but disk_bytes > 0", sources["disk_dir"])
+    return DaemonConfig(**values, sources=sources, config_file=config_file), args

@@ -1,0 +1,248 @@
+"""Protobuf <-> core conversion and edge validation of request fields.
+
+The servicers never build messages or check fields themselves: they call these
+functions. Checks here cover what the wire allows but the core's types cannot express
+(block ranges of a request, priorities, ttls, lease ids); the core validates the rest
+(token ids, namespaces, layouts) before it changes anything. Every failure raises
+:class:`kvstore.errors.InvalidArgument` with the field name and the value, which
+``errors.grpc_errors`` turns into INVALID_ARGUMENT.
+
+proto3 scalars cannot be "unset", so zero means "the default" where the proto says
+so (block_tokens, dtype, world_size, hash_algorithm, ttl_s, n_blocks, max_blocks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from kvproto.v1 import kvstore_pb2 as pb
+from kvstore.errors import InvalidArgument
+from kvstore.keys import DEFAULT_BLOCK_TOKENS, NamespaceSpec
+from kvstore.results import (
+    Acquisition,
+    Event,
+    EventKind,
+    LookupResult,
+    NamespaceStats,
+    PutResult,
+    Reservation,
+    SlotRef,
+    StoreStats,
+    Tier,
+)
+
+MAX_PRIORITY = 100
+
+EVENT_KINDS: dict[EventKind, int] = {
+    EventKind.STORED: pb.EVENT_KIND_STORED,
+    EventKind.REMOVED: pb.EVENT_KIND_REMOVED,
+    EventKind.DEMOTED: pb.EVENT_KIND_DEMOTED,
+    EventKind.PROMOTED: pb.EVENT_KIND_PROMOTED,
+    EventKind.PENDING_DROPPED: pb.EVENT_KIND_PENDING_DROPPED,
+    EventKind.CORRUPT: pb.EVENT_KIND_CORRUPT,
+}
+TIERS: dict[Tier | None, int] = {
+    None: pb.TIER_UNSPECIFIED,
+    Tier.HOST: pb.TIER_HOST,
+    Tier.DISK: pb.TIER_DISK,
+}
+
+
+# --- namespaces ----------------------------------------------------------------------
+
+
+def spec_from_proto(msg: pb.NamespaceSpec) -> NamespaceSpec:
+    """Wire spec -> core spec (zero fields take the core defaults; the core validates)."""
+    return NamespaceSpec(
+        model=msg.model,
+        block_tokens=msg.block_tokens or DEFAULT_BLOCK_TOKENS,
+        block_bytes=msg.block_bytes,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype or "bfloat16",
+        rank=msg.rank,
+        world_size=msg.world_size or 1,
+        tenant_salt=msg.tenant_salt,
+        hash_algorithm=msg.hash_algorithm or "sha256",
+        vocab_size=msg.vocab_size,
+    )
+
+
+def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:
+    return pb.NamespaceSpec(**spec.to_dict())  # type: ignore[arg-type]
+
+
+def namespace_info(
+    spec: NamespaceSpec, name: str = "", stats: NamespaceStats | None = None
+) -> pb.NamespaceInfo:
+    info = pb.NamespaceInfo(
+        ns_id=spec.ns_id,
+        name=name,
+        spec=spec_to_proto(spec),
+        block_bytes=spec.block_bytes,
+        block_tokens=spec.block_tokens,
+        digest=spec.digest,
+        key_bytes=spec.key_bytes,
+    )
+    if stats is not None:
+        info.blocks, info.bytes = stats.blocks, stats.bytes
+        info.hits, info.misses = stats.hits, stats.misses
+    return info
+
+
+# --- request fields ------------------------------------------------------------------
+
+
+def tokens(values: Iterable[int]) -> np.ndarray:
+    """Token ids as int64 (the core rejects negative and >= 2**32 ids by name)."""
+    return np.array(values, dtype=np.int64)
+
+
+def extra_keys(values: Sequence[bytes]) -> list[bytes]:
+    return list(values)
+
+
+def block_range(start: int, n_blocks: int, available: int, *, what: str = "n_blocks") -> int:
+    """End of blocks [start, start + n_blocks) of a chain of ``available`` full blocks;
+    n_blocks 0 means "to the end". Raises when the tokens do not cover the range."""
+    if start > available:
+        raise InvalidArgument(
+            f"start_block={start} is beyond the {available} full blocks the tokens make"
+        )
+    if n_blocks == 0:
+        return available
+    if start + n_blocks > available:
+        raise InvalidArgument(
+            f"{what}={n_blocks} from start_block={start} needs {start + n_blocks} blocks, "
+            f"but the tokens make only {available} full blocks"
+        )
+    return start + n_blocks
+
+
+def priority(value: int, field: str = "priority") -> int:
+    if not 0 <= value <= MAX_PRIORITY:
+        raise InvalidArgument(f"{field} must be in [0, {MAX_PRIORITY}], got {value}")
+    return value
+
+
+def optional_priority(msg: pb.PutHeader | pb.ReserveRequest) -> int | None:
+    return priority(msg.priority) if msg.HasField("priority") else None
+
+
+def seconds(value: float, field: str) -> float | None:
+    """A non-negative finite duration; 0 means "the default" (None)."""
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{field} must be a finite number >= 0, got {value}")
+    return value or None
+
+
+def lease_id(value: int) -> int:
+    if value <= 0:
+        raise InvalidArgument(f"lease_id must be > 0, got {value}")
+    return value
+
+
+# --- results -------------------------------------------------------------------------
+
+
+def expires_in(expires_at: float) -> float:
+    """The store's monotonic deadline -> seconds from now (what a remote client can use)."""
+    return max(0.0, expires_at - time.monotonic())
+
+
+def slots(refs: Iterable[SlotRef]) -> list[pb.Slot]:
+    return [pb.Slot(index=s.index, offset=s.offset, size=s.size, key=s.key) for s in refs]
+
+
+def put_response(result: PutResult) -> pb.PutResponse:
+    return pb.PutResponse(stored=result.stored, existing=result.existing, refused=result.refused)
+
+
+def reserve_response(res: Reservation) -> pb.ReserveResponse:
+    return pb.ReserveResponse(
+        lease_id=res.lease_id,
+        expires_in_s=expires_in(res.expires_at) if res.lease_id else 0.0,
+        slots=slots(res.slots),
+        existing=res.existing,
+        refused=res.refused,
+    )
+
+
+def acquire_response(got: Acquisition, block_tokens: int) -> pb.AcquireResponse:
+    return pb.AcquireResponse(
+        lease_id=got.lease_id,
+        expires_in_s=expires_in(got.expires_at) if got.lease_id else 0.0,
+        slots=slots(got.slots),
+        ready_tokens=len(got.slots) * block_tokens,
+    )
+
+
+def lookup_response(result: LookupResult, block_tokens: int, total: int) -> pb.LookupResponse:
+    return pb.LookupResponse(
+        ready_blocks=result.ready_blocks,
+        ready_tokens=result.ready_blocks * block_tokens,
+        host_blocks=result.host_blocks,
+        disk_blocks=result.disk_blocks,
+        pending_blocks=len(result.pending_keys),
+        total_blocks=total,
+    )
+
+
+def stats_response(
+    stats: StoreStats, platform: str, uptime_s: float, names: dict[str, str]
+) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        tiers=[
+            pb.TierStats(
+                name=t.name.value,
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                blocks=t.blocks,
+                hits=t.hits,
+                misses=t.misses,
+                evictions=t.evictions,
+                bytes_in=t.bytes_in,
+                bytes_out=t.bytes_out,
+            )
+            for t in stats.tiers
+        ],
+        namespaces=[
+            pb.NamespaceStats(
+                ns_id=n.ns_id,
+                model=n.model,
+                block_tokens=n.block_tokens,
+                block_bytes=n.block_bytes,
+                blocks=n.blocks,
+                bytes=n.bytes,
+                hits=n.hits,
+                misses=n.misses,
+                name=names.get(n.ns_id, ""),
+            )
+            for n in stats.namespaces
+        ],
+        demotions=stats.demotions,
+        promotions=stats.promotions,
+        pending_blocks=stats.pending_blocks,
+        leases=stats.leases,
+        corrupt_reads=stats.corrupt_reads,
+        disk_queue_bytes=stats.disk_queue_bytes,
+        platform=platform,
+        uptime_s=uptime_s,
+        counters=stats.counters,
+    )
+
+
+def event(e: Event) -> pb.Event:
+    return pb.Event(
+        seq=e.seq,
+        kind=EVENT_KINDS[e.kind],  # type: ignore[arg-type]
+        ns_id=e.ns_id,
+        key=e.key,
+        tier=TIERS[e.tier],  # type: ignore[arg-type]
+        timestamp=e.timestamp,
+    )

@@ -1,0 +1,92 @@
+"""Core errors -> gRPC status codes: the one place where that mapping lives.
+
+Every servicer method is wrapped with :func:`grpc_errors`. A :class:`StoreError`
+becomes its status code with the error's own message (the core and the edge
+validation name the field and the value); anything else is a bug: it is logged with
+its traceback and answered INTERNAL without internals in the message. The client maps
+the codes back to its own exception classes.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+
+from kvstore.errors import (
+    InvalidArgument,
+    LayoutMismatch,
+    LeaseError,
+    OutOfSpace,
+    StoreClosed,
+    StoreError,
+    UnknownNamespace,
+)
+
+log = logging.getLogger("kvstored.service")
+
+STATUS_BY_ERROR: tuple[tuple[type[StoreError], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (UnknownNamespace, grpc.StatusCode.NOT_FOUND),
+    (LayoutMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
+    (OutOfSpace, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (StoreClosed, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The status code of an exception (INTERNAL for anything that is not a StoreError)."""
+    for cls, code in STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: grpc.aio.ServicerContext, rpc: str, exc: Exception) -> NoReturn:
+    """Answer ``exc`` on ``context`` with its status code (raises grpc's AbortError)."""
+    if isinstance(exc, grpc.aio.AbortError):  # the method aborted on purpose
+        raise exc
+    code = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s failed", rpc, exc_info=exc)
+        message = f"internal error in {rpc}: {type(exc).__name__} (see the daemon log)"
+    else:
+        log.debug("%s -> %s: %s", rpc, code.name, exc)
+        message = str(exc) or type(exc).__name__
+    await context.abort(code, message)
+    raise AssertionError("context.abort() returned")  # it always raises
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def grpc_errors(method: F) -> F:
+    """Wrap an async servicer method (unary result or async generator) with the mapping."""
+    rpc = method.__name__
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(
+            self: Any, request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except Exception as exc:
+                await abort_with(context, rpc, exc)
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except Exception as exc:
+            await abort_with(context, rpc, exc)
+
+    return unary  # type: ignore[return-value]

@@ -1,0 +1,57 @@
+"""``kvstored``: the command line of the daemon.
+
+``kvstored`` with no arguments serves on ``unix://$XDG_RUNTIME_DIR/kvstore/kvstored.sock``
+with a host arena and a disk tier sized from the machine (see ``config``). Exit codes:
+0 after a clean SIGTERM/SIGINT shutdown (or --print-config / --version), 2 for an
+invalid configuration (one line naming the key), 1 when the daemon cannot start
+(socket in use, store cannot open) or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvstored import paths
+from kvstored.config import ConfigError, load_config
+
+DEFAULT_SOCKET = paths.default_socket_path  # kept callable: the value depends on the env
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"kvstored: error: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config, args = load_config(argv)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    except OSError as exc:  # e.g. statvfs of the disk dir for the automatic disk size
+        return _fail(f"{exc}", 2)
+    if args.print_config:
+        sys.stdout.write(config.render())
+        return 0
+    from kvstored.server import StartupError, daemon_version, serve  # grpc only from here
+
+    if args.version:
+        print(f"kvstored {daemon_version()}")
+        return 0
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(serve(config))
+    except StartupError as exc:
+        return _fail(str(exc), 1)
+    except KeyboardInterrupt:  # a signal before the handlers were installed
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Default locations of the daemon's socket and data, shared with the client.
+
+The client imports this module to find a daemon started with no arguments, so it must
+stay free of grpc and of the server code (nothing here imports beyond the stdlib).
+
+- socket: ``$XDG_RUNTIME_DIR/kvstore/kvstored.sock`` (a per-user tmpfs that systemd
+  creates with mode 0700); without XDG_RUNTIME_DIR, ``/tmp/kvstore-<uid>/kvstored.sock``.
+  The daemon creates the directory with mode 0700 and the socket with mode 0600:
+  only the owner's processes can talk to it.
+- data (LMDB disk tier): ``$XDG_DATA_HOME/kvstore``, fallback ``~/.local/share/kvstore``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SOCKET_NAME = "kvstored.sock"
+UNIX_PREFIX = "unix://"
+
+
+def default_socket_path() -> Path:
+    """Where a daemon started with no arguments listens."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        return Path(runtime) / "kvstore" / SOCKET_NAME
+    return Path("/tmp") / f"kvstore-{os.getuid()}" / SOCKET_NAME
+
+
+def default_address() -> str:
+    """gRPC target of the default socket: ``unix:///...``."""
+    return UNIX_PREFIX + str(default_socket_path())
+
+
+def default_data_dir() -> Path:
+    """Directory of the LMDB disk tier when none is configured."""
+    data_home = os.environ.get("XDG_DATA_HOME", "")
+    if data_home and os.path.isabs(data_home):
+        return Path(data_home) / "kvstore"
+    return Path.home() / ".local" / "share" / "kvstore"
+
+
+def socket_path_of(address: str) -> Path | None:
+    """The filesystem path of a ``unix://`` address (None for TCP addresses)."""
+    if address.startswith(UNIX_PREFIX):
+        return Path(address[len(UNIX_PREFIX) :])
+    if address.startswith("unix:"):
+        return Path(address[len("unix:") :])
+    return None

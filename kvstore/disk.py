@@ -1,0 +1,1002 @@
+"""The LMDB disk tier: block payloads and their metadata in one LMDB environment.
+
+Storage only. The store owns the index and the eviction policy; this module keeps
+bytes and the metadata needed to rebuild that index after a restart.
+
+Protocol (who calls what):
+
+- The store calls :meth:`DiskTier.write` when it demotes or writes through a block,
+  :meth:`~DiskTier.read` on a disk hit, :meth:`~DiskTier.delete` when it evicts a disk
+  leaf, :meth:`~DiskTier.touch` when a disk block is used or re-prioritised, and
+  :meth:`~DiskTier.save_namespace` when a namespace is opened. At start-up it rebuilds
+  its index from :meth:`~DiskTier.records` and :meth:`~DiskTier.namespaces`.
+- ``used_bytes`` is logical accounting: the sum of :meth:`~DiskTier.footprint` over the
+  live records, queued writes included, and it changes the moment a call returns. The
+  store keeps it at or below ``capacity_bytes`` by deleting leaves.
+- ``capacity_bytes`` is the *effective* capacity. It starts at the configured value and
+  only goes down: when LMDB runs out of map space (its real footprint, with free-list
+  fragmentation and pages pinned by old readers, outgrew our accounting), the writer
+  aborts the batch, grows the map once by a bounded step (1/8 of the map, never beyond
+  1.5x its initial size), lowers the effective capacity, raises a flag that
+  :meth:`~DiskTier.drain_map_full` returns (once) and retries; the store then evicts
+  until ``used_bytes <= capacity_bytes``. At the growth limit the writer commits deletes
+  first and then the writes one at a time; a write that still does not fit next to the
+  committed data is dropped (its key deleted, ``dropped_writes`` counted), exactly as if
+  it had been evicted: ``contains`` turns False and ``read`` misses. Running out of space
+  never raises to the caller.
+
+Threading model: any thread may call any method. Writes, deletes and metadata touches
+are queued (coalesced per key) and ONE writer thread drains the queue into one write
+transaction per batch (up to ``batch_bytes`` of payload), commits, and only then drops
+the committed writes from the "readable from queue" map, so a block is readable from the
+moment ``write`` returns. LMDB allows one write transaction at a time anyway; a single
+writer turns many small commits (each an fdatasync) into a few large ones and is the only
+thread that ever resizes the map. The queue is bounded by bytes: ``write`` blocks while
+it is full (backpressure). A failing batch is logged and retried; its items stay readable.
+Readers run their own read transactions concurrently with the writer (MVCC); a small
+shared/exclusive lock keeps every read transaction closed while the writer calls
+``set_mapsize``, which LMDB requires.
+
+On-disk format (one environment at ``directory``, files ``data.mdb`` + ``lock.mdb``):
+
+- named db ``payload``: BlockKey (16 or 32 bytes) -> the block's bytes, verbatim.
+- named db ``meta``: BlockKey -> ``struct "<B32sB32sQQBd"``: format version (1),
+  namespace digest, parent length + parent key (zero-padded to 32), payload size,
+  xxh3-64 checksum of the payload, priority, last access (``time.time()`` seconds).
+- named db ``namespaces``: namespace digest (32 bytes) -> ``NamespaceSpec.to_dict()`` as
+  UTF-8 JSON with sorted keys. ``meta`` and ``payload`` are always changed together in
+  the same transaction, so a restart never sees one without the other.
+- named db ``info``: ``b"format"`` -> ``b"kvstore.disk.v1"`` (checked at open).
+
+Durability: ``sync=True, metasync=False`` -- every commit fdatasyncs the data pages
+once; the meta page is flushed by the next commit, so a power loss may undo the last
+committed batch but cannot corrupt the environment. ``flush()`` forces the meta page
+too (``env.sync(True)``). A crash of the process alone loses nothing committed.
+``readahead`` is on by default although access is random: values are large (hundreds of
+KiB to tens of MiB, stored as contiguous overflow pages) and always read whole, and
+without kernel readahead every 4 KiB page of a cold value is its own synchronous I/O
+(measured: 0.08 GB/s cold without readahead, 1.0-1.2 GB/s with it; see
+``docs/benchmarks/disk.md``). ``writemap`` stays off: writes measured 35-50% slower with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import lmdb
+import xxhash
+
+log = logging.getLogger(__name__)
+
+_META = struct.Struct("<B32sB32sQQBd")
+_META_VERSION = 1
+_KEY_SIZES = (16, 32)
+_DIGEST_SIZE = 32
+_MAX_PRIORITY = 100
+_PAGE_HEADER = 16  # LMDB's header in front of an overflow run (PAGEHDRSZ)
+_MAP_HEADROOM = 64 << 20  # fixed headroom: meta pages, B-tree branches, free list
+_MAP_FACTOR = 1.25  # proportional headroom: copy-on-write and free-list fragmentation
+_MAX_GROWTH = 0.5  # the map may grow by at most this fraction of its initial size
+_CAPACITY_CUT = 0.9  # on map full: effective capacity <= this fraction of what failed to fit
+_NS_PREFIX = b"ns:"  # queue keys of namespace saves: prefix + digest + seq (43 bytes)
+_SCAN_CHUNK = 1024  # records() reads this many records per read transaction
+_CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
+_DB_NAMES = (b"meta", b"payload", b"namespaces", b"info")
+_FORMAT_KEY = b"format"
+_FORMAT = b"kvstore.disk.v1"
+
+
+@dataclass(frozen=True, slots=True)
+class DiskRecord:
+    """Metadata of one block on disk."""
+
+    key: bytes  # BlockKey (16 or 32 bytes)
+    ns_digest: bytes  # NamespaceSpec.digest (32 bytes) of its namespace
+    parent: bytes  # parent BlockKey, b"" for the first block of a chain
+    size: int  # payload bytes
+    checksum: int  # xxhash.xxh3_64_intdigest(payload)
+    priority: int  # 0..100
+    last_access: float  # wall-clock seconds (time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    """Counters since this tier was opened, and occupancy now."""
+
+    capacity_bytes: int  # effective capacity (lowered after map-full events)
+    used_bytes: int
+    records: int
+    queue_bytes: int  # payload bytes held by the write queue right now
+    writes: int  # payloads committed
+    bytes_written: int
+    reads: int  # reads that returned a payload
+    bytes_read: int
+    corrupt_reads: int
+    map_full_events: int
+    read_misses: int = 0
+    dropped_writes: int = 0  # queued writes that could not fit even after growing the map
+    map_size_bytes: int = 0
+
+
+# --- queue operations ------------------------------------------------------------
+# One pending operation per key (later calls coalesce into it). ``seq`` orders them:
+# the queue dict is kept in seq order, so flush() can tell when everything it saw
+# is committed.
+
+
+@dataclass(slots=True, eq=False)
+class _Write:
+    seq: int
+    key: bytes
+    record: DiskRecord
+    buf: bytes | bytearray  # the payload: our copy, or the caller's immutable bytes
+    inflight: bool = False  # taken by the writer for the current batch
+    touched: tuple[int, float] | None = None  # touch that arrived while in flight
+    live: bool = True  # still the readable copy of its key (in _unflushed)
+    pins: int = 0  # readers copying out of buf right now
+    released: bool = False  # buf handed back (queue accounting dropped)
+
+
+@dataclass(slots=True, eq=False)
+class _Delete:
+    seq: int
+    key: bytes
+    inflight: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Touch:
+    seq: int
+    key: bytes
+    priority: int
+    last_access: float
+    inflight: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _SaveNamespace:
+    seq: int
+    key: bytes
+    digest: bytes
+    blob: bytes
+    inflight: bool = False
+    committed: bool = False
+    abandoned: bool = False
+
+
+_Op = _Write | _Delete | _Touch | _SaveNamespace
+
+
+class _ResizeGuard:
+    """Many read transactions at once, or one map resize with none open."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._exclusive = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True  # new readers wait from here on
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def _pack(rec: DiskRecord) -> bytes:
+    return _META.pack(
+        _META_VERSION,
+        rec.ns_digest,
+        len(rec.parent),
+        rec.parent,
+        rec.size,
+        rec.checksum,
+        rec.priority,
+        rec.last_access,
+    )
+
+
+def _unpack(key: bytes, raw: bytes | memoryview) -> DiskRecord:
+    """Decode a ``meta`` value. Raises ValueError (or struct.error) if it is malformed."""
+    version, ns_digest, parent_len, parent, size, checksum, priority, last = _META.unpack(raw)
+    if version != _META_VERSION or parent_len not in (0, *_KEY_SIZES):
+        raise ValueError(f"bad meta record (version {version}, parent length {parent_len})")
+    return DiskRecord(
+        key=bytes(key),
+        ns_digest=ns_digest,
+        parent=parent[:parent_len],
+        size=size,
+        checksum=checksum,
+        priority=priority,
+        last_access=last,
+    )
+
+
+def _check_record(rec: DiskRecord) -> None:
+    if len(rec.key) not in _KEY_SIZES:
+        raise ValueError(f"key must be 16 or 32 bytes, got {len(rec.key)}")
+    if len(rec.ns_digest) != _DIGEST_SIZE:
+        raise ValueError(f"ns_digest must be {_DIGEST_SIZE} bytes, got {len(rec.ns_digest)}")
+    if len(rec.parent) not in (0, *_KEY_SIZES):
+        raise ValueError(f"parent must be empty or 16/32 bytes, got {len(rec.parent)}")
+    if not 0 <= rec.priority <= _MAX_PRIORITY:
+        raise ValueError(f"priority must be in [0, {_MAX_PRIORITY}], got {rec.priority}")
+    if not 0 <= rec.checksum < 1 << 64:
+        raise ValueError("checksum must be an unsigned 64-bit integer")
+
+
+def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
+    """A flat unsigned-byte view of ``buffer`` (which must be C-contiguous)."""
+    view = memoryview(buffer)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+class DiskTier:
+    """One LMDB environment holding block payloads and metadata; see the module docstring."""
+
+    def __init__(
+        self,
+        directory: str,
+        capacity_bytes: int,
+        *,
+        queue_bytes: int = 256 << 20,
+        batch_bytes: int = 64 << 20,
+        readahead: bool = True,
+        _map_size_override: int | None = None,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if queue_bytes <= 0 or batch_bytes <= 0:
+            raise ValueError("queue_bytes and batch_bytes must be > 0")
+        self.directory = directory
+        self.configured_capacity_bytes = capacity_bytes
+        self._queue_limit = queue_bytes
+        self._batch_bytes = batch_bytes
+
+        os_page = mmap.PAGESIZE
+        if _map_size_override is not None:
+            requested = _round_up(_map_size_override, os_page)
+        else:
+            requested = _round_up(int(capacity_bytes * _MAP_FACTOR) + _MAP_HEADROOM, os_page)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self._env = lmdb.open(
+            directory,
+            map_size=requested,
+            subdir=True,
+            mode=0o600,  # data.mdb and lock.mdb; the directory itself is 0o700
+            max_dbs=len(_DB_NAMES),
+            max_spare_txns=8,  # readers from several threads reuse reset txns
+            readahead=readahead,
+            sync=True,
+            metasync=False,
+            writemap=False,
+            lock=True,
+        )
+        stale = self._env.reader_check()  # reader slots left by a crashed process
+        if stale:
+            log.warning("cleared %d stale LMDB reader slots in %s", stale, directory)
+        self._meta = self._env.open_db(b"meta")
+        self._payload = self._env.open_db(b"payload")
+        self._ns = self._env.open_db(b"namespaces")
+        self._info = self._env.open_db(b"info")
+        self._check_format()
+        self._psize = self._env.stat()["psize"]
+        # LMDB keeps an existing file's size if it is larger than what we asked for.
+        self._map_size = self._env.info()["map_size"]
+        self._max_map_size = max(self._map_size, requested + int(requested * _MAX_GROWTH))
+        self._capacity_floor = min(capacity_bytes, self._max_map_size // 8)
+        self._capacity = capacity_bytes
+
+        self._resize = _ResizeGuard()
+        self._cond = threading.Condition()  # guards everything below
+        self._ops: dict[bytes, _Op] = {}  # pending operation per key, in seq order
+        self._unflushed: dict[bytes, _Write] = {}  # written, not committed yet: read from here
+        self._sizes: dict[bytes, int] = {}  # every live record (committed or queued): size
+        self._used = 0
+        self._queued_bytes = 0
+        self._pool: dict[int, list[bytearray]] = {}  # recycled payload buffers by size
+        self._pool_bytes = 0
+        self._seq = 0
+        self._map_full_pending = False
+        self._stopping = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._writes = self._bytes_written = 0
+        self._reads = self._bytes_read = self._read_misses = 0
+        self._corrupt_reads = self._map_full_events = self._dropped_writes = 0
+
+        self._load_sizes()
+        self._writer = threading.Thread(
+            target=self._run_writer, name="kvstore-disk-writer", daemon=True
+        )
+        self._writer.start()
+
+    # --- accounting ------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        """Effective capacity: the configured one, lowered after map-full events."""
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def footprint(self, size: int) -> int:
+        """Bytes a record with a ``size``-byte payload is accounted as.
+
+        The payload's overflow pages (LMDB puts a 16-byte header in front of the run, so
+        a 2 MiB payload needs 513 pages of 4 KiB) plus one page for the key, the
+        metadata record and the B-tree nodes that point at them.
+        """
+        pages = -(-(size + _PAGE_HEADER) // self._psize)
+        return (pages + 1) * self._psize
+
+    def drain_map_full(self) -> bool:
+        """True once after each map-full event: evict until used_bytes <= capacity_bytes."""
+        with self._cond:
+            pending, self._map_full_pending = self._map_full_pending, False
+            return pending
+
+    def stats(self) -> DiskStats:
+        with self._cond:
+            return DiskStats(
+                capacity_bytes=self._capacity,
+                used_bytes=self._used,
+                records=len(self._sizes),
+                queue_bytes=self._queued_bytes,
+                writes=self._writes,
+                bytes_written=self._bytes_written,
+                reads=self._reads,
+                bytes_read=self._bytes_read,
+                corrupt_reads=self._corrupt_reads,
+                map_full_events=self._map_full_events,
+                read_misses=self._read_misses,
+                dropped_writes=self._dropped_writes,
+                map_size_bytes=self._map_size,
+            )
+
+    # --- write side -------------------------------------------------------------
+    def write(self, record: DiskRecord, payload: bytes | bytearray | memoryview) -> None:
+        """Queue ``payload`` as the block ``record.key`` (replacing any earlier version).
+
+        The payload is copied before this returns, so the caller may reuse its buffer;
+        the block is readable at once. Blocks while the queue holds more than
+        ``queue_bytes`` (a single payload larger than that is taken when the queue is
+        empty). ``record.checksum`` must be ``xxh3_64_intdigest(payload)``: it is what
+        every read verifies against.
+        """
+        _check_record(record)
+        src = _byte_view(payload)
+        size = src.nbytes
+        if size != record.size:
+            raise ValueError(f"record.size is {record.size} but the payload has {size} bytes")
+        with self._cond:
+            self._check_accepting()
+            while self._queued_bytes and self._queued_bytes + size > self._queue_limit:
+                self._cond.wait()
+                self._check_accepting()
+            self._queued_bytes += size  # reserve before copying, outside the lock
+            buf: bytes | bytearray = payload if type(payload) is bytes else self._pool_take(size)
+        if buf is not payload:  # bytes are immutable: keep a reference, copy anything else
+            try:
+                memoryview(buf)[:] = src
+            except BaseException:
+                with self._cond:
+                    self._queued_bytes -= size
+                    self._cond.notify_all()
+                raise
+        key = bytes(record.key)
+        with self._cond:
+            if self._stopping:  # close() began while we copied: the writer may be gone
+                self._queued_bytes -= size
+                self._cond.notify_all()
+                self._check_accepting()
+            self._seq += 1
+            op = _Write(self._seq, key, record, buf)
+            old_size = self._sizes.get(key)
+            if old_size is not None:
+                self._used -= self.footprint(old_size)
+            old = self._unflushed.get(key)
+            if old is not None:
+                old.live = False
+                self._maybe_release(old)
+            self._unflushed[key] = op
+            self._sizes[key] = size
+            self._used += self.footprint(size)
+            self._set_op(key, op)
+
+    def delete(self, key: bytes) -> None:
+        """Queue the removal of ``key`` (a no-op if it is not live).
+
+        Cancels a queued write of the same key; ``used_bytes`` drops at once and the
+        block is no longer readable once this returns.
+        """
+        with self._cond:
+            self._check_accepting()
+            self._delete_locked(bytes(key))
+
+    def touch(self, key: bytes, priority: int, last_access: float) -> None:
+        """Queue a metadata update (coalesced; committed with the next batch)."""
+        if not 0 <= priority <= _MAX_PRIORITY:
+            raise ValueError(f"priority must be in [0, {_MAX_PRIORITY}], got {priority}")
+        key = bytes(key)
+        with self._cond:
+            self._check_accepting()
+            if key not in self._sizes:
+                return
+            op = self._ops.get(key)
+            if isinstance(op, _Write):
+                if op.inflight:  # applied after its commit (or folded in on a retry)
+                    op.touched = (priority, last_access)
+                else:
+                    op.record = replace(op.record, priority=priority, last_access=last_access)
+                return
+            if isinstance(op, _Touch) and not op.inflight:
+                op.priority, op.last_access = priority, last_access
+                return
+            if isinstance(op, _Delete):
+                return
+            self._seq += 1
+            self._set_op(key, _Touch(self._seq, key, priority, last_access))
+
+    def save_namespace(self, ns_digest: bytes, spec: dict[str, Any]) -> None:
+        """Persist a namespace's declared fields; returns once committed."""
+        if len(ns_digest) != _DIGEST_SIZE:
+            raise ValueError(f"ns_digest must be {_DIGEST_SIZE} bytes, got {len(ns_digest)}")
+        blob = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+        with self._cond:
+            self._check_accepting()
+            self._seq += 1
+            # One queue entry per call (never coalesced), so each caller waits for its own.
+            key = _NS_PREFIX + bytes(ns_digest) + self._seq.to_bytes(8, "little")
+            op = _SaveNamespace(self._seq, key, bytes(ns_digest), blob)
+            self._set_op(key, op)
+            while not op.committed:
+                if op.abandoned:
+                    raise RuntimeError("the disk tier closed before the namespace was saved")
+                self._cond.wait()
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything queued before this call is committed, then sync.
+
+        Raises TimeoutError if that takes longer than ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            target = self._seq
+            while self._min_pending_seq() <= target:
+                if not self._writer.is_alive():
+                    raise RuntimeError("the disk writer thread has stopped")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"disk tier flush did not finish in {timeout} s")
+                self._cond.wait(remaining)
+        with self._resize.reading():
+            if not self._closed:
+                self._env.sync(True)
+
+    # --- read side --------------------------------------------------------------
+    def contains(self, key: bytes) -> bool:
+        with self._cond:
+            return bytes(key) in self._sizes
+
+    def read(self, key: bytes, out: memoryview | None = None) -> bytes | memoryview | None:
+        """The payload of ``key``, or None on a miss or a checksum failure.
+
+        With ``out`` the bytes are copied into it and ``out[:size]`` is returned
+        (``out`` must be writable, C-contiguous and large enough). Every read verifies
+        the xxh3-64 checksum; a mismatch deletes the record and counts a corrupt read.
+        """
+        key = bytes(key)
+        dst = None if out is None else _byte_view(out)
+        with self._cond:
+            self._check_open()
+            if key not in self._sizes:  # never written, or deleted (maybe still queued)
+                self._read_misses += 1
+                return None
+            queued = self._unflushed.get(key)
+            if queued is not None:
+                queued.pins += 1  # keeps the buffer out of the pool while we copy
+        if queued is not None:
+            try:
+                size = queued.record.size
+                if dst is not None:
+                    self._check_out(dst, size)
+                    dst[:size] = queued.buf
+                    data: bytes | memoryview = dst[:size]
+                else:
+                    data = bytes(queued.buf)
+            finally:
+                with self._cond:
+                    queued.pins -= 1
+                    self._maybe_release(queued)
+            checksum = queued.record.checksum
+        else:
+            found = self._read_committed(key, dst)
+            if found is None:
+                with self._cond:
+                    self._read_misses += 1
+                return None
+            data, checksum = found
+        if xxhash.xxh3_64_intdigest(data) != checksum:
+            self._discard_corrupt(key, queued)
+            return None
+        with self._cond:
+            self._reads += 1
+            self._bytes_read += len(data)
+        return data
+
+    def _read_committed(
+        self, key: bytes, dst: memoryview | None
+    ) -> tuple[bytes | memoryview, int] | None:
+        """Copy a committed payload out inside one read transaction (views die with it)."""
+        with self._resize.reading():
+            self._check_open()
+            with self._env.begin(buffers=True) as txn:
+                raw = txn.get(key, db=self._meta)
+                if raw is None:
+                    return None
+                try:
+                    record = _unpack(key, raw)
+                except (ValueError, struct.error):
+                    record = None
+                view = txn.get(key, db=self._payload)
+                if record is None or view is None or len(view) != record.size:
+                    data: bytes | memoryview = b""  # fails the checksum below
+                    checksum = -1
+                elif dst is not None:
+                    self._check_out(dst, record.size)
+                    dst[: record.size] = view
+                    data, checksum = dst[: record.size], record.checksum
+                else:
+                    data, checksum = bytes(view), record.checksum
+        return data, checksum
+
+    @staticmethod
+    def _check_out(dst: memoryview, size: int) -> None:
+        if dst.readonly:
+            raise ValueError("out must be writable")
+        if dst.nbytes < size:
+            raise ValueError(f"out has {dst.nbytes} bytes, the payload needs {size}")
+
+    def _discard_corrupt(self, key: bytes, queued: _Write | None) -> None:
+        with self._cond:
+            self._corrupt_reads += 1
+            # Delete the bad copy only if it is still the current version of its key:
+            # a write queued since then supersedes it.
+            if queued is not None:
+                current = self._unflushed.get(key) is queued
+            else:
+                current = key not in self._unflushed
+            if current:
+                self._delete_locked(key)
+        log.warning("disk record %s failed its checksum; dropped", key.hex())
+
+    def records(self) -> Iterator[DiskRecord]:
+        """Every live record: the committed ones (queued touches applied, queued deletes
+        left out) and the queued writes. Reads LMDB in chunks, one short read
+        transaction each, so nothing stays open while the caller iterates."""
+        with self._cond:
+            pending = dict(self._ops)
+        last: bytes | None = None
+        while True:
+            chunk: list[tuple[bytes, bytes]] = []
+            with self._resize.reading():
+                self._check_open()
+                with self._env.begin() as txn:
+                    cursor = txn.cursor(db=self._meta)
+                    ok = cursor.first() if last is None else cursor.set_range(last)
+                    if ok and last is not None and cursor.key() == last:
+                        ok = cursor.next()
+                    while ok and len(chunk) < _SCAN_CHUNK:
+                        chunk.append((cursor.key(), cursor.value()))
+                        ok = cursor.next()
+            for key, raw in chunk:
+                op = pending.get(key)
+                if isinstance(op, _Write | _Delete):
+                    continue  # deleted, or yielded below in its queued version
+                try:
+                    record = _unpack(key, raw)
+                except (ValueError, struct.error):
+                    log.warning("skipping malformed disk metadata for %s", key.hex())
+                    continue
+                if isinstance(op, _Touch):
+                    record = replace(record, priority=op.priority, last_access=op.last_access)
+                yield record
+            if len(chunk) < _SCAN_CHUNK:
+                break
+            last = chunk[-1][0]
+        for op in pending.values():
+            if isinstance(op, _Write):
+                if op.touched is not None:
+                    priority, last_access = op.touched
+                    yield replace(op.record, priority=priority, last_access=last_access)
+                else:
+                    yield op.record
+
+    def namespaces(self) -> dict[bytes, dict[str, Any]]:
+        """Every saved namespace: digest -> the dict given to save_namespace."""
+        with self._resize.reading():
+            self._check_open()
+            with self._env.begin() as txn:
+                return {bytes(digest): json.loads(blob) for digest, blob in txn.cursor(db=self._ns)}
+
+    # --- lifecycle --------------------------------------------------------------
+    def close(self) -> None:
+        """Commit everything queued, stop the writer, close the environment (idempotent)."""
+        with self._close_lock:
+            with self._cond:
+                if self._closed:
+                    return
+                self._stopping = True  # new writes are refused; the writer drains
+                self._cond.notify_all()
+            self._writer.join()
+            with self._resize.exclusive():
+                try:
+                    self._env.sync(True)
+                finally:
+                    self._env.close()
+                    with self._cond:
+                        self._closed = True
+                        self._cond.notify_all()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals: queue --------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"disk tier at {self.directory} is closed")
+
+    def _check_accepting(self) -> None:
+        if self._stopping or self._closed:
+            raise RuntimeError(f"disk tier at {self.directory} is closed")
+
+    def _set_op(self, key: bytes, op: _Op) -> None:
+        """Make ``op`` the pending operation of ``key``, at the end of the queue."""
+        self._ops.pop(key, None)
+        self._ops[key] = op
+        self._cond.notify_all()
+
+    def _delete_locked(self, key: bytes) -> None:
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return
+        self._used -= self.footprint(size)
+        queued = self._unflushed.pop(key, None)
+        if queued is not None:
+            queued.live = False
+            self._maybe_release(queued)
+        # Always queue the delete: an older version may be committed under this key.
+        self._seq += 1
+        self._set_op(key, _Delete(self._seq, key))
+
+    def _min_pending_seq(self) -> float:
+        # The queue is in seq order, and an operation superseded while in flight is
+        # superseded by a later one that flush() waits for anyway.
+        first = next(iter(self._ops.values()), None)
+        return math.inf if first is None else first.seq
+
+    def _pool_take(self, size: int) -> bytearray:
+        """A buffer of exactly ``size`` bytes, recycled when possible: fresh memory costs
+        far more to fault in than to copy into."""
+        free = self._pool.get(size)
+        if free:
+            self._pool_bytes -= size
+            buf = free.pop()
+            if not free:
+                del self._pool[size]
+            return buf
+        if self._pool:  # the pooled sizes are not the ones in use now: shrink the pool
+            stale_size, stale = next(iter(self._pool.items()))
+            stale.pop()
+            self._pool_bytes -= stale_size
+            if not stale:
+                del self._pool[stale_size]
+        return bytearray(size)
+
+    def _maybe_release(self, op: _Write) -> None:
+        """Hand a write's buffer back once nothing needs it (not readable, not being
+        committed, not being copied by a reader)."""
+        if op.released or op.live or op.inflight or op.pins:
+            return
+        op.released = True
+        size = len(op.buf)
+        self._queued_bytes -= size
+        # Keep it while the queue plus the pool stay within queue_bytes.
+        if (
+            isinstance(op.buf, bytearray)
+            and self._pool_bytes + self._queued_bytes + size <= self._queue_limit
+        ):
+            self._pool.setdefault(size, []).append(op.buf)
+            self._pool_bytes += size
+        self._cond.notify_all()
+
+    # --- internals: the writer thread -------------------------------------------
+    def _run_writer(self) -> None:
+        failures = 0
+        while True:
+            batch: list[_Op] = []
+            try:
+                with self._cond:
+                    while not self._ops and not self._stopping:
+                        self._cond.wait()
+                    if not self._ops:
+                        return  # stopping and drained
+                    if self._stopping and failures >= _CLOSE_RETRIES:
+                        self._abandon_locked()
+                        return
+                    batch = self._take_batch_locked()
+                try:
+                    self._commit(batch)
+                except lmdb.MapFullError:
+                    self._on_map_full(batch)
+                    continue
+                self._retire(batch)
+                failures = 0
+            except Exception:
+                failures += 1
+                log.error(
+                    "disk writer: a batch of %d operations failed (attempt %d); "
+                    "the items stay queued and readable, retrying",
+                    len(batch),
+                    failures,
+                    exc_info=True,
+                )
+                self._untake(batch)
+                time.sleep(min(0.05 * 2 ** (failures - 1), 2.0))
+
+    def _take_batch_locked(self) -> list[_Op]:
+        batch: list[_Op] = []
+        payload = 0
+        for op in self._ops.values():
+            if isinstance(op, _Write):
+                if batch and payload + op.record.size > self._batch_bytes:
+                    break
+                payload += op.record.size
+            op.inflight = True
+            batch.append(op)
+        return batch
+
+    def _commit(self, ops: Sequence[_Op]) -> None:
+        """Apply ``ops`` in one write transaction (aborted if anything raises)."""
+        with self._env.begin(write=True) as txn:
+            for op in ops:
+                if isinstance(op, _Write):
+                    txn.put(op.key, op.buf, db=self._payload)
+                    txn.put(op.key, _pack(op.record), db=self._meta)
+                elif isinstance(op, _Delete):
+                    txn.delete(op.key, db=self._payload)
+                    txn.delete(op.key, db=self._meta)
+                elif isinstance(op, _Touch):
+                    raw = txn.get(op.key, db=self._meta)
+                    if raw is not None:
+                        record = replace(
+                            _unpack(op.key, raw), priority=op.priority, last_access=op.last_access
+                        )
+                        txn.put(op.key, _pack(record), db=self._meta)
+                else:
+                    txn.put(op.digest, op.blob, db=self._ns)
+
+    def _retire(self, ops: Sequence[_Op]) -> None:
+        """After a commit: drop what is now durable from the queue and the readable map."""
+        with self._cond:
+            for op in ops:
+                op.inflight = False
+                if self._ops.get(op.key) is op:
+                    if isinstance(op, _Write) and op.touched is not None:
+                        # Same slot, same seq: the touch stays queued in the write's place.
+                        self._ops[op.key] = _Touch(op.seq, op.key, *op.touched)
+                    else:
+                        del self._ops[op.key]
+                if isinstance(op, _Write):
+                    self._writes += 1
+                    self._bytes_written += op.record.size
+                    if self._unflushed.get(op.key) is op:
+                        del self._unflushed[op.key]
+                        op.live = False
+                    self._maybe_release(op)
+                elif isinstance(op, _SaveNamespace):
+                    op.committed = True
+            self._cond.notify_all()
+
+    def _untake(self, ops: Sequence[_Op]) -> None:
+        """After a failed commit: everything stays queued (and readable) for a retry."""
+        with self._cond:
+            for op in ops:
+                op.inflight = False
+                if isinstance(op, _Write):
+                    if op.touched is not None:
+                        priority, last_access = op.touched
+                        op.record = replace(op.record, priority=priority, last_access=last_access)
+                        op.touched = None
+                    self._maybe_release(op)  # frees it if it was cancelled meanwhile
+            self._cond.notify_all()
+
+    def _abandon_locked(self) -> None:
+        log.error(
+            "disk writer: giving up on %d queued operations at close after %d failures",
+            len(self._ops),
+            _CLOSE_RETRIES,
+        )
+        for op in list(self._ops.values()):
+            if isinstance(op, _Write) and self._unflushed.get(op.key) is op:
+                del self._unflushed[op.key]
+                size = self._sizes.pop(op.key, None)
+                if size is not None:
+                    self._used -= self.footprint(size)
+                op.live = False
+                self._maybe_release(op)
+            elif isinstance(op, _SaveNamespace):
+                op.abandoned = True
+        self._ops.clear()
+        self._cond.notify_all()
+
+    # --- internals: map full -----------------------------------------------------
+    def _on_map_full(self, batch: list[_Op]) -> None:
+        """The batch did not fit in the map: grow it once, lower the effective capacity,
+        tell the store, retry. At the growth limit, commit what fits piece by piece."""
+        with self._cond:
+            self._map_full_events += 1
+            self._map_full_pending = True
+            # What this transaction tried to hold: everything committed plus the batch
+            # (used_bytes minus the writes still waiting behind it).
+            waiting = sum(
+                self.footprint(w.record.size) for w in self._unflushed.values() if not w.inflight
+            )
+            attempted = self._used - waiting
+            # Never more than the map could hold with the usual headroom either.
+            fits = min(int(attempted * _CAPACITY_CUT), int(self._map_size / _MAP_FACTOR))
+            self._capacity = max(self._capacity_floor, min(self._capacity, fits))
+        old = self._map_size
+        grown = self._grow_map()
+        log.warning(
+            "LMDB map full at %.1f MiB (%s); effective disk capacity is now %.1f MiB",
+            old / 2**20,
+            f"grown to {self._map_size / 2**20:.1f} MiB" if grown else "at its growth limit",
+            self._capacity / 2**20,
+        )
+        if grown:
+            self._untake(batch)
+        else:
+            self._commit_piecewise(batch)
+
+    def _grow_map(self, *, emergency: bool = False) -> bool:
+        """Grow the map by one bounded step (none open: LMDB requires no live txn)."""
+        current = self._map_size
+        if current >= self._max_map_size and not emergency:
+            return False
+        step = min(max(current // 8, 16 * self._psize), 4 << 30)
+        new = current + step if emergency else min(current + step, self._max_map_size)
+        new = _round_up(new, self._psize)
+        with self._resize.exclusive():
+            self._env.set_mapsize(new)
+        self._map_size = self._env.info()["map_size"]
+        return True
+
+    def _commit_piecewise(self, batch: list[_Op]) -> None:
+        """Map at its limit: commit deletes and metadata first (they free pages), then
+        each write alone. The first write that still does not fit is dropped (and its
+        key deleted), never raised; the writes after it stay queued for the next round."""
+        small = [op for op in batch if not isinstance(op, _Write)]
+        writes = [op for op in batch if isinstance(op, _Write)]
+        try:
+            if small:
+                self._commit(small)
+                self._retire(small)
+            # Pages freed by transaction N are reusable from N + 2 on (LMDB keeps the
+            # previous snapshot intact), so one cheap commit makes those deletes count.
+            self._bump()
+        except lmdb.MapFullError:
+            # Not even deletes fit: grow past the limit by one small step.
+            log.warning("LMDB map too full to delete; growing past the limit")
+            self._grow_map(emergency=True)
+            self._untake(batch)
+            return
+        for index, op in enumerate(writes):
+            try:
+                self._commit([op])
+            except lmdb.MapFullError:
+                # It does not fit next to what is committed: drop it, and give the store
+                # a chance (drain_map_full) to evict before the rest is tried again.
+                self._drop_write(op)
+                self._untake(writes[index + 1 :])
+                return
+            except Exception:
+                self._untake(writes[index:])
+                raise
+            else:
+                self._retire([op])
+
+    def _bump(self) -> None:
+        """Commit a one-record transaction (rewrites the format marker)."""
+        with self._env.begin(write=True) as txn:
+            txn.put(_FORMAT_KEY, _FORMAT, db=self._info)
+
+    def _drop_write(self, op: _Write) -> None:
+        with self._cond:
+            op.inflight = False
+            op.touched = None
+            self._dropped_writes += 1
+            if self._unflushed.get(op.key) is op:  # still the current version of its key
+                self._delete_locked(op.key)  # also drops an older committed version
+            self._maybe_release(op)
+        log.warning(
+            "disk write of %s (%d bytes) does not fit in the LMDB map; dropped",
+            op.key.hex(),
+            op.record.size,
+        )
+
+    # --- internals: start-up ------------------------------------------------------
+    def _check_format(self) -> None:
+        with self._env.begin(write=True) as txn:
+            found = txn.get(_FORMAT_KEY, db=self._info)
+            if found is None:
+                txn.put(_FORMAT_KEY, _FORMAT, db=self._info)
+        if found is not None and found != _FORMAT:
+            self._env.close()
+            raise ValueError(
+                f"{self.directory} holds an LMDB disk tier of format {found!r}, "
+                f"this build reads {_FORMAT!r}"
+            )
+
+    def _load_sizes(self) -> None:
+        """Rebuild the size map and used_bytes from ``meta``; drop malformed records."""
+        bad: list[bytes] = []
+        with self._env.begin() as txn:
+            for key, raw in txn.cursor(db=self._meta):
+                try:
+                    record = _unpack(key, raw)
+                except (ValueError, struct.error):
+                    bad.append(bytes(key))
+                    continue
+                self._sizes[record.key] = record.size
+                self._used += self.footprint(record.size)
+        if bad:
+            log.warning("dropping %d malformed disk records in %s", len(bad), self.directory)
+            with self._env.begin(write=True) as txn:
+                for key in bad:
+                    txn.delete(key, db=self._payload)
+                    txn.delete(key, db=self._meta)

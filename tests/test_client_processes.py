@@ -1,0 +1,244 @@
+"""Several client processes against one real kvstored: sharing, crashes, restarts.
+
+Workers are separate Python processes (``python -c`` importing this module and
+calling :func:`worker_main`), so they share nothing with the test but the daemon's
+socket and, on the arena path, its shared-memory file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import Daemon
+
+from kvclient import KVClient
+from kvclient.cli import main as kvctl
+
+BLOCK_TOKENS = 16
+BLOCK_BYTES = 16 << 10
+MODEL = "proc-model"
+TESTS_DIR = str(Path(__file__).parent)
+
+
+def blocks_for(tokens: list[int], n_blocks: int) -> np.ndarray:
+    """Deterministic content of each block, a function of the prefix it ends: any
+    process can check any other process's blocks."""
+    out = np.empty((n_blocks, BLOCK_BYTES), dtype=np.uint8)
+    for i in range(n_blocks):
+        digest = hashlib.sha256(repr(tokens[: (i + 1) * BLOCK_TOKENS]).encode()).digest()
+        rng = np.random.default_rng(int.from_bytes(digest[:8], "little"))
+        out[i] = rng.integers(0, 256, BLOCK_BYTES, dtype=np.uint8)
+    return out
+
+
+def full_blocks(tokens: list[int]) -> int:
+    return len(tokens) // BLOCK_TOKENS
+
+
+# -- worker processes ------------------------------------------------------------------
+
+
+def put_until_cached(ns, tokens: list[int], deadline: float) -> None:
+    """Put a prompt, resuming after blocks another session holds pending (early reuse)."""
+    n = full_blocks(tokens)
+    blocks = blocks_for(tokens, n)
+    while True:
+        have = ns.lookup(tokens, wait_pending_s=1.0).blocks
+        if have == n:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"prompt still at {have} of {n} blocks")
+        ns.put(tokens, blocks[have:], start=have)
+
+
+def worker_share(addr: str, use_arena: bool, own: list[list[int]], others: list[list[int]]) -> dict:
+    deadline = time.monotonic() + 60
+    with KVClient(addr, use_arena=use_arena) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        for tokens in own:
+            put_until_cached(ns, tokens, deadline)
+        verified = 0
+        for tokens in others:  # wait for the other processes' prompts, then check bytes
+            n = full_blocks(tokens)
+            while ns.lookup(tokens).blocks < n:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("another worker's prompt never appeared")
+                time.sleep(0.05)
+            got = ns.get(tokens)
+            assert got.n_blocks == n and np.array_equal(got.blocks, blocks_for(tokens, n))
+            verified += 1
+        return {"arena": client.arena_in_use, "verified": verified}
+
+
+def worker_put_and_hang(addr: str, tokens: list[int]) -> None:
+    """Reserve and fill slots, say so, then hang before Commit (to be SIGKILLed)."""
+    import kvclient.sync_client as sync_client
+
+    copy = sync_client.write_slots
+
+    def copy_then_hang(*args: object) -> None:
+        copy(*args)
+        print("RESERVED", flush=True)
+        time.sleep(120)
+
+    sync_client.write_slots = copy_then_hang
+    with KVClient(addr, use_arena=True) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        ns.put(tokens, blocks_for(tokens, full_blocks(tokens)))
+
+
+def worker_main(argv: list[str]) -> None:
+    role, spec = argv[0], json.loads(argv[1])
+    if role == "share":
+        print(json.dumps(worker_share(**spec)), flush=True)
+    elif role == "hang":
+        worker_put_and_hang(**spec)
+
+
+def start_worker(role: str, **spec: object) -> subprocess.Popen[str]:
+    code = (
+        f"import sys; sys.path.insert(0, {TESTS_DIR!r}); "
+        "import test_client_processes as t; t.worker_main(sys.argv[1:])"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, role, json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+# -- tests -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("kvstored"), {})
+    d.start()
+    yield d
+    d.cleanup()
+
+
+def test_processes_share_overlapping_prefixes(daemon: Daemon) -> None:
+    # three processes, two on the arena path and one inline, each with its own prompt;
+    # all prompts start with the same 8-block system prompt that they race to store
+    system = list(range(50_000, 50_000 + 8 * BLOCK_TOKENS))
+    prompts = [
+        system + list(range(60_000 + 1000 * k, 60_000 + 1000 * k + 4 * BLOCK_TOKENS))
+        for k in range(3)
+    ]
+    workers = [
+        start_worker(
+            "share",
+            addr=daemon.addr,
+            use_arena=k < 2,
+            own=[prompts[k]],
+            others=[p for j, p in enumerate(prompts) if j != k],
+        )
+        for k in range(3)
+    ]
+    for k, proc in enumerate(workers):
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err
+        assert json.loads(out) == {"arena": k < 2, "verified": 2}
+
+    # a fourth process (this one) sees every prompt, and the system prompt stored once
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        for tokens in prompts:
+            assert np.array_equal(ns.get(tokens).blocks, blocks_for(tokens, 12))
+        stats = {n.ns_id: n for n in client.stats().namespaces}
+        assert stats[ns.ns_id].blocks >= 8 + 3 * 4
+
+
+def test_lookup_finds_another_sessions_prefix(daemon: Daemon) -> None:
+    tokens = list(range(70_000, 70_000 + 6 * BLOCK_TOKENS))
+    writer = start_worker("share", addr=daemon.addr, use_arena=True, own=[tokens], others=[])
+    _, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err
+    # the writer has exited: a new session with a longer prompt reuses its prefix
+    longer = tokens + list(range(5, 5 + 3 * BLOCK_TOKENS))
+    with KVClient(daemon.addr, use_arena=False) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        hit = ns.lookup(longer)
+        assert (hit.tokens, hit.blocks, hit.host_blocks) == (6 * BLOCK_TOKENS, 6, 6)
+        assert np.array_equal(ns.get(longer).blocks, blocks_for(tokens, 6))
+
+
+def test_killed_writer_leaves_nothing_and_its_slots_return(
+    kvstored_factory,
+) -> None:
+    daemon = kvstored_factory(lease_ttl_s=1)
+    tokens = list(range(80_000, 80_000 + 4 * BLOCK_TOKENS))
+    writer = start_worker("hang", addr=daemon.addr, tokens=tokens)
+    try:
+        assert writer.stdout is not None
+        line = writer.stdout.readline()
+        assert line.strip() == "RESERVED", writer.stderr.read() if writer.stderr else ""
+        with KVClient(daemon.addr) as client:
+            ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+            # reserved and written, not committed: pending, never readable
+            hit = ns.lookup(tokens)
+            assert (hit.blocks, hit.pending_blocks) == (0, 4)
+            assert ns.get(tokens).n_blocks == 0
+            host = client.stats().tier("host")
+            assert host is not None and host.used_bytes >= 4 * BLOCK_BYTES
+
+            os.kill(writer.pid, signal.SIGKILL)
+            writer.wait(10)
+
+            # after the 1 s lease runs out the pending blocks are dropped, slots freed
+            deadline = time.monotonic() + 10
+            while True:
+                hit = ns.lookup(tokens)
+                host = client.stats().tier("host")
+                assert host is not None
+                if hit.pending_blocks == 0 and host.used_bytes == 0:
+                    break
+                assert time.monotonic() < deadline, f"still {hit} and {host}"
+                time.sleep(0.2)
+            assert hit.blocks == 0
+            # the prompt can be stored again by anyone
+            assert ns.put(tokens, blocks_for(tokens, 4)).stored == 4
+    finally:
+        writer.kill()
+        writer.wait(10)
+
+
+def test_restart_keeps_disk_blocks(kvstored, capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = list(range(90_000, 90_000 + 6 * BLOCK_TOKENS))
+    blocks = blocks_for(tokens, 6)
+    with KVClient(kvstored.addr) as client:  # auto: the arena path on this host
+        assert client.arena_in_use
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        assert ns.put(tokens, blocks).stored == 6
+
+        # SIGTERM writes host-only blocks to disk; the new process rebuilds its index
+        kvstored.restart()
+        capsys.readouterr()
+        assert kvctl(["--addr", kvstored.addr, "status", "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        disk = next(t for t in status["tiers"] if t["name"] == "disk")
+        assert disk["blocks"] >= 6 and disk["used_bytes"] >= 6 * BLOCK_BYTES
+
+        # the same client follows the new daemon (and maps its new arena)
+        hit = ns.lookup(tokens)
+        assert (hit.blocks, hit.disk_blocks) == (6, 6)
+        assert np.array_equal(ns.get(tokens).blocks, blocks)
+        # a put through the old mapping would land in the dead daemon's arena file
+        fresh = list(range(95_000, 95_000 + 3 * BLOCK_TOKENS))
+        assert ns.put(fresh, blocks_for(fresh, 3)).stored == 3
+    with KVClient(kvstored.addr, use_arena=False) as inline:
+        ns = inline.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        assert np.array_equal(ns.get(tokens).blocks, blocks)
+        assert np.array_equal(ns.get(fresh).blocks, blocks_for(fresh, 3))

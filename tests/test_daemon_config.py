@@ -1,0 +1,244 @@
+"""kvstored configuration: the key table, the four layers, and one-line errors (exit 2).
+
+Most checks run ``python -m kvstored --print-config`` (no store, no socket), parse its
+TOML output and read each line's source comment.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from kvstored import config
+from kvstored.main import main
+
+
+def run_kvstored(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORED_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvstored", *args],
+        capture_output=True,
+        text=True,
+        env={**clean, **(env or {})},
+        cwd=cwd,
+        timeout=60,
+    )
+
+
+def run_main(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """``kvstored.main.main(args)`` in this process (fast), as a CompletedProcess."""
+    for name in list(os.environ):
+        if name.startswith("KVSTORED_"):
+            monkeypatch.delenv(name)
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
+
+
+def printed(proc: subprocess.CompletedProcess[str]) -> tuple[dict[str, object], dict[str, str]]:
+    """--print-config output -> (values, source of each key)."""
+    assert proc.returncode == 0, proc.stderr
+    values = tomllib.loads(proc.stdout)
+    sources = {}
+    for line in proc.stdout.splitlines():
+        if line and not line.startswith("#"):
+            key, _, rest = line.partition(" = ")
+            sources[key] = rest.split("# ", 1)[1].split("  (")[0]
+    return values, sources
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", 0),
+        ("4096", 4096),
+        ("64MiB", 64 << 20),
+        ("64 MiB", 64 << 20),
+        ("1.5GiB", 3 << 29),
+        ("2 tib", 2 << 40),
+        ("512KiB", 512 << 10),
+        (123, 123),
+    ],
+)
+def test_sizes_parse(text: object, expected: int) -> None:
+    assert config.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "12XB", "1 MB", "-5", "1.3 B", "MiB", True, "1e9"])
+def test_bad_sizes_are_refused(text: object) -> None:
+    with pytest.raises(ValueError):
+        config.parse_size(text)
+
+
+def test_every_key_is_a_toml_key_an_env_var_and_a_flag() -> None:
+    parser = config.build_arg_parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for key in config.KEYS:
+        assert key.env == "KVSTORED_" + key.name.upper()
+        assert key.flag in flags and f"--{key.name}" in flags
+        assert key.help
+    required = {
+        "listen", "host_bytes", "disk_dir", "disk_bytes", "admission", "lease_ttl_s",
+        "max_message_bytes", "log_level", "arena_dir",
+    }
+    assert required <= set(config.KEYS_BY_NAME)
+
+
+def test_print_config_precedence_file_then_env_then_flag(tmp_path: Path) -> None:
+    # a real process: the layers as an operator meets them
+    toml = tmp_path / "kvstored.toml"
+    toml.write_text(
+        'host_bytes = "128MiB"\n'
+        'disk_bytes = "1GiB"\n'
+        'admission = "write-through"\n'
+        "lease_ttl_s = 5\n"
+        f'disk_dir = "{tmp_path / "disk"}"\n'
+    )
+    proc = run_kvstored(
+        "--config", str(toml), "--print-config", "--lease-ttl-s", "7", "--admission", "selective",
+        env={"KVSTORED_DISK_BYTES": "2GiB", "KVSTORED_LEASE_TTL_S": "6"},
+    )
+    values, sources = printed(proc)
+    # file only
+    assert values["host_bytes"] == 128 << 20 and sources["host_bytes"] == f"file {toml}"
+    # file < env
+    assert values["disk_bytes"] == 2 << 30 and sources["disk_bytes"] == "env KVSTORED_DISK_BYTES"
+    # file < env < flag
+    assert values["lease_ttl_s"] == 7.0 and sources["lease_ttl_s"] == "flag --lease-ttl-s"
+    assert values["admission"] == "selective" and sources["admission"] == "flag --admission"
+    # untouched
+    assert values["log_level"] == "info" and sources["log_level"] == "default"
+
+
+def test_printed_config_is_loadable_as_a_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    proc = run_main(monkeypatch, capsys, "--print-config", "--host-bytes", "96MiB")
+    first, _ = printed(proc)
+    saved = tmp_path / "saved.toml"
+    saved.write_text(proc.stdout)
+    proc = run_main(monkeypatch, capsys, "--config", str(saved), "--print-config")
+    again, sources = printed(proc)
+    assert again == first
+    assert sources["host_bytes"] == f"file {saved}"
+
+
+def test_defaults_follow_xdg_dirs_and_machine_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {"XDG_RUNTIME_DIR": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data")}
+    values, sources = printed(run_main(monkeypatch, capsys, "--print-config", env=env))
+    assert values["listen"] == f"unix://{tmp_path}/kvstore/kvstored.sock"
+    assert values["disk_dir"] == str(tmp_path / "data" / "kvstore")
+    assert 64 << 20 <= values["host_bytes"] <= 16 << 30  # type: ignore[operator]
+    assert 0 <= values["disk_bytes"] <= 64 << 30  # type: ignore[operator]
+    assert sources["host_bytes"] == "default (auto)"
+    # without XDG_RUNTIME_DIR: /tmp/kvstore-<uid>
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    values, _ = printed(run_main(monkeypatch, capsys, "--print-config"))
+    assert values["listen"] == f"unix:///tmp/kvstore-{os.getuid()}/kvstored.sock"
+
+
+def test_default_socket_path_is_importable_without_grpc() -> None:
+    code = (
+        "import sys; from kvstored.paths import default_socket_path; "
+        "print(default_socket_path()); "
+        "assert 'grpc' not in sys.modules, sorted(m for m in sys.modules if 'grpc' in m)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "XDG_RUNTIME_DIR": "/run/user/4242"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    # /run/user/4242 does not exist here: falls back to /tmp
+    assert proc.stdout.strip() == f"/tmp/kvstore-{os.getuid()}/kvstored.sock"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "key"),
+    [
+        (["--host-bytes", "12XB"], {}, "host_bytes"),
+        (["--host-bytes", "512KiB"], {}, "host_bytes"),
+        (["--admission", "sometimes"], {}, "admission"),
+        (["--lease-ttl-s", "-1"], {}, "lease_ttl_s"),
+        (["--lease-ttl-s", "nan"], {}, "lease_ttl_s"),
+        (["--listen", "unix://relative.sock"], {}, "listen"),
+        (["--listen", "localhost"], {}, "listen"),
+        (["--listen", "unix:///" + "x" * 120], {}, "listen"),
+        (["--max-message-bytes", "1MiB"], {}, "max_message_bytes"),
+        (["--log-level", "loud"], {}, "log_level"),
+        (["--shared-arena", "maybe"], {}, "shared_arena"),
+        ([], {"KVSTORED_DISK_BYTES": "lots"}, "disk_bytes"),
+        ([], {"KVSTORED_HOSTBYTES": "1GiB"}, "KVSTORED_HOSTBYTES"),
+        (["--lease-ttl-s", "900"], {}, "lease_ttl_s"),  # > max_lease_ttl_s
+        (["--no-such-flag", "1"], {}, "arguments"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line_naming_the_key(
+    args: list[str],
+    env: dict[str, str],
+    key: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    proc = run_main(monkeypatch, capsys, *args, "--print-config", env=env)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"kvstored: error: {key}: "), lines[0]
+    assert proc.stdout == ""
+
+
+def test_bad_config_file_exits_2_naming_the_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    toml = tmp_path / "bad.toml"
+    toml.write_text('host_bytes = "64MiB"\nhost_byte = "1GiB"\n')
+    # a real process: exit status and stderr as the shell sees them
+    proc = run_kvstored("--config", str(toml))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"kvstored: error: host_byte: unknown setting (from file {toml})"
+
+    toml.write_text("disk_bytes = true\n")
+    proc = run_main(monkeypatch, capsys, "--config", str(toml))
+    assert proc.returncode == 2 and "disk_bytes:" in proc.stderr
+
+    toml.write_text("disk_bytes = \n")
+    proc = run_main(monkeypatch, capsys, "--config", str(toml))
+    assert proc.returncode == 2 and "is not valid TOML" in proc.stderr
+
+    proc = run_main(monkeypatch, capsys, "--config", str(tmp_path / "missing.toml"))
+    assert proc.returncode == 2 and "config: cannot read" in proc.stderr
+
+
+def test_main_in_process_prints_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--print-config", "--host-bytes", "1GiB", "--disk-bytes", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "host_bytes = 1073741824  # flag --host-bytes  (1 GiB)" in out
+    assert main(["--host-bytes", "?"]) == 2
+    assert capsys.readouterr().err.startswith("kvstored: error: host_bytes: invalid size '?'")
+
+
+def test_help_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    for key in config.KEYS:
+        assert key.flag in out

@@ -1,0 +1,271 @@
+"""kvctl against a real kvstored: every command, human and --json, and its failures.
+
+Commands run in-process through ``kvclient.cli.main(argv)`` (the console script's
+entry point) with captured stdout/stderr; one test runs ``python -m kvclient`` as a
+subprocess to check the exit code and the single stderr line end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import Daemon
+
+from kvclient import KVClient
+from kvclient.cli import human_bytes, main
+
+BLOCK_TOKENS = 4
+BLOCK_BYTES = 8 << 10
+TOKENS = list(range(100, 100 + 5 * BLOCK_TOKENS))  # 5 full blocks
+NAME = "ctl-bound"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("kvstored"), {})
+    d.start()
+    yield d
+    d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def ns_id(daemon: Daemon) -> str:
+    """A namespace (bound to NAME) holding the 5 blocks of TOKENS."""
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("ctl-model", BLOCK_TOKENS, BLOCK_BYTES, name=NAME)
+        blocks = np.arange(5 * BLOCK_BYTES, dtype=np.uint32).astype(np.uint8).reshape(5, -1)
+        assert ns.put(TOKENS, blocks).stored == 5
+        return ns.ns_id
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_human_bytes() -> None:
+    assert [human_bytes(n) for n in (0, 1023, 1536, 64 << 20, 3 << 30)] == [
+        "0 B",
+        "1023 B",
+        "1.5 KiB",
+        "64.0 MiB",
+        "3.0 GiB",
+    ]
+
+
+def test_status(daemon: Daemon, ns_id: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "--addr", daemon.addr, "status")
+    assert code == 0 and err == ""
+    assert "platform cpu-only" in out
+    assert "HIT RATE" in out and "64.0 MiB" in out  # the host tier's capacity, human
+    assert [line.split()[0] for line in out.splitlines() if line[:5] in ("host ", "disk ")] == [
+        "host",
+        "disk",
+    ]
+
+    code, out, _ = run(capsys, "--addr", daemon.addr, "status", "--json")
+    assert code == 0
+    status = json.loads(out)
+    assert status["platform"] == "cpu-only"
+    tiers = {t["name"]: t for t in status["tiers"]}
+    assert set(tiers) == {"host", "disk"}
+    host = tiers["host"]
+    assert host["capacity_bytes"] == 64 << 20
+    assert host["blocks"] >= 5 and host["used_bytes"] >= 5 * BLOCK_BYTES
+    assert all(isinstance(t[k], int) for t in tiers.values() for k in ("used_bytes", "blocks"))
+    assert ns_id in [ns["ns_id"] for ns in status["namespaces"]]
+
+
+def test_ls(daemon: Daemon, ns_id: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--addr", daemon.addr, "ls")
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith(ns_id))
+    assert NAME in row and "40.0 KiB" in row  # 5 blocks of 8 KiB
+
+    code, out, _ = run(capsys, "--addr", daemon.addr, "ls", "--json")
+    assert code == 0
+    listed = {ns["ns_id"]: ns for ns in json.loads(out)["namespaces"]}
+    assert listed[ns_id]["blocks"] == 5 and listed[ns_id]["bytes"] == 5 * BLOCK_BYTES
+    assert listed[ns_id]["name"] == NAME
+
+
+def test_lookup(daemon: Daemon, ns_id: str, tmp_path: Path, capsys) -> None:
+    # tokens on the command line: 3 blocks asked, all cached
+    argv = ["--addr", daemon.addr, "lookup", ns_id, *map(str, TOKENS[:13])]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert out.strip() == f"{ns_id}: 12 of 13 tokens cached (3 of 3 blocks: 3 host, 0 disk)"
+
+    # tokens from a file, by bound name; the prompt diverges in block 4
+    token_file = tmp_path / "prompt.txt"
+    token_file.write_text(" ".join(map(str, TOKENS[:16])) + "\n 9 9 9 9\n")
+    code, out, _ = run(
+        capsys, "--addr", daemon.addr, "lookup", NAME, "--file", str(token_file), "--json"
+    )
+    assert code == 0
+    result = json.loads(out)
+    assert result["ns_id"] == ns_id
+    assert (result["tokens"], result["blocks"], result["request_blocks"]) == (16, 4, 5)
+    assert (result["host_blocks"], result["disk_blocks"], result["pending_blocks"]) == (4, 0, 0)
+
+
+def test_lookup_failures(daemon: Daemon, ns_id: str, capsys) -> None:
+    code, out, err = run(capsys, "--addr", daemon.addr, "lookup", "no-such@000000000000", "1")
+    assert code == 1 and out == ""
+    assert len(err.splitlines()) == 1 and "unknown namespace" in err
+
+    code, _, err = run(capsys, "--addr", daemon.addr, "lookup", ns_id)  # no tokens
+    assert code == 2 and "no tokens" in err
+    code, _, err = run(capsys, "--addr", daemon.addr, "lookup", ns_id, "1", "x")
+    assert code == 2 and "integers" in err
+    code, _, err = run(capsys, "--addr", daemon.addr, "lookup", ns_id, "--file", "/nonexistent")
+    assert code == 2 and "cannot read" in err
+
+
+def test_events(daemon: Daemon, ns_id: str, capsys) -> None:
+    code, out, _ = run(capsys, "--addr", daemon.addr, "events", "--count", "3")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == 3 and all(" stored " in line and ns_id in line for line in lines)
+
+    code, out, _ = run(
+        capsys, "--addr", daemon.addr, "events", "--from", "2", "--count", "2", "--json"
+    )
+    assert code == 0
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["seq"] for e in events] == [3, 4]
+    assert {e["kind"] for e in events} == {"stored"} and events[0]["tier"] == "host"
+
+    # --duration ends a stream that has nothing more to say
+    code, out, _ = run(
+        capsys, "--addr", daemon.addr, "events", "--from", "1000000", "--duration", "0.3"
+    )
+    assert code == 0 and out == ""
+
+
+def test_top_prints_once_when_not_a_tty(daemon: Daemon, ns_id: str, capsys) -> None:
+    for argv in (["top", "--once"], ["top", "--interval", "0.1"]):  # stdout is captured
+        code, out, _ = run(capsys, "--addr", daemon.addr, *argv)
+        assert code == 0
+        assert "TIER" in out and "NAMESPACE" in out and ns_id in out
+        assert "\x1b[" not in out  # no terminal control codes outside a TTY
+    code, out, _ = run(capsys, "--addr", daemon.addr, "top", "--once", "--json")
+    assert code == 0 and {t["name"] for t in json.loads(out)["tiers"]} == {"host", "disk"}
+
+
+def test_top_redraws_on_a_tty_and_restores_it_on_ctrl_c(daemon: Daemon, ns_id: str) -> None:
+    master, slave = pty.openpty()
+    env = {**os.environ, "COLUMNS": "120", "LINES": "30"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvclient", "--addr", daemon.addr, "top", "--interval", "0.1"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        start_new_session=True,
+    )
+    os.close(slave)
+    try:
+        seen = read_pty_until(master, lambda text: text.count("TIER") >= 2, timeout=30)
+        assert seen.startswith(ENTER_SCREEN)  # alternate screen, cursor hidden
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        seen += read_pty_until(master, lambda text: False, timeout=5)
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(master)
+    assert seen.endswith(LEAVE_SCREEN)  # cursor shown, main screen back
+    assert "Traceback" not in seen
+
+
+ENTER_SCREEN = "\x1b[?1049h\x1b[?25l"
+LEAVE_SCREEN = "\x1b[?25h\x1b[?1049l"
+
+
+def read_pty_until(fd: int, done: Callable[[str], bool], timeout: float) -> str:
+    """What the program wrote to its terminal, until ``done(text)``, EOF or the timeout."""
+    text = ""
+    deadline = time.monotonic() + timeout
+    while not done(text) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the program closed the terminal
+            break
+        if not chunk:
+            break
+        text += chunk.decode(errors="replace")
+    return text
+
+
+def test_clear(daemon: Daemon, ns_id: str, capsys) -> None:
+    code, _, err = run(capsys, "--addr", daemon.addr, "clear", "--ns", ns_id)
+    assert code == 2 and "--yes" in err
+    with KVClient(daemon.addr) as client:
+        other = client.namespace("ctl-other", BLOCK_TOKENS, BLOCK_BYTES)
+        other.put(TOKENS[:4], np.zeros((1, BLOCK_BYTES), np.uint8))
+
+    code, out, _ = run(capsys, "--addr", daemon.addr, "clear", "--ns", ns_id, "--yes")
+    assert (code, out) == (0, "removed 5 blocks\n")
+    code, out, _ = run(capsys, "--addr", daemon.addr, "ls", "--json")
+    blocks = {ns["ns_id"]: ns["blocks"] for ns in json.loads(out)["namespaces"]}
+    assert blocks[ns_id] == 0 and blocks[other.ns_id] == 1
+
+    code, out, _ = run(capsys, "--addr", daemon.addr, "clear", "--yes")
+    assert (code, out) == (0, "removed 1 blocks\n")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["ls"],
+        ["top", "--once"],
+        ["lookup", "m@0", "1"],
+        ["events", "--count", "1"],
+        ["clear", "--yes"],
+    ],
+)
+def test_unreachable_daemon_is_one_line_and_exit_1(tmp_path: Path, argv: list[str], capsys) -> None:
+    addr = str(tmp_path / "nobody.sock")
+    code, out, err = run(capsys, "--addr", addr, *argv)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("kvctl: cannot reach kvstored at ")
+    assert addr in err
+
+
+def test_kvctl_as_a_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the address comes from $KVSTORE_ADDR when --addr is not given
+    monkeypatch.setenv("KVSTORE_ADDR", str(tmp_path / "nobody.sock"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvclient", "status"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"kvctl: cannot reach kvstored at unix://{tmp_path}/nobody.sock: No such file or directory"
+    ]
+
+
+def test_usage_errors(capsys) -> None:
+    assert main([]) == 2
+    assert main(["status", "--bogus"]) == 2
+    assert main(["--addr", "/x", "top", "--interval", "0"]) == 2
+    assert main(["--help"]) == 0
+    capsys.readouterr()

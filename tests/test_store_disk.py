@@ -1,0 +1,176 @@
+"""The store with its LMDB disk tier: demotion, promotion, admission, restart, corruption."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvstore.keys import NamespaceSpec
+from kvstore.results import EventKind
+from kvstore.store import Store, StoreConfig
+
+BLOCK = 4096
+TOKENS = 4
+
+
+def payload(tag: int) -> bytes:
+    return bytes([tag % 251]) * (BLOCK // 2) + bytes([(tag * 7) % 251]) * (BLOCK // 2)
+
+
+def seq(start: int, blocks: int) -> list[int]:
+    return list(range(start, start + blocks * TOKENS))
+
+
+def make_store(tmp_path: Path, host_blocks: int, disk_blocks: int = 64, **kw: object) -> Store:
+    # a 4 KiB block is accounted as 3 LMDB pages on disk: 2 overflow pages (4 KiB plus
+    # LMDB's 16-byte header) and 1 for its key and metadata (DiskTier.footprint)
+    config = StoreConfig(
+        host_bytes=host_blocks * BLOCK,
+        disk_dir=str(tmp_path / "lmdb"),
+        disk_bytes=disk_blocks * 3 * BLOCK,
+        shared_arena=False,
+        **kw,  # type: ignore[arg-type]
+    )
+    return Store(config)
+
+
+def open_ns(store: Store) -> str:
+    return store.open_namespace(NamespaceSpec("m", block_tokens=TOKENS, block_bytes=BLOCK)).ns_id
+
+
+def test_host_full_demotes_leaves_to_disk_and_reads_promote(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=4) as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 6))
+        # host holds 4 blocks; a 6-block put pushes the 2 oldest leaves... but the chain's
+        # own blocks are leaves only at the tail, so the put itself demotes nothing of it:
+        assert s.put(ns, keys[:4], [payload(i) for i in range(4)]).stored == 4
+        other = s.keys_for(ns, seq(1000, 2))
+        s.put(ns, other, [payload(10), payload(11)])
+        # the chain's last 2 blocks (its leaves) went to disk; the prefix stayed in host
+        look = s.lookup(ns, keys[:4])
+        assert (look.ready_blocks, look.host_blocks, look.disk_blocks) == (4, 2, 2)
+        s.verify_invariants()
+        # reading the chain promotes the disk blocks back, parents first
+        n, data = s.read(ns, keys[:4])
+        assert n == 4 and bytes(data) == b"".join(payload(i) for i in range(4))
+        assert s.lookup(ns, keys[:4]).host_blocks == 4
+        kinds = [e.kind for e in s.events_since(0)]
+        assert kinds.count(EventKind.DEMOTED) >= 2 and kinds.count(EventKind.PROMOTED) == 2
+        s.verify_invariants()
+
+
+def test_restart_keeps_committed_blocks(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=8) as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 5))
+        s.put(ns, keys, [payload(i) for i in range(5)], priority=60)
+    # close() persisted the host tier; a new store rebuilds the index from LMDB
+    with make_store(tmp_path, host_blocks=8) as s:
+        assert [spec.ns_id for spec in s.namespaces()] == [ns]
+        look = s.lookup(ns, keys)
+        assert (look.ready_blocks, look.disk_blocks) == (5, 5)
+        n, data = s.read(ns, keys)
+        assert n == 5 and bytes(data) == b"".join(payload(i) for i in range(5))
+        s.verify_invariants()
+
+
+def test_corrupt_disk_record_is_a_miss(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=8, persist_on_close=True) as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 3))
+        s.put(ns, keys, [payload(i) for i in range(3)])
+    # flip one byte of block 1's payload directly in LMDB
+    env = lmdb.open(str(tmp_path / "lmdb"), max_dbs=8)
+    db = env.open_db(b"payload")
+    with env.begin(write=True, db=db) as txn:
+        value = bytearray(txn.get(keys[1]))
+        value[100] ^= 0xFF
+        txn.put(keys[1], bytes(value))
+    env.close()
+    with make_store(tmp_path, host_blocks=8) as s:
+        assert s.lookup(ns, keys).ready_blocks == 3  # the index does not know yet
+        n, data = s.read(ns, keys)
+        # block 0 is served; block 1 fails its checksum: a miss, never the bad bytes
+        assert n == 1 and bytes(data) == payload(0)
+        assert s.lookup(ns, keys).ready_blocks == 1  # block 1 and its child are gone
+        assert s.stats().corrupt_reads == 1
+        assert EventKind.CORRUPT in [e.kind for e in s.events_since(0)]
+        s.verify_invariants()
+
+
+def test_disk_full_deletes_disk_leaves(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=2, disk_blocks=4) as s:
+        ns = open_ns(s)
+        for i in range(10):
+            s.put(ns, s.keys_for(ns, seq(1000 * i, 1)), [payload(i)])
+            disk = s.stats().tiers[1]
+            assert disk.used_bytes <= disk.capacity_bytes
+        # host 2 + disk 4: the 6 newest single-block prompts survive
+        kept = [s.lookup(ns, s.keys_for(ns, seq(1000 * i, 1))).ready_blocks for i in range(10)]
+        assert kept == [0] * 4 + [1] * 6
+        s.verify_invariants()
+
+
+def test_write_through_puts_every_block_on_disk(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=8, admission="write-through") as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 3))
+        s.put(ns, keys, [payload(i) for i in range(3)])
+        s.flush()
+        assert s.stats().tiers[1].blocks == 3
+    # even without persisting on close, a restart finds them
+    with make_store(tmp_path, host_blocks=8, persist_on_close=False) as s:
+        assert s.read(ns, keys)[0] == 3
+
+
+def test_selective_admission_demotes_only_reused_blocks(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=2, admission="selective", selective_hits=1) as s:
+        ns = open_ns(s)
+        hot = s.keys_for(ns, seq(0, 1))
+        cold = s.keys_for(ns, seq(500, 1))
+        s.put(ns, hot, [payload(1)])
+        s.put(ns, cold, [payload(2)])
+        s.read(ns, hot)  # one hit
+        s.put(ns, s.keys_for(ns, seq(900, 2)), [payload(3), payload(4)])  # evicts both
+        assert s.lookup(ns, hot).disk_blocks == 1
+        assert s.lookup(ns, cold).ready_blocks == 0
+
+
+def test_low_priority_blocks_are_dropped_not_demoted(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=1, disk_min_priority=20) as s:
+        ns = open_ns(s)
+        low = s.keys_for(ns, seq(0, 1))
+        s.put(ns, low, [payload(1)], priority=5)
+        s.put(ns, s.keys_for(ns, seq(100, 1)), [payload(2)])
+        assert s.lookup(ns, low).ready_blocks == 0
+
+
+def test_acquire_promotes_disk_blocks_into_slots(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=4) as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 2))
+        s.put(ns, keys, [payload(0), payload(1)])
+        s.put(ns, s.keys_for(ns, seq(100, 4)), [payload(i) for i in range(4)])
+        assert s.lookup(ns, keys).disk_blocks == 2
+        lease = s.acquire(ns, keys)
+        arena = s.arena.array()
+        got = [bytes(arena[x.offset : x.offset + BLOCK]) for x in lease.slots]
+        assert got == [payload(0), payload(1)]
+        s.release(lease.lease_id)
+        s.verify_invariants()
+
+
+@pytest.mark.parametrize("admission", ["write-back", "write-through"])
+def test_demoted_parent_keeps_disk_children_usable(tmp_path: Path, admission: str) -> None:
+    with make_store(tmp_path, host_blocks=3, admission=admission) as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 3))
+        s.put(ns, keys, [payload(i) for i in range(3)])
+        for i in range(6):
+            s.put(ns, s.keys_for(ns, seq(1000 * (i + 1), 1)), [payload(50 + i)])
+            s.verify_invariants()
+        n, data = s.read(ns, keys)
+        assert n == 3 and bytes(data) == b"".join(payload(i) for i in range(3))
