@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -61,7 +59,7 @@ class NamespaceSpec(_message.Message):
     tenant_salt: str
     hash_algorithm: str
     vocab_size: int
-    def __init__(self, model: str | None = ..., block_tokens: int | None = ..., block_bytes: int | None = ..., num_layers: int | None = ..., num_kv_heads: int | None = ..., head_dim: int | None = ..., dtype: str | None = ..., rank: int | None = ..., world_size: int | None = ..., tenant_salt: str | None = ..., hash_algorithm: str | None = ..., vocab_size: int | None = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., hash_algorithm: _Optional[str] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("spec", "name")
@@ -69,13 +67,13 @@ class OpenNamespaceRequest(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     spec: NamespaceSpec
     name: str
-    def __init__(self, spec: NamespaceSpec | _Mapping | None = ..., name: str | None = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
 
 class DescribeNamespaceRequest(_message.Message):
     __slots__ = ("ns_id",)
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
-    def __init__(self, ns_id: str | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ...) -> None: ...
 
 class NamespaceInfo(_message.Message):
     __slots__ = ("ns_id", "name", "spec", "block_bytes", "block_tokens", "digest", "key_bytes", "blocks", "bytes", "hits", "misses")
@@ -101,7 +99,7 @@ class NamespaceInfo(_message.Message):
     bytes: int
     hits: int
     misses: int
-    def __init__(self, ns_id: str | None = ..., name: str | None = ..., spec: NamespaceSpec | _Mapping | None = ..., block_bytes: int | None = ..., block_tokens: int | None = ..., digest: bytes | None = ..., key_bytes: int | None = ..., blocks: int | None = ..., bytes: int | None = ..., hits: int | None = ..., misses: int | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., name: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., block_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., digest: _Optional[bytes] = ..., key_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ...) -> None: ...
 
 class ListNamespacesRequest(_message.Message):
     __slots__ = ()
@@ -111,7 +109,7 @@ class ListNamespacesResponse(_message.Message):
     __slots__ = ("namespaces",)
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceInfo]
-    def __init__(self, namespaces: _Iterable[NamespaceInfo | _Mapping] | None = ...) -> None: ...
+    def __init__(self, namespaces: _Optional[_Iterable[_Union[NamespaceInfo, _Mapping]]] = ...) -> None: ...
 
 class ServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -145,7 +143,7 @@ class ServerInfoResponse(_message.Message):
     max_transfer_bytes: int
     pid: int
     uptime_s: float
-    def __init__(self, version: str | None = ..., platform: str | None = ..., arena_path: str | None = ..., arena_bytes: int | None = ..., host_id: str | None = ..., max_message_bytes: int | None = ..., max_blocks_per_request: int | None = ..., default_lease_ttl_s: float | None = ..., max_lease_ttl_s: float | None = ..., max_chunk_bytes: int | None = ..., max_transfer_bytes: int | None = ..., pid: int | None = ..., uptime_s: float | None = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "wait_pending_s")
@@ -157,7 +155,7 @@ class LookupRequest(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     wait_pending_s: float
-    def __init__(self, ns_id: str | None = ..., tokens: _Iterable[int] | None = ..., extra_keys: _Iterable[bytes] | None = ..., wait_pending_s: float | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., wait_pending_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("ready_blocks", "ready_tokens", "host_blocks", "disk_blocks", "pending_blocks", "total_blocks")
@@ -173,7 +171,7 @@ class LookupResponse(_message.Message):
     disk_blocks: int
     pending_blocks: int
     total_blocks: int
-    def __init__(self, ready_blocks: int | None = ..., ready_tokens: int | None = ..., host_blocks: int | None = ..., disk_blocks: int | None = ..., pending_blocks: int | None = ..., total_blocks: int | None = ...) -> None: ...
+    def __init__(self, ready_blocks: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "max_blocks")
@@ -187,7 +185,7 @@ class GetRequest(_message.Message):
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     start_block: int
     max_blocks: int
-    def __init__(self, ns_id: str | None = ..., tokens: _Iterable[int] | None = ..., extra_keys: _Iterable[bytes] | None = ..., start_block: int | None = ..., max_blocks: int | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., max_blocks: _Optional[int] = ...) -> None: ...
 
 class GetHeader(_message.Message):
     __slots__ = ("ready_blocks", "ready_tokens", "start_block", "n_blocks", "block_bytes", "truncated")
@@ -203,7 +201,7 @@ class GetHeader(_message.Message):
     n_blocks: int
     block_bytes: int
     truncated: bool
-    def __init__(self, ready_blocks: int | None = ..., ready_tokens: int | None = ..., start_block: int | None = ..., n_blocks: int | None = ..., block_bytes: int | None = ..., truncated: bool | None = ...) -> None: ...
+    def __init__(self, ready_blocks: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("header", "data")
@@ -211,7 +209,7 @@ class GetResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: GetHeader
     data: bytes
-    def __init__(self, header: GetHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[GetHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("index", "offset", "size", "key")
@@ -223,7 +221,7 @@ class Slot(_message.Message):
     offset: int
     size: int
     key: bytes
-    def __init__(self, index: int | None = ..., offset: int | None = ..., size: int | None = ..., key: bytes | None = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s")
@@ -237,7 +235,7 @@ class AcquireRequest(_message.Message):
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     max_blocks: int
     ttl_s: float
-    def __init__(self, ns_id: str | None = ..., tokens: _Iterable[int] | None = ..., extra_keys: _Iterable[bytes] | None = ..., max_blocks: int | None = ..., ttl_s: float | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens")
@@ -249,13 +247,13 @@ class AcquireResponse(_message.Message):
     expires_in_s: float
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     ready_tokens: int
-    def __init__(self, lease_id: int | None = ..., expires_in_s: float | None = ..., slots: _Iterable[Slot | _Mapping] | None = ..., ready_tokens: int | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: int | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()
@@ -275,7 +273,7 @@ class PutHeader(_message.Message):
     start_block: int
     n_blocks: int
     priority: int
-    def __init__(self, ns_id: str | None = ..., tokens: _Iterable[int] | None = ..., extra_keys: _Iterable[bytes] | None = ..., start_block: int | None = ..., n_blocks: int | None = ..., priority: int | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -283,7 +281,7 @@ class PutRequest(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: PutHeader
     data: bytes
-    def __init__(self, header: PutHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "existing", "refused")
@@ -293,7 +291,7 @@ class PutResponse(_message.Message):
     stored: int
     existing: int
     refused: int
-    def __init__(self, stored: int | None = ..., existing: int | None = ..., refused: int | None = ...) -> None: ...
+    def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority")
@@ -311,7 +309,7 @@ class ReserveRequest(_message.Message):
     n_blocks: int
     ttl_s: float
     priority: int
-    def __init__(self, ns_id: str | None = ..., tokens: _Iterable[int] | None = ..., extra_keys: _Iterable[bytes] | None = ..., start_block: int | None = ..., n_blocks: int | None = ..., ttl_s: float | None = ..., priority: int | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused")
@@ -325,7 +323,7 @@ class ReserveResponse(_message.Message):
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     existing: int
     refused: int
-    def __init__(self, lease_id: int | None = ..., expires_in_s: float | None = ..., slots: _Iterable[Slot | _Mapping] | None = ..., existing: int | None = ..., refused: int | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "count")
@@ -333,25 +331,25 @@ class CommitRequest(_message.Message):
     COUNT_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     count: int
-    def __init__(self, lease_id: int | None = ..., count: int | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: int | None = ...) -> None: ...
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
 
 class AbandonRequest(_message.Message):
     __slots__ = ("lease_id",)
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: int | None = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
 
 class AbandonResponse(_message.Message):
     __slots__ = ("dropped",)
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     dropped: int
-    def __init__(self, dropped: int | None = ...) -> None: ...
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block")
@@ -363,25 +361,25 @@ class DeleteRequest(_message.Message):
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     start_block: int
-    def __init__(self, ns_id: str | None = ..., tokens: _Iterable[int] | None = ..., extra_keys: _Iterable[bytes] | None = ..., start_block: int | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ...) -> None: ...
 
 class DeleteResponse(_message.Message):
     __slots__ = ("removed",)
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: int
-    def __init__(self, removed: int | None = ...) -> None: ...
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("ns_id",)
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
-    def __init__(self, ns_id: str | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
     __slots__ = ("removed",)
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: int
-    def __init__(self, removed: int | None = ...) -> None: ...
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
 
 class SetPriorityRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "priority", "duration_s")
@@ -397,13 +395,13 @@ class SetPriorityRequest(_message.Message):
     start_block: int
     priority: int
     duration_s: float
-    def __init__(self, ns_id: str | None = ..., tokens: _Iterable[int] | None = ..., extra_keys: _Iterable[bytes] | None = ..., start_block: int | None = ..., priority: int | None = ..., duration_s: float | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., priority: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class SetPriorityResponse(_message.Message):
     __slots__ = ("changed",)
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     changed: int
-    def __init__(self, changed: int | None = ...) -> None: ...
+    def __init__(self, changed: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -429,7 +427,7 @@ class TierStats(_message.Message):
     evictions: int
     bytes_in: int
     bytes_out: int
-    def __init__(self, name: str | None = ..., capacity_bytes: int | None = ..., used_bytes: int | None = ..., blocks: int | None = ..., hits: int | None = ..., misses: int | None = ..., evictions: int | None = ..., bytes_in: int | None = ..., bytes_out: int | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("ns_id", "model", "block_tokens", "block_bytes", "blocks", "bytes", "hits", "misses", "name")
@@ -451,7 +449,7 @@ class NamespaceStats(_message.Message):
     hits: int
     misses: int
     name: str
-    def __init__(self, ns_id: str | None = ..., model: str | None = ..., block_tokens: int | None = ..., block_bytes: int | None = ..., blocks: int | None = ..., bytes: int | None = ..., hits: int | None = ..., misses: int | None = ..., name: str | None = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters")
@@ -461,7 +459,7 @@ class StatsResponse(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: int
-        def __init__(self, key: str | None = ..., value: int | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -484,7 +482,7 @@ class StatsResponse(_message.Message):
     platform: str
     uptime_s: float
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, tiers: _Iterable[TierStats | _Mapping] | None = ..., namespaces: _Iterable[NamespaceStats | _Mapping] | None = ..., demotions: int | None = ..., promotions: int | None = ..., pending_blocks: int | None = ..., leases: int | None = ..., corrupt_reads: int | None = ..., disk_queue_bytes: int | None = ..., platform: str | None = ..., uptime_s: float | None = ..., counters: _Mapping[str, int] | None = ...) -> None: ...
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("seq", "kind", "ns_id", "key", "tier", "timestamp")
@@ -500,7 +498,7 @@ class Event(_message.Message):
     key: bytes
     tier: Tier
     timestamp: float
-    def __init__(self, seq: int | None = ..., kind: EventKind | str | None = ..., ns_id: str | None = ..., key: bytes | None = ..., tier: Tier | str | None = ..., timestamp: float | None = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[EventKind, str]] = ..., ns_id: _Optional[str] = ..., key: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("from_seq", "from_now", "ns_id", "kinds")
@@ -512,7 +510,7 @@ class WatchEventsRequest(_message.Message):
     from_now: bool
     ns_id: str
     kinds: _containers.RepeatedScalarFieldContainer[EventKind]
-    def __init__(self, from_seq: int | None = ..., from_now: bool | None = ..., ns_id: str | None = ..., kinds: _Iterable[EventKind | str] | None = ...) -> None: ...
+    def __init__(self, from_seq: _Optional[int] = ..., from_now: _Optional[bool] = ..., ns_id: _Optional[str] = ..., kinds: _Optional[_Iterable[_Union[EventKind, str]]] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
     __slots__ = ("events", "missed")
@@ -520,4 +518,4 @@ class WatchEventsResponse(_message.Message):
     MISSED_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[Event]
     missed: int
-    def __init__(self, events: _Iterable[Event | _Mapping] | None = ..., missed: int | None = ...) -> None: ...
+    def __init__(self, events: _Optional[_Iterable[_Union[Event, _Mapping]]] = ..., missed: _Optional[int] = ...) -> None: ...
