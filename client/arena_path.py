@@ -78,6 +78,14 @@ class ClientArena:
             return False
         return (st.st_dev, st.st_ino) == self._identity
 
+    def names_another_arena(self, reported_path: str) -> bool:
+        """Whether a Reserve/Acquire answer is about an arena other than this mapping.
+
+        The inode check cannot see a daemon that was SIGKILLed (its file stays) and
+        restarted with a new arena: the daemon names its arena in every slot answer.
+        """
+        return bool(reported_path) and reported_path != self.path
+
     def close(self) -> None:
         self.mapping.close()
 

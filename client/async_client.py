@@ -291,6 +291,13 @@ class AsyncNamespace:
             ns_id=self.ns_id, tokens=tokens, extra_keys=extra, max_blocks=max_blocks
         )
         acquired = await client._call(client._stub.Acquire, request)
+        if arena.names_another_arena(acquired.arena_path):  # the daemon restarted
+            if acquired.lease_id:
+                await client._call(
+                    client._stub.Release, pb.ReleaseRequest(lease_id=acquired.lease_id)
+                )
+            client._info = None  # the next call maps the new arena
+            return await self._get_inline(tokens, extra, out, max_blocks)
         try:
             slots = wire.slots(acquired.slots)
             blocks = output_array(out, len(slots), self.block_bytes)
@@ -393,6 +400,12 @@ class AsyncNamespace:
             priority=priority,
         )
         reserved = await client._call(client._stub.Reserve, request)
+        if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
+            if reserved.lease_id:
+                await _abandon_quietly(client, reserved.lease_id)
+            client._info = None  # the next call maps the new arena
+            info, _ = await client._refresh()
+            return await self._put_inline(info, tokens, extra, rows, start, priority)
         slots = wire.slots(reserved.slots)
         committed = 0
         if reserved.lease_id:

@@ -163,22 +163,24 @@ def put_response(result: PutResult) -> pb.PutResponse:
     return pb.PutResponse(stored=result.stored, existing=result.existing, refused=result.refused)
 
 
-def reserve_response(res: Reservation) -> pb.ReserveResponse:
+def reserve_response(res: Reservation, arena_path: str) -> pb.ReserveResponse:
     return pb.ReserveResponse(
         lease_id=res.lease_id,
         expires_in_s=expires_in(res.expires_at) if res.lease_id else 0.0,
         slots=slots(res.slots),
         existing=res.existing,
         refused=res.refused,
+        arena_path=arena_path,
     )
 
 
-def acquire_response(got: Acquisition, block_tokens: int) -> pb.AcquireResponse:
+def acquire_response(got: Acquisition, block_tokens: int, arena_path: str) -> pb.AcquireResponse:
     return pb.AcquireResponse(
         lease_id=got.lease_id,
         expires_in_s=expires_in(got.expires_at) if got.lease_id else 0.0,
         slots=slots(got.slots),
         ready_tokens=len(got.slots) * block_tokens,
+        arena_path=arena_path,
     )
 
 

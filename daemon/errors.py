@@ -58,7 +58,9 @@ async def abort_with(context: grpc.aio.ServicerContext, rpc: str, exc: Exception
     else:
         log.debug("%s -> %s: %s", rpc, code.name, exc)
         message = str(exc) or type(exc).__name__
-    await context.abort(code, message)
+    # clients tell errors that share a status code apart by this (e.g. LeaseError and
+    # LayoutMismatch are both FAILED_PRECONDITION)
+    await context.abort(code, message, trailing_metadata=(("kvstore-error", type(exc).__name__),))
     raise AssertionError("context.abort() returned")  # it always raises
 
 

@@ -92,9 +92,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise InvalidArgument("ns_id is required")
         return self._store.namespace(self._names.resolve(ns_id))
 
-    def _chain(
-        self, ns_id: str, tokens: Any, extra: Any
-    ) -> tuple[NamespaceSpec, list[BlockKey]]:
+    def _chain(self, ns_id: str, tokens: Any, extra: Any) -> tuple[NamespaceSpec, list[BlockKey]]:
         spec = self._spec(ns_id)
         keys = self._store.keys_for(spec.ns_id, convert.tokens(tokens), convert.extra_keys(extra))
         return spec, keys
@@ -208,12 +206,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     f"start_block={start} is beyond the {len(keys)} full blocks the tokens make"
                 )
             ready = self._store.lookup(spec.ns_id, keys).ready_blocks
-            # Store.read fills blocks from the root, so the buffer covers [0, end); it
-            # is bounded by max_transfer_bytes but always makes progress by one block.
+            # one call moves at most max_transfer_bytes, but always at least one block
             end = ready
             if request.max_blocks:
                 end = min(end, start + request.max_blocks)
-            end = min(end, max(start + 1, self._config.max_transfer_bytes // bb))
+            end = min(end, start + max(1, self._config.max_transfer_bytes // bb))
             if end <= start:
                 header = pb.GetHeader(
                     ready_blocks=ready,
@@ -222,18 +219,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     block_bytes=bb,
                 )
                 return header, memoryview(b"")
-            n, view = self._store.read(spec.ns_id, keys[:end], memoryview(bytearray(end * bb)))
-            if n < end:  # blocks were evicted between lookup and read: n is the prefix now
-                ready = n
+            n, view = self._store.read(spec.ns_id, keys[:end], start=start)
+            if start + n < end:  # evicted between lookup and read: the prefix is shorter
+                ready = start + n
             header = pb.GetHeader(
                 ready_blocks=ready,
                 ready_tokens=ready * spec.block_tokens,
                 start_block=start,
-                n_blocks=max(0, n - start),
+                n_blocks=n,
                 block_bytes=bb,
                 truncated=ready > end,
             )
-            return header, view[start * bb : n * bb]
+            return header, view
 
         header, data = await self._run(read)
         yield pb.GetResponse(header=header)
@@ -251,7 +248,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             if request.max_blocks:
                 keys = keys[: request.max_blocks]
             got = self._store.acquire(spec.ns_id, keys, ttl)
-            return convert.acquire_response(got, spec.block_tokens)
+            return convert.acquire_response(got, spec.block_tokens, self._store.arena_path or "")
 
         return await self._run(acquire)
 
@@ -318,15 +315,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             start = head.start_block
             payloads = [view[i * bb : (i + 1) * bb] for i in range(head.n_blocks)]
             result = self._store.put(spec.ns_id, keys, payloads, start=start, priority=prio)
-            if result.refused == head.n_blocks:
-                # Refused outright: a missing parent or another owner computing the
-                # first block is an ordinary answer; only lack of room is an error.
-                now = self._store.lookup(spec.ns_id, keys)
-                if now.ready_blocks == start and not now.pending_keys:
-                    raise OutOfSpace(
-                        f"no room for any of the {head.n_blocks} blocks: the store is full "
-                        "of leased or pending blocks"
-                    )
+            # Refused outright: a missing parent or another owner computing the first
+            # block is an ordinary answer; only lack of room is an error.
+            if result.out_of_space and result.stored == 0 and result.existing == 0:
+                raise OutOfSpace(
+                    f"no room for any of the {head.n_blocks} blocks: the store is full "
+                    "of leased or pending blocks"
+                )
             return convert.put_response(result)
 
         return await self._run(put)
@@ -344,7 +339,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             res = self._store.reserve(
                 spec.ns_id, keys[:end], start=request.start_block, ttl_s=ttl, priority=prio
             )
-            return convert.reserve_response(res)
+            if res.out_of_space and not res.slots and not res.existing:
+                raise OutOfSpace(
+                    f"no room to reserve any of the {end - request.start_block} blocks: the "
+                    "store is full of leased or pending blocks"
+                )
+            return convert.reserve_response(res, self._store.arena_path or "")
 
         return await self._run(reserve)
 
@@ -452,9 +452,4 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 yield pb.WatchEventsResponse(events=out, missed=missed)
 
     def _latest_seq(self) -> int:
-        seq = 0
-        while True:
-            events = self._store.events_since(seq, 0.0, 1 << 16)
-            if not events:
-                return seq
-            seq = events[-1].seq
+        return self._store.last_event_seq

@@ -61,6 +61,7 @@ import logging
 import mmap
 import operator
 import os
+import re
 import secrets
 import tempfile
 import weakref
@@ -238,8 +239,42 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, someone else's
+    return True
+
+
+def remove_stale_regions(directory: str, name_prefix: str = "kvstore") -> list[str]:
+    """Unlink this user's arena files whose creating process is gone.
+
+    A daemon killed with SIGKILL cannot unlink its arena; the file would hold its
+    memory (tmpfs) until reboot. Files of live processes (or of pids reused by live
+    processes: the safe side) are kept. Returns the paths removed.
+    """
+    pattern = re.compile(rf"^{re.escape(name_prefix)}-{os.getuid()}-(\d+)-[0-9a-f]+$")
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.match(name)
+        if match and not _pid_alive(int(match.group(1))):
+            path = os.path.join(directory, name)
+            _unlink_quietly(path)
+            removed.append(path)
+            log.warning("removed stale arena %s left by a process that is gone", path)
+    return removed
+
+
 def _create_region(directory: str, name_prefix: str, size: int) -> tuple[str, mmap.mmap]:
     """Create an owner-only file of ``size`` bytes and map it, without touching its pages."""
+    remove_stale_regions(directory, name_prefix)
     vfs = os.statvfs(directory)
     if vfs.f_bavail * vfs.f_frsize < size:
         # tmpfs accepts ftruncate beyond its size and then SIGBUSes on first touch

@@ -59,6 +59,7 @@ class PutResult:
     stored: int  # newly stored and ready
     existing: int  # already ready (or pending under another owner): nothing written
     refused: int  # not admitted: no room, or an ancestor is missing
+    out_of_space: bool = False  # a block was refused because no room could be made
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,7 @@ class Reservation:
     slots: tuple[SlotRef, ...]
     existing: int
     refused: int
+    out_of_space: bool = False  # a block was refused because no room could be made
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,6 +248,11 @@ class Store:
     def platform(self) -> str:
         return self._platform
 
+    @property
+    def last_event_seq(self) -> int:
+        """Sequence number of the newest event (0 before the first)."""
+        return self._seq
+
     def set_platform(self, profile: str) -> None:
         """Called by the GPU layer once it has detected the machine ('pcie', 'c2c')."""
         self._platform = profile
@@ -303,28 +308,41 @@ class Store:
             return self._lookup(keys)
 
     def read(
-        self, ns_id: str, keys: Sequence[BlockKey], out: memoryview | None = None
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        out: memoryview | None = None,
+        start: int = 0,
     ) -> tuple[int, memoryview]:
+        """Copy ready blocks ``keys[start:]`` of the longest ready prefix into ``out`` (or
+        a new buffer) -> (blocks copied, view of the bytes written). Blocks before
+        ``start`` are not copied (the caller has them) but must be ready too. Disk hits
+        are verified and promoted into the host tier (parents first) when room can be
+        made. Raises InvalidArgument if ``out`` cannot hold len(keys) - start blocks."""
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         size = entry.spec.block_bytes
+        if not 0 <= start <= len(keys):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        wanted = len(keys) - start
         if out is not None:
             out = memoryview(out).cast("B")
-            if out.readonly or out.nbytes < len(keys) * size:
+            if out.readonly or out.nbytes < wanted * size:
                 raise InvalidArgument(
-                    f"out must be a writable buffer of >= {len(keys) * size} bytes "
-                    f"({len(keys)} blocks x {size}), got {out.nbytes}"
+                    f"out must be a writable buffer of >= {wanted * size} bytes "
+                    f"({wanted} blocks x {size}), got {out.nbytes}"
                     + (" (read-only)" if out.readonly else "")
                 )
         nodes, fresh = self._pin_prefix(entry, keys, promote_all=False)
         if out is None:
-            out = memoryview(bytearray(len(nodes) * size))
+            out = memoryview(bytearray(max(len(nodes) - start, 0) * size))
         ok = len(nodes)
         try:
-            ok = self._copy_out(nodes, fresh, out, size)
+            ok = self._copy_out(nodes, fresh, out, size, start)
         finally:
-            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=False)
-        return ok, out[: ok * size]
+            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=False, start=start)
+        copied = max(ok - start, 0)
+        return copied, out[: copied * size]
 
     def acquire(
         self, ns_id: str, keys: Sequence[BlockKey], ttl_s: float | None = None
@@ -391,7 +409,12 @@ class Store:
             raise
         if reservation.slots:
             self.commit(reservation.lease_id)
-        return PutResult(len(reservation.slots), reservation.existing, reservation.refused)
+        return PutResult(
+            len(reservation.slots),
+            reservation.existing,
+            reservation.refused,
+            reservation.out_of_space,
+        )
 
     def reserve(
         self,
@@ -426,9 +449,11 @@ class Store:
                 parent = walk[-1] if walk else None
                 # new blocks go to host, so their prefix must be there too (parents first)
                 promoted = all(self._promote_now(node) for node in walk if not node.in_host)
+                out_of_space = not promoted
                 for i in range(max(start, len(walk)), len(keys) if promoted else 0):
                     offset = self._alloc_host(entry.spec.block_bytes)
                     if offset is None:
+                        out_of_space = True
                         break
                     node = Node(keys[i], entry, parent, priority=prio)
                     node.pins = 1
@@ -442,7 +467,7 @@ class Store:
             self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
             refused = offered - existing - len(created)
             if not created:
-                return Reservation(0, 0.0, (), existing, refused)
+                return Reservation(0, 0.0, (), existing, refused, out_of_space)
             self._pending += len(created)
             lease = self._new_lease(entry, created, write=True, ttl=ttl)
             first = len(keys) - refused - len(created)
@@ -450,7 +475,9 @@ class Store:
                 SlotRef(first + i, node.key, node.host_offset, node.size)
                 for i, node in enumerate(created)
             )
-            return Reservation(lease.lease_id, lease.expires_at, slots, existing, refused)
+            return Reservation(
+                lease.lease_id, lease.expires_at, slots, existing, refused, out_of_space
+            )
 
     def commit(self, lease_id: int, count: int | None = None) -> int:
         with self._lock:
@@ -642,6 +669,7 @@ class Store:
         O(blocks): for tests and debugging, not for the serving path.
         """
         with self._lock:
+            self._expire()  # applies a disk capacity the writer lowered meanwhile
             host = disk = pending = 0
             for node in self._index.nodes.values():
                 parent = node.parent
@@ -766,24 +794,29 @@ class Store:
             return nodes, fresh
 
     def _copy_out(
-        self, nodes: list[Node], fresh: dict[int, int], out: memoryview, size: int
+        self, nodes: list[Node], fresh: dict[int, int], out: memoryview, size: int, start: int
     ) -> int:
-        """Copy pinned blocks into ``out`` (no lock held); returns blocks copied."""
+        """Copy pinned blocks ``nodes[start:]`` into ``out`` and fill the promotion slots
+        of all of them (no lock held); returns how many of ``nodes`` are good."""
         array = self._arena.array()
         dst = np.frombuffer(out, dtype=np.uint8)
         for i, node in enumerate(nodes):
-            target = dst[i * size : (i + 1) * size]
+            target = dst[(i - start) * size : (i - start + 1) * size] if i >= start else None
             if node.in_host:
-                target[:] = array[node.host_offset : node.host_offset + size]
+                if target is not None:
+                    target[:] = array[node.host_offset : node.host_offset + size]
                 continue
             assert self._disk is not None
             if i in fresh:
                 slot = self._arena.view(fresh[i], size)
                 if self._disk.read(node.key, out=slot) is None:
                     return i
-                target[:] = array[fresh[i] : fresh[i] + size]
-            elif self._disk.read(node.key, out=out[i * size : (i + 1) * size]) is None:
-                return i
+                if target is not None:
+                    target[:] = array[fresh[i] : fresh[i] + size]
+            elif target is not None:
+                window = out[(i - start) * size : (i - start + 1) * size]
+                if self._disk.read(node.key, out=window) is None:
+                    return i
         return len(nodes)
 
     def _fill_promotions(self, nodes: list[Node], fresh: dict[int, int]) -> int:
@@ -803,10 +836,12 @@ class Store:
         fresh: dict[int, int],
         ok: int,
         keep_pins: bool,
+        start: int = 0,
     ) -> None:
-        """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits, unpin."""
+        """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits of the
+        blocks the caller asked for (``start`` on), unpin."""
         with self._lock:
-            host_hits = sum(1 for node in nodes[:ok] if node.in_host)
+            host_hits = sum(1 for node in nodes[start:ok] if node.in_host)
             for i, offset in fresh.items():
                 node = nodes[i]
                 if i < ok and not node.in_host and not self._closed:
@@ -824,20 +859,19 @@ class Store:
                 nodes[i].pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
                 self._lost_on_disk(nodes[ok])
-            disk_hits = ok - host_hits
+            wanted = len(keys) - start
+            served = max(ok - start, 0)
+            disk_hits = served - host_hits
             c = self._c
             c.host_hits += host_hits
-            c.host_misses += len(keys) - host_hits
+            c.host_misses += wanted - host_hits
             c.disk_hits += disk_hits
-            c.disk_misses += len(keys) - ok
+            c.disk_misses += wanted - served
             c.host_bytes_out += host_hits * entry.spec.block_bytes
-            c.disk_bytes_out += sum(
-                node.size
-                for i, node in enumerate(nodes[:ok])
-                if i not in fresh and not node.in_host
-            )
-            entry.hits += ok
-            entry.misses += len(keys) - ok
+            direct = sum(1 for i in range(start, ok) if i not in fresh and not nodes[i].in_host)
+            c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
+            entry.hits += served
+            entry.misses += wanted - served
             for node in nodes[:ok]:
                 node.hits += 1
             self._touch([node for node in nodes[:ok] if self._index.get(node.key) is node])
@@ -928,6 +962,9 @@ class Store:
             del self._ended[next(iter(self._ended))]
 
     def _expire(self) -> None:
+        """Reclaim expired leases and timed priorities; apply a lowered disk capacity."""
+        if self._disk is not None and self._disk.drain_map_full():
+            self._shrink_disk(self._disk)
         now = self._clock()
         heap = self._lease_heap
         while heap and heap[0][0] <= now:

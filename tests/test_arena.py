@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -462,3 +463,21 @@ def test_hole_slightly_smaller_than_the_request_is_not_used(make_arena):
     # 3600 B rounds to 3648 B: same size class as the hole but larger -> None, no overlap
     assert arena.alloc(3600) is None
     assert arena.alloc(3584) == 4 * KiB
+
+
+def test_stale_region_of_a_dead_process_is_removed(tmp_path: Path) -> None:
+    # a daemon killed with SIGKILL leaves its arena file behind
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f"kvstore-{os.getuid()}-{int(dead.stdout)}-deadbeef"
+    stale.write_bytes(b"x")
+    live = tmp_path / f"kvstore-{os.getuid()}-{os.getpid()}-cafef00d"
+    live.write_bytes(b"x")
+    with HostArena(1 << 16, directory=str(tmp_path)) as arena:
+        assert not stale.exists()  # its creator is gone
+        assert live.exists()  # this process is alive: kept
+        assert arena.path is not None and os.path.exists(arena.path)

@@ -242,3 +242,25 @@ def test_restart_keeps_disk_blocks(kvstored, capsys: pytest.CaptureFixture[str])
         ns = inline.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
         assert np.array_equal(ns.get(tokens).blocks, blocks)
         assert np.array_equal(ns.get(fresh).blocks, blocks_for(fresh, 3))
+
+
+def test_client_survives_a_killed_and_restarted_daemon(kvstored) -> None:
+    # a client maps the arena, the daemon dies by SIGKILL (its arena file stays behind)
+    # and comes back with a new arena: the client must not write into the old one
+    rng = np.random.default_rng(5)
+    with KVClient(kvstored.addr, use_arena=None) as client:
+        ns = client.namespace("killed", block_tokens=4, block_bytes=4096)
+        before = rng.integers(0, 256, (2, 4096), dtype=np.uint8)
+        ns.put(list(range(8)), before)
+        assert client.arena_in_use
+        kvstored.kill()
+        kvstored.start()
+        ns = client.namespace("killed", block_tokens=4, block_bytes=4096)
+        after = rng.integers(0, 256, (3, 4096), dtype=np.uint8)
+        tokens = list(range(100, 112))
+        assert ns.put(tokens, after).stored == 3
+        got = ns.get(tokens)
+        assert got.blocks.shape == (3, 4096) and np.array_equal(got.blocks, after)
+        # the daemon that came back cleaned up the dead one's arena file
+        leftovers = [p for p in os.listdir(kvstored.arena_dir) if p.startswith("kvstore-")]
+        assert len(leftovers) == 1

@@ -320,3 +320,27 @@ def test_seed_scenario_leaf_first_keeps_system_prompt_plain_lru_loses_it() -> No
     system, recent = run_seed_workload("plain-lru")
     assert system < 4
     assert recent == 0
+
+
+def test_read_from_start_copies_only_the_tail(store: Store) -> None:
+    ns = open_ns(store)
+    keys = store.keys_for(ns, seq(0, 5))
+    store.put(ns, keys[:4], [payload(i) for i in range(4)])
+    # the caller has blocks 0..1; it asks for 2..4 of which 2..3 are stored
+    n, data = store.read(ns, keys, start=2)
+    assert n == 2 and bytes(data) == payload(2) + payload(3)
+    assert store.read(ns, keys, start=5)[0] == 0
+    with pytest.raises(InvalidArgument, match="start=6"):
+        store.read(ns, keys, start=6)
+
+
+def test_out_of_space_is_told_apart_from_a_missing_parent() -> None:
+    with make_store(1) as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 2))
+        assert not s.put(ns, keys, [payload(1)], start=1).out_of_space  # parent missing
+        s.put(ns, keys[:1], [payload(0)])
+        lease = s.acquire(ns, keys[:1])  # the only slot is pinned
+        result = s.put(ns, s.keys_for(ns, seq(100, 1)), [payload(2)])
+        assert result.refused == 1 and result.out_of_space
+        s.release(lease.lease_id)

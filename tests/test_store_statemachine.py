@@ -106,11 +106,12 @@ class StoreMachine(RuleBasedStateMachine):
         result = self.store.put(self.ns, keys, [content(k) for k in keys[start:]], start)
         assert result.stored + result.existing + result.refused == len(keys) - start
 
-    @rule(tokens=prompts)
-    def read(self, tokens: list[int]) -> None:
+    @rule(tokens=prompts, data=st.data())
+    def read(self, tokens: list[int], data: st.DataObject) -> None:
         keys = self.keys(tokens)
-        n, data = self.store.read(self.ns, keys)
-        assert bytes(data) == b"".join(content(k) for k in keys[:n])
+        start = data.draw(st.integers(0, len(keys)), label="start")
+        n, got = self.store.read(self.ns, keys, start=start)
+        assert bytes(got) == b"".join(content(k) for k in keys[start : start + n])
 
     @rule(tokens=prompts)
     def lookup(self, tokens: list[int]) -> None:
