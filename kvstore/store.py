@@ -508,6 +508,32 @@ class Store:
             self._changed.notify_all()
             return n
 
+    def fill(self, lease_id: int, payloads: Sequence[bytes | bytearray | memoryview]) -> int:
+        """Write ``payloads`` into the next reserved blocks of a write lease and commit
+        them: the inline twin of "write the arena slots, then commit" for clients that
+        cannot map the arena. Returns how many became ready."""
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id, write=True)
+            size = lease.entry.spec.block_bytes
+            remaining = len(lease.nodes) - lease.committed
+            if len(payloads) > remaining:
+                raise InvalidArgument(
+                    f"{len(payloads)} blocks for lease {lease_id}, which has {remaining} left"
+                )
+            views = [memoryview(p).cast("B") for p in payloads]
+            for i, view in enumerate(views):
+                if view.nbytes != size:
+                    raise InvalidArgument(
+                        f"payload {i} is {view.nbytes} bytes; the lease's blocks are {size}"
+                    )
+            slots = [node.host_offset for node in lease.nodes[lease.committed :][: len(views)]]
+        # the pending blocks stay pinned by the lease while their bytes are copied
+        array = self._arena.array()
+        for offset, view in zip(slots, views, strict=True):
+            array[offset : offset + size] = np.frombuffer(view, dtype=np.uint8)
+        return self.commit(lease_id, len(views))
+
     def abandon(self, lease_id: int) -> int:
         with self._lock:
             self._expire()

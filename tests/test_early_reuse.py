@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvstore.errors import InvalidArgument, LeaseError
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
 
@@ -136,3 +137,22 @@ def test_overlapping_claims_do_not_deadlock(store: Store) -> None:
     store.commit(claim_a.lease_id)
     store.commit(claim_b.lease_id)
     assert store.lookup(ns, a).ready_blocks == 8 and store.lookup(ns, b).ready_blocks == 8
+
+
+def test_fill_writes_and_commits_claimed_blocks_in_chunks(store: Store) -> None:
+    # a client without the arena claims 8 blocks and delivers them 3 + 5
+    ns = ns_of(store)
+    keys = store.keys_for(ns, PROMPT)
+    claim = store.reserve(ns, keys)
+    first = [content(k).tobytes() for k in keys[:3]]
+    assert store.fill(claim.lease_id, first) == 3
+    assert store.lookup(ns, keys).ready_blocks == 3
+    with pytest.raises(InvalidArgument, match="has 5 left"):
+        store.fill(claim.lease_id, [content(k).tobytes() for k in keys])
+    with pytest.raises(InvalidArgument, match="payload 0 is 10 bytes"):
+        store.fill(claim.lease_id, [b"x" * 10])
+    assert store.fill(claim.lease_id, [content(k).tobytes() for k in keys[3:]]) == 5
+    n, data = store.read(ns, keys)
+    assert n == 8 and bytes(data) == b"".join(content(k).tobytes() for k in keys)
+    with pytest.raises(LeaseError):  # the lease ended with the last block
+        store.fill(claim.lease_id, [])
