@@ -7,7 +7,10 @@ Same methods, same protocol, same results and exceptions, as coroutines over
   copy does not stall the event loop) -> Commit; Abandon on any exception, including
   cancellation.
 - put, inline: client-streaming Put per batch (header, then chunks).
-- get, shared arena: Acquire -> copy out (worker thread) -> Release in a ``finally``.
+- get, shared arena: Acquire -> copy out (worker thread) -> Release, carried by the
+  next Acquire or sent within RELEASE_DELAY_S (one round trip per get).
+- acquire: Acquire -> zero-copy read-only views of the slots (:class:`AsyncBlockLease`)
+  -> Release when the ``async with`` block ends.
 - get, inline: server-streaming Get, called again while the header says truncated.
 
 Create the client inside the running event loop (``async with AsyncKVClient() as c``).
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -28,7 +31,7 @@ import numpy as np
 
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
-from kvclient.arena_path import ClientArena, read_slots, write_slots
+from kvclient.arena_path import BlockViews, ClientArena, SlotTable, read_slots, write_slots
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -55,7 +58,7 @@ from kvclient.results import (
     ServerInfo,
     Stats,
 )
-from kvclient.sync_client import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S
+from kvclient.sync_client import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstored.hostinfo import host_id
@@ -80,10 +83,27 @@ class AsyncKVClient:
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(self.addr, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        # Get and Put with identity (de)serializers: the data chunks are framed here
+        self._get_stream = self._channel.unary_stream(
+            wire.GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._put_stream = self._channel.stream_unary(
+            wire.PUT_METHOD,
+            request_serializer=None,
+            response_deserializer=pb.PutResponse.FromString,
+        )
         self._lock = asyncio.Lock()
         self._info: ServerInfo | None = None  # None: ask the daemon again
         self._arena: ClientArena | None = None
         self._closed = False
+        # read leases done with, not released yet (see _release_later)
+        self._done: list[int] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
+        # calls whose answer a block still pinned by this client cannot change
+        self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -92,6 +112,9 @@ class AsyncKVClient:
         if self._closed:
             return
         self._closed = True
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        await self._settle()
         await self._channel.close()
         arena, self._arena = self._arena, None
         if arena is not None:
@@ -110,10 +133,42 @@ class AsyncKVClient:
 
     async def _call(self, method: Callable[..., Awaitable[_Response]], request: Any) -> _Response:
         """One unary call; every gRPC error becomes a KVStoreError."""
+        if self._done and method not in self._unordered:
+            await self._settle()
         try:
             return await method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+
+    def _release_later(self, lease_id: int) -> None:
+        """Release a read lease with the next Acquire, or within RELEASE_DELAY_S (see
+        :meth:`kvclient.KVClient._release_later`)."""
+        self._done.append(lease_id)
+        if self._flush_handle is None and not self._closed:
+            loop = asyncio.get_running_loop()
+            self._flush_handle = loop.call_later(RELEASE_DELAY_S, self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._flush_handle = None
+        if self._done:
+            task = asyncio.ensure_future(self._settle())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    def _take_done(self) -> list[int]:
+        done, self._done = self._done, []
+        return done
+
+    async def _settle(self) -> None:
+        """Release the pending leases now (one Release call for all of them)."""
+        done = self._take_done()
+        if not done:
+            return
+        request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
+        try:
+            await self._stub.Release(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            log.debug("release of %d leases: %s", len(done), exc.details())
 
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
         error = error_from_rpc(exc, self.addr)
@@ -288,7 +343,11 @@ class AsyncNamespace:
     ) -> GetResult:
         client = self.client
         request = pb.AcquireRequest(
-            ns_id=self.ns_id, tokens=tokens, extra_keys=extra, max_blocks=max_blocks
+            ns_id=self.ns_id,
+            tokens=tokens,
+            extra_keys=extra,
+            max_blocks=max_blocks,
+            release_lease_ids=client._take_done(),
         )
         acquired = await client._call(client._stub.Acquire, request)
         if arena.names_another_arena(acquired.arena_path):  # the daemon restarted
@@ -299,14 +358,68 @@ class AsyncNamespace:
             client._info = None  # the next call maps the new arena
             return await self._get_inline(tokens, extra, out, max_blocks)
         try:
-            slots = wire.slots(acquired.slots)
+            slots = wire.slot_table(acquired.slots)
             blocks = output_array(out, len(slots), self.block_bytes)
             await asyncio.to_thread(read_slots, arena.mapping, slots, blocks, self.block_bytes)
         finally:
             if acquired.lease_id:
+                client._release_later(acquired.lease_id)
+        return GetResult(tokens=len(slots) * self.block_tokens, blocks=blocks)
+
+    def acquire(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        extra_keys: wire.ExtraKeys = (),
+        max_blocks: int = 0,
+        ttl_s: float | None = None,
+    ) -> AsyncAcquire:
+        """Pin the cached prefix of ``tokens`` and see its blocks in place, no copy::
+
+            async with ns.acquire(tokens) as lease:   # or: lease = await ns.acquire(...)
+                for block in lease.views:             # read-only uint8[block_bytes] each
+                    ...
+            # released here (or by `await lease.release()`)
+
+        Shared arena only (:class:`ArenaUnavailableError` otherwise); see
+        :meth:`kvclient.Namespace.acquire`.
+        """
+        token_list = as_tokens(tokens).tolist()
+        if max_blocks < 0:
+            raise InvalidArgumentError(f"max_blocks must be >= 0, got {max_blocks}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgumentError(f"ttl_s must be > 0, got {ttl_s}")
+        request = pb.AcquireRequest(
+            ns_id=self.ns_id,
+            tokens=token_list,
+            extra_keys=wire.extra_bytes(extra_keys),
+            max_blocks=max_blocks,
+            ttl_s=ttl_s or 0.0,
+        )
+        return AsyncAcquire(self, request)
+
+    async def _acquire(self, request: pb.AcquireRequest) -> AsyncBlockLease:
+        client = self.client
+        for _ in range(2):
+            info, arena = await client._arena_for_data()
+            if arena is None:
+                raise ArenaUnavailableError(
+                    f"zero-copy views need the shared arena of kvstored at {client.addr}, "
+                    f"which cannot be mapped here (arena {info.arena_path or 'not shared'})",
+                    addr=client.addr,
+                )
+            request.release_lease_ids[:] = client._take_done()
+            acquired = await client._call(client._stub.Acquire, request)
+            if not arena.names_another_arena(acquired.arena_path):
+                table = wire.slot_table(acquired.slots)
+                return AsyncBlockLease(
+                    client, arena, table, self.block_bytes, self.block_tokens, acquired.lease_id
+                )
+            if acquired.lease_id:  # the daemon restarted: map its new arena and ask again
                 release = pb.ReleaseRequest(lease_id=acquired.lease_id)
                 await client._call(client._stub.Release, release)
-        return GetResult(tokens=len(slots) * self.block_tokens, blocks=blocks)
+            client._info = None
+        raise ArenaUnavailableError("kvstored keeps naming another arena", addr=client.addr)
 
     async def _get_inline(
         self, tokens: list[int], extra: list[bytes], out: np.ndarray | None, max_blocks: int
@@ -327,9 +440,11 @@ class AsyncNamespace:
             n = filled = 0
             flat = np.empty(0, dtype=np.uint8)
             try:
-                async for msg in client._stub.Get(request, timeout=client.timeout):
+                async for raw in client._get_stream(request, timeout=client.timeout):
                     if header is None:
-                        header = msg.header
+                        header = wire.get_header(raw)
+                        if header is None:
+                            raise KVStoreError("kvstored sent data before the Get header")
                         if blocks is None:
                             total = header.ready_blocks
                             if max_blocks:
@@ -338,9 +453,10 @@ class AsyncNamespace:
                         n = min(header.n_blocks, blocks.shape[0] - received)
                         flat = blocks[received : received + n].reshape(-1)
                         continue
-                    data = msg.data
+                    data = wire.data_of(raw)
                     take = min(len(data), flat.size - filled)
-                    flat[filled : filled + take] = np.frombuffer(data, np.uint8, take)
+                    if take > 0:
+                        flat[filled : filled + take] = np.frombuffer(data, np.uint8, take)
                     filled += len(data)
             except grpc.RpcError as exc:
                 raise client._error(exc) from None
@@ -406,7 +522,7 @@ class AsyncNamespace:
             client._info = None  # the next call maps the new arena
             info, _ = await client._refresh()
             return await self._put_inline(info, tokens, extra, rows, start, priority)
-        slots = wire.slots(reserved.slots)
+        slots = wire.slot_table(reserved.slots)
         committed = 0
         if reserved.lease_id:
             try:
@@ -451,8 +567,9 @@ class AsyncNamespace:
                 priority=priority,
             )
             messages = wire.put_messages(header, rows[done : done + n], chunk)
+            await client._settle()
             try:
-                result = await client._stub.Put(messages, timeout=client.timeout)
+                result = await client._put_stream(messages, timeout=client.timeout)
             except grpc.RpcError as exc:
                 raise client._error(exc) from None
             stored += result.stored
@@ -496,6 +613,57 @@ class AsyncNamespace:
             duration_s=duration_s or 0.0,
         )
         return int((await self.client._call(self.client._stub.SetPriority, request)).changed)
+
+
+class AsyncBlockLease(BlockViews):
+    """A read lease on cached blocks with zero-copy views of them (from
+    :meth:`AsyncNamespace.acquire`); released by ``async with`` or :meth:`release`."""
+
+    def __init__(
+        self,
+        client: AsyncKVClient,
+        arena: ClientArena,
+        table: SlotTable,
+        block_bytes: int,
+        block_tokens: int,
+        lease_id: int,
+    ) -> None:
+        super().__init__(arena.mapping, table, block_bytes, block_tokens, lease_id)
+        self._client = client
+
+    async def release(self) -> None:
+        """Give the blocks back (idempotent); the views must not be used after it."""
+        if self.released:
+            return
+        self._forget()
+        self._client._release_later(self.lease_id)
+
+    async def __aenter__(self) -> AsyncBlockLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()
+
+
+class AsyncAcquire:
+    """What :meth:`AsyncNamespace.acquire` returns: await it for the lease, or use it
+    in ``async with`` to have the lease released at the end of the block."""
+
+    def __init__(self, ns: AsyncNamespace, request: pb.AcquireRequest) -> None:
+        self._ns = ns
+        self._request = request
+        self._lease: AsyncBlockLease | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncBlockLease]:
+        return self._ns._acquire(self._request).__await__()
+
+    async def __aenter__(self) -> AsyncBlockLease:
+        self._lease = await self._ns._acquire(self._request)
+        return self._lease
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._lease is not None:
+            await self._lease.release()
 
 
 async def _abandon_quietly(client: AsyncKVClient, lease_id: int) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -38,7 +39,7 @@ import numpy as np
 
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
-from kvclient.arena_path import ClientArena, read_slots, write_slots
+from kvclient.arena_path import BlockViews, ClientArena, read_slots, write_slots
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -73,6 +74,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_CHUNK_BYTES = 4 << 20
+RELEASE_DELAY_S = 0.05  # longest a get's read lease outlives the get (see _release_later)
 
 _Response = TypeVar("_Response")
 
@@ -92,10 +94,28 @@ class KVClient:
         self.timeout = timeout
         self._channel = grpc.insecure_channel(self.addr, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        # Get and Put with identity (de)serializers: the data chunks are framed here
+        self._get_stream = self._channel.unary_stream(
+            wire.GET_METHOD,
+            request_serializer=pb.GetRequest.SerializeToString,
+            response_deserializer=None,
+        )
+        self._put_stream = self._channel.stream_unary(
+            wire.PUT_METHOD,
+            request_serializer=None,
+            response_deserializer=pb.PutResponse.FromString,
+        )
         self._lock = threading.Lock()
         self._info: ServerInfo | None = None  # None: ask the daemon again
         self._arena: ClientArena | None = None
         self._closed = False
+        # read leases done with, not released yet (see _release_later)
+        self._done: list[int] = []
+        self._done_since = 0.0
+        self._done_cond = threading.Condition()
+        self._flusher: threading.Thread | None = None
+        # calls whose answer a block still pinned by this client cannot change
+        self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -106,6 +126,9 @@ class KVClient:
                 return
             self._closed = True
             arena, self._arena = self._arena, None
+        with self._done_cond:
+            self._done_cond.notify_all()  # the flusher exits
+        self._settle()
         self._channel.close()
         if arena is not None:
             arena.close()
@@ -123,10 +146,68 @@ class KVClient:
 
     def _call(self, method: Callable[..., _Response], request: Any) -> _Response:
         """One unary call; every gRPC error becomes a KVStoreError."""
+        if self._done and method not in self._unordered:
+            self._settle()
         try:
             return method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+
+    def _release_later(self, lease_id: int) -> None:
+        """Release a read lease without a round trip of its own.
+
+        The lease id rides on this client's next Acquire (``release_lease_ids``), so a
+        loop of gets costs one call per get instead of two. Until then the blocks stay
+        pinned, never longer than RELEASE_DELAY_S: a flusher thread sends a Release for
+        whatever is still pending then. Every call whose answer a pin could change
+        (put, delete, clear, stats ...: all but Acquire, Lookup, ServerInfo) first
+        releases what is pending, so this client never sees its own stale pins.
+        """
+        with self._done_cond:
+            if not self._done:
+                self._done_since = time.monotonic()
+            self._done.append(lease_id)
+            if self._flusher is None and not self._closed:
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="kvclient-release", daemon=True
+                )
+                self._flusher.start()
+            self._done_cond.notify()
+
+    def _take_done(self) -> list[int]:
+        """The pending lease ids, for a request that releases them."""
+        if not self._done:
+            return []
+        with self._done_cond:
+            done, self._done = self._done, []
+        return done
+
+    def _settle(self) -> None:
+        """Release the pending leases now (one Release call for all of them)."""
+        done = self._take_done()
+        if not done:
+            return
+        request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
+        try:
+            self._stub.Release(request, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            # the first lease ran out (the others are released all the same), or the
+            # daemon is gone (and its leases with it)
+            log.debug("release of %d leases: %s", len(done), exc.details())
+
+    def _flush_loop(self) -> None:
+        cond = self._done_cond
+        while True:
+            with cond:
+                while not self._done and not self._closed:
+                    cond.wait()
+                if self._closed:
+                    return
+                wait = self._done_since + RELEASE_DELAY_S - time.monotonic()
+                if wait > 0:
+                    cond.wait(wait)
+                    continue
+            self._settle()
 
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
         error = error_from_rpc(exc, self.addr)
@@ -307,7 +388,11 @@ class Namespace:
     ) -> GetResult:
         client = self.client
         request = pb.AcquireRequest(
-            ns_id=self.ns_id, tokens=tokens, extra_keys=extra, max_blocks=max_blocks
+            ns_id=self.ns_id,
+            tokens=tokens,
+            extra_keys=extra,
+            max_blocks=max_blocks,
+            release_lease_ids=client._take_done(),
         )
         acquired = client._call(client._stub.Acquire, request)
         if arena.names_another_arena(acquired.arena_path):  # the daemon restarted
@@ -316,13 +401,64 @@ class Namespace:
             client._info = None  # the next call maps the new arena
             return self._get_inline(tokens, extra, out, max_blocks)
         try:
-            slots = wire.slots(acquired.slots)
+            slots = wire.slot_table(acquired.slots)
             blocks = output_array(out, len(slots), self.block_bytes)
             read_slots(arena.mapping, slots, blocks, self.block_bytes)
         finally:
             if acquired.lease_id:
-                client._call(client._stub.Release, pb.ReleaseRequest(lease_id=acquired.lease_id))
+                client._release_later(acquired.lease_id)
         return GetResult(tokens=len(slots) * self.block_tokens, blocks=blocks)
+
+    def acquire(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        extra_keys: wire.ExtraKeys = (),
+        max_blocks: int = 0,
+        ttl_s: float | None = None,
+    ) -> BlockLease:
+        """Pin the cached prefix of ``tokens`` and see its blocks in place, no copy::
+
+            with ns.acquire(tokens) as lease:      # lease.tokens cached tokens
+                for block in lease.views:          # read-only uint8[block_bytes] each
+                    ...                            # e.g. copy to the GPU
+            # released here: the views must not be used any more
+
+        Shared arena only (:class:`ArenaUnavailableError` otherwise). The lease lasts
+        ``ttl_s`` (the daemon's default when None) unless released first.
+        """
+        token_list = as_tokens(tokens).tolist()
+        if max_blocks < 0:
+            raise InvalidArgumentError(f"max_blocks must be >= 0, got {max_blocks}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgumentError(f"ttl_s must be > 0, got {ttl_s}")
+        client = self.client
+        request = pb.AcquireRequest(
+            ns_id=self.ns_id,
+            tokens=token_list,
+            extra_keys=wire.extra_bytes(extra_keys),
+            max_blocks=max_blocks,
+            ttl_s=ttl_s or 0.0,
+        )
+        for _ in range(2):
+            info, arena = client._arena_for_data()
+            if arena is None:
+                raise ArenaUnavailableError(
+                    f"zero-copy views need the shared arena of kvstored at {client.addr}, "
+                    f"which cannot be mapped here (arena {info.arena_path or 'not shared'})",
+                    addr=client.addr,
+                )
+            request.release_lease_ids[:] = client._take_done()
+            acquired = client._call(client._stub.Acquire, request)
+            if not arena.names_another_arena(acquired.arena_path):
+                table = wire.slot_table(acquired.slots)
+                return BlockLease(
+                    client, arena, table, self.block_bytes, self.block_tokens, acquired.lease_id
+                )
+            if acquired.lease_id:  # the daemon restarted: map its new arena and ask again
+                client._call(client._stub.Release, pb.ReleaseRequest(lease_id=acquired.lease_id))
+            client._info = None
+        raise ArenaUnavailableError("kvstored keeps naming another arena", addr=client.addr)
 
     def _get_inline(
         self, tokens: list[int], extra: list[bytes], out: np.ndarray | None, max_blocks: int
@@ -340,8 +476,10 @@ class Namespace:
                 max_blocks=remaining,
             )
             try:
-                stream = client._stub.Get(request, timeout=client.timeout)
-                header = next(stream).header
+                stream = client._get_stream(request, timeout=client.timeout)
+                header = wire.get_header(next(stream))
+                if header is None:
+                    raise KVStoreError("kvstored sent data before the Get header")
                 if blocks is None:
                     total = header.ready_blocks
                     if max_blocks:
@@ -351,10 +489,11 @@ class Namespace:
                 n = min(header.n_blocks, blocks.shape[0] - received)
                 flat = blocks[received : received + n].reshape(-1)
                 filled = 0
-                for msg in stream:
-                    data = msg.data
+                for raw in stream:
+                    data = wire.data_of(raw)
                     take = min(len(data), flat.size - filled)
-                    flat[filled : filled + take] = np.frombuffer(data, np.uint8, take)
+                    if take > 0:
+                        flat[filled : filled + take] = np.frombuffer(data, np.uint8, take)
                     filled += len(data)
             except grpc.RpcError as exc:
                 raise client._error(exc) from None
@@ -424,7 +563,7 @@ class Namespace:
             client._info = None  # the next call maps the new arena
             info, _ = client._refresh()
             return self._put_inline(info, tokens, extra, rows, start, priority)
-        slots = wire.slots(reserved.slots)
+        slots = wire.slot_table(reserved.slots)
         committed = 0
         if reserved.lease_id:
             try:
@@ -467,8 +606,9 @@ class Namespace:
                 priority=priority,
             )
             messages = wire.put_messages(header, rows[done : done + n], chunk)
+            client._settle()
             try:
-                result = client._stub.Put(messages, timeout=client.timeout)
+                result = client._put_stream(messages, timeout=client.timeout)
             except grpc.RpcError as exc:
                 raise client._error(exc) from None
             stored += result.stored
@@ -515,6 +655,36 @@ class Namespace:
             duration_s=duration_s or 0.0,
         )
         return int(self.client._call(self.client._stub.SetPriority, request).changed)
+
+
+class BlockLease(BlockViews):
+    """A read lease on cached blocks with zero-copy views of them (from
+    :meth:`Namespace.acquire`); released by ``with`` or :meth:`release`."""
+
+    def __init__(
+        self,
+        client: KVClient,
+        arena: ClientArena,
+        table: Any,
+        block_bytes: int,
+        block_tokens: int,
+        lease_id: int,
+    ) -> None:
+        super().__init__(arena.mapping, table, block_bytes, block_tokens, lease_id)
+        self._client = client
+
+    def release(self) -> None:
+        """Give the blocks back (idempotent); the views must not be used after it."""
+        if self.released:
+            return
+        self._forget()
+        self._client._release_later(self.lease_id)
+
+    def __enter__(self) -> BlockLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 # -- helpers -------------------------------------------------------------------------

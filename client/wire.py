@@ -3,6 +3,12 @@
 Requests are built from already-validated Python values; responses become the frozen
 dataclasses of :mod:`kvclient.results`. No I/O here, so the sync and the asyncio
 client share every conversion and differ only in how they await calls.
+
+Data chunks skip protobuf objects: the clients call Get and Put with identity
+(de)serializers, :func:`put_messages` frames each chunk itself (one copy from the
+caller's array into the message) and :func:`data_of` finds the bytes inside a
+received ``GetResponse`` without copying them (see ``kvstored.convert``). The bytes on
+the wire are ordinary messages, so this works against any daemon of the protocol.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from kvclient.arena_path import Slot
+from kvclient.arena_path import Slot, SlotTable
 from kvclient.errors import InvalidArgumentError
 from kvclient.results import (
     Event,
@@ -24,6 +30,10 @@ from kvclient.results import (
     TierStats,
 )
 from kvproto.v1 import kvstore_pb2 as pb
+from kvstored.convert import data_prefix, data_span
+
+GET_METHOD = "/kvstore.v1.KVStore/Get"
+PUT_METHOD = "/kvstore.v1.KVStore/Put"
 
 ExtraKeys = Sequence[bytes | str | int]
 
@@ -126,6 +136,15 @@ def slots(msgs: Sequence[pb.Slot]) -> list[Slot]:
     return [Slot(index=s.index, offset=s.offset, size=s.size) for s in msgs]
 
 
+def slot_table(msgs: Sequence[pb.Slot]) -> SlotTable:
+    """Slots of an answer as arrays (what the copy routines work on)."""
+    n = len(msgs)
+    return SlotTable(
+        np.fromiter((s.index for s in msgs), np.int64, n),
+        np.fromiter((s.offset for s in msgs), np.int64, n),
+    )
+
+
 def _tier_stats(msg: pb.TierStats) -> TierStats:
     return TierStats(
         name=msg.name,
@@ -191,28 +210,45 @@ def event_kind_values(kinds: Sequence[str]) -> list[int]:
 
 def put_messages(
     header: pb.PutHeader, data: np.ndarray | list[np.ndarray], chunk_bytes: int
-) -> Iterator[pb.PutRequest]:
-    """The Put stream: the header, then the block bytes in chunks of <= chunk_bytes.
+) -> Iterator[bytes]:
+    """The Put stream, serialized: the header, then the block bytes framed as data
+    messages of at most ``chunk_bytes`` each, one copy per chunk.
 
-    ``data`` is ``uint8[n, block_bytes]`` (sliced flat, one copy per chunk into the
-    message) or a list of per-block views (coalesced into chunks the same way).
+    ``data`` is ``uint8[n, block_bytes]`` (sliced flat) or a list of per-block views
+    (gathered into chunks the same way).
     """
-    yield pb.PutRequest(header=header)
+    yield pb.PutRequest(header=header).SerializeToString()
     if isinstance(data, np.ndarray):
         flat = data.reshape(-1)
         for offset in range(0, flat.size, chunk_bytes):
-            yield pb.PutRequest(data=flat[offset : offset + chunk_bytes].tobytes())
+            piece = flat[offset : offset + chunk_bytes]
+            yield b"".join((data_prefix(piece.size), piece.data))
         return
-    pending: list[bytes] = []
+    pending: list[memoryview] = []
     size = 0
     for row in data:
-        raw = row.tobytes()
+        raw = row.reshape(-1).data
         for offset in range(0, len(raw), chunk_bytes):
             piece = raw[offset : offset + chunk_bytes]
             if size + len(piece) > chunk_bytes:
-                yield pb.PutRequest(data=b"".join(pending))
+                yield b"".join((data_prefix(size), *pending))
                 pending, size = [], 0
             pending.append(piece)
             size += len(piece)
     if pending:
-        yield pb.PutRequest(data=b"".join(pending))
+        yield b"".join((data_prefix(size), *pending))
+
+
+def get_header(raw: bytes) -> pb.GetHeader | None:
+    """The header of a serialized GetResponse; None if it is a data message."""
+    msg = pb.GetResponse.FromString(raw)
+    return msg.header if msg.WhichOneof("kind") == "header" else None
+
+
+def data_of(raw: bytes) -> memoryview:
+    """The bytes of a serialized data GetResponse, without copying them."""
+    span = data_span(raw)
+    if span is not None:
+        offset, size = span
+        return memoryview(raw)[offset : offset + size]
+    return memoryview(pb.GetResponse.FromString(raw).data)  # any other valid encoding

@@ -45,6 +45,8 @@ GET_CHUNK_BYTES = (4 << 20) - (64 << 10)
 MESSAGE_OVERHEAD = 64 << 10  # room for headers beside a full chunk
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+METRICS_OFF = "off"
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -167,6 +169,19 @@ def parse_address(raw: object) -> str:
     return text
 
 
+def parse_metrics_listen(raw: object) -> str:
+    """``host:port`` of the metrics HTTP endpoint (port 0 picks a free one); ``off``/"" -> ""."""
+    if not isinstance(raw, str):
+        raise ValueError(f"expected host:port or off, got {raw!r}")
+    text = raw.strip()
+    if text.lower() in ("", METRICS_OFF):
+        return ""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or "/" in host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected host:port or off, got {raw!r}")
+    return text
+
+
 def _choice(options: Sequence[str]) -> Callable[[object], str]:
     def parse(raw: object) -> str:
         text = str(raw).strip().lower()
@@ -273,6 +288,11 @@ KEYS: tuple[Key, ...] = (
         "on SIGTERM, how long in-flight calls may finish",
         lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
     Key("log_level", "choice", _choice(LOG_LEVELS), "info", " | ".join(LOG_LEVELS)),
+    Key("log_format", "choice", _choice(LOG_FORMATS), "text",
+        "text: one readable line per event; json: one JSON object per line"),
+    Key("metrics_listen", "address", parse_metrics_listen, "127.0.0.1:9464",
+        "host:port of the Prometheus /metrics endpoint (port 0 picks a free one); "
+        "off or empty disables it"),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
@@ -301,6 +321,8 @@ class DaemonConfig:
     workers: int
     grace_s: float
     log_level: str
+    log_format: str
+    metrics_listen: str
     sources: Mapping[str, str]
     config_file: str = ""
 

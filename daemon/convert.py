@@ -9,6 +9,13 @@ functions. Checks here cover what the wire allows but the core's types cannot ex
 
 proto3 scalars cannot be "unset", so zero means "the default" where the proto says
 so (block_tokens, dtype, world_size, hash_algorithm, ttl_s, n_blocks, max_blocks).
+
+Data framing (the end of this module): a ``GetResponse`` or ``PutRequest`` that carries
+only its ``data`` field is, on the wire, the tag byte ``0x12``, the length as a varint,
+then the bytes. The data paths build and read that framing themselves
+(:func:`data_prefix`, :func:`data_span`) instead of going through protobuf objects,
+which would copy every chunk twice more on each side; the bytes on the wire are the
+same, so a peer that uses the generated classes sees ordinary messages.
 """
 
 from __future__ import annotations
@@ -248,3 +255,46 @@ def event(e: Event) -> pb.Event:
         tier=TIERS[e.tier],  # type: ignore[arg-type]
         timestamp=e.timestamp,
     )
+
+
+# --- data framing --------------------------------------------------------------------
+
+DATA_TAG = 0x12  # field 2 (``data`` of GetResponse and PutRequest), wire type 2
+_DATA_TAG_BYTE = bytes([DATA_TAG])
+
+
+def data_prefix(length: int) -> bytes:
+    """Tag and varint length that put in front of ``length`` bytes make a data message."""
+    out = bytearray(_DATA_TAG_BYTE)
+    while length >= 0x80:
+        out.append((length & 0x7F) | 0x80)
+        length >>= 7
+    out.append(length)
+    return bytes(out)
+
+
+def data_span(raw: bytes | memoryview) -> tuple[int, int] | None:
+    """(offset, length) of the payload of a message that holds exactly one data field.
+
+    None for anything else (a header, an empty message, extra fields): the caller then
+    parses the message with the generated class, which handles every valid encoding.
+    """
+    size = len(raw)
+    if size < 2 or raw[0] != DATA_TAG:
+        return None
+    length = shift = 0
+    pos = 1
+    while pos < size and pos <= 10:
+        byte = raw[pos]
+        pos += 1
+        length |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return (pos, length) if pos + length == size else None
+        shift += 7
+    return None
+
+
+def framed(pieces: Sequence[bytes | memoryview], length: int) -> bytes:
+    """One data message holding the concatenation of ``pieces`` (``length`` bytes):
+    a single copy of the payload into the new message."""
+    return b"".join((data_prefix(length), *pieces))

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 
 from kvstored import paths
 from kvstored.config import ConfigError, load_config
+from kvstored.logs import setup_logging
+
+log = logging.getLogger("kvstored")
 
 DEFAULT_SOCKET = paths.default_socket_path  # kept callable: the value depends on the env
 
@@ -40,17 +43,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.version:
         print(f"kvstored {daemon_version()}")
         return 0
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(config.log_level, config.log_format)
     try:
         return asyncio.run(serve(config))
     except StartupError as exc:
+        if config.log_format == "json":  # keep stderr all JSON lines
+            log.error("cannot start: %s", exc, extra={"event": "start_failed"})
+            return 1
         return _fail(str(exc), 1)
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 130
+    except Exception:
+        log.critical("kvstored failed", exc_info=True, extra={"event": "crashed"})
+        return 1
 
 
 if __name__ == "__main__":

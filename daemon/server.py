@@ -33,17 +33,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvproto.v1 import gpu_pb2, gpu_pb2_grpc
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore import pinning
+from kvstore import platform as kv_platform
 from kvstore.store import Store
 from kvstored import paths
 from kvstored.config import DaemonConfig, human_size
+from kvstored.gpu_service import KVGpuService
+from kvstored.metrics import DaemonMetrics, MetricsBindError
 from kvstored.names import NamespaceNames
 from kvstored.service import KVStoreService
 
 log = logging.getLogger("kvstored")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name  # "kvstore.v1.KVStore"
+GPU_SERVICE_NAME = gpu_pb2.DESCRIPTOR.services_by_name["KVGpu"].full_name  # "kvstore.v1.KVGpu"
 
 
 class StartupError(RuntimeError):
@@ -87,7 +93,7 @@ def prepare_socket(sock_path: Path) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
             raise StartupError(f"cannot probe {sock_path}: {exc.strerror}") from None
-        log.info("removing stale socket %s", sock_path)
+        log.info("removing stale socket %s", sock_path, extra={"event": "stale_socket"})
         sock_path.unlink(missing_ok=True)
     else:
         raise StartupError(f"another daemon is listening on {sock_path}")
@@ -120,19 +126,25 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     sock_path = config.socket_path
     if sock_path is not None:
         prepare_socket(sock_path)
+    gpu = await asyncio.to_thread(kv_platform.detect)  # no torch/CUDA context on cpu-only
+    pin = pinning.arena_pin_hook(gpu)  # cudaHostRegister of the arena when CUDA is there
     try:
-        store = await asyncio.to_thread(Store, config.store_config())
+        store = await asyncio.to_thread(Store, config.store_config(), pin=pin)
     except Exception as exc:
         raise StartupError(f"cannot open the store: {type(exc).__name__}: {exc}") from exc
+    store.set_platform(gpu.profile.value)
 
     names = NamespaceNames(config.disk_dir if config.disk_bytes else None)
     service = KVStoreService(store, config, names, daemon_version())
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(options=grpc_options(config))
+    metrics = DaemonMetrics(store.stats, daemon_version(), lambda: store.platform)
+    server = grpc.aio.server(options=grpc_options(config), interceptors=[metrics.interceptor])
     pb_grpc.add_KVStoreServicer_to_server(service, server)
+    gpu_service = KVGpuService(store, config, names, gpu, pin)
+    gpu_pb2_grpc.add_KVGpuServicer_to_server(gpu_service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, GPU_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
         old_umask = os.umask(0o177)  # the socket is born 0600: no window for other users
@@ -143,39 +155,58 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
             os.umask(old_umask)
         if sock_path is not None:
             sock_path.chmod(0o600)
+        metrics_url = metrics.start_http(
+            config.metrics_listen, required=config.sources["metrics_listen"] != "default"
+        )
     except Exception as exc:
         await server.stop(None)
+        gpu_service.close()
         await asyncio.to_thread(store.close)
         service.close()
+        if isinstance(exc, MetricsBindError):
+            raise StartupError(f"cannot listen on {exc}") from exc
         raise StartupError(f"cannot listen on {config.listen}: {exc}") from exc
+    if metrics_url:  # logged before SERVING: whoever waits for health can read it
+        log.info("metrics on %s", metrics_url, extra={"event": "metrics", "url": metrics_url})
 
     listening = config.listen
     if sock_path is None:  # TCP: show the port grpc bound (the one asked for, or a free one)
         listening = f"{config.listen.rpartition(':')[0]}:{port}"
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s", describe(config, store, listening))
+    log.info("platform %s", gpu.describe(), extra={"event": "platform"})
+    log.info("%s", describe(config, store, listening), extra={"event": "serving"})
 
     try:
         await stop.wait()
     finally:
-        log.info("shutting down: draining calls for up to %.1f s", config.grace_s)
+        log.info(
+            "shutting down: draining calls for up to %.1f s", config.grace_s,
+            extra={"event": "draining"},
+        )
         await health_servicer.enter_graceful_shutdown()
         service.begin_shutdown()
         await server.stop(config.grace_s)
-        log.info("closing the store (persisting and flushing the disk tier)")
+        await asyncio.to_thread(gpu_service.close)  # running transfers end before the store
+        await asyncio.to_thread(metrics.close)
+        log.info(
+            "closing the store (persisting and flushing the disk tier)",
+            extra={"event": "closing"},
+        )
         await asyncio.to_thread(store.close)
         service.close()
         if sock_path is not None:
             with contextlib.suppress(OSError):
                 sock_path.unlink()
-        log.info("stopped")
+        log.info("stopped", extra={"event": "stopped"})
     return 0
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
     if stop.is_set():
-        log.warning("%s again: already shutting down", sig.name)
+        log.warning(
+            "%s again: already shutting down", sig.name, extra={"event": "signal"}
+        )
         return
-    log.info("%s received", sig.name)
+    log.info("%s received", sig.name, extra={"event": "signal"})
     stop.set()

@@ -9,38 +9,62 @@ Store calls lock, hash and copy block bytes, so each one runs on a bounded threa
 ``wait_pending_s``, event polling) use a second pool so they cannot fill the first.
 
 Each handler does three things: convert and validate the request (``convert``), run
-one synchronous function against the store on a pool, convert the result. Errors are
+one synchronous function against the store on a pool, convert the result. Short calls
+skip the pool (a hand-off to a pool thread and back costs about a millisecond on a
+busy two-core machine, more than the call itself): Release, Abandon, Commit (unless
+write-through admission makes it write to disk), and Lookup, Acquire, Get, Reserve
+and Put when the chain is at most ``QUICK_BLOCKS`` blocks and already in the host
+tier (and, for writes, the arena has room without evicting). Those run on the event
+loop; a quick attempt that finds it would have to touch the disk raises
+``_NeedsPool`` before it changed anything and runs again on the pool. Errors are
 mapped to status codes in one place (``errors.grpc_errors``); a request that fails
 validation changed nothing in the store.
 
 Data paths (see proto/kvproto/v1/kvstore.proto):
 - Put: header {ns_id, tokens, start_block, n_blocks, priority}, then chunks that
-  concatenate to exactly n_blocks * block_bytes; the blocks are stored in one
-  ``Store.put`` once all bytes have arrived, so a short or long stream stores nothing.
+  concatenate to exactly n_blocks * block_bytes. After the header the blocks are
+  reserved (pending, under a write lease) and each chunk is copied straight into its
+  arena slots as it arrives; the blocks are committed once all bytes are in, and
+  abandoned on a short or long stream or any error, so such a stream stores nothing.
   A put of which nothing could be admitted for lack of room answers RESOURCE_EXHAUSTED.
 - Get: header {ready_blocks, start_block, n_blocks, block_bytes, truncated}, then
-  chunks of blocks [start_block, start_block + n_blocks). One call moves at most
-  ``max_transfer_bytes`` (bounds daemon memory); ``truncated`` says to call again.
+  chunks of blocks [start_block, start_block + n_blocks). The blocks are pinned under
+  a read lease and every chunk is cut straight out of the arena slots (one copy); a
+  prefix that cannot be pinned in host (no room to promote a disk block) is read into
+  a buffer instead. One call moves at most ``max_transfer_bytes``; ``truncated`` says
+  to call again.
+
+Both data streams build and read the data messages' framing themselves when the
+service is registered with :func:`add_to_server` (identity (de)serializers for Get and
+Put: one copy per chunk instead of three on the daemon's side). The bytes on the wire
+are ordinary ``GetResponse`` / ``PutRequest`` messages either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import functools
 import logging
 import os
+import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
 
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.errors import InvalidArgument, OutOfSpace, UnknownNamespace
+from kvstore.errors import InvalidArgument, LeaseError, OutOfSpace, StoreError, UnknownNamespace
 from kvstore.keys import BlockKey, NamespaceSpec
-from kvstore.results import Event
+from kvstore.results import Event, Reservation, SlotRef
 from kvstore.store import Store
 from kvstored import convert, hostinfo
 from kvstored.config import GET_CHUNK_BYTES, MAX_CHUNK_BYTES, DaemonConfig
@@ -54,6 +78,13 @@ T = TypeVar("T")
 EVENT_POLL_S = 0.25  # how long one event poll waits in the store before re-checking shutdown
 EVENT_BATCH = 1024
 MAX_WAIT_PENDING_S = 300.0
+CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
+QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool
+
+
+class _NeedsPool(Exception):
+    """A call tried on the event loop would wait on the disk or hash a long prompt: it
+    stopped before changing anything and runs again on the pool."""
 
 
 class KVStoreService(pb_grpc.KVStoreServicer):
@@ -71,6 +102,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kv-store")
         self._wait_pool = ThreadPoolExecutor(64, thread_name_prefix="kv-wait")
         self._stopping = asyncio.Event()
+        self._chains = ChainCache(CHAIN_CACHE_KEYS)
+        # True once add_to_server registered Get and Put with identity (de)serializers:
+        # Get then yields framed bytes and Put receives them (see convert.framed).
+        self.framed = False
 
     def begin_shutdown(self) -> None:
         """End the open WatchEvents streams so a graceful stop does not wait for them."""
@@ -85,6 +120,30 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         pool = self._wait_pool if wait else self._pool
         return await loop.run_in_executor(pool, functools.partial(fn, *args))
 
+    async def _run_quick(self, fn: Callable[[bool], T]) -> T:
+        """``fn(quick=True)`` on the event loop; on the pool when it raises _NeedsPool."""
+        try:
+            return fn(True)
+        except _NeedsPool:
+            return await self._run(fn, False)
+
+    def _check_host(self, ns_id: str, keys: Sequence[BlockKey]) -> None:
+        """Quick calls only: every ready block of ``keys`` is in the host tier."""
+        if self._store.lookup(ns_id, keys).disk_blocks:
+            raise _NeedsPool
+
+    def _check_room(self, ns_id: str, keys: Sequence[BlockKey], n_blocks: int) -> None:
+        """Quick calls only: a reservation of ``n_blocks`` after ``keys``' ready prefix
+        fits the arena's free bytes (so it evicts nothing) and needs no promotion."""
+        self._check_host(ns_id, keys)
+        arena = self._store.arena
+        block = -(-self._store.namespace(ns_id).block_bytes // 4096) * 4096
+        if arena.capacity_bytes - arena.used_bytes < (n_blocks + 1) * block:
+            raise _NeedsPool
+
+    def _write_through(self) -> bool:
+        return self._store.config.admission == "write-through"
+
     # --- shared helpers (run on a pool thread) --------------------------------------
 
     def _spec(self, ns_id: str) -> NamespaceSpec:
@@ -92,9 +151,21 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise InvalidArgument("ns_id is required")
         return self._store.namespace(self._names.resolve(ns_id))
 
-    def _chain(self, ns_id: str, tokens: Any, extra: Any) -> tuple[NamespaceSpec, list[BlockKey]]:
+    def _chain(
+        self, ns_id: str, tokens: Any, extra: Any, quick: bool = False
+    ) -> tuple[NamespaceSpec, list[BlockKey]]:
+        """The namespace and the key chain of a request's tokens; a Lookup and the
+        Acquire or Get that follows it for the same prompt hash it once (ChainCache)."""
         spec = self._spec(ns_id)
-        keys = self._store.keys_for(spec.ns_id, convert.tokens(tokens), convert.extra_keys(extra))
+        arr = convert.tokens(tokens)
+        extras = convert.extra_keys(extra)
+        memo = (spec.ns_id, arr.tobytes(), tuple(extras))
+        keys = self._chains.get(memo)
+        if keys is None:
+            if quick and arr.size > QUICK_BLOCKS * spec.block_tokens:
+                raise _NeedsPool
+            keys = self._store.keys_for(spec.ns_id, arr, extras)
+            self._chains.put(memo, keys)
         return spec, keys
 
     # --- namespaces -------------------------------------------------------------------
@@ -184,102 +255,168 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"wait_pending_s must be <= {MAX_WAIT_PENDING_S}, got {request.wait_pending_s}"
             )
 
-        def lookup() -> pb.LookupResponse:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys)
+        def lookup(quick: bool = False) -> pb.LookupResponse:
+            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             if wait:
                 result = self._store.wait_ready(spec.ns_id, keys, wait)
             else:
                 result = self._store.lookup(spec.ns_id, keys)
             return convert.lookup_response(result, spec.block_tokens, len(keys))
 
-        return await self._run(lookup, wait=wait is not None)
+        if wait is not None:
+            return await self._run(lookup, wait=True)
+        return await self._run_quick(lookup)
 
     @grpc_errors
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GetResponse]:
-        def read() -> tuple[pb.GetHeader, memoryview]:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys)
-            start, bb = request.start_block, spec.block_bytes
-            if start > len(keys):
-                raise InvalidArgument(
-                    f"start_block={start} is beyond the {len(keys)} full blocks the tokens make"
-                )
-            ready = self._store.lookup(spec.ns_id, keys).ready_blocks
-            # one call moves at most max_transfer_bytes, but always at least one block
-            end = ready
-            if request.max_blocks:
-                end = min(end, start + request.max_blocks)
-            end = min(end, start + max(1, self._config.max_transfer_bytes // bb))
-            if end <= start:
-                header = pb.GetHeader(
-                    ready_blocks=ready,
-                    ready_tokens=ready * spec.block_tokens,
-                    start_block=start,
-                    block_bytes=bb,
-                )
-                return header, memoryview(b"")
-            n, view = self._store.read(spec.ns_id, keys[:end], start=start)
-            if start + n < end:  # evicted between lookup and read: the prefix is shorter
-                ready = start + n
+    ) -> AsyncIterator[pb.GetResponse | bytes]:
+        plan = await self._run_quick(functools.partial(self._open_read, request))
+        finished = False
+        try:
+            yield self._message(pb.GetResponse(header=plan.header))
+            for pieces, size in plan.chunks(GET_CHUNK_BYTES):
+                if self.framed:
+                    yield convert.framed(pieces, size)  # one copy, out of the arena
+                else:
+                    yield pb.GetResponse(data=b"".join(pieces))
+            finished = True
+        finally:
+            if plan.lease_id:
+                released = self._release_quietly(plan.lease_id)
+                if finished and not released:
+                    # the slots may have been reused while we read them: the client must
+                    # not keep what it got, so the call ends with an error status
+                    raise LeaseError(
+                        f"the read lease of this Get ran out after {self._config.max_lease_ttl_s}"
+                        " s while the bytes were being sent; call again"
+                    )
+
+    def _open_read(self, request: pb.GetRequest, quick: bool = False) -> _ReadPlan:
+        """Find what a Get sends and pin it: the header and the bytes."""
+        spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
+        start, bb = request.start_block, spec.block_bytes
+        if start > len(keys):
+            raise InvalidArgument(
+                f"start_block={start} is beyond the {len(keys)} full blocks the tokens make"
+            )
+        found = self._store.lookup(spec.ns_id, keys)
+        if quick and (found.disk_blocks or start):
+            raise _NeedsPool
+        ready = found.ready_blocks
+        # one call moves at most max_transfer_bytes, but always at least one block
+        end = ready
+        if request.max_blocks:
+            end = min(end, start + request.max_blocks)
+        end = min(end, start + max(1, self._config.max_transfer_bytes // bb))
+        if end <= start:
             header = pb.GetHeader(
                 ready_blocks=ready,
                 ready_tokens=ready * spec.block_tokens,
                 start_block=start,
-                n_blocks=n,
                 block_bytes=bb,
-                truncated=ready > end,
             )
-            return header, view
+            return _ReadPlan(header, [])
+        plan = self._pin_for_read(spec, keys[:end], start) if start == 0 else None
+        if plan is None:
+            n, view = self._store.read(spec.ns_id, keys[:end], start=start)
+            plan = _ReadPlan(pb.GetHeader(), [view] if n else [], n_blocks=n)
+        n = plan.n_blocks
+        if start + n < end:  # evicted between lookup and read: the prefix is shorter
+            ready = start + n
+        plan.header = pb.GetHeader(
+            ready_blocks=ready,
+            ready_tokens=ready * spec.block_tokens,
+            start_block=start,
+            n_blocks=n,
+            block_bytes=bb,
+            truncated=ready > end,
+        )
+        return plan
 
-        header, data = await self._run(read)
-        yield pb.GetResponse(header=header)
-        for offset in range(0, len(data), GET_CHUNK_BYTES):
-            yield pb.GetResponse(data=bytes(data[offset : offset + GET_CHUNK_BYTES]))
+    def _pin_for_read(
+        self, spec: NamespaceSpec, keys: list[BlockKey], start: int
+    ) -> _ReadPlan | None:
+        """Pin ``keys`` in host slots under a read lease; None (nothing pinned) when part
+        of the prefix cannot be (a disk block with no room to promote it: read() copies
+        it from disk instead)."""
+        got = self._store.acquire(spec.ns_id, keys, self._config.max_lease_ttl_s)
+        if len(got.slots) < len(keys):
+            if got.lease_id:
+                self._store.release(got.lease_id)
+            return None
+        arena = self._store.arena
+        segments = [arena.view(offset, size) for offset, size in _slot_runs(got.slots[start:])]
+        return _ReadPlan(pb.GetHeader(), segments, got.lease_id, len(keys) - start)
+
+    def _release_quietly(self, lease_id: int) -> bool:
+        """Release a lease the service took itself; False if it had already ended."""
+        try:
+            self._store.release(lease_id)
+        except LeaseError:
+            return False
+        except StoreError:  # the store closed: its leases are gone with it
+            return False
+        return True
+
+    def _message(self, msg: Any) -> Any:
+        """A non-data message of Get, serialized here when Get is registered framed."""
+        return msg.SerializeToString() if self.framed else msg
 
     @grpc_errors
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
+        self._release_done(request.release_lease_ids)
         ttl = convert.seconds(request.ttl_s, "ttl_s")
 
-        def acquire() -> pb.AcquireResponse:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys)
+        def acquire(quick: bool = False) -> pb.AcquireResponse:
+            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             if request.max_blocks:
                 keys = keys[: request.max_blocks]
+            if quick:
+                self._check_host(spec.ns_id, keys)
             got = self._store.acquire(spec.ns_id, keys, ttl)
             return convert.acquire_response(got, spec.block_tokens, self._store.arena_path or "")
 
-        return await self._run(acquire)
+        return await self._run_quick(acquire)
 
     @grpc_errors
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        await self._run(self._store.release, convert.lease_id(request.lease_id))
+        lease = convert.lease_id(request.lease_id)
+        self._release_done(request.more_lease_ids)
+        self._store.release(lease)  # no disk I/O: on the loop
         return pb.ReleaseResponse()
+
+    def _release_done(self, lease_ids: Sequence[int]) -> None:
+        """Release leases a client is done with, skipping those that already ended."""
+        for lease in lease_ids:
+            with contextlib.suppress(LeaseError):
+                self._store.release(lease)
 
     # --- write side -------------------------------------------------------------------
 
     @grpc_errors
     async def Put(
-        self, request_iterator: AsyncIterable[pb.PutRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterable[pb.PutRequest | bytes],
+        context: grpc.aio.ServicerContext,
     ) -> pb.PutResponse:
         messages = aiter(request_iterator)
         first = await anext(messages, None)
-        if first is None or first.WhichOneof("kind") != "header":
-            raise InvalidArgument("the first Put message must be a header")
-        head = first.header
+        head = self._put_header(first)
         prio = convert.optional_priority(head)
 
-        def check_header() -> tuple[NamespaceSpec, list[BlockKey]]:
-            spec, keys = self._chain(head.ns_id, head.tokens, head.extra_keys)
+        def check_header(quick: bool = False) -> tuple[NamespaceSpec, list[BlockKey]]:
+            spec, keys = self._chain(head.ns_id, head.tokens, head.extra_keys, quick)
             end = convert.block_range(head.start_block, head.n_blocks, len(keys))
             if head.n_blocks == 0:
                 raise InvalidArgument("n_blocks must be > 0")
             return spec, keys[:end]
 
-        spec, keys = await self._run(check_header)
+        spec, keys = await self._run_quick(check_header)
         bb = spec.block_bytes
         expected = head.n_blocks * bb
         if expected > self._config.max_transfer_bytes:
@@ -287,44 +424,83 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"put of {head.n_blocks} blocks x {bb} bytes = {expected} bytes exceeds "
                 f"max_transfer_bytes={self._config.max_transfer_bytes}; split it"
             )
-        buf = bytearray(expected)
-        view = memoryview(buf)
-        received = 0
-        async for msg in messages:
-            if msg.WhichOneof("kind") != "data":
-                raise InvalidArgument("Put sends one header, then only data chunks")
-            chunk = msg.data
-            if len(chunk) > MAX_CHUNK_BYTES:
-                raise InvalidArgument(
-                    f"data chunk of {len(chunk)} bytes exceeds max_chunk_bytes={MAX_CHUNK_BYTES}"
-                )
-            if received + len(chunk) > expected:
-                raise InvalidArgument(
-                    f"Put data exceeds n_blocks x block_bytes = {head.n_blocks} x {bb} "
-                    f"= {expected} bytes (got at least {received + len(chunk)})"
-                )
-            view[received : received + len(chunk)] = chunk
-            received += len(chunk)
-        if received != expected:
-            raise InvalidArgument(
-                f"Put data is {received} bytes, expected n_blocks x block_bytes = "
-                f"{head.n_blocks} x {bb} = {expected}"
+
+        def reserve(quick: bool = False) -> Reservation:
+            if quick:
+                self._check_room(spec.ns_id, keys, head.n_blocks)
+            return self._store.reserve(
+                spec.ns_id, keys, head.start_block, self._config.max_lease_ttl_s, prio
             )
 
-        def put() -> pb.PutResponse:
-            start = head.start_block
-            payloads = [view[i * bb : (i + 1) * bb] for i in range(head.n_blocks)]
-            result = self._store.put(spec.ns_id, keys, payloads, start=start, priority=prio)
-            # Refused outright: a missing parent or another owner computing the first
-            # block is an ordinary answer; only lack of room is an error.
-            if result.out_of_space and result.stored == 0 and result.existing == 0:
-                raise OutOfSpace(
-                    f"no room for any of the {head.n_blocks} blocks: the store is full "
-                    "of leased or pending blocks"
+        reservation = await self._run_quick(reserve)
+        lease = reservation.lease_id
+        sink = _SlotSink(self._store.arena.array(), reservation.slots, head.start_block, bb)
+        committed = 0
+        try:
+            received = 0
+            async for msg in messages:
+                chunk = self._put_data(msg)
+                size = len(chunk)
+                if size > MAX_CHUNK_BYTES:
+                    raise InvalidArgument(
+                        f"data chunk of {size} bytes exceeds max_chunk_bytes={MAX_CHUNK_BYTES}"
+                    )
+                if received + size > expected:
+                    raise InvalidArgument(
+                        f"Put data exceeds n_blocks x block_bytes = {head.n_blocks} x {bb} "
+                        f"= {expected} bytes (got at least {received + size})"
+                    )
+                sink.write(received, chunk)
+                received += size
+            if received != expected:
+                raise InvalidArgument(
+                    f"Put data is {received} bytes, expected n_blocks x block_bytes = "
+                    f"{head.n_blocks} x {bb} = {expected}"
                 )
-            return convert.put_response(result)
+            if lease:
+                committed = await self._commit(lease, None)
+        except BaseException:
+            if lease and not committed:
+                with contextlib.suppress(StoreError):
+                    self._store.abandon(lease)  # short, and safe while being cancelled
+            raise
+        # Refused outright: a missing parent or another owner computing the first
+        # block is an ordinary answer; only lack of room is an error.
+        if reservation.out_of_space and committed == 0 and reservation.existing == 0:
+            raise OutOfSpace(
+                f"no room for any of the {head.n_blocks} blocks: the store is full "
+                "of leased or pending blocks"
+            )
+        return pb.PutResponse(
+            stored=committed,
+            existing=reservation.existing,
+            refused=reservation.refused + len(reservation.slots) - committed,
+        )
 
-        return await self._run(put)
+    def _put_header(self, first: pb.PutRequest | bytes | None) -> pb.PutHeader:
+        msg = self._put_message(first) if isinstance(first, bytes) else first
+        if msg is None or msg.WhichOneof("kind") != "header":
+            raise InvalidArgument("the first Put message must be a header")
+        return msg.header
+
+    def _put_data(self, msg: pb.PutRequest | bytes) -> bytes | memoryview:
+        """The bytes of a Put data message (a view into a framed message: no copy)."""
+        if isinstance(msg, bytes):
+            span = convert.data_span(msg)
+            if span is not None:
+                offset, size = span
+                return memoryview(msg)[offset : offset + size]
+            msg = self._put_message(msg)
+        if msg.WhichOneof("kind") != "data":
+            raise InvalidArgument("Put sends one header, then only data chunks")
+        return msg.data
+
+    @staticmethod
+    def _put_message(raw: bytes) -> pb.PutRequest:
+        try:
+            return pb.PutRequest.FromString(raw)
+        except DecodeError:
+            raise InvalidArgument("a Put message is not a valid PutRequest") from None
 
     @grpc_errors
     async def Reserve(
@@ -333,9 +509,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ttl = convert.seconds(request.ttl_s, "ttl_s")
         prio = convert.optional_priority(request)
 
-        def reserve() -> pb.ReserveResponse:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys)
+        def reserve(quick: bool = False) -> pb.ReserveResponse:
+            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             end = convert.block_range(request.start_block, request.n_blocks, len(keys))
+            if quick:
+                self._check_room(spec.ns_id, keys[:end], end - request.start_block)
             res = self._store.reserve(
                 spec.ns_id, keys[:end], start=request.start_block, ttl_s=ttl, priority=prio
             )
@@ -346,7 +524,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 )
             return convert.reserve_response(res, self._store.arena_path or "")
 
-        return await self._run(reserve)
+        return await self._run_quick(reserve)
 
     @grpc_errors
     async def Commit(
@@ -354,14 +532,19 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.CommitResponse:
         lease = convert.lease_id(request.lease_id)
         count = request.count if request.HasField("count") else None
-        return pb.CommitResponse(committed=await self._run(self._store.commit, lease, count))
+        return pb.CommitResponse(committed=await self._commit(lease, count))
+
+    async def _commit(self, lease: int, count: int | None) -> int:
+        if self._write_through():  # commit queues disk writes, which may wait
+            return await self._run(self._store.commit, lease, count)
+        return self._store.commit(lease, count)
 
     @grpc_errors
     async def Abandon(
         self, request: pb.AbandonRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbandonResponse:
         lease = convert.lease_id(request.lease_id)
-        return pb.AbandonResponse(dropped=await self._run(self._store.abandon, lease))
+        return pb.AbandonResponse(dropped=self._store.abandon(lease))  # no disk I/O
 
     # --- management -------------------------------------------------------------------
 
@@ -453,3 +636,155 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     def _latest_seq(self) -> int:
         return self._store.last_event_seq
+
+
+# --- registration ---------------------------------------------------------------------
+
+
+class _Registry:
+    """Stands in for a grpc server to collect the generated method handlers."""
+
+    def __init__(self) -> None:
+        self.methods: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.methods.update(handlers)
+
+
+SERVICE_NAME = "kvstore.v1.KVStore"
+
+
+def add_to_server(service: KVStoreService, server: Any) -> None:
+    """Register ``service`` like ``add_KVStoreServicer_to_server``, with Get and Put on
+    framed bytes: Get's data messages are built by :func:`convert.framed` (one copy
+    out of the arena) and Put's are read in place (one copy into the arena), where the
+    generated (de)serializers would copy each chunk twice more. Same messages on the
+    wire, so every client works unchanged."""
+    registry = _Registry()
+    pb_grpc.add_KVStoreServicer_to_server(service, registry)
+    methods = dict(registry.methods)
+    methods["Get"] = grpc.unary_stream_rpc_method_handler(
+        service.Get, request_deserializer=pb.GetRequest.FromString, response_serializer=None
+    )
+    methods["Put"] = grpc.stream_unary_rpc_method_handler(
+        service.Put, request_deserializer=None, response_serializer=pb.PutResponse.SerializeToString
+    )
+    service.framed = True
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, methods),))
+    server.add_registered_method_handlers(SERVICE_NAME, methods)
+
+
+# --- data-path helpers -----------------------------------------------------------------
+
+
+class ChainCache:
+    """Key chains computed recently, by (ns_id, token bytes, extra keys); LRU, bounded by
+    the number of keys held. Keys are a pure function of those, so a hit is exact."""
+
+    def __init__(self, max_keys: int) -> None:
+        self._max_keys = max_keys
+        self._entries: OrderedDict[tuple[str, bytes, tuple[bytes, ...]], list[BlockKey]] = (
+            OrderedDict()
+        )
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def get(self, memo: tuple[str, bytes, tuple[bytes, ...]]) -> list[BlockKey] | None:
+        with self._lock:
+            keys = self._entries.get(memo)
+            if keys is not None:
+                self._entries.move_to_end(memo)
+            return keys
+
+    def put(self, memo: tuple[str, bytes, tuple[bytes, ...]], keys: list[BlockKey]) -> None:
+        if not keys or len(keys) > self._max_keys:
+            return
+        with self._lock:
+            if memo in self._entries:
+                return
+            self._entries[memo] = keys
+            self._held += len(keys)
+            while self._held > self._max_keys:
+                _, old = self._entries.popitem(last=False)
+                self._held -= len(old)
+
+
+@dataclass(slots=True)
+class _ReadPlan:
+    """What one Get sends: its header and the bytes, as segments (arena views under
+    ``lease_id``, or one buffer read by Store.read)."""
+
+    header: pb.GetHeader
+    segments: list[memoryview]
+    lease_id: int = 0
+    n_blocks: int = 0
+
+    def chunks(self, limit: int) -> Iterator[tuple[list[memoryview], int]]:
+        """The segments cut into messages of at most ``limit`` bytes -> (pieces, bytes)."""
+        pieces: list[memoryview] = []
+        size = 0
+        for segment in self.segments:
+            offset = 0
+            while offset < len(segment):
+                take = min(limit - size, len(segment) - offset)
+                pieces.append(segment[offset : offset + take])
+                size += take
+                offset += take
+                if size == limit:
+                    yield pieces, size
+                    pieces, size = [], 0
+        if pieces:
+            yield pieces, size
+
+
+def _slot_runs(slots: Sequence[SlotRef]) -> Iterator[tuple[int, int]]:
+    """(offset, bytes) of runs of slots that follow each other in the arena."""
+    i = 0
+    while i < len(slots):
+        offset, size = slots[i].offset, slots[i].size
+        j = i + 1
+        while j < len(slots) and slots[j].offset == offset + size:
+            size += slots[j].size
+            j += 1
+        yield offset, size
+        i = j
+
+
+class _SlotSink:
+    """Where the bytes of an inline Put go: data offset -> arena offset of the reserved
+    slots. Bytes of blocks that already existed or were refused are dropped."""
+
+    def __init__(
+        self, arena: np.ndarray, slots: Sequence[SlotRef], start: int, block_bytes: int
+    ) -> None:
+        self._arena = arena
+        self._starts: list[int] = []  # data offset where each run begins
+        self._runs: list[tuple[int, int, int]] = []  # (data offset, arena offset, bytes)
+        for slot in slots:
+            data = (slot.index - start) * block_bytes
+            if self._runs:
+                d, a, n = self._runs[-1]
+                if d + n == data and a + n == slot.offset:
+                    self._runs[-1] = (d, a, n + block_bytes)
+                    continue
+            self._runs.append((data, slot.offset, block_bytes))
+            self._starts.append(data)
+
+    def write(self, position: int, chunk: bytes | memoryview) -> None:
+        """Copy the parts of ``chunk`` (data bytes from ``position``) that have slots."""
+        end = position + len(chunk)
+        i = max(bisect.bisect_right(self._starts, position) - 1, 0)
+        while i < len(self._runs):
+            data, arena, size = self._runs[i]
+            if data >= end:
+                break
+            lo, hi = max(position, data), min(end, data + size)
+            if lo < hi:
+                src = np.frombuffer(chunk, np.uint8, hi - lo, lo - position)
+                self._arena[arena + lo - data : arena + hi - data] = src
+            i += 1

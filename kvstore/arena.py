@@ -262,7 +262,7 @@ def remove_stale_regions(directory: str, name_prefix: str = "kvstore") -> list[s
     daemon is pid 1 again, like the one that was killed. Returns the paths removed.
     """
     pattern = re.compile(rf"^{re.escape(name_prefix)}-{os.getuid()}-(\d+)-[0-9a-f]+$")
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Regenerate the committed protobuf/gRPC code from proto/kvproto/v1/kvstore.proto.
+# Regenerate the committed protobuf/gRPC code from proto/kvproto/v1/kvstore.proto and
+# proto/kvproto/v1/gpu.proto.
 #
 # This script is the only way kvstore_pb2.py, kvstore_pb2.pyi and kvstore_pb2_grpc.py
-# are made; tests/test_proto_drift.py runs it into a temp dir and fails when the
-# committed files differ. Compiled with `-I proto`, so generated imports read
+# (and gpu_pb2.py, gpu_pb2.pyi, gpu_pb2_grpc.py) are made; tests/test_proto_drift.py
+# runs it into a temp dir and fails when the committed files differ. Compiled with `-I proto`, so generated imports read
 # `from kvproto.v1 import kvstore_pb2`.
 #
 # usage: scripts/gen_proto.sh [OUT_ROOT]   (default: proto, i.e. in place)
@@ -24,4 +25,5 @@ cd "$repo"
     --python_out="$out" \
     --pyi_out="$out" \
     --grpc_python_out="$out" \
-    proto/kvproto/v1/kvstore.proto
+    proto/kvproto/v1/kvstore.proto \
+    proto/kvproto/v1/gpu.proto

@@ -1,11 +1,11 @@
 """The committed generated code must be what scripts/gen_proto.sh makes from the .proto.
 
 Two checks:
-1. Always: the descriptor compiled from proto/kvproto/v1/kvstore.proto now equals the one
-   embedded in the committed kvstore_pb2.py (catches a .proto edited without
-   regenerating, whatever grpcio-tools version is installed).
+1. Always: the descriptor compiled from proto/kvproto/v1/kvstore.proto (and gpu.proto)
+   now equals the one embedded in the committed kvstore_pb2.py (gpu_pb2.py) (catches a
+   .proto edited without regenerating, whatever grpcio-tools version is installed).
 2. When the installed grpcio-tools is the version that made the committed files: the
-   script's output into a temp dir is byte-for-byte the committed three files (catches
+   script's output into a temp dir is byte-for-byte the committed files (catches
    hand edits and a forgotten .pyi or _grpc.py). With another version the generated
    text legitimately differs (version stamps), so this check is skipped.
 A failure means: run ``scripts/gen_proto.sh`` and commit its output.
@@ -24,7 +24,9 @@ from google.protobuf import descriptor_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 GEN_DIR = REPO / "proto" / "kvproto" / "v1"
-GENERATED = ("kvstore_pb2.py", "kvstore_pb2.pyi", "kvstore_pb2_grpc.py")
+GENERATED = ("kvstore_pb2.py", "kvstore_pb2.pyi", "kvstore_pb2_grpc.py") + (
+    "gpu_pb2.py", "gpu_pb2.pyi", "gpu_pb2_grpc.py"
+)
 
 grpc_tools = pytest.importorskip("grpc_tools", reason="grpcio-tools is needed to regenerate")
 
@@ -46,19 +48,21 @@ def _without_json_names(file: descriptor_pb2.FileDescriptorProto) -> None:
         pending.extend(message.nested_type)
 
 
-def test_committed_descriptor_matches_the_proto(tmp_path: Path) -> None:
-    from kvproto.v1 import kvstore_pb2
+@pytest.mark.parametrize("name", ["kvstore", "gpu"])
+def test_committed_descriptor_matches_the_proto(tmp_path: Path, name: str) -> None:
+    import importlib
 
-    out = tmp_path / "kvstore.pb"
+    module = importlib.import_module(f"kvproto.v1.{name}_pb2")
+    out = tmp_path / f"{name}.pb"
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I", "proto", f"--descriptor_set_out={out}",
-         "proto/kvproto/v1/kvstore.proto"],
+         f"proto/kvproto/v1/{name}.proto"],
         cwd=REPO, check=True, capture_output=True, timeout=120,
     )
     (fresh,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
-    committed = descriptor_pb2.FileDescriptorProto.FromString(kvstore_pb2.DESCRIPTOR.serialized_pb)
+    committed = descriptor_pb2.FileDescriptorProto.FromString(module.DESCRIPTOR.serialized_pb)
     _without_json_names(fresh)
-    assert fresh == committed, "kvstore.proto changed: run scripts/gen_proto.sh"
+    assert fresh == committed, f"{name}.proto changed: run scripts/gen_proto.sh"
 
 
 def test_generated_files_are_byte_exact(tmp_path: Path) -> None:
@@ -81,4 +85,4 @@ def test_generated_files_are_byte_exact(tmp_path: Path) -> None:
         for name in GENERATED
         if (tmp_path / "kvproto" / "v1" / name).read_bytes() != (GEN_DIR / name).read_bytes()
     ]
-    assert not stale, f"{stale} differ from kvstore.proto: run scripts/gen_proto.sh"
+    assert not stale, f"{stale} differ from their .proto: run scripts/gen_proto.sh"

@@ -224,18 +224,20 @@ class Slot(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s", "release_lease_ids")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     max_blocks: int
     ttl_s: float
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path")
@@ -252,10 +254,12 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "more_lease_ids")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
-    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+    more_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., more_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,676 @@
+"""GPU data paths of kvclient: copy KV blocks between an engine's cache and kvstored.
+
+Two ways, one block byte layout (``[layers][K|V][kv_heads][tokens][head_dim]``, see
+:mod:`kvstore.mover`), so blocks written one way are read back the other:
+
+Client-driven (DESIGN.md, path 2 with GPU tensors)::
+
+    gpu = GpuClient(client)                      # maps (and CUDA-pins) the daemon's arena
+    kv = PagedKV(vllm_layers)                    # or HFKV([(k, v), ...], block_tokens)
+    gpu.offload(ns, tokens, kv, block_ids)       # Reserve -> gather + DMA -> Commit
+    got = gpu.onboard(ns, tokens, kv, block_ids, stream=s, wait=False)
+    torch.cuda.current_stream().wait_event(got.event)   # before attention reads them
+    got.release()                                # after the event: ends the read lease
+
+  The copies run on the caller's stream (default: the current stream); the copy
+  stream first waits for the current stream, so blocks the model just wrote are
+  complete. Offload waits for its event before Commit (a block becomes visible only
+  once its bytes are in the arena). Onboard returns the event; the slots stay leased
+  until :meth:`Onboarding.release` (``wait=True``, the default, does it at once).
+  On CPU tensors every copy is done when the call returns and the event is None.
+
+Daemon-driven (DESIGN.md, path 3)::
+
+    reg = gpu.register(ns, kv)                   # CUDA: IPC handles; CPU: a SharedKV file
+    reg.offload(tokens, block_ids)               # the daemon gathers on its own streams
+    reg.onboard(tokens, block_ids)               # returns once the blocks are in kv
+    reg.close()
+
+  CUDA tensors are shared with ``storage._share_cuda_()`` (keep them alive while
+  registered); CPU tensors must live in a shared file the daemon can map: allocate
+  them with :meth:`SharedKV.paged` / :meth:`SharedKV.hf`. Before an offload the
+  engine's writes must be complete: by default the client synchronizes the stream;
+  ``ipc_event=True`` records an interprocess event the daemon's stream waits on.
+
+Errors are :class:`kvclient.errors.KVStoreError` subclasses;
+:class:`RegistrationError` when the daemon no longer knows a registration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+
+from kvclient.arena_path import ClientArena
+from kvclient.errors import (
+    ArenaUnavailableError,
+    InvalidArgumentError,
+    KVStoreError,
+    _error_kind,
+)
+from kvclient.payloads import as_tokens, check_cover, check_priority
+from kvclient.results import PutResult
+from kvclient.sync_client import KVClient, Namespace, _abandon_quietly
+from kvclient.wire import ExtraKeys, extra_bytes, slots
+from kvproto.v1 import gpu_pb2 as gpb
+from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
+from kvproto.v1 import kvstore_pb2 as pb
+from kvstore import pinning
+from kvstore import platform as kv_platform
+from kvstore.errors import InvalidArgument
+from kvstore.mover import DTYPE_NAMES, HFKV, KVCache, Mover, PagedKV, device_alias
+from kvstored.hostinfo import host_id
+
+log = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+
+__all__ = [
+    "HFKV",
+    "GpuClient",
+    "GpuInfo",
+    "KVCache",
+    "OffloadResult",
+    "OnboardResult",
+    "Onboarding",
+    "PagedKV",
+    "Registration",
+    "RegistrationError",
+    "SharedKV",
+    "layout_message",
+]
+
+
+class RegistrationError(KVStoreError):
+    """The daemon does not know this KV registration (unregistered, or it restarted)."""
+
+
+# -- results ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    platform: str  # "cpu-only" | "pcie" | "c2c"
+    devices: tuple[str, ...]  # "cuda:0 NVIDIA H100 80GB HBM3 (pcie, numa 0)"
+    arena_pinned: bool
+    registrations: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadResult:
+    stored: int  # copied and committed
+    existing: int  # already stored: not copied
+    refused: int  # no room, or another owner computes them
+    out_of_space: bool
+    bytes: int
+    copy_s: float  # the daemon's gather + copy time
+
+
+@dataclass(frozen=True, slots=True)
+class OnboardResult:
+    ready_blocks: int  # ready prefix in the store (from block 0, up to what was asked)
+    onboarded: int  # block_ids[:onboarded] now hold chain blocks start .. start+onboarded
+    ready_tokens: int
+    bytes: int
+    copy_s: float
+
+
+class Onboarding:
+    """A client-driven onboard in flight: ``event`` (CUDA) marks the end of the copies.
+
+    The read lease on the slots is held until :meth:`release` (which first waits for
+    the event). ``onboarded`` blocks were asked for: ``block_ids[:onboarded]``.
+    """
+
+    def __init__(
+        self,
+        release: Callable[[], None] | None,
+        ready_blocks: int,
+        onboarded: int,
+        block_tokens: int,
+        event: torch.cuda.Event | None,
+    ) -> None:
+        self._release = release
+        self.ready_blocks = ready_blocks
+        self.onboarded = onboarded
+        self.tokens = onboarded * block_tokens
+        self.event = event
+
+    @property
+    def released(self) -> bool:
+        return self._release is None
+
+    def release(self) -> None:
+        """Wait for the copies, then end the lease. Idempotent."""
+        release, self._release = self._release, None
+        if self.event is not None:
+            self.event.synchronize()
+        if release is not None:
+            release()
+
+    def __enter__(self) -> Onboarding:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# -- KV caches in shared memory (CPU, daemon-driven) --------------------------------------
+
+
+def _shm_dir(directory: str | None) -> str:
+    if directory:
+        return directory
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+        return "/dev/shm"
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+class SharedKV:
+    """A KV cache whose tensors live in one shared-memory file the daemon maps.
+
+    ``storage`` is the whole file as a flat tensor of the KV dtype; ``kv.tensors`` are
+    views of it. :meth:`close` unlinks the file (mappings stay valid until dropped).
+    """
+
+    def __init__(self, path: str, storage: torch.Tensor, kv: KVCache) -> None:
+        ptr = storage.untyped_storage().data_ptr()
+        for t in kv.tensors:
+            if t.device.type != "cpu" or t.untyped_storage().data_ptr() != ptr:
+                raise InvalidArgumentError("every KV tensor must be a view of the shared file")
+        self.path = path
+        self.storage = storage
+        self.kv = kv
+
+    @staticmethod
+    def allocate(
+        numel: int, dtype: torch.dtype, directory: str | None = None
+    ) -> tuple[str, torch.Tensor]:
+        """A new owner-only file of ``numel`` zeroed elements, mapped shared."""
+        name = f"kvstore-kv-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(_shm_dir(directory), name)
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        return path, torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+    @classmethod
+    def paged(
+        cls,
+        num_layers: int,
+        num_blocks: int,
+        block_tokens: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        directory: str | None = None,
+    ) -> SharedKV:
+        """vLLM-shaped: layer ``l`` is ``storage[l]`` of ``[L, 2, NB, T, H, D]``."""
+        shape = (num_layers, 2, num_blocks, block_tokens, num_kv_heads, head_dim)
+        path, storage = cls.allocate(int(np.prod(shape)), dtype, directory)
+        stacked = storage.view(shape)
+        return cls(path, storage, PagedKV([stacked[i] for i in range(num_layers)]))
+
+    @classmethod
+    def hf(
+        cls,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        seq: int,
+        head_dim: int,
+        block_tokens: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        directory: str | None = None,
+    ) -> SharedKV:
+        """HF-shaped: layer ``l`` is ``(storage[l, 0], storage[l, 1])`` of
+        ``[L, 2, B, H, S, D]``."""
+        shape = (num_layers, 2, batch, num_kv_heads, seq, head_dim)
+        path, storage = cls.allocate(int(np.prod(shape)), dtype, directory)
+        stacked = storage.view(shape)
+        pairs = [(stacked[i, 0], stacked[i, 1]) for i in range(num_layers)]
+        return cls(path, storage, HFKV(pairs, block_tokens))
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> SharedKV:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def layout_message(kv: KVCache | SharedKV) -> gpb.KVLayout:
+    """The RegisterKV layout descriptor: shapes, strides, and where the memory is."""
+    shm_path = ""
+    if isinstance(kv, SharedKV):
+        shm_path, kv = kv.path, kv.kv
+    s = kv.shape
+    device = kv.device.type
+    if device == "cpu" and not shm_path:
+        raise InvalidArgumentError(
+            "CPU tensors must live in a shared file the daemon can map: use SharedKV"
+        )
+    if device not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"KV tensors on {kv.device} cannot be registered")
+    tensors = []
+    for t in kv.tensors:
+        msg = gpb.KVTensor(shape=list(t.shape), stride=list(t.stride()),
+                           storage_offset=t.storage_offset())
+        if device == "cuda":
+            msg.cuda.CopyFrom(_share_cuda(t))
+        tensors.append(msg)
+    return gpb.KVLayout(
+        kind=gpb.KV_LAYOUT_PAGED if kv.kind == "paged" else gpb.KV_LAYOUT_HF,
+        num_layers=s.num_layers,
+        num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        block_tokens=s.block_tokens,
+        dtype=DTYPE_NAMES[s.dtype],
+        device=device,
+        shm_path=shm_path,
+        tensors=tensors,
+    )
+
+
+def _share_cuda(t: torch.Tensor) -> gpb.CudaIpcStorage:
+    """IPC fields of a CUDA tensor's storage (torch's own sharing; untested here)."""
+    (
+        device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = t.untyped_storage()._share_cuda_()
+    msg = gpb.CudaIpcStorage(
+        device=int(device),
+        handle=bytes(handle),
+        storage_size_bytes=int(size_bytes),
+        storage_offset_bytes=int(offset_bytes),
+        ref_counter_offset=int(ref_counter_offset),
+        event_sync_required=bool(event_sync_required),
+    )
+    if ref_counter_handle is not None:
+        msg.ref_counter_handle = bytes(ref_counter_handle)
+    if event_handle is not None:
+        msg.event_handle = bytes(event_handle)
+    msg.device_uuid = str(torch.cuda.get_device_properties(int(device)).uuid)
+    return msg
+
+
+# -- the client -------------------------------------------------------------------------
+
+
+def _check_kv(ns: Namespace, kv: KVCache) -> None:
+    if kv.shape.block_bytes != ns.block_bytes or kv.shape.block_tokens != ns.block_tokens:
+        raise InvalidArgumentError(
+            f"KV blocks are {kv.shape.block_bytes} bytes of {kv.shape.block_tokens} tokens "
+            f"({kv.shape.describe()}); namespace {ns.ns_id} stores {ns.block_bytes} bytes "
+            f"of {ns.block_tokens} tokens"
+        )
+
+
+class GpuClient:
+    """GPU data paths on top of one :class:`KVClient` (which it does not own)."""
+
+    def __init__(self, client: KVClient, *, pin_arena: bool = True) -> None:
+        self.client = client
+        self.pin_arena = pin_arena
+        self._stub = gpb_grpc.KVGpuStub(client._channel)
+        self._lock = threading.Lock()
+        self._arena: ClientArena | None = None
+        self._mover: Mover | None = None
+        self._unpin: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        """Unpin and unmap this client's arena mapping. Idempotent."""
+        with self._lock:
+            self._drop_arena()
+
+    def __enter__(self) -> GpuClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _drop_arena(self) -> None:
+        unpin, self._unpin = self._unpin, None
+        arena, self._arena = self._arena, None
+        self._mover = None
+        if unpin is not None:
+            unpin()
+        if arena is not None:
+            arena.close()
+
+    def _call(self, method: Callable[..., _R], request: Any) -> _R:
+        try:
+            return method(request, timeout=self.client.timeout)
+        except grpc.RpcError as exc:
+            if _error_kind(exc) == "UnknownRegistration":
+                details = exc.details() if callable(getattr(exc, "details", None)) else ""
+                raise RegistrationError(
+                    details or "unknown KV registration",
+                    code=grpc.StatusCode.FAILED_PRECONDITION,
+                    details=details,
+                    addr=self.client.addr,
+                ) from None
+            raise self.client._error(exc) from None
+
+    # -- the arena, mapped and pinned in this process
+
+    def _mover_for(self, kv: KVCache) -> Mover:
+        with self._lock:
+            if self._arena is not None and self._arena.is_current() and self._mover is not None:
+                return self._mover
+            self._drop_arena()
+            info = self.client.server_info()
+            arena = ClientArena.open(info.arena_path, info.host_id, host_id())
+            if arena is None:
+                raise ArenaUnavailableError(
+                    f"the shared arena of kvstored at {self.client.addr} cannot be mapped "
+                    f"here (arena {info.arena_path or 'not shared'})",
+                    addr=self.client.addr,
+                )
+            mover = Mover.for_array(arena.mapping.array())
+            if self.pin_arena and torch.cuda.is_available():
+                local = kv_platform.detect()
+                pin = pinning.cuda_pin_hook(local.host_register_flags)
+                self._unpin = pin(arena.mapping.view(0, arena.mapping.size))
+                if pin.pinned_bytes and local.direct_host_access:
+                    for dev in local.devices:
+                        device = torch.device("cuda", dev.index)
+                        mover.device_arenas[device] = device_alias(mover.arena, device)
+            self._arena, self._mover = arena, mover
+            return mover
+
+    # -- client-driven copies
+
+    def offload(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: KVCache,
+        block_ids: Sequence[int],
+        *,
+        start: int = 0,
+        priority: int | None = None,
+        extra_keys: ExtraKeys = (),
+        stream: Any = None,
+    ) -> PutResult:
+        """Store ``kv``'s blocks ``block_ids[i]`` as chain blocks ``start + i`` of ``tokens``.
+
+        Reserve -> gather + copy into the slots on ``stream`` -> wait -> Commit
+        (Abandon on any error). Blocks already stored are not copied.
+        """
+        arr = as_tokens(tokens)
+        ids = list(block_ids)
+        check_cover(arr, ns.block_tokens, start, len(ids))
+        check_priority(priority)
+        _check_kv(ns, kv)
+        _validated(kv, ids)
+        if not ids:
+            return PutResult(stored=0, existing=0, refused=0)
+        mover = self._mover_for(kv)
+        client = self.client
+        request = pb.ReserveRequest(
+            ns_id=ns.ns_id,
+            tokens=arr[: (start + len(ids)) * ns.block_tokens].tolist(),
+            extra_keys=extra_bytes(extra_keys),
+            start_block=start,
+            n_blocks=len(ids),
+            priority=priority,
+        )
+        reserved = client._call(client._stub.Reserve, request)
+        got = slots(reserved.slots)
+        committed = 0
+        if reserved.lease_id:
+            try:
+                event = _moved(
+                    mover.offload,
+                    kv,
+                    [ids[s.index - start] for s in got],
+                    [s.offset for s in got],
+                    stream,
+                )
+                if event is not None:
+                    event.synchronize()
+                commit = pb.CommitRequest(lease_id=reserved.lease_id)
+                committed = client._call(client._stub.Commit, commit).committed
+            except BaseException:
+                _abandon_quietly(client, reserved.lease_id)
+                raise
+        return PutResult(
+            stored=committed,
+            existing=reserved.existing,
+            refused=reserved.refused + len(got) - committed,
+        )
+
+    def onboard(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: KVCache,
+        block_ids: Sequence[int],
+        *,
+        start: int = 0,
+        extra_keys: ExtraKeys = (),
+        stream: Any = None,
+        wait: bool = True,
+    ) -> Onboarding:
+        """Copy the cached chain blocks ``start + i`` of ``tokens`` into ``block_ids[i]``.
+
+        Acquire -> copy from the slots and scatter on ``stream`` -> (``wait``: wait,
+        Release). Only the ready prefix is copied: ``result.onboarded`` blocks.
+        """
+        arr = as_tokens(tokens)
+        ids = list(block_ids)
+        check_cover(arr, ns.block_tokens, start, len(ids))
+        _check_kv(ns, kv)
+        _validated(kv, ids)
+        if not ids:
+            return Onboarding(None, 0, 0, ns.block_tokens, None)
+        mover = self._mover_for(kv)
+        client = self.client
+        request = pb.AcquireRequest(
+            ns_id=ns.ns_id,
+            tokens=arr[: (start + len(ids)) * ns.block_tokens].tolist(),
+            extra_keys=extra_bytes(extra_keys),
+            max_blocks=start + len(ids),
+        )
+        acquired = client._call(client._stub.Acquire, request)
+        lease_id = acquired.lease_id
+        all_slots = slots(acquired.slots)
+        wanted = [s for s in all_slots if s.index >= start]
+
+        def release() -> None:
+            if lease_id:
+                client._call(client._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
+
+        try:
+            event = None
+            if wanted:
+                event = _moved(
+                    mover.onboard,
+                    kv,
+                    [ids[s.index - start] for s in wanted],
+                    [s.offset for s in wanted],
+                    stream,
+                )
+        except BaseException:
+            release()
+            raise
+        result = Onboarding(release, len(all_slots), len(wanted), ns.block_tokens, event)
+        if wait or event is None:
+            result.release()
+        return result
+
+    # -- daemon-driven copies
+
+    def info(self) -> GpuInfo:
+        reply = self._call(self._stub.GpuInfo, gpb.GpuInfoRequest())
+        devices = tuple(
+            f"cuda:{d.index} {d.name} ({d.profile}, numa "
+            f"{d.numa_node if d.numa_node >= 0 else '?'})"
+            for d in reply.devices
+        )
+        return GpuInfo(reply.platform, devices, reply.arena_pinned, reply.registrations)
+
+    def register(self, ns: Namespace | str, kv: KVCache | SharedKV) -> Registration:
+        """Hand ``kv`` to the daemon; keep its tensors alive until ``close()``."""
+        cache = kv.kv if isinstance(kv, SharedKV) else kv
+        if isinstance(ns, Namespace):
+            _check_kv(ns, cache)
+        ns_id = ns.ns_id if isinstance(ns, Namespace) else ns
+        request = gpb.RegisterKVRequest(
+            ns_id=ns_id, layout=layout_message(kv), client_pid=os.getpid()
+        )
+        reply = self._call(self._stub.RegisterKV, request)
+        return Registration(self, reply, cache, kv)
+
+
+class Registration:
+    """One KV cache registered with the daemon: Offload/Onboard by block ids."""
+
+    def __init__(
+        self,
+        gpu: GpuClient,
+        reply: gpb.RegisterKVResponse,
+        kv: KVCache,
+        owner: KVCache | SharedKV,
+    ) -> None:
+        self._gpu = gpu
+        self.registration_id = reply.registration_id
+        self.ns_id = reply.ns_id
+        self.block_bytes = reply.block_bytes
+        self.num_blocks = reply.num_blocks
+        self.stacked = reply.stacked
+        self.block_tokens = kv.shape.block_tokens
+        self.kv = kv
+        self._owner = owner  # keeps the tensors (and their IPC exports) alive
+        self._closed = False
+
+    def offload(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int],
+        *,
+        start: int = 0,
+        priority: int | None = None,
+        extra_keys: ExtraKeys = (),
+        stream: Any = None,
+        ipc_event: bool = False,
+    ) -> OffloadResult:
+        """The daemon copies blocks ``block_ids[i]`` to chain blocks ``start + i``."""
+        arr = as_tokens(tokens)
+        ids = _validated(self.kv, list(block_ids))
+        check_cover(arr, self.block_tokens, start, len(ids))
+        check_priority(priority)
+        request = gpb.OffloadRequest(
+            registration_id=self.registration_id,
+            tokens=arr[: (start + len(ids)) * self.block_tokens].tolist(),
+            extra_keys=extra_bytes(extra_keys),
+            start_block=start,
+            block_ids=ids,
+            priority=priority,
+        )
+        event = None
+        if self.kv.device.type == "cuda":
+            with torch.cuda.device(self.kv.device):
+                s = stream if stream is not None else torch.cuda.current_stream()
+                if ipc_event:  # the daemon's stream waits; this thread does not
+                    event = torch.cuda.Event(interprocess=True)
+                    event.record(s)
+                    request.wait_event = bytes(event.ipc_handle())
+                else:
+                    s.synchronize()
+        reply = self._gpu._call(self._gpu._stub.Offload, request)
+        del event  # kept alive until the daemon has waited on it
+        return OffloadResult(
+            reply.stored, reply.existing, reply.refused, reply.out_of_space, reply.bytes,
+            reply.copy_s,
+        )
+
+    def onboard(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        block_ids: Sequence[int],
+        *,
+        start: int = 0,
+        extra_keys: ExtraKeys = (),
+    ) -> OnboardResult:
+        """The daemon copies the ready chain blocks ``start + i`` into ``block_ids[i]``;
+        they are in the cache when this returns."""
+        arr = as_tokens(tokens)
+        ids = _validated(self.kv, list(block_ids))
+        check_cover(arr, self.block_tokens, start, len(ids))
+        request = gpb.OnboardRequest(
+            registration_id=self.registration_id,
+            tokens=arr[: (start + len(ids)) * self.block_tokens].tolist(),
+            extra_keys=extra_bytes(extra_keys),
+            start_block=start,
+            block_ids=ids,
+        )
+        reply = self._gpu._call(self._gpu._stub.Onboard, request)
+        return OnboardResult(
+            reply.ready_blocks, reply.onboarded, reply.ready_tokens, reply.bytes, reply.copy_s
+        )
+
+    def close(self) -> None:
+        """UnregisterKV. Idempotent; a daemon that forgot it already is fine."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(RegistrationError):
+            self._gpu._call(
+                self._gpu._stub.UnregisterKV,
+                gpb.UnregisterKVRequest(registration_id=self.registration_id),
+            )
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _validated(kv: KVCache, ids: list[int]) -> list[int]:
+    try:
+        kv.block_index(ids)
+    except InvalidArgument as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    return [int(i) for i in ids]
+
+
+def _moved(
+    move: Callable[..., torch.cuda.Event | None],
+    kv: KVCache,
+    block_ids: list[int],
+    offsets: list[int],
+    stream: Any,
+) -> torch.cuda.Event | None:
+    try:
+        return move(kv, block_ids, offsets, stream=stream)
+    except InvalidArgument as exc:
+        raise InvalidArgumentError(str(exc)) from None

@@ -1,0 +1,627 @@
+"""Hugging Face transformers adapter: reuse prompt prefixes through kvstore.
+
+    from kvclient import KVClient
+    from kvclient.hf import HFPrefixCache
+
+    with KVClient() as client:
+        kv = HFPrefixCache(client, model, "meta-llama/Llama-3.1-8B@main")
+        out = kv.generate(input_ids, max_new_tokens=64)   # out.tokens, out.stats
+        print(out.stats.reused_tokens, out.stats.computed_tokens, out.stats.ttft_s)
+
+Protocol of one prefill (:meth:`HFPrefixCache.prefill`):
+
+1. Cap reuse at ``(len(prompt) - 1) // block_tokens`` blocks: the model must compute at
+   least the last prompt token to produce the next-token logits.
+2. ``lookup`` (for the host/disk split) and ``get`` the longest cached prefix of those
+   blocks; turn the bytes into a ``DynamicCache`` (:func:`cache_from_blocks`). This step
+   alone is :meth:`HFPrefixCache.load`.
+3. Run the model on the remaining tokens only, at positions ``reused ..`` (so RoPE and
+   the causal mask see the true offsets). TTFT is measured here: from the call until
+   the logits exist (on CUDA, after a synchronize).
+4. ``put`` the prompt's new full blocks with ``start`` = reused blocks
+   (:func:`blocks_from_cache`). Only full blocks are stored.
+
+:meth:`HFPrefixCache.generate` does this, greedy-decodes on the same cache and then
+stores the full blocks of prompt + reply, so the next chat turn (whose prompt contains
+this one and its reply) reuses both.
+
+Namespace: one per (model id, config fingerprint, KV layout, tenant salt). The layout
+fields (layers, KV heads, head dim, dtype, tokens per block) are sent to the daemon,
+which checks block_bytes against them. The model id names the weights (a repo and
+revision); a fingerprint of the config is appended to it, so two different configs
+never share blocks even under one id. A different tenant salt never shares either.
+
+Block byte layout, for one block of T tokens::
+
+    [layer][K|V][kv_head][token][head_dim]   (dtype of the model, native byte order)
+
+i.e. a C-contiguous ``[num_layers, 2, num_kv_heads, T, head_dim]`` array. Why: a
+``DynamicCache`` layer holds ``[batch, kv_heads, seq, head_dim]``, so inside a block
+every (layer, K/V, head) is one contiguous run of ``T * head_dim`` elements cut from
+that tensor; storing n blocks is one strided gather per layer and K/V into one
+``[n, layers, 2, heads, T, head_dim]`` buffer, and loading is the inverse gather
+straight into per-layer ``[1, heads, n*T, head_dim]`` tensors that the cache adopts
+without another copy. Every block holds all layers, so a block is usable on its own
+(the prefix tree's unit) and all of a prefix moves in one get.
+
+Errors: when the daemon is unreachable, times out or has no room, the adapter logs a
+warning and recomputes (a cache must never make an answer fail); malformed requests and
+layout mismatches raise. Batch size 1; full-attention decoder models only
+(:func:`kvclient.hf_cache.check_supported`).
+
+Devices: block bytes arrive in host memory (a numpy array filled from the shared
+arena or the gRPC stream) and move with a plain ``.to(device)``; stored blocks are
+gathered on the model's device and copied back with ``.cpu()``. The GPU path plugs in
+at :func:`cache_from_blocks` / :func:`blocks_from_cache`: ``kvclient.gpu`` (an
+``HFKV`` over the cache's per-layer tensors) copies straight between the GPU and pinned
+arena slots, or lets the daemon gather/scatter through CUDA IPC (DESIGN.md, data paths
+2 and 3). It uses this same byte layout (``kvstore.mover``), so blocks stored by either
+path are interchangeable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
+
+from kvclient import hf_cache
+from kvclient.errors import DaemonUnavailableError, OutOfSpaceError, RequestTimeoutError
+from kvclient.hf_cache import UnsupportedModelError
+from kvclient.sync_client import KVClient, Namespace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_TOKENS = 16
+
+# Failures a cache may have without the answer failing: recompute instead.
+_RECOVERABLE = (DaemonUnavailableError, RequestTimeoutError, OutOfSpaceError)
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+}
+
+# Config entries that do not change what K/V a model computes (runtime switches,
+# bookkeeping); the dtype is part of the layout already.
+_FINGERPRINT_SKIP = frozenset(
+    {
+        "transformers_version",
+        "name_or_path",
+        "use_cache",
+        "torch_dtype",
+        "dtype",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "tie_word_embeddings",
+    }
+)
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "LLAMA_PRESETS",
+    "GenerateOutput",
+    "HFPrefixCache",
+    "KVLayout",
+    "LoadedPrefix",
+    "PrefillOutput",
+    "ReuseStats",
+    "UnsupportedModelError",
+    "blocks_from_cache",
+    "cache_from_blocks",
+    "config_fingerprint",
+    "random_llama",
+]
+
+
+# -- layout ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of a model's KV cache as kvstore blocks (see the module docstring)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    @classmethod
+    def from_model(
+        cls, model: torch.nn.Module, block_tokens: int = DEFAULT_BLOCK_TOKENS
+    ) -> KVLayout:
+        config = _text_config(model.config)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            dtype=_model_dtype(model),
+            block_tokens=block_tokens,
+        )
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as kvstore's NamespaceSpec names it."""
+        try:
+            return _DTYPE_NAMES[self.dtype]
+        except KeyError:
+            raise UnsupportedModelError(f"KV dtype {self.dtype} has no kvstore name") from None
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """``[layers, K|V, kv_heads, tokens, head_dim]``: one block, C order."""
+        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """2 * layers * kv_heads * head_dim * dtype bytes * tokens per block."""
+        return (
+            2
+            * self.num_layers
+            * self.num_kv_heads
+            * self.head_dim
+            * self.dtype_bytes
+            * self.block_tokens
+        )
+
+    def namespace_fields(self) -> dict[str, Any]:
+        """The layout fields of ``KVClient.namespace`` (the daemon checks block_bytes)."""
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": self.dtype_name,
+        }
+
+
+def _text_config(config: PretrainedConfig) -> PretrainedConfig:
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config(decoder=True)
+    return config  # pragma: no cover
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next(model.parameters()).dtype  # pragma: no cover
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device  # pragma: no cover
+
+
+def config_fingerprint(config: PretrainedConfig) -> str:
+    """Hex SHA-256 of the config entries that shape the K/V (stable across processes)."""
+    entries = {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in _FINGERPRINT_SKIP and not k.startswith("_")
+    }
+    text = json.dumps(entries, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# -- cache <-> blocks -----------------------------------------------------------------
+
+
+def blocks_from_cache(
+    cache: Any, layout: KVLayout, start_block: int, end_block: int
+) -> torch.Tensor:
+    """Blocks ``[start_block, end_block)`` of ``cache`` as ``uint8[n, block_bytes]``, on
+    the cache's device (one gather per layer and K/V into one buffer)."""
+    n = end_block - start_block
+    L, H, T, D = layout.num_layers, layout.num_kv_heads, layout.block_tokens, layout.head_dim
+    lo, hi = start_block * T, end_block * T
+    first, _ = hf_cache.layer_kv(cache, 0)
+    out = torch.empty((n, L, 2, H, T, D), dtype=layout.dtype, device=first.device)
+    for layer in range(L):
+        for kv, tensor in enumerate(hf_cache.layer_kv(cache, layer)):
+            if tensor.dim() != 4 or tensor.shape[0] != 1 or tensor.shape[1] != H:
+                raise ValueError(
+                    f"layer {layer}: expected [1, {H}, seq, {D}] K/V, got {tuple(tensor.shape)}"
+                )
+            if tensor.shape[2] < hi or tensor.dtype != layout.dtype:
+                raise ValueError(
+                    f"layer {layer}: cache holds {tensor.shape[2]} tokens of {tensor.dtype}, "
+                    f"need {hi} of {layout.dtype}"
+                )
+            # [H, n*T, D] -> [H, n, T, D] -> [n, H, T, D]
+            out[:, layer, kv].copy_(tensor[0, :, lo:hi].unflatten(1, (n, T)).transpose(0, 1))
+    return out.view(torch.uint8).reshape(n, layout.block_bytes)
+
+
+def cache_from_blocks(
+    blocks: np.ndarray | torch.Tensor,
+    layout: KVLayout,
+    config: PretrainedConfig,
+    device: torch.device | str = "cpu",
+) -> Any:
+    """A ``DynamicCache`` holding the ``n * block_tokens`` tokens of ``blocks``
+    (``uint8[n, block_bytes]``), on ``device``.
+
+    GPU path: today the bytes move with ``.to(device)`` (pageable memory); later they are
+    copied from pinned arena slots on a side stream, or scattered by the daemon.
+    """
+    data = torch.from_numpy(blocks) if isinstance(blocks, np.ndarray) else blocks
+    if data.dim() != 2 or data.shape[1] != layout.block_bytes or data.dtype != torch.uint8:
+        raise ValueError(
+            f"blocks must be uint8[n, {layout.block_bytes}], got {data.dtype} {tuple(data.shape)}"
+        )
+    n = data.shape[0]
+    L, H, T, D = layout.num_layers, layout.num_kv_heads, layout.block_tokens, layout.head_dim
+    data = data.to(device)
+    kv = data.view(layout.dtype).view(n, *layout.block_shape)  # [n, L, 2, H, T, D]
+    # One gather: [n, L, 2, H, T, D] -> [L, 2, H, n, T, D] contiguous -> [L, 2, 1, H, n*T, D]
+    per_layer = kv.permute(1, 2, 3, 0, 4, 5).contiguous().view(L, 2, 1, H, n * T, D)
+    return hf_cache.cache_from_layers(
+        config, [(per_layer[layer, 0], per_layer[layer, 1]) for layer in range(L)]
+    )
+
+
+# -- the adapter ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseStats:
+    """What one prefill did. ``reused_tokens + computed_tokens == prompt_tokens``."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    host_blocks: int  # reused blocks served from the host tier
+    disk_blocks: int  # reused blocks the daemon read from its disk tier
+    stored_blocks: int  # new blocks the put stored (after the first token)
+    load_s: float  # lookup + get + building the cache
+    ttft_s: float  # call -> logits of the last prompt token
+    store_s: float  # gathering and putting the new blocks (not part of TTFT)
+
+    @property
+    def reused_blocks(self) -> int:
+        return self.host_blocks + self.disk_blocks
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoadedPrefix:
+    """A reusable prefix from kvstore: ``cache`` holds its first ``tokens`` tokens
+    (None when nothing was cached)."""
+
+    cache: Any
+    tokens: int
+    host_blocks: int
+    disk_blocks: int
+    load_s: float
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PrefillOutput:
+    """Logits of the computed tokens (the last ``logits_to_keep`` of them, all for 0),
+    the cache holding the whole prompt, and the stats."""
+
+    logits: torch.Tensor
+    cache: Any
+    stats: ReuseStats
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GenerateOutput:
+    tokens: list[int]  # generated token ids (the first comes from the prefill)
+    sequence: list[int]  # prompt + generated
+    stats: ReuseStats
+    decode_s: float  # after the first token, until the last
+    stored_blocks: int  # blocks stored after decoding (prompt + reply)
+
+
+class HFPrefixCache:
+    """Reuse a transformers causal LM's prompt prefixes through one kvstore namespace.
+
+    ``model_id`` should name the weights (repo and revision): two models with one config
+    but different weights must not share an id. ``tenant_salt`` separates tenants.
+    The namespace is opened at construction (the daemon must be reachable then).
+    """
+
+    def __init__(
+        self,
+        client: KVClient,
+        model: torch.nn.Module,
+        model_id: str,
+        *,
+        block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        tenant_salt: str = "",
+        priority: int | None = None,
+        fingerprint_config: bool = True,
+    ) -> None:
+        hf_cache.check_supported(model.config)
+        self.client = client
+        self.model = model
+        self.config = model.config
+        self.layout = KVLayout.from_model(model, block_tokens)
+        self.priority = priority
+        ns_model = model_id
+        if fingerprint_config:
+            ns_model = f"{model_id}#{config_fingerprint(model.config)[:16]}"
+        vocab = getattr(_text_config(model.config), "vocab_size", 0) or 0
+        self.namespace: Namespace = client.namespace(
+            ns_model,
+            block_tokens,
+            self.layout.block_bytes,
+            tenant_salt=tenant_salt,
+            vocab_size=vocab,
+            **self.layout.namespace_fields(),
+        )
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_tokens
+
+    @property
+    def device(self) -> torch.device:
+        return _model_device(self.model)
+
+    # -- prefill ----------------------------------------------------------------------
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        *,
+        store: bool = True,
+        logits_to_keep: int = 1,
+    ) -> PrefillOutput:
+        """Load the longest cached prefix, compute the rest, store the new full blocks."""
+        start_time = time.perf_counter()
+        ids = _as_ids(input_ids)
+        tokens = ids.tolist()
+        n_tokens = len(tokens)
+        T = self.block_tokens
+        device = self.device
+        loaded = self.load(ids)
+        cache = loaded.cache if loaded.cache is not None else hf_cache.new_cache(self.config)
+        reused = loaded.tokens
+        reused_blocks = reused // T
+
+        computed = ids[reused:].to(device).unsqueeze(0)
+        kwargs = hf_cache.forward_kwargs(
+            self.model, reused, n_tokens - reused, logits_to_keep, device
+        )
+        with torch.no_grad():
+            out = self.model(input_ids=computed, past_key_values=cache, use_cache=True, **kwargs)
+        logits = out.logits
+        if logits_to_keep and logits.shape[1] > logits_to_keep:  # models without the argument
+            logits = logits[:, -logits_to_keep:]
+        _synchronize(device)
+        ttft_s = time.perf_counter() - start_time
+
+        stored, store_s = 0, 0.0
+        if store:
+            t0 = time.perf_counter()
+            stored = self.store(tokens, out.past_key_values, reused_blocks, n_tokens // T)
+            store_s = time.perf_counter() - t0
+        stats = ReuseStats(
+            prompt_tokens=n_tokens,
+            reused_tokens=reused,
+            computed_tokens=n_tokens - reused,
+            host_blocks=loaded.host_blocks,
+            disk_blocks=loaded.disk_blocks,
+            stored_blocks=stored,
+            load_s=loaded.load_s,
+            ttft_s=ttft_s,
+            store_s=store_s,
+        )
+        return PrefillOutput(logits=logits, cache=out.past_key_values, stats=stats)
+
+    def load(self, input_ids: torch.Tensor | Sequence[int]) -> LoadedPrefix:
+        """The longest cached prefix of the prompt that may be reused (at most
+        ``(len - 1) // block_tokens`` blocks) as a ``DynamicCache`` on the model's device.
+
+        The cache may also go to transformers' own ``model.generate(input_ids,
+        past_key_values=loaded.cache)``, which then runs only the uncached tokens.
+        """
+        start_time = time.perf_counter()
+        tokens = _as_ids(input_ids).tolist()
+        T = self.block_tokens
+        prefix = tokens[: ((len(tokens) - 1) // T) * T]
+        blocks, host_blocks = self._fetch(prefix)
+        if blocks is None or blocks.shape[0] == 0:
+            return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
+        n = int(blocks.shape[0])
+        cache = cache_from_blocks(blocks, self.layout, self.config, self.device)
+        host = min(host_blocks, n)  # tiers are prefix-closed: host holds the first blocks
+        return LoadedPrefix(cache, n * T, host, n - host, time.perf_counter() - start_time)
+
+    def _fetch(self, prefix: list[int]) -> tuple[np.ndarray | None, int]:
+        """Bytes of the longest cached prefix of ``prefix`` and how many of its blocks
+        the lookup saw in the host tier (None: nothing cached or the daemon failed)."""
+        if not prefix:
+            return None, 0
+        try:
+            hit = self.namespace.lookup(prefix)
+            if hit.blocks == 0:
+                return None, 0
+            got = self.namespace.get(prefix)
+        except _RECOVERABLE as exc:
+            log.warning("kvstore lookup failed, recomputing the prompt: %s", exc)
+            return None, 0
+        return got.blocks, hit.host_blocks
+
+    def store(self, tokens: Sequence[int], cache: Any, start_block: int, end_block: int) -> int:
+        """Put blocks ``[start_block, end_block)`` of ``tokens`` from ``cache``; returns
+        the blocks newly stored. Blocks before ``start_block`` must be stored already."""
+        if end_block <= start_block:
+            return 0
+        blocks = blocks_from_cache(cache, self.layout, start_block, end_block)
+        rows = blocks.cpu().numpy()  # GPU path: gather into pinned arena slots instead
+        try:
+            result = self.namespace.put(
+                list(tokens[: end_block * self.block_tokens]),
+                rows,
+                start=start_block,
+                priority=self.priority,
+            )
+        except _RECOVERABLE as exc:
+            log.warning("kvstore put failed, blocks not cached: %s", exc)
+            return 0
+        return result.stored
+
+    # -- generation -------------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        max_new_tokens: int,
+        *,
+        eos_token_id: int | None = None,
+        store: bool = True,
+    ) -> GenerateOutput:
+        """Prefill with reuse, greedy-decode up to ``max_new_tokens`` on the same cache,
+        then store the full blocks of prompt + reply whose K/V the cache holds."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = _as_ids(input_ids)
+        prompt = ids.tolist()
+        pre = self.prefill(ids, store=store, logits_to_keep=1)
+        cache = pre.cache
+        device = self.device
+        next_token = pre.logits[0, -1].argmax()
+        generated = [int(next_token)]
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            while len(generated) < max_new_tokens and generated[-1] != eos_token_id:
+                position = len(prompt) + len(generated) - 1
+                kwargs = hf_cache.forward_kwargs(self.model, position, 1, 1, device)
+                out = self.model(
+                    input_ids=next_token.view(1, 1).to(device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    **kwargs,
+                )
+                cache = out.past_key_values
+                next_token = out.logits[0, -1].argmax()
+                generated.append(int(next_token))
+        _synchronize(device)
+        decode_s = time.perf_counter() - t0
+        sequence = prompt + generated
+        stored = 0
+        if store:  # the last generated token has no K/V in the cache yet
+            held = hf_cache.cache_length(cache)
+            stored = self.store(
+                sequence, cache, len(prompt) // self.block_tokens, held // self.block_tokens
+            )
+        return GenerateOutput(
+            tokens=generated,
+            sequence=sequence,
+            stats=pre.stats,
+            decode_s=decode_s,
+            stored_blocks=stored,
+        )
+
+
+def _as_ids(input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """A 1-D int64 CPU tensor of the prompt (batch size 1)."""
+    ids = input_ids if isinstance(input_ids, torch.Tensor) else torch.tensor(list(input_ids))
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"batch size 1 only, got input_ids of shape {tuple(ids.shape)}")
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"input_ids must hold at least one token, got shape {tuple(ids.shape)}")
+    return ids.to(device="cpu", dtype=torch.long)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- random-weight models (examples, tests, benchmarks: nothing is downloaded) ---------
+
+LLAMA_PRESETS: dict[str, dict[str, Any]] = {
+    # tests: a few layers, GQA, fp32 in milliseconds
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=4096,
+    ),
+    # examples: still fast on two CPU cores
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        max_position_embeddings=16384,
+    ),
+    # CPU TTFT benchmark: ~250M parameters, 16 layers, GQA 16/4; prefill dominates and
+    # 512..8192-token prompts take minutes, not hours, on two cores
+    "cpu-250m": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=16384,
+    ),
+    # Llama-3-8B's shape (random weights): the GPU benchmark
+    "llama3-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def random_llama(
+    preset: str = "tiny",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+    **overrides: Any,
+) -> LlamaForCausalLM:
+    """A Llama with seeded random weights from ``LLAMA_PRESETS[preset]`` (+ overrides),
+    in eval mode. The same arguments give the same weights in every CPU process."""
+    config = LlamaConfig(**{**LLAMA_PRESETS[preset], **overrides})
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialise in the target dtype: no fp32 copy of 8B
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model.eval()

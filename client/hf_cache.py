@@ -1,0 +1,138 @@
+"""The one place where the HF adapter touches version-specific transformers internals.
+
+:mod:`kvclient.hf` talks to a transformers model only through the functions here:
+
+- :func:`check_supported` refuses configs whose cache is not one full-attention K/V
+  pair per layer (sliding windows, chunked attention, linear attention, KV sharing):
+  a kvstore block must hold every past token of every layer.
+- :func:`new_cache` / :func:`cache_from_layers` build a ``DynamicCache``, empty or
+  holding given K/V tensors (``[1, kv_heads, seq, head_dim]`` per layer) without copying
+  them again; :func:`layer_kv` reads one layer back.
+- :func:`forward_kwargs` says how to tell a forward where its tokens sit (position ids;
+  ``cache_position`` on models whose forward still takes it) and how many logits to keep.
+
+Written against transformers 5.x (``Cache.layers`` of ``DynamicLayer`` with ``.keys`` /
+``.values``; no ``cache_position``; ``logits_to_keep``); tested with 5.23 and 4.57
+(``cache_position`` still a forward argument). Fallbacks for older 4.x (``key_cache`` /
+``value_cache`` lists, ``num_logits_to_keep``) are kept but untested.
+When transformers changes its Cache API again, this module is what changes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+try:  # transformers >= 4.56: a cache is a list of layer objects
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover - older transformers
+    DynamicLayer = None  # type: ignore[assignment,misc]
+
+
+class UnsupportedModelError(ValueError):
+    """The model's KV cache cannot be stored as kvstore blocks (see check_supported)."""
+
+
+def new_cache(config: PretrainedConfig) -> DynamicCache:
+    """An empty DynamicCache for ``config`` (layer types from the config where supported)."""
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # pragma: no cover - transformers < 4.56 takes no config
+        return DynamicCache()
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Raise UnsupportedModelError unless every layer keeps a full, unshared K/V history."""
+    text_config = (
+        config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    )
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        kinds = sorted(set(layer_types))
+        raise UnsupportedModelError(f"only full-attention layers are supported, config has {kinds}")
+    if getattr(text_config, "kv_sharing_modes", None) is not None:
+        raise UnsupportedModelError("layers that share another layer's KV cache are not supported")
+    cache = new_cache(config)
+    layers = getattr(cache, "layers", None)
+    if layers and DynamicLayer is not None:
+        odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        if odd:
+            raise UnsupportedModelError(f"cache layers {odd} are not plain DynamicLayer")
+
+
+def layer_kv(cache: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one layer: ``[batch, kv_heads, seq, head_dim]`` each."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        layer = layers[layer_idx]
+        if layer.keys is None or layer.values is None:
+            raise ValueError(f"cache layer {layer_idx} holds no keys/values")
+        return layer.keys, layer.values
+    return cache.key_cache[layer_idx], cache.value_cache[layer_idx]  # pragma: no cover
+
+
+def cache_length(cache: DynamicCache) -> int:
+    """Tokens held by the cache (of layer 0; every layer holds the same here)."""
+    return int(cache.get_seq_length())
+
+
+def cache_from_layers(
+    config: PretrainedConfig, layers: list[tuple[torch.Tensor, torch.Tensor]]
+) -> DynamicCache:
+    """A DynamicCache whose layer ``i`` holds ``layers[i]`` = (keys, values).
+
+    On transformers 5 the tensors are adopted as they are (no copy: they were just
+    gathered from kvstore blocks into fresh contiguous memory); elsewhere they go through
+    ``Cache.update``, which copies once.
+    """
+    cache = new_cache(config)
+    cache_layers = getattr(cache, "layers", None)
+    adopt = (
+        DynamicLayer is not None
+        and cache_layers is not None
+        and len(cache_layers) == len(layers)
+        and all(type(layer) is DynamicLayer for layer in cache_layers)
+    )
+    for idx, (keys, values) in enumerate(layers):
+        if adopt:
+            layer = cache_layers[idx]
+            # initialise through the layer's own update (dtype, device, flags: whatever
+            # this version keeps) with zero tokens, then adopt the tensors
+            layer.update(keys[:, :, :0], values[:, :, :0])
+            layer.keys, layer.values = keys, values
+        else:
+            cache.update(keys, values, idx)
+    return cache
+
+
+_SIGNATURES: dict[type, frozenset[str]] = {}
+
+
+def _forward_params(model: torch.nn.Module) -> frozenset[str]:
+    cls = type(model)
+    params = _SIGNATURES.get(cls)
+    if params is None:
+        params = frozenset(inspect.signature(model.forward).parameters)
+        _SIGNATURES[cls] = params
+    return params
+
+
+def forward_kwargs(
+    model: torch.nn.Module, start: int, length: int, logits_to_keep: int, device: torch.device
+) -> dict[str, Any]:
+    """Keyword arguments placing ``length`` new tokens at positions ``start ..`` of a
+    sequence whose first ``start`` tokens are in the cache; ``logits_to_keep`` (0: all)
+    limits the LM head to the last tokens where the model supports it."""
+    positions = torch.arange(start, start + length, device=device)
+    kwargs: dict[str, Any] = {"position_ids": positions.unsqueeze(0)}
+    params = _forward_params(model)
+    if "cache_position" in params:  # transformers 4.x
+        kwargs["cache_position"] = positions
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = logits_to_keep
+    elif "num_logits_to_keep" in params:  # pragma: no cover - transformers 4.4x
+        kwargs["num_logits_to_keep"] = logits_to_keep
+    return kwargs

@@ -1,0 +1,650 @@
+"""Gather/scatter of KV blocks between an engine's KV cache and host-arena slots.
+
+One slot holds one block: every layer, K and V, of ``block_tokens`` tokens. Its bytes
+are the C-contiguous array (dtype of the namespace, native little-endian)::
+
+    [num_layers][2: K, V][num_kv_heads][block_tokens][head_dim]
+
+the same layout as the HF adapter (``kvclient.hf.blocks_from_cache``), so blocks
+stored by any path of one namespace are interchangeable. Layer-major keeps one
+layer's K and V together (a later layer-wise onboarding can start attention on layer
+0 while layer 1 is still in flight); head-major inside a layer makes each
+(layer, K/V, head) one contiguous ``block_tokens * head_dim`` run of an HF
+``[batch, heads, seq, dim]`` tensor. ``block_bytes`` is
+``2 * L * H * D * dtype_bytes * T``, exactly ``NamespaceSpec.layout_bytes()``.
+
+KV caches (:class:`KVCache`) name blocks by integer block ids:
+
+- :class:`PagedKV` (vLLM): per layer ``[2, num_blocks, block_tokens, kv_heads,
+  head_dim]``, or one stacked ``[layers, 2, num_blocks, ...]`` tensor; block id = the
+  engine's physical block number.
+- :class:`HFKV` (transformers, contiguous per sequence): per layer K and V, each
+  ``[batch, kv_heads, seq, head_dim]``, or one stacked ``[layers, 2, batch, ...]``;
+  block id ``b * blocks_per_seq + j`` = tokens ``[j*T, (j+1)*T)`` of sequence ``b``.
+
+Batching. A cache is seen as a few strided "pieces" whose leading dims are the block
+index: one piece when all layers live in one tensor at a uniform stride (stacked, or
+per-layer views of one allocation: detected), else one per layer (paged) or per layer
+and K/V (HF). Moving n blocks is one indexed copy per piece (``index_select`` /
+``index_copy_``, all n blocks at once, the T/H transpose folded in) into or out of a
+staging tensor ``[n, L, 2, H, T, D]`` -- never one copy per layer per block -- then
+one copy per run of adjacent slots (on CUDA: one ``cudaMemcpyAsync`` per run), or a
+single indexed copy over slot rows when the slots are scattered. When the arena is
+addressable from the KV's device (CPU tensors; CUDA on a c2c machine) and the slots
+form one run, the gather writes straight into the arena and the scatter reads
+straight from it. Copies move raw bits (integer views of the same width), so every
+dtype, float8 included, round-trips exactly. On CPU the fancy-indexed copies run in
+numpy, whose strided subspace copies are several times faster than torch's CPU
+index kernels.
+
+:class:`Mover` protocol: ``offload(kv, block_ids, offsets, stream=None)`` /
+``onboard(...)`` enqueue the copies on ``stream`` (CUDA: the given stream or the
+current one; CPU: run now) and return a ``torch.cuda.Event`` recorded after them, or
+None on CPU. The caller owns ordering: wait on the event before committing slots
+(offload) or before the engine reads the blocks (onboard), and keep the slots leased
+until then. On CUDA the copy stream first waits for the current stream when
+``wait_current`` is set, so blocks the model just wrote are complete.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from abc import ABC
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import NamespaceSpec
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+
+# Blocks are moved as bytes: every gather/scatter runs on an integer view of the same
+# width, so dtypes without CPU indexing kernels (float8) move too and bits stay exact.
+_SAME_WIDTH_INT: dict[int, torch.dtype] = {
+    1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
+}
+MAX_RUN_COPIES = 8  # more runs than this: one indexed copy over rows (same-device arenas)
+MAX_STAGING_BYTES = 1 << 30  # CPU staging kept for reuse, per mover
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(
+            f"dtype must be one of {sorted(TORCH_DTYPES)}, got {name!r}"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockShape:
+    """The shape of one block: ``[num_layers, 2, num_kv_heads, block_tokens, head_dim]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_tokens: int
+    dtype: torch.dtype
+
+    @property
+    def dims(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
+
+    @property
+    def block_elems(self) -> int:
+        return math.prod(self.dims)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_elems * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPE_NAMES[self.dtype]
+
+    @classmethod
+    def from_spec(cls, spec: NamespaceSpec) -> BlockShape:
+        if not spec.layout_bytes():
+            raise InvalidArgument(
+                f"namespace {spec.ns_id} has no KV layout (num_layers, num_kv_heads, "
+                "head_dim): GPU copies need one"
+            )
+        return cls(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_tokens,
+            dtype_of(spec.dtype),
+        )
+
+    def check_spec(self, spec: NamespaceSpec) -> None:
+        """Raise InvalidArgument unless blocks of this shape are the namespace's blocks."""
+        if spec.block_bytes != self.block_bytes:
+            raise InvalidArgument(
+                f"KV blocks are {self.block_bytes} bytes ({self.describe()}); namespace "
+                f"{spec.ns_id} stores blocks of {spec.block_bytes}"
+            )
+        if spec.layout_bytes() and BlockShape.from_spec(spec) != self:
+            raise InvalidArgument(
+                f"KV layout {self.describe()} differs from namespace {spec.ns_id} "
+                f"(layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, "
+                f"head_dim={spec.head_dim}, block_tokens={spec.block_tokens}, {spec.dtype})"
+            )
+
+    def describe(self) -> str:
+        return (
+            f"layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"block_tokens={self.block_tokens}, {DTYPE_NAMES.get(self.dtype, self.dtype)}"
+        )
+
+
+# -- KV caches ------------------------------------------------------------------------
+
+
+def stack_uniform(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[len(tensors), *shape]`` view when the tensors are equally shaped views of one
+    storage at a constant, non-overlapping distance (e.g. layers of one allocation)."""
+    first = tensors[0]
+    if len(tensors) == 1:
+        return first.unsqueeze(0)
+    if first.numel() == 0:
+        return None
+    ptr = first.untyped_storage().data_ptr()
+    for t in tensors[1:]:
+        if (
+            t.shape != first.shape
+            or t.stride() != first.stride()
+            or t.dtype != first.dtype
+            or t.device != first.device
+            or t.untyped_storage().data_ptr() != ptr
+        ):
+            return None
+    offsets = [t.storage_offset() for t in tensors]
+    step = offsets[1] - offsets[0]
+    dims = zip(first.shape, first.stride(), strict=True)
+    extent = 1 + sum((size - 1) * stride for size, stride in dims)
+    if step < extent or any(b - a != step for a, b in zip(offsets, offsets[1:], strict=False)):
+        return None
+    return first.as_strided((len(tensors), *first.shape), (step, *first.stride()), offsets[0])
+
+
+class KVCache(ABC):
+    """An engine's KV tensors seen as numbered blocks. Subclasses set the pieces."""
+
+    kind: ClassVar[str]
+
+    def __init__(
+        self,
+        shape: BlockShape,
+        tensors: Sequence[torch.Tensor],
+        pieces: Sequence[torch.Tensor],
+        index_dims: int,
+        num_blocks: int,
+    ) -> None:
+        self.shape = shape
+        self.tensors = tuple(tensors)  # as given (what a registration shares)
+        self.device = self.tensors[0].device
+        self.num_blocks = num_blocks
+        self._bits = _SAME_WIDTH_INT[self.tensors[0].element_size()]
+        self._pieces = [p.view(self._bits) for p in pieces]  # each [*index dims, *piece dims]
+        self._index_dims = index_dims
+        piece_dims = tuple(self._pieces[0].shape[index_dims:])
+        if len(self._pieces) * math.prod(piece_dims) != shape.block_elems:
+            raise AssertionError("pieces do not tile a block")  # a bug in a subclass
+        self._piece_dims = piece_dims
+
+    @property
+    def stacked(self) -> bool:
+        """Whether one indexed gather moves every layer (one piece)."""
+        return len(self._pieces) == 1
+
+    def block_index(self, block_ids: Sequence[int] | np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Validated int64 block ids (distinct, in range), on the CPU.
+
+        The mover moves them to the device inside its stream context: a pageable
+        host-to-device copy may still be in flight when the call returns, so it must
+        be ordered on the stream that uses the ids."""
+        ids = torch.as_tensor(block_ids, dtype=torch.int64).cpu()
+        if ids.dim() != 1:
+            raise InvalidArgument(
+                f"block ids must be a flat sequence, got shape {tuple(ids.shape)}"
+            )
+        if ids.numel():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= self.num_blocks:
+                raise InvalidArgument(
+                    f"block ids must be in [0, {self.num_blocks}), got {low if low < 0 else high}"
+                )
+            if torch.unique(ids).numel() != ids.numel():
+                raise InvalidArgument("block ids must be distinct")
+        return ids
+
+    def _index(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (ids,)
+
+    def _parts(self, ids: torch.Tensor, staged: torch.Tensor) -> list[torch.Tensor]:
+        """Each piece's share of a staging tensor ``[n, L, 2, H, T, D]`` (views)."""
+        n = ids.numel()
+        flat = staged.view(self._bits)
+        if self.stacked:
+            return [flat.view(n, *self._piece_dims)]
+        whole = flat.view(n, len(self._pieces), *self._piece_dims)
+        return [whole[:, k] for k in range(len(self._pieces))]
+
+    def gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks ``ids`` into ``out`` (``[n, L, 2, H, T, D]``, contiguous, same device).
+
+        One indexed copy per piece, written straight into its share of ``out``: an
+        ``index_select`` for one index dim; for two (HF) a fancy index, done by numpy
+        on CPU (torch's CPU advanced indexing is several times slower)."""
+        idx = self._index(ids)
+        for piece, part in zip(self._pieces, self._parts(ids, out), strict=True):
+            if len(idx) == 1:
+                torch.index_select(piece, 0, idx[0], out=part)
+            elif piece.device.type == "cpu":
+                part.numpy()[...] = piece.numpy()[tuple(i.numpy() for i in idx)]
+            else:
+                part.copy_(piece[idx])
+
+    def scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (``[n, L, 2, H, T, D]``) into blocks ``ids``.
+
+        On CPU a numpy fancy assignment per piece (torch's CPU index_copy_/index_put_
+        run element by element, ~5x slower); on CUDA ``index_copy_``/``index_put_``."""
+        idx = self._index(ids)
+        for piece, part in zip(self._pieces, self._parts(ids, src), strict=True):
+            if piece.device.type == "cpu":
+                piece.numpy()[tuple(i.numpy() for i in idx)] = part.numpy()
+            elif len(idx) == 1:
+                piece.index_copy_(0, idx[0], part)
+            else:
+                piece.index_put_(idx, part)
+
+
+def _check_same(tensors: Sequence[torch.Tensor], what: str) -> None:
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise InvalidArgument(
+                f"{what} {i} is {t.dtype} {tuple(t.shape)} on {t.device}; expected "
+                f"{first.dtype} {tuple(first.shape)} on {first.device} like {what} 0"
+            )
+    if first.dtype not in DTYPE_NAMES:
+        raise InvalidArgument(f"KV dtype {first.dtype} is not supported")
+
+
+class PagedKV(KVCache):
+    """vLLM's paged KV cache: per layer ``[2, num_blocks, block_tokens, kv_heads, head_dim]``
+    (a list), or all layers stacked as ``[layers, 2, num_blocks, block_tokens, ...]``."""
+
+    kind = "paged"
+
+    def __init__(self, layers: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        if isinstance(layers, torch.Tensor):
+            if layers.dim() != 6 or layers.shape[1] != 2:
+                raise InvalidArgument(
+                    "stacked paged KV must be [layers, 2, num_blocks, block_tokens, kv_heads, "
+                    f"head_dim], got {tuple(layers.shape)}"
+                )
+            tensors: list[torch.Tensor] = [layers]
+            stacked: torch.Tensor | None = layers
+        else:
+            tensors = list(layers)
+            if not tensors:
+                raise InvalidArgument("paged KV needs at least one layer")
+            _check_same(tensors, "layer")
+            if tensors[0].dim() != 5 or tensors[0].shape[0] != 2:
+                raise InvalidArgument(
+                    "paged KV layers must be [2, num_blocks, block_tokens, kv_heads, head_dim], "
+                    f"got {tuple(tensors[0].shape)}"
+                )
+            stacked = stack_uniform(tensors)
+        if stacked is not None:
+            L, _, nb, T, H, D = stacked.shape
+            pieces = [stacked.permute(2, 0, 1, 4, 3, 5)]  # [NB, L, 2, H, T, D]
+            dtype = stacked.dtype
+        else:
+            L = len(tensors)
+            _, nb, T, H, D = tensors[0].shape
+            pieces = [t.permute(1, 0, 3, 2, 4) for t in tensors]  # [NB, 2, H, T, D]
+            dtype = tensors[0].dtype
+        super().__init__(BlockShape(L, H, D, T, dtype), tensors, pieces, 1, nb)
+
+
+class HFKV(KVCache):
+    """transformers' contiguous KV: per layer (K, V), each ``[batch, kv_heads, seq,
+    head_dim]``, or stacked ``[layers, 2, batch, kv_heads, seq, head_dim]``. Block id
+    ``b * blocks_per_seq + j`` is tokens ``[j*T, (j+1)*T)`` of sequence ``b``; tokens
+    past the last full block of ``seq`` are not addressable."""
+
+    kind = "hf"
+
+    def __init__(
+        self,
+        layers: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
+        block_tokens: int,
+    ) -> None:
+        T = int(block_tokens)
+        if T < 1:
+            raise InvalidArgument(f"block_tokens must be >= 1, got {block_tokens}")
+        if isinstance(layers, torch.Tensor):
+            if layers.dim() != 6 or layers.shape[1] != 2:
+                raise InvalidArgument(
+                    "stacked HF KV must be [layers, 2, batch, kv_heads, seq, head_dim], "
+                    f"got {tuple(layers.shape)}"
+                )
+            tensors: list[torch.Tensor] = [layers]
+            L, _, B, H, S, D = layers.shape
+            stacked: torch.Tensor | None = layers
+        else:
+            pairs = list(layers)
+            if not pairs:
+                raise InvalidArgument("HF KV needs at least one layer")
+            tensors = [t for pair in pairs for t in pair]
+            if len(tensors) != 2 * len(pairs):
+                raise InvalidArgument("HF KV layers must be (keys, values) pairs")
+            _check_same(tensors, "K/V tensor")
+            if tensors[0].dim() != 4:
+                raise InvalidArgument(
+                    "HF KV tensors must be [batch, kv_heads, seq, head_dim], got "
+                    f"{tuple(tensors[0].shape)}"
+                )
+            L = len(pairs)
+            B, H, S, D = tensors[0].shape
+            stacked = stack_uniform(tensors)
+            if stacked is not None:
+                stacked = stacked.unflatten(0, (L, 2))
+        nb = S // T
+        if nb == 0:
+            raise InvalidArgument(f"sequence capacity {S} holds no full block of {T} tokens")
+        self.batch, self.blocks_per_seq = B, nb
+        if stacked is not None:
+            view = stacked[..., : nb * T, :].unflatten(4, (nb, T))  # [L, 2, B, H, nb, T, D]
+            pieces = [view.permute(2, 4, 0, 1, 3, 5, 6)]  # [B, nb, L, 2, H, T, D]
+        else:
+            pieces = [
+                t[:, :, : nb * T].unflatten(2, (nb, T)).permute(0, 2, 1, 3, 4)  # [B, nb, H, T, D]
+                for t in tensors
+            ]
+        super().__init__(BlockShape(L, H, D, T, tensors[0].dtype), tensors, pieces, 2, B * nb)
+
+    def block_id(self, batch_index: int, block: int) -> int:
+        if not (0 <= batch_index < self.batch and 0 <= block < self.blocks_per_seq):
+            raise InvalidArgument(
+                f"(batch {batch_index}, block {block}) is outside {self.batch} sequences of "
+                f"{self.blocks_per_seq} blocks"
+            )
+        return batch_index * self.blocks_per_seq + block
+
+    def block_ids(self, batch_index: int, first: int, count: int) -> list[int]:
+        """Ids of blocks ``[first, first + count)`` of sequence ``batch_index``."""
+        if count <= 0:
+            return []
+        self.block_id(batch_index, first)
+        self.block_id(batch_index, first + count - 1)
+        base = batch_index * self.blocks_per_seq
+        return list(range(base + first, base + first + count))
+
+    def _index(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        nb = self.blocks_per_seq
+        return (torch.div(ids, nb, rounding_mode="floor"), ids % nb)
+
+
+# -- slots ----------------------------------------------------------------------------
+
+
+def slot_runs(offsets: Sequence[int], block_bytes: int) -> list[tuple[int, int, int]]:
+    """(first position, count, arena offset) of each run of adjacent slots, in order."""
+    out: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(offsets):
+        j = i + 1
+        while j < len(offsets) and offsets[j] == offsets[j - 1] + block_bytes:
+            j += 1
+        out.append((i, j - i, offsets[i]))
+        i = j
+    return out
+
+
+class _CudaArrayInterface:
+    """A raw device pointer as ``__cuda_array_interface__`` (for torch.as_tensor)."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+def device_alias(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CUDA uint8 tensor over registered host memory whose host pointer kernels may use
+    as is (c2c: ``canUseHostPointerForRegisteredMem``). The host tensor must stay alive
+    and registered while the alias is used. Untested without a GPU."""
+    if host.dtype != torch.uint8 or host.dim() != 1 or host.device.type != "cpu":
+        raise ValueError("device_alias needs a flat uint8 CPU tensor")
+    return torch.as_tensor(_CudaArrayInterface(host.data_ptr(), host.numel()), device=device)
+
+
+@contextmanager
+def _on_stream(device: torch.device, stream: Any, wait_current: bool) -> Iterator[Any]:
+    if device.type != "cuda":
+        yield None
+        return
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream(device)
+        s = stream if stream is not None else current
+        if wait_current and s != current:
+            s.wait_stream(current)
+        with torch.cuda.stream(s):
+            yield s
+
+
+class Mover:
+    """Copies blocks between KV caches and the slots of one arena region.
+
+    ``arena`` is the whole region as a flat uint8 CPU tensor (pinned when CUDA copies
+    should be asynchronous). ``device_arenas`` maps a CUDA device to an alias of the
+    same bytes that kernels there can address (c2c only); without one, CUDA copies go
+    through a staging tensor in device memory and one DMA per slot run.
+
+    Thread-safe. CUDA staging comes from torch's caching allocator (stream-ordered);
+    CPU staging buffers are kept for reuse, up to ``max_staging_bytes`` in all,
+    because a fresh multi-MiB CPU buffer costs a page fault per 4 KiB on every call.
+    """
+
+    def __init__(
+        self,
+        arena: torch.Tensor,
+        *,
+        device_arenas: dict[torch.device, torch.Tensor] | None = None,
+        max_run_copies: int = MAX_RUN_COPIES,
+        max_staging_bytes: int = MAX_STAGING_BYTES,
+    ) -> None:
+        if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.device.type != "cpu":
+            raise ValueError("arena must be a flat uint8 CPU tensor")
+        self.arena = arena
+        self.size = arena.numel()
+        self.device_arenas = dict(device_arenas or {})
+        self.max_run_copies = max_run_copies
+        self.max_staging_bytes = min(max_staging_bytes, self.size)  # a transfer fits the arena
+        self._spare: list[torch.Tensor] = []  # idle CPU staging buffers (uint8)
+        self._spare_lock = threading.Lock()
+
+    @classmethod
+    def for_array(cls, array: np.ndarray, **kwargs: Any) -> Mover:
+        """A mover over an arena's numpy view (``HostArena.array()``, ``ArenaMapping.array()``)."""
+        return cls(torch.from_numpy(array), **kwargs)
+
+    def _arena_on(self, device: torch.device) -> torch.Tensor | None:
+        if device.type == "cpu":
+            return self.arena
+        return self.device_arenas.get(device)
+
+    def _check(
+        self, kv: KVCache, block_ids: Any, offsets: Sequence[int]
+    ) -> tuple[torch.Tensor, int]:
+        ids = kv.block_index(block_ids)
+        if ids.numel() != len(offsets):
+            raise InvalidArgument(f"{ids.numel()} block ids for {len(offsets)} slots")
+        bb = kv.shape.block_bytes
+        for off in offsets:
+            if off < 0 or off + bb > self.size:
+                raise InvalidArgument(
+                    f"slot [{off}, {off + bb}) is outside the arena of {self.size} bytes"
+                )
+            if off % kv.tensors[0].element_size():
+                raise InvalidArgument(f"slot offset {off} is not aligned to the KV dtype")
+        return ids, bb
+
+    def offload(
+        self,
+        kv: KVCache,
+        block_ids: Any,
+        offsets: Sequence[int],
+        *,
+        stream: Any = None,
+        wait_current: bool = True,
+    ) -> torch.cuda.Event | None:
+        """Blocks ``block_ids[i]`` of ``kv`` -> the slot at ``offsets[i]``."""
+        ids, bb = self._check(kv, block_ids, offsets)
+        n = len(offsets)
+        if n == 0:
+            return None
+        runs = slot_runs(offsets, bb)
+        with _on_stream(kv.device, stream, wait_current) as s:
+            ids = ids.to(kv.device, non_blocking=True)
+            near = self._arena_on(kv.device)
+            if near is not None and len(runs) == 1:
+                off = offsets[0]
+                kv.gather(ids, near[off : off + n * bb].view(kv.shape.dtype))
+            else:
+                with self._staging(n * bb, kv.device) as staging:
+                    kv.gather(ids, staging.view(kv.shape.dtype))
+                    self._to_slots(staging.view(n, bb), offsets, runs, near)
+            return _record(s)
+
+    def onboard(
+        self,
+        kv: KVCache,
+        block_ids: Any,
+        offsets: Sequence[int],
+        *,
+        stream: Any = None,
+        wait_current: bool = True,
+    ) -> torch.cuda.Event | None:
+        """The slot at ``offsets[i]`` -> block ``block_ids[i]`` of ``kv``."""
+        ids, bb = self._check(kv, block_ids, offsets)
+        n = len(offsets)
+        if n == 0:
+            return None
+        runs = slot_runs(offsets, bb)
+        with _on_stream(kv.device, stream, wait_current) as s:
+            ids = ids.to(kv.device, non_blocking=True)
+            near = self._arena_on(kv.device)
+            if near is not None and len(runs) == 1:
+                off = offsets[0]
+                kv.scatter(ids, near[off : off + n * bb].view(kv.shape.dtype))
+            else:
+                with self._staging(n * bb, kv.device) as staging:
+                    self._from_slots(staging.view(n, bb), offsets, runs, near)
+                    kv.scatter(ids, staging.view(kv.shape.dtype))
+            return _record(s)
+
+    @contextmanager
+    def _staging(self, nbytes: int, device: torch.device) -> Iterator[torch.Tensor]:
+        """A uint8 buffer of ``nbytes`` on ``device`` for the length of one transfer."""
+        if device.type != "cpu":
+            yield torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return
+        with self._spare_lock:
+            fits = [b for b in self._spare if b.numel() >= nbytes]
+            buf = min(fits, key=lambda b: b.numel()) if fits else None
+            if buf is not None:
+                self._spare.remove(buf)
+        if buf is None:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            yield buf[:nbytes]
+        finally:
+            with self._spare_lock:
+                self._spare.append(buf)
+                self._spare.sort(key=lambda b: b.numel(), reverse=True)
+                while sum(b.numel() for b in self._spare) > self.max_staging_bytes:
+                    self._spare.pop(0)  # the largest goes first
+
+    # staging <-> slots: per run (DMA, or few runs), else one indexed copy over rows
+
+    def _to_slots(
+        self,
+        staging: torch.Tensor,
+        offsets: Sequence[int],
+        runs: list[tuple[int, int, int]],
+        near: torch.Tensor | None,
+    ) -> None:
+        bb = staging.shape[1]
+        if near is not None and len(runs) > self.max_run_copies:
+            rows, index, unit = self._rows(near, offsets, bb, staging.device)
+            if rows.device.type == "cpu":  # numpy: torch's CPU index_copy_ is elementwise
+                rows.numpy()[index.numpy()] = staging.view(-1, unit).numpy()
+            else:
+                rows.index_copy_(0, index, staging.view(-1, unit))
+            return
+        arena = near if near is not None else self.arena
+        async_copy = staging.device.type == "cuda"
+        for pos, count, off in runs:
+            arena[off : off + count * bb].view(count, bb).copy_(
+                staging[pos : pos + count], non_blocking=async_copy
+            )
+
+    def _from_slots(
+        self,
+        staging: torch.Tensor,
+        offsets: Sequence[int],
+        runs: list[tuple[int, int, int]],
+        near: torch.Tensor | None,
+    ) -> None:
+        bb = staging.shape[1]
+        if near is not None and len(runs) > self.max_run_copies:
+            rows, index, unit = self._rows(near, offsets, bb, staging.device)
+            torch.index_select(rows, 0, index, out=staging.view(-1, unit))
+            return
+        arena = near if near is not None else self.arena
+        async_copy = staging.device.type == "cuda"
+        for pos, count, off in runs:
+            staging[pos : pos + count].copy_(
+                arena[off : off + count * bb].view(count, bb), non_blocking=async_copy
+            )
+
+    def _rows(
+        self, arena: torch.Tensor, offsets: Sequence[int], bb: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The arena as rows of ``unit`` bytes (unit divides block_bytes and every offset)
+        and the row numbers of the slots, in block order."""
+        unit = math.gcd(bb, *offsets)
+        per_block = bb // unit
+        rows = arena[: (self.size // unit) * unit].view(-1, unit)
+        starts = torch.as_tensor(offsets, dtype=torch.int64) // unit
+        index = (starts[:, None] + torch.arange(per_block, dtype=torch.int64)[None, :]).reshape(-1)
+        return rows, index.to(device, non_blocking=True), unit
+
+
+def _record(stream: Any) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event

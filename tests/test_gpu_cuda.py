@@ -1,0 +1,188 @@
+"""The GPU data paths on CUDA: the same round trips as test_mover / test_gpu_roundtrip,
+with CUDA tensors, pinned memory, streams and events, and CUDA IPC across two processes.
+
+Marked ``gpu``; every test skips cleanly where torch has no CUDA device. Run on a GPU
+host with ``pytest -m gpu``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from conftest import Daemon
+
+from kvclient import KVClient, Namespace
+from kvclient.gpu import GpuClient
+from kvstore.arena import HostArena
+from kvstore.mover import HFKV, KVCache, Mover, PagedKV, device_alias
+from kvstore.pinning import cuda_pin_hook
+from kvstore.platform import Profile, detect
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+L, H, D, T = 4, 2, 64, 16
+NB = 32
+B, S = 2, 8 * T
+SENTINEL = 0x5A
+
+
+def random_(kv: KVCache, seed: int) -> None:
+    gen = torch.Generator(device=kv.device).manual_seed(seed)
+    for t in kv.tensors:
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=kv.device,
+                                generator=gen))
+
+
+def poison(kv: KVCache) -> None:
+    for t in kv.tensors:
+        t.view(torch.uint8).fill_(SENTINEL)
+
+
+def make(layout: str, device: str = "cuda") -> KVCache:
+    if layout == "paged":
+        return PagedKV([torch.empty(2, NB, T, H, D, dtype=torch.bfloat16, device=device)
+                        for _ in range(L)])
+    return HFKV([(torch.empty(B, H, S, D, dtype=torch.bfloat16, device=device),
+                  torch.empty(B, H, S, D, dtype=torch.bfloat16, device=device))
+                 for _ in range(L)], T)
+
+
+def block_bytes(kv: KVCache, block: int) -> np.ndarray:
+    if isinstance(kv, PagedKV):
+        view = torch.stack([t[:, block].transpose(1, 2) for t in kv.tensors])
+    else:
+        assert isinstance(kv, HFKV)
+        seq, j = divmod(block, kv.blocks_per_seq)
+        pairs = [kv.tensors[i : i + 2] for i in range(0, len(kv.tensors), 2)]
+        view = torch.stack([torch.stack([t[seq, :, j * T : (j + 1) * T] for t in pair])
+                            for pair in pairs])
+    return view.contiguous().view(torch.uint8).cpu().numpy().reshape(-1)
+
+
+@pytest.fixture
+def pinned_arena(tmp_path) -> Iterator[HostArena]:
+    arena = HostArena(64 << 20, directory=str(tmp_path), pin=cuda_pin_hook(strict=True))
+    yield arena
+    arena.close()
+
+
+def test_detect_finds_the_device() -> None:
+    info = detect(env={})
+    assert info.profile in (Profile.PCIE, Profile.C2C)
+    assert info.devices and info.devices[0].name
+    assert info.devices[0].compute_capability >= (7, 0)
+
+
+def test_pin_hook_pins_the_arena(pinned_arena: HostArena) -> None:
+    assert torch.from_numpy(pinned_arena.array()).is_pinned()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("layout", ["paged", "hf"])
+def test_mover_round_trip_on_a_side_stream(
+    pinned_arena: HostArena, layout: str, scattered: bool, direct: bool
+) -> None:
+    info = detect(env={})
+    if direct and not info.direct_host_access:
+        pytest.skip("kernels cannot address registered host memory here (not c2c)")
+    src, dst = make(layout), make(layout)
+    random_(src, 1)
+    poison(dst)
+    host = torch.from_numpy(pinned_arena.array())
+    aliases = {src.device: device_alias(host, src.device)} if direct else {}
+    mover = Mover(host, device_arenas=aliases, max_run_copies=2)
+    bb = src.shape.block_bytes
+    n = 8
+    offsets = [pinned_arena.alloc(bb) for _ in range(n)]
+    assert all(o is not None for o in offsets)
+    if scattered:
+        offsets = offsets[::-1]
+    ids = [(5 * i + 1) % src.num_blocks for i in range(n)]
+    stream = torch.cuda.Stream()
+
+    event = mover.offload(src, ids, offsets, stream=stream)
+    assert isinstance(event, torch.cuda.Event)
+    event.synchronize()
+    region = pinned_arena.array()
+    for block, off in zip(ids, offsets, strict=True):
+        assert np.array_equal(region[off : off + bb], block_bytes(src, block))
+
+    targets = [(3 * i + 2) % dst.num_blocks for i in range(n)]
+    event = mover.onboard(dst, targets, offsets, stream=stream)
+    torch.cuda.current_stream().wait_event(event)
+    torch.cuda.current_stream().synchronize()
+    for s, d in zip(ids, targets, strict=True):
+        assert np.array_equal(block_bytes(dst, d), block_bytes(src, s))
+
+
+# -- two processes: this one and kvstored ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu(kvstored_module: Daemon) -> Iterator[GpuClient]:
+    with KVClient(kvstored_module.addr) as client, GpuClient(client) as g:
+        yield g
+
+
+def _ns(gpu: GpuClient, model: str) -> Namespace:
+    return gpu.client.namespace(
+        model, T, num_layers=L, num_kv_heads=H, head_dim=D, dtype="bfloat16"
+    )
+
+
+def test_daemon_reports_a_gpu_platform(gpu: GpuClient) -> None:
+    info = gpu.info()
+    assert info.platform in ("pcie", "c2c")
+    assert info.devices and info.arena_pinned
+
+
+@pytest.mark.parametrize("layout", ["paged", "hf"])
+def test_client_driven_round_trip_on_cuda(gpu: GpuClient, layout: str) -> None:
+    ns = _ns(gpu, f"cuda-client-{layout}")
+    src, dst = make(layout), make(layout)
+    random_(src, 2)
+    poison(dst)
+    tokens = list(range(100, 100 + 6 * T + 1))
+    ids = [(5 * i + 1) % src.num_blocks for i in range(6)]
+    stream = torch.cuda.Stream()
+    put = gpu.offload(ns, tokens, src, ids, stream=stream)
+    assert put.stored == 6
+    targets = [(3 * i + 2) % dst.num_blocks for i in range(6)]
+    got = gpu.onboard(ns, tokens, dst, targets, stream=stream, wait=False)
+    assert got.onboarded == 6 and isinstance(got.event, torch.cuda.Event)
+    torch.cuda.current_stream().wait_event(got.event)
+    got.release()
+    torch.cuda.synchronize()
+    for s, d in zip(ids, targets, strict=True):
+        assert np.array_equal(block_bytes(dst, d), block_bytes(src, s))
+
+
+@pytest.mark.parametrize("ipc_event", [False, True])
+@pytest.mark.parametrize("layout", ["paged", "hf"])
+def test_daemon_driven_round_trip_over_cuda_ipc(
+    gpu: GpuClient, layout: str, ipc_event: bool
+) -> None:
+    ns = _ns(gpu, f"cuda-daemon-{layout}-{ipc_event}")
+    src, dst = make(layout), make(layout)
+    random_(src, 3)
+    poison(dst)
+    tokens = list(range(200, 200 + 6 * T + 1))
+    ids = [(5 * i + 1) % src.num_blocks for i in range(6)]
+    targets = [(3 * i + 2) % dst.num_blocks for i in range(6)]
+    with gpu.register(ns, src) as reg:
+        out = reg.offload(tokens, ids, ipc_event=ipc_event)
+        assert out.stored == 6
+    with gpu.register(ns, dst) as reg:
+        got = reg.onboard(tokens, targets)
+        assert got.onboarded == 6
+    torch.cuda.synchronize()
+    for s, d in zip(ids, targets, strict=True):
+        assert np.array_equal(block_bytes(dst, d), block_bytes(src, s))
