@@ -40,6 +40,7 @@ import numpy as np
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
 from kvclient.arena_path import BlockViews, ClientArena, read_slots, write_slots
+from kvclient.claims import Claim, claim_tokens
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -114,6 +115,7 @@ class KVClient:
         self._done_since = 0.0
         self._done_cond = threading.Condition()
         self._flusher: threading.Thread | None = None
+        self._flusher_parked = False  # waiting for work (else: for a pending lease's due time)
         # calls whose answer a block still pinned by this client cannot change
         self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
 
@@ -172,7 +174,8 @@ class KVClient:
                     target=self._flush_loop, name="kvclient-release", daemon=True
                 )
                 self._flusher.start()
-            self._done_cond.notify()
+            elif self._flusher_parked:  # wake it only from idle: no thread hop per get
+                self._done_cond.notify()
 
     def _take_done(self) -> list[int]:
         """The pending lease ids, for a request that releases them."""
@@ -196,13 +199,18 @@ class KVClient:
             log.debug("release of %d leases: %s", len(done), exc.details())
 
     def _flush_loop(self) -> None:
+        """Release leases pending for RELEASE_DELAY_S. Wakes once per delay while gets
+        go on (their own Acquires carry the releases), parks when there is nothing."""
         cond = self._done_cond
         while True:
             with cond:
-                while not self._done and not self._closed:
-                    cond.wait()
                 if self._closed:
                     return
+                if not self._done:
+                    self._flusher_parked = True
+                    cond.wait()
+                    self._flusher_parked = False
+                    continue
                 wait = self._done_since + RELEASE_DELAY_S - time.monotonic()
                 if wait > 0:
                     cond.wait(wait)
@@ -619,6 +627,44 @@ class Namespace:
                 refused += len(rows) - done
                 break
         return PutResult(stored=stored, existing=existing, refused=refused)
+
+    # -- early reuse ----------------------------------------------------------------
+
+    def claim(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        start: int = 0,
+        *,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+        extra_keys: wire.ExtraKeys = (),
+    ) -> Claim:
+        """Claim the full blocks of ``tokens`` from ``start`` that nobody has yet: they
+        become pending (other sessions see them and may wait) and this session delivers
+        them with ``Claim.fill`` as it computes them. See :mod:`kvclient.claims`.
+
+        Raises OutOfSpaceError when no block can be claimed for lack of room (compute
+        without storing).
+        """
+        arr = as_tokens(tokens)
+        full = len(arr) // self.block_tokens
+        if not 0 <= start <= full:
+            raise InvalidArgumentError(f"start={start} is outside the {full} full blocks of tokens")
+        check_priority(priority)
+        request = pb.ReserveRequest(
+            ns_id=self.ns_id,
+            tokens=claim_tokens(arr, self.block_tokens),
+            extra_keys=wire.extra_bytes(extra_keys),
+            start_block=start,
+            ttl_s=ttl_s or 0.0,
+            priority=priority,
+        )
+        _, arena = self.client._arena_for_data()
+        response = self.client._call(self.client._stub.Reserve, request)
+        if arena is not None and arena.names_another_arena(response.arena_path):
+            self.client._info = None  # the daemon restarted: deliver inline this time
+            arena = None
+        return Claim(self, response, start, arena)
 
     # -- management -----------------------------------------------------------------
 

@@ -407,6 +407,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         messages = aiter(request_iterator)
         first = await anext(messages, None)
         head = self._put_header(first)
+        if head.lease_id:
+            return await self._put_into_claim(head, messages)
         prio = convert.optional_priority(head)
 
         def check_header(quick: bool = False) -> tuple[NamespaceSpec, list[BlockKey]]:
@@ -476,6 +478,47 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             existing=reservation.existing,
             refused=reservation.refused + len(reservation.slots) - committed,
         )
+
+    async def _put_into_claim(
+        self, head: pb.PutHeader, messages: AsyncIterator[pb.PutRequest | bytes]
+    ) -> pb.PutResponse:
+        """Deliver the next ``n_blocks`` blocks of a claim (a write lease) and commit them.
+
+        On a broken transfer the claim is abandoned: its waiters compute for themselves
+        rather than wait for bytes that are not coming.
+        """
+        lease = convert.lease_id(head.lease_id)
+        spec = self._spec(head.ns_id)
+        if head.n_blocks == 0:
+            raise InvalidArgument("n_blocks must be > 0")
+        slots = self._store.claimed_slots(lease, head.n_blocks)
+        if any(slot.size != spec.block_bytes for slot in slots):
+            raise InvalidArgument(f"lease {lease} is not a lease of namespace {head.ns_id}")
+        bb = spec.block_bytes
+        expected = head.n_blocks * bb
+        sink = _SlotSink(self._store.arena.array(), slots, slots[0].index, bb)
+        try:
+            received = 0
+            async for msg in messages:
+                chunk = self._put_data(msg)
+                if received + len(chunk) > expected:
+                    raise InvalidArgument(
+                        f"Put data exceeds n_blocks x block_bytes = {head.n_blocks} x {bb} "
+                        f"= {expected} bytes (got at least {received + len(chunk)})"
+                    )
+                sink.write(received, chunk)
+                received += len(chunk)
+            if received != expected:
+                raise InvalidArgument(
+                    f"Put data is {received} bytes, expected n_blocks x block_bytes = "
+                    f"{head.n_blocks} x {bb} = {expected}"
+                )
+            committed = await self._commit(lease, head.n_blocks)
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                self._store.abandon(lease)
+            raise
+        return pb.PutResponse(stored=committed)
 
     def _put_header(self, first: pb.PutRequest | bytes | None) -> pb.PutHeader:
         msg = self._put_message(first) if isinstance(first, bytes) else first

@@ -124,6 +124,7 @@ class _Lease:
     nodes: list[Node]  # read: pinned ready prefix; write: reserved blocks in chain order
     expires_at: float
     committed: int = 0  # write leases: nodes[:committed] are ready
+    first_index: int = 0  # write leases: chain position of nodes[0]
 
 
 @dataclass(slots=True)
@@ -471,6 +472,7 @@ class Store:
             self._pending += len(created)
             lease = self._new_lease(entry, created, write=True, ttl=ttl)
             first = len(keys) - refused - len(created)
+            lease.first_index = first
             slots = tuple(
                 SlotRef(first + i, node.key, node.host_offset, node.size)
                 for i, node in enumerate(created)
@@ -508,30 +510,40 @@ class Store:
             self._changed.notify_all()
             return n
 
+    def claimed_slots(self, lease_id: int, count: int) -> tuple[SlotRef, ...]:
+        """The next ``count`` uncommitted blocks of a write lease (chain order), for a
+        caller that fills them and then commits ``count``: the arena writer, or the
+        daemon delivering an inline Put into a claim."""
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id, write=True)
+            remaining = len(lease.nodes) - lease.committed
+            if not 0 < count <= remaining:
+                raise InvalidArgument(
+                    f"{count} blocks for lease {lease_id}, which has {remaining} left"
+                )
+            first = lease.first_index + lease.committed
+            nodes = lease.nodes[lease.committed : lease.committed + count]
+            return tuple(
+                SlotRef(first + i, node.key, node.host_offset, node.size)
+                for i, node in enumerate(nodes)
+            )
+
     def fill(self, lease_id: int, payloads: Sequence[bytes | bytearray | memoryview]) -> int:
         """Write ``payloads`` into the next reserved blocks of a write lease and commit
         them: the inline twin of "write the arena slots, then commit" for clients that
         cannot map the arena. Returns how many became ready."""
-        with self._lock:
-            self._expire()
-            lease = self._lease(lease_id, write=True)
-            size = lease.entry.spec.block_bytes
-            remaining = len(lease.nodes) - lease.committed
-            if len(payloads) > remaining:
+        slots = self.claimed_slots(lease_id, len(payloads)) if payloads else ()
+        views = [memoryview(p).cast("B") for p in payloads]
+        for i, (view, slot) in enumerate(zip(views, slots, strict=True)):
+            if view.nbytes != slot.size:
                 raise InvalidArgument(
-                    f"{len(payloads)} blocks for lease {lease_id}, which has {remaining} left"
+                    f"payload {i} is {view.nbytes} bytes; the lease's blocks are {slot.size}"
                 )
-            views = [memoryview(p).cast("B") for p in payloads]
-            for i, view in enumerate(views):
-                if view.nbytes != size:
-                    raise InvalidArgument(
-                        f"payload {i} is {view.nbytes} bytes; the lease's blocks are {size}"
-                    )
-            slots = [node.host_offset for node in lease.nodes[lease.committed :][: len(views)]]
         # the pending blocks stay pinned by the lease while their bytes are copied
         array = self._arena.array()
-        for offset, view in zip(slots, views, strict=True):
-            array[offset : offset + size] = np.frombuffer(view, dtype=np.uint8)
+        for slot, view in zip(slots, views, strict=True):
+            array[slot.offset : slot.offset + slot.size] = np.frombuffer(view, dtype=np.uint8)
         return self.commit(lease_id, len(views))
 
     def abandon(self, lease_id: int) -> int:

@@ -1,0 +1,172 @@
+"""Early reuse through the daemon: claims, chunked delivery, waiting, dead owners.
+
+Everything runs against the real kvstored (fixtures in conftest.py); concurrent
+claimants are separate processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import Daemon
+
+from kvclient import KVClient, OutOfSpaceError
+
+TOKENS = 4
+BLOCK = 4096
+PROMPT = list(range(8 * TOKENS))  # 8 shared blocks
+
+
+def content(i: int) -> np.ndarray:
+    """The bytes of block i of PROMPT, as every session would compute them."""
+    return np.full(BLOCK, (i * 37 + 11) % 256, np.uint8)
+
+
+@pytest.mark.parametrize("use_arena", [True, False])
+def test_claim_delivers_chunks_that_become_ready_one_by_one(
+    kvstored: Daemon, use_arena: bool
+) -> None:
+    with KVClient(kvstored.addr, use_arena=use_arena) as owner, KVClient(kvstored.addr) as other:
+        ns = owner.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        seen = other.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        with ns.claim(PROMPT) as claim:
+            assert (claim.first, claim.blocks, claim.existing) == (0, 8, 0)
+            assert seen.lookup(PROMPT).pending_blocks == 8
+            # the first chunk of the prefill is done: 3 blocks ready, 5 still pending
+            assert claim.fill(np.stack([content(i) for i in range(3)])) == 3
+            look = seen.lookup(PROMPT)
+            assert (look.blocks, look.pending_blocks) == (3, 5)
+            assert claim.fill(np.stack([content(i) for i in range(3, 8)])) == 5
+        got = seen.get(PROMPT)
+        assert np.array_equal(got.blocks, np.stack([content(i) for i in range(8)]))
+
+
+def test_second_claimant_gets_nothing_and_waits(kvstored: Daemon) -> None:
+    with KVClient(kvstored.addr) as a, KVClient(kvstored.addr) as b:
+        ns_a = a.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        ns_b = b.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        first = ns_a.claim(PROMPT)
+        second = ns_b.claim(PROMPT)
+        assert second.blocks == 0 and second.pending_elsewhere
+        first.fill(np.stack([content(i) for i in range(8)]))
+        look = ns_b.lookup(PROMPT, wait_pending_s=5)
+        assert look.blocks == 8 and look.pending_blocks == 0
+
+
+def test_abandoned_claim_releases_the_blocks(kvstored: Daemon) -> None:
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        with ns.claim(PROMPT) as claim:
+            claim.fill(np.stack([content(0), content(1)]))
+        # leaving the block abandoned the 6 undelivered blocks: they can be claimed again
+        look = ns.lookup(PROMPT)
+        assert (look.blocks, look.pending_blocks) == (2, 0)
+        again = ns.claim(PROMPT)
+        assert (again.first, again.blocks) == (2, 6)
+        again.abandon()
+
+
+def test_claim_in_a_full_store_is_out_of_space(kvstored_factory) -> None:
+    daemon = kvstored_factory(host_bytes="1MiB", disk_bytes=0)  # 256 blocks
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        holder = ns.claim(list(range(1000, 1000 + 256 * TOKENS)))  # every slot pending
+        assert holder.blocks == 256
+        with pytest.raises(OutOfSpaceError):
+            ns.claim(PROMPT)
+        holder.abandon()
+
+
+_SESSION = r"""
+import json, sys, time
+import numpy as np
+from kvclient import KVClient
+addr, use_arena = sys.argv[1], sys.argv[2] == "1"
+TOKENS, BLOCK, PROMPT = 4, 4096, list(range(32))
+def content(i): return np.full(BLOCK, (i * 37 + 11) % 256, np.uint8)
+computed = []
+with KVClient(addr, use_arena=use_arena) as client:
+    ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+    print("ready", flush=True)
+    sys.stdin.readline()  # start together
+    while True:
+        with ns.claim(PROMPT) as claim:
+            for i in range(claim.first, claim.first + claim.blocks, 2):
+                n = min(2, claim.first + claim.blocks - i)
+                time.sleep(0.02)  # the prefill of a chunk
+                claim.fill(np.stack([content(j) for j in range(i, i + n)]))
+                computed.extend(range(i, i + n))
+        look = ns.lookup(PROMPT, wait_pending_s=5)
+        if look.blocks == 8:
+            break
+    got = ns.get(PROMPT)
+    ok = bool(np.array_equal(got.blocks, np.stack([content(i) for i in range(8)])))
+print(json.dumps({"computed": computed, "ok": ok}), flush=True)
+"""
+
+
+def test_concurrent_processes_compute_each_block_once(kvstored: Daemon) -> None:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SESSION, kvstored.addr, "1" if i % 2 else "0"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
+    try:
+        for p in procs:  # every session connected before any starts
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        reports = [json.loads(p.communicate(timeout=60)[0].splitlines()[-1]) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    computed = sorted(i for r in reports for i in r["computed"])
+    assert computed == list(range(8))  # exactly one session computed each block
+    assert all(r["ok"] for r in reports)  # and everyone got the owner's bytes
+
+
+_DYING_OWNER = r"""
+import os, sys
+import numpy as np
+from kvclient import KVClient
+with KVClient(sys.argv[1]) as client:
+    ns = client.namespace("claims", block_tokens=4, block_bytes=4096)
+    claim = ns.claim(list(range(32)), ttl_s=1.0)
+    claim.fill(np.stack([np.full(4096, (i * 37 + 11) % 256, np.uint8) for i in range(2)]))
+    print("filled", flush=True)
+    os.kill(os.getpid(), 9)  # dies mid-prefill, 6 blocks still pending
+"""
+
+
+def test_killed_owner_releases_waiters_and_serves_nothing_half_written(kvstored: Daemon) -> None:
+    owner = subprocess.run(
+        [sys.executable, "-c", _DYING_OWNER, kvstored.addr], capture_output=True, text=True
+    )
+    assert owner.returncode == -signal.SIGKILL and "filled" in owner.stdout
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        t0 = time.monotonic()
+        look = ns.lookup(PROMPT, wait_pending_s=20)
+        waited = time.monotonic() - t0
+        # released when the dead owner's 1 s lease ran out, long before the 20 s deadline
+        assert waited < 10
+        assert (look.blocks, look.pending_blocks) == (2, 0)
+        got = ns.get(PROMPT)  # only what was delivered, byte-exact
+        assert np.array_equal(got.blocks, np.stack([content(0), content(1)]))
+        claim = ns.claim(PROMPT)  # the waiter computes the rest itself
+        assert (claim.first, claim.blocks) == (2, 6)
+        claim.abandon()
+    assert os.path.exists(kvstored.socket_path)
