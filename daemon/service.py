@@ -304,6 +304,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if quick and (found.disk_blocks or start):
             raise _NeedsPool
         ready = found.ready_blocks
+        asked = min(len(keys), start + request.max_blocks) if request.max_blocks else len(keys)
+        self._store.note_misses(spec.ns_id, asked - max(ready, start))
         # one call moves at most max_transfer_bytes, but always at least one block
         end = ready
         if request.max_blocks:

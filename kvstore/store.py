@@ -367,6 +367,17 @@ class Store:
             )
             return Acquisition(lease.lease_id, lease.expires_at, slots)
 
+    def note_misses(self, ns_id: str, blocks: int) -> None:
+        """Count ``blocks`` asked for and not found, for a caller that read only the
+        ready prefix it had looked up (the daemon's Get): hit rates stay honest."""
+        if blocks <= 0:
+            return
+        entry = self._entry(ns_id)
+        with self._lock:
+            entry.misses += blocks
+            self._c.host_misses += blocks
+            self._c.disk_misses += blocks
+
     def release(self, lease_id: int) -> None:
         with self._lock:
             self._expire()

@@ -264,3 +264,15 @@ def test_a_taken_default_metrics_port_is_a_warning(kvstored_factory: Any) -> Non
         daemon: Daemon = kvstored_factory(host_bytes="4MiB", disk_bytes=0, metrics_listen=None)
         assert "metrics disabled: cannot listen on 127.0.0.1:9464" in daemon.output()
         assert daemon.stop() == 0
+
+
+def test_inline_get_of_a_partly_cached_prompt_counts_misses(kvstored_factory: Any) -> None:
+    daemon: Daemon = kvstored_factory(host_bytes="8MiB", disk_bytes=0)
+    with KVClient(daemon.addr, use_arena=False) as client:
+        ns = client.namespace("miss", block_tokens=4, block_bytes=4096)
+        ns.put(list(range(8)), np.zeros((2, 4096), np.uint8))
+        before = client.stats().tier("host")
+        got = ns.get(list(range(16)))  # asks for 4 blocks, 2 are cached
+        after = client.stats().tier("host")
+    assert got.blocks.shape[0] == 2
+    assert after.hits - before.hits == 2 and after.misses - before.misses == 2
