@@ -32,6 +32,7 @@ import numpy as np
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
 from kvclient.arena_path import BlockViews, ClientArena, SlotTable, read_slots, write_slots
+from kvclient.claims import AsyncClaim, reserve_request
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -58,7 +59,7 @@ from kvclient.results import (
     ServerInfo,
     Stats,
 )
-from kvclient.sync_client import DEFAULT_CHUNK_BYTES, DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
+from kvclient.sync_client import DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstored.hostinfo import host_id
@@ -550,7 +551,7 @@ class AsyncNamespace:
         priority: int | None,
     ) -> PutResult:
         client = self.client
-        chunk = info.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        chunk = info.max_chunk_bytes or wire.DEFAULT_CHUNK_BYTES
         per_call = blocks_per_call(
             info.max_transfer_bytes, info.max_blocks_per_request, self.block_bytes
         )
@@ -580,6 +581,34 @@ class AsyncNamespace:
                 refused += len(rows) - done
                 break
         return PutResult(stored=stored, existing=existing, refused=refused)
+
+    # -- early reuse ----------------------------------------------------------------
+
+    async def claim(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        start: int = 0,
+        *,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+        extra_keys: wire.ExtraKeys = (),
+    ) -> AsyncClaim:
+        """See :meth:`kvclient.Namespace.claim`."""
+        request = reserve_request(
+            self.ns_id,
+            self.block_tokens,
+            tokens,
+            start,
+            ttl_s,
+            priority,
+            wire.extra_bytes(extra_keys),
+        )
+        _, arena = await self.client._arena_for_data()
+        response = await self.client._call(self.client._stub.Reserve, request)
+        if arena is not None and arena.names_another_arena(response.arena_path):
+            self.client._info = None  # the daemon restarted: deliver inline this time
+            arena = None
+        return AsyncClaim(self, response, start, arena)
 
     # -- management -----------------------------------------------------------------
 

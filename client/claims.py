@@ -22,6 +22,8 @@ Protocol of a :class:`Claim` (from :meth:`kvclient.Namespace.claim`):
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -29,66 +31,102 @@ import numpy as np
 
 from kvclient import wire
 from kvclient.arena_path import ClientArena, SlotTable, write_slots
-from kvclient.errors import LeaseError
-from kvclient.payloads import as_blocks
+from kvclient.errors import InvalidArgumentError, LeaseError
+from kvclient.payloads import as_blocks, as_tokens, check_priority
 from kvproto.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
+    from kvclient.async_client import AsyncNamespace
     from kvclient.sync_client import Namespace
 
 
-class Claim:
-    """Blocks this session reserved and must compute; see the module docstring."""
+class _ClaimState:
+    """What a claim owns and has delivered; builds its requests (no I/O here)."""
 
     def __init__(
-        self, ns: Namespace, response: pb.ReserveResponse, start: int, arena: ClientArena | None
+        self,
+        ns_id: str,
+        block_bytes: int,
+        response: pb.ReserveResponse,
+        start: int,
+        arena: ClientArena | None,
     ) -> None:
-        self._ns = ns
+        self.ns_id = ns_id
+        self.block_bytes = block_bytes
         self.lease_id: int = response.lease_id
         self.existing: int = response.existing
         self.blocks: int = len(response.slots)
         self.first: int = start + response.existing
         self.pending_elsewhere: bool = response.refused > 0 and not response.out_of_space
-        self._slots = wire.slot_table(response.slots)
-        self._arena = arena
+        self.arena = arena
         self.delivered = 0
+        self._slots = wire.slot_table(response.slots)
 
     @property
     def remaining(self) -> int:
         return self.blocks - self.delivered
 
+    def rows(self, blocks: Any) -> np.ndarray | list[np.ndarray]:
+        rows = as_blocks(blocks, self.block_bytes)
+        if len(rows) > self.remaining:
+            raise ValueError(
+                f"{len(rows)} blocks offered, but only {self.remaining} of the claim remain"
+            )
+        return rows
+
+    def write_arena(self, rows: np.ndarray | list[np.ndarray]) -> pb.CommitRequest:
+        """Copy the next blocks into their slots; the Commit that makes them ready."""
+        assert self.arena is not None
+        n, done = len(rows), self.delivered
+        table = SlotTable(
+            self._slots.indices[done : done + n], self._slots.offsets[done : done + n]
+        )
+        write_slots(self.arena.mapping, table, rows, self.block_bytes, self.first + done)
+        return pb.CommitRequest(lease_id=self.lease_id, count=n)
+
+    def put_messages(
+        self, rows: np.ndarray | list[np.ndarray], chunk_bytes: int
+    ) -> Iterator[bytes]:
+        """The inline Put that delivers the next blocks into the claim."""
+        header = pb.PutHeader(ns_id=self.ns_id, n_blocks=len(rows), lease_id=self.lease_id)
+        return wire.put_messages(header, rows, chunk_bytes or wire.DEFAULT_CHUNK_BYTES)
+
+    def describe(self, kind: str) -> str:
+        return (
+            f"{kind}(blocks {self.first}..{self.first + self.blocks}, "
+            f"delivered={self.delivered}, existing={self.existing}, "
+            f"pending_elsewhere={self.pending_elsewhere})"
+        )
+
+
+class Claim(_ClaimState):
+    """Blocks this session reserved and must compute; see the module docstring."""
+
+    def __init__(
+        self, ns: Namespace, response: pb.ReserveResponse, start: int, arena: ClientArena | None
+    ) -> None:
+        super().__init__(ns.ns_id, ns.block_bytes, response, start, arena)
+        self._client = ns.client
+
     def fill(self, blocks: Any) -> int:
         """Deliver the next ``len(blocks)`` claimed blocks (``uint8[n, block_bytes]`` or
         a list of bytes-likes) and make them ready; returns how many became ready."""
-        rows = as_blocks(blocks, self._ns.block_bytes)
-        n = len(rows)
-        if n == 0:
+        rows = self.rows(blocks)
+        if len(rows) == 0:
             return 0
-        if n > self.remaining:
-            raise ValueError(f"{n} blocks offered, but only {self.remaining} of the claim remain")
-        client = self._ns.client
-        first = self.first + self.delivered
-        if self._arena is not None:
-            table = SlotTable(
-                self._slots.indices[self.delivered : self.delivered + n],
-                self._slots.offsets[self.delivered : self.delivered + n],
-            )
-            write_slots(self._arena.mapping, table, rows, self._ns.block_bytes, first)
-            request = pb.CommitRequest(lease_id=self.lease_id, count=n)
-            done = int(client._call(client._stub.Commit, request).committed)
+        client = self._client
+        if self.arena is not None:
+            done = int(client._call(client._stub.Commit, self.write_arena(rows)).committed)
         else:
-            header = pb.PutHeader(ns_id=self._ns.ns_id, n_blocks=n, lease_id=self.lease_id)
             info, _ = client._refresh()
-            chunk = info.max_chunk_bytes or (4 << 20)
             client._settle()
             try:
-                done = int(
-                    client._put_stream(
-                        wire.put_messages(header, rows, chunk), timeout=client.timeout
-                    ).stored
+                result = client._put_stream(
+                    self.put_messages(rows, info.max_chunk_bytes), timeout=client.timeout
                 )
             except grpc.RpcError as exc:
                 raise client._error(exc) from None
+            done = int(result.stored)
         self.delivered += done
         return done
 
@@ -96,14 +134,12 @@ class Claim:
         """Drop the blocks not delivered yet (waiters compute them); returns how many."""
         if not self.lease_id or self.remaining == 0:
             return 0
-        client = self._ns.client
+        self.delivered = self.blocks
+        request = pb.AbandonRequest(lease_id=self.lease_id)
         try:
-            response = client._call(client._stub.Abandon, pb.AbandonRequest(lease_id=self.lease_id))
+            return int(self._client._call(self._client._stub.Abandon, request).dropped)
         except LeaseError:  # it ran out or ended already: nothing left to drop
             return 0
-        dropped = int(response.dropped)
-        self.delivered = self.blocks
-        return dropped
 
     def __enter__(self) -> Claim:
         return self
@@ -112,12 +148,83 @@ class Claim:
         self.abandon()
 
     def __repr__(self) -> str:
-        return (
-            f"Claim(blocks {self.first}..{self.first + self.blocks}, delivered={self.delivered}, "
-            f"existing={self.existing}, pending_elsewhere={self.pending_elsewhere})"
-        )
+        return self.describe("Claim")
 
 
-def claim_tokens(arr: np.ndarray, block_tokens: int) -> list[int]:
-    """The tokens of the full blocks of ``arr`` (what a Reserve needs)."""
-    return arr[: len(arr) // block_tokens * block_tokens].tolist()
+class AsyncClaim(_ClaimState):
+    """:class:`Claim` for :class:`kvclient.AsyncNamespace`: the same, as coroutines."""
+
+    def __init__(
+        self,
+        ns: AsyncNamespace,
+        response: pb.ReserveResponse,
+        start: int,
+        arena: ClientArena | None,
+    ) -> None:
+        super().__init__(ns.ns_id, ns.block_bytes, response, start, arena)
+        self._client = ns.client
+
+    async def fill(self, blocks: Any) -> int:
+        rows = self.rows(blocks)
+        if len(rows) == 0:
+            return 0
+        client = self._client
+        if self.arena is not None:
+            commit = await asyncio.to_thread(self.write_arena, rows)  # copies off the loop
+            done = int((await client._call(client._stub.Commit, commit)).committed)
+        else:
+            info, _ = await client._refresh()
+            await client._settle()
+            try:
+                result = await client._put_stream(
+                    self.put_messages(rows, info.max_chunk_bytes), timeout=client.timeout
+                )
+            except grpc.RpcError as exc:
+                raise client._error(exc) from None
+            done = int(result.stored)
+        self.delivered += done
+        return done
+
+    async def abandon(self) -> int:
+        if not self.lease_id or self.remaining == 0:
+            return 0
+        self.delivered = self.blocks
+        request = pb.AbandonRequest(lease_id=self.lease_id)
+        try:
+            return int((await self._client._call(self._client._stub.Abandon, request)).dropped)
+        except LeaseError:
+            return 0
+
+    async def __aenter__(self) -> AsyncClaim:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.abandon()
+
+    def __repr__(self) -> str:
+        return self.describe("AsyncClaim")
+
+
+def reserve_request(
+    ns_id: str,
+    block_tokens: int,
+    tokens: Sequence[int] | np.ndarray,
+    start: int,
+    ttl_s: float | None,
+    priority: int | None,
+    extra: list[bytes],
+) -> pb.ReserveRequest:
+    """The Reserve that claims the full blocks of ``tokens`` from ``start`` (validated)."""
+    arr = as_tokens(tokens)
+    full = len(arr) // block_tokens
+    if not 0 <= start <= full:
+        raise InvalidArgumentError(f"start={start} is outside the {full} full blocks of tokens")
+    check_priority(priority)
+    return pb.ReserveRequest(
+        ns_id=ns_id,
+        tokens=arr[: full * block_tokens].tolist(),
+        extra_keys=extra,
+        start_block=start,
+        ttl_s=ttl_s or 0.0,
+        priority=priority,
+    )

@@ -40,7 +40,7 @@ import numpy as np
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
 from kvclient.arena_path import BlockViews, ClientArena, read_slots, write_slots
-from kvclient.claims import Claim, claim_tokens
+from kvclient.claims import Claim, reserve_request
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -74,7 +74,6 @@ from kvstored.hostinfo import host_id
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
-DEFAULT_CHUNK_BYTES = 4 << 20
 RELEASE_DELAY_S = 0.05  # longest a get's read lease outlives the get (see _release_later)
 
 _Response = TypeVar("_Response")
@@ -597,7 +596,7 @@ class Namespace:
         priority: int | None,
     ) -> PutResult:
         client = self.client
-        chunk = info.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        chunk = info.max_chunk_bytes or wire.DEFAULT_CHUNK_BYTES
         per_call = blocks_per_call(
             info.max_transfer_bytes, info.max_blocks_per_request, self.block_bytes
         )
@@ -646,18 +645,14 @@ class Namespace:
         Raises OutOfSpaceError when no block can be claimed for lack of room (compute
         without storing).
         """
-        arr = as_tokens(tokens)
-        full = len(arr) // self.block_tokens
-        if not 0 <= start <= full:
-            raise InvalidArgumentError(f"start={start} is outside the {full} full blocks of tokens")
-        check_priority(priority)
-        request = pb.ReserveRequest(
-            ns_id=self.ns_id,
-            tokens=claim_tokens(arr, self.block_tokens),
-            extra_keys=wire.extra_bytes(extra_keys),
-            start_block=start,
-            ttl_s=ttl_s or 0.0,
-            priority=priority,
+        request = reserve_request(
+            self.ns_id,
+            self.block_tokens,
+            tokens,
+            start,
+            ttl_s,
+            priority,
+            wire.extra_bytes(extra_keys),
         )
         _, arena = self.client._arena_for_data()
         response = self.client._call(self.client._stub.Reserve, request)

@@ -60,6 +60,8 @@ LAYOUT_FIELDS = (
     "vocab_size",
 )
 
+DEFAULT_CHUNK_BYTES = 4 << 20  # data chunk size when the daemon does not say
+
 
 def extra_bytes(extra_keys: ExtraKeys) -> list[bytes]:
     """Extra keys as bytes, encoded as kvstore.keys.encode_extra encodes them."""
@@ -138,11 +140,12 @@ def slots(msgs: Sequence[pb.Slot]) -> list[Slot]:
 
 def slot_table(msgs: Sequence[pb.Slot]) -> SlotTable:
     """Slots of an answer as arrays (what the copy routines work on)."""
-    n = len(msgs)
-    return SlotTable(
-        np.fromiter((s.index for s in msgs), np.int64, n),
-        np.fromiter((s.offset for s in msgs), np.int64, n),
-    )
+    indices: list[int] = []
+    offsets: list[int] = []
+    for s in msgs:  # one pass over the messages (each attribute read builds an int)
+        indices.append(s.index)
+        offsets.append(s.offset)
+    return SlotTable(np.array(indices, np.int64), np.array(offsets, np.int64))
 
 
 def _tier_stats(msg: pb.TierStats) -> TierStats:

@@ -170,3 +170,25 @@ def test_killed_owner_releases_waiters_and_serves_nothing_half_written(kvstored:
         assert (claim.first, claim.blocks) == (2, 6)
         claim.abandon()
     assert os.path.exists(kvstored.socket_path)
+
+
+def test_async_claim_round_trip(kvstored: Daemon) -> None:
+    import asyncio
+
+    from kvclient import AsyncKVClient
+
+    async def run(use_arena: bool) -> np.ndarray:
+        async with AsyncKVClient(kvstored.addr, use_arena=use_arena) as client:
+            ns = await client.namespace(
+                f"async-{use_arena}", block_tokens=TOKENS, block_bytes=BLOCK
+            )
+            async with await ns.claim(PROMPT) as claim:
+                assert claim.blocks == 8
+                assert await claim.fill(np.stack([content(i) for i in range(4)])) == 4
+                assert (await ns.lookup(PROMPT)).pending_blocks == 4
+                assert await claim.fill(np.stack([content(i) for i in range(4, 8)])) == 4
+            return (await ns.get(PROMPT)).blocks
+
+    for use_arena in (True, False):
+        got = asyncio.run(run(use_arena))
+        assert np.array_equal(got, np.stack([content(i) for i in range(8)]))
