@@ -74,6 +74,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from kvclient import hf_cache
+from kvclient.claims import Claim
 from kvclient.errors import DaemonUnavailableError, OutOfSpaceError, RequestTimeoutError
 from kvclient.hf_cache import UnsupportedModelError
 from kvclient.sync_client import KVClient, Namespace
@@ -81,6 +82,10 @@ from kvclient.sync_client import KVClient, Namespace
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_CHUNK_TOKENS = 512  # early reuse: tokens per forward pass, blocks delivered after each
+DEFAULT_WAIT_S = 10.0  # early reuse: wait for pending blocks before any prefill was timed
+MAX_WAIT_S = 60.0
+CLAIM_ATTEMPTS = 3  # early reuse: wait-load-claim rounds before computing regardless
 
 # Failures a cache may have without the answer failing: recompute instead.
 _RECOVERABLE = (DaemonUnavailableError, RequestTimeoutError, OutOfSpaceError)
@@ -298,6 +303,7 @@ class ReuseStats:
     load_s: float  # lookup + get + building the cache
     ttft_s: float  # call -> logits of the last prompt token
     store_s: float  # gathering and putting the new blocks (not part of TTFT)
+    waited_s: float = 0.0  # early reuse: waiting for blocks another session computed
 
     @property
     def reused_blocks(self) -> int:
@@ -360,6 +366,7 @@ class HFPrefixCache:
         self.config = model.config
         self.layout = KVLayout.from_model(model, block_tokens)
         self.priority = priority
+        self._tokens_per_s = 0.0  # measured prefill rate (early reuse weighs waiting by it)
         ns_model = model_id
         if fingerprint_config:
             ns_model = f"{model_id}#{config_fingerprint(model.config)[:16]}"
@@ -389,8 +396,19 @@ class HFPrefixCache:
         *,
         store: bool = True,
         logits_to_keep: int = 1,
+        early_reuse: bool = False,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        wait_s: float | None = None,
     ) -> PrefillOutput:
-        """Load the longest cached prefix, compute the rest, store the new full blocks."""
+        """Load the longest cached prefix, compute the rest, store the new full blocks.
+
+        ``early_reuse``: for bursts of requests sharing a prompt (see
+        :meth:`_prefill_early`): wait for blocks other sessions are computing, claim the
+        rest, and deliver them chunk by chunk (``chunk_tokens`` per forward pass) so that
+        concurrent sessions can start before this prefill ends.
+        """
+        if early_reuse and store:
+            return self._prefill_early(input_ids, logits_to_keep, chunk_tokens, wait_s)
         start_time = time.perf_counter()
         ids = _as_ids(input_ids)
         tokens = ids.tolist()
@@ -413,6 +431,7 @@ class HFPrefixCache:
             logits = logits[:, -logits_to_keep:]
         _synchronize(device)
         ttft_s = time.perf_counter() - start_time
+        self._learn_rate(n_tokens - reused, ttft_s - loaded.load_s)
 
         stored, store_s = 0, 0.0
         if store:
@@ -431,6 +450,141 @@ class HFPrefixCache:
             store_s=store_s,
         )
         return PrefillOutput(logits=logits, cache=out.past_key_values, stats=stats)
+
+    def _prefill_early(
+        self,
+        input_ids: torch.Tensor | Sequence[int],
+        logits_to_keep: int,
+        chunk_tokens: int,
+        wait_s: float | None,
+    ) -> PrefillOutput:
+        """Prefill with early reuse (DESIGN.md, "Early reuse"):
+
+        1. If blocks of the reusable prefix are pending (another session is computing
+           them), wait for them when that is expected to be faster than computing them
+           here: at most as long as this session would take (``wait_s`` overrides).
+        2. Load the ready prefix; claim the prompt's full blocks after it that nobody
+           has (they turn pending for everyone else).
+        3. Run the model chunk by chunk; after each chunk, deliver the claimed blocks it
+           completed, so they are ready for waiters before this prefill ends.
+        4. Abandon what was not delivered (a failure, or blocks someone else owns).
+        """
+        start_time = time.perf_counter()
+        ids = _as_ids(input_ids)
+        tokens = ids.tolist()
+        n_tokens = len(tokens)
+        T = self.block_tokens
+        device = self.device
+        reusable = ((n_tokens - 1) // T) * T
+        waited_s = 0.0
+        for _ in range(CLAIM_ATTEMPTS):
+            if reusable:
+                waited_s += self._wait_for_pending(tokens[:reusable], wait_s)
+            loaded = self.load(ids)
+            claim = self._claim(tokens, loaded.tokens // T)
+            # lost the race for the next block to a session that claimed it just now:
+            # wait for it (step 1) instead of computing it twice
+            if claim is None or claim.blocks or not claim.pending_elsewhere:
+                break
+        cache = loaded.cache if loaded.cache is not None else hf_cache.new_cache(self.config)
+        reused = loaded.tokens
+        step = max(T, chunk_tokens // T * T) if chunk_tokens else n_tokens
+        stored = 0
+        try:
+            pos = reused
+            while True:
+                end = min(n_tokens, pos + step)
+                last = end == n_tokens
+                kwargs = hf_cache.forward_kwargs(
+                    self.model, pos, end - pos, logits_to_keep if last else 1, device
+                )
+                with torch.no_grad():
+                    out = self.model(
+                        input_ids=ids[pos:end].to(device).unsqueeze(0),
+                        past_key_values=cache,
+                        use_cache=True,
+                        **kwargs,
+                    )
+                cache, pos = out.past_key_values, end
+                if last:
+                    break
+                stored += self._deliver(claim, cache, pos // T)
+            logits = out.logits
+            if logits_to_keep and logits.shape[1] > logits_to_keep:
+                logits = logits[:, -logits_to_keep:]
+            _synchronize(device)
+            ttft_s = time.perf_counter() - start_time
+            self._learn_rate(n_tokens - reused, ttft_s - loaded.load_s - waited_s)
+            t0 = time.perf_counter()
+            stored += self._deliver(claim, cache, n_tokens // T)
+            store_s = time.perf_counter() - t0
+        finally:
+            if claim is not None:
+                claim.abandon()
+        stats = ReuseStats(
+            prompt_tokens=n_tokens,
+            reused_tokens=reused,
+            computed_tokens=n_tokens - reused,
+            host_blocks=loaded.host_blocks,
+            disk_blocks=loaded.disk_blocks,
+            stored_blocks=stored,
+            load_s=loaded.load_s,
+            ttft_s=ttft_s,
+            store_s=store_s,
+            waited_s=waited_s,
+        )
+        return PrefillOutput(logits=logits, cache=cache, stats=stats)
+
+    def _wait_for_pending(self, prefix: list[int], wait_s: float | None) -> float:
+        """Wait while another session computes blocks of ``prefix``, if it pays."""
+        try:
+            hit = self.namespace.lookup(prefix)
+            if hit.pending_blocks == 0:
+                return 0.0
+            if wait_s is None:  # no longer than computing them here would take
+                pending_tokens = (hit.blocks + hit.pending_blocks) * self.block_tokens
+                rate = self._tokens_per_s
+                wait_s = pending_tokens / rate if rate else DEFAULT_WAIT_S
+            t0 = time.perf_counter()
+            self.namespace.lookup(prefix, wait_pending_s=min(wait_s, MAX_WAIT_S))
+            return time.perf_counter() - t0
+        except _RECOVERABLE as exc:
+            log.warning("kvstore lookup failed, computing the prompt: %s", exc)
+            return 0.0
+
+    def _claim(self, tokens: list[int], start_block: int) -> Claim | None:
+        if len(tokens) // self.block_tokens <= start_block:
+            return None
+        try:
+            return self.namespace.claim(tokens, start_block, priority=self.priority)
+        except _RECOVERABLE as exc:  # no room: compute without storing
+            log.info("kvstore claim refused, blocks not cached: %s", exc)
+            return None
+
+    def _deliver(self, claim: Claim | None, cache: Any, complete_blocks: int) -> int:
+        """Hand the claimed blocks that ``cache`` now holds in full to the store."""
+        if claim is None or not claim.blocks:
+            return 0
+        begin = claim.first + claim.delivered
+        end = min(complete_blocks, claim.first + claim.blocks)
+        if end <= begin:
+            return 0
+        rows = blocks_from_cache(cache, self.layout, begin, end).cpu().numpy()
+        try:
+            return claim.fill(rows)
+        except _RECOVERABLE as exc:
+            log.warning("kvstore could not take claimed blocks: %s", exc)
+            claim.abandon()
+            return 0
+
+    def _learn_rate(self, tokens: int, seconds: float) -> None:
+        """Prefill tokens per second, smoothed: what waiting is weighed against."""
+        if tokens < self.block_tokens or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self._tokens_per_s = (
+            rate if not self._tokens_per_s else 0.7 * self._tokens_per_s + 0.3 * rate
+        )
 
     def load(self, input_ids: torch.Tensor | Sequence[int]) -> LoadedPrefix:
         """The longest cached prefix of the prompt that may be reused (at most

@@ -35,7 +35,6 @@ from grpc_reflection.v1alpha import reflection
 
 from kvproto.v1 import gpu_pb2, gpu_pb2_grpc
 from kvproto.v1 import kvstore_pb2 as pb
-from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore import pinning
 from kvstore import platform as kv_platform
 from kvstore.store import Store
@@ -44,7 +43,7 @@ from kvstored.config import DaemonConfig, human_size
 from kvstored.gpu_service import KVGpuService
 from kvstored.metrics import DaemonMetrics, MetricsBindError
 from kvstored.names import NamespaceNames
-from kvstored.service import KVStoreService
+from kvstored.service import KVStoreService, add_to_server
 
 log = logging.getLogger("kvstored")
 
@@ -139,7 +138,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     health_servicer = health.aio.HealthServicer()
     metrics = DaemonMetrics(store.stats, daemon_version(), lambda: store.platform)
     server = grpc.aio.server(options=grpc_options(config), interceptors=[metrics.interceptor])
-    pb_grpc.add_KVStoreServicer_to_server(service, server)
+    add_to_server(service, server)  # Get and Put on framed bytes: fewer copies per chunk
     gpu_service = KVGpuService(store, config, names, gpu, pin)
     gpu_pb2_grpc.add_KVGpuServicer_to_server(gpu_service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

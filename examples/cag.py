@@ -40,8 +40,7 @@ SECTIONS = [
     "Only leaves are evicted, lowest priority first, then least recently used.",
     "A lookup walks the chain from the first block and returns the longest ready prefix.",
     "The disk tier is rebuilt from LMDB at start-up, so committed blocks survive restarts.",
-    "Pending blocks are visible to lookups, so a second session may wait instead of "
-    "recomputing.",
+    "Pending blocks are visible to lookups, so a second session may wait instead of recomputing.",
 ]
 
 
@@ -59,16 +58,24 @@ def document(args: argparse.Namespace) -> list[int]:
     chapter = 0
     while len(text) < size:
         chapter += 1
-        text += f"Section {chapter}. " + " ".join(SECTIONS[(chapter + i) % len(SECTIONS)]
-                                                   for i in range(3)) + "\n"
+        text += (
+            f"Section {chapter}. "
+            + " ".join(SECTIONS[(chapter + i) % len(SECTIONS)] for i in range(3))
+            + "\n"
+        )
     return encode(text[:size])
 
 
 def open_cache(args: argparse.Namespace, client: KVClient, priority: int | None) -> HFPrefixCache:
     preset = "tiny" if args.small else "small"
     model = random_llama(preset, seed=0, device=args.device)
-    return HFPrefixCache(client, model, f"random-llama-{preset}-seed0",
-                         block_tokens=args.block_tokens, priority=priority)
+    return HFPrefixCache(
+        client,
+        model,
+        f"random-llama-{preset}-seed0",
+        block_tokens=args.block_tokens,
+        priority=priority,
+    )
 
 
 def store(args: argparse.Namespace) -> int:
@@ -77,9 +84,11 @@ def store(args: argparse.Namespace) -> int:
         kv = open_cache(args, client, DOC_PRIORITY)
         out = kv.prefill(doc)
         s = out.stats
-        print(f"stored document: {s.prompt_tokens} tokens, {s.stored_blocks} new blocks "
-              f"(already cached: {s.reused_tokens} tokens), prefill {s.ttft_s * 1e3:.1f} ms, "
-              f"put {s.store_s * 1e3:.1f} ms")
+        print(
+            f"stored document: {s.prompt_tokens} tokens, {s.stored_blocks} new blocks "
+            f"(already cached: {s.reused_tokens} tokens), prefill {s.ttft_s * 1e3:.1f} ms, "
+            f"put {s.store_s * 1e3:.1f} ms"
+        )
     return 0
 
 
@@ -98,10 +107,12 @@ def ask(args: argparse.Namespace) -> int:
             with torch.no_grad():  # what the same prompt costs without kvstore
                 kv.model(torch.tensor([prompt], device=kv.device), logits_to_keep=1)
             full_s = time.perf_counter() - t0
-            print(f"question {question!r}: prompt {s.prompt_tokens} tokens, reused "
-                  f"{s.reused_tokens} (host {s.host_blocks} / disk {s.disk_blocks} blocks), "
-                  f"computed {s.computed_tokens}, TTFT {s.ttft_s * 1e3:.1f} ms "
-                  f"vs {full_s * 1e3:.1f} ms full prefill, answer {len(out.tokens)} tokens")
+            print(
+                f"question {question!r}: prompt {s.prompt_tokens} tokens, reused "
+                f"{s.reused_tokens} (host {s.host_blocks} / disk {s.disk_blocks} blocks), "
+                f"computed {s.computed_tokens}, TTFT {s.ttft_s * 1e3:.1f} ms "
+                f"vs {full_s * 1e3:.1f} ms full prefill, answer {len(out.tokens)} tokens"
+            )
     return 0
 
 
@@ -113,8 +124,14 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def common_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--block-tokens", str(args.block_tokens), "--device", args.device,
-             "--answer-tokens", str(args.answer_tokens)]
+    flags = [
+        "--block-tokens",
+        str(args.block_tokens),
+        "--device",
+        args.device,
+        "--answer-tokens",
+        str(args.answer_tokens),
+    ]
     if args.addr:
         flags += ["--addr", args.addr]
     if args.small:
@@ -128,8 +145,9 @@ def common_flags(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--addr", default=None, help="daemon address (default: KVSTORE_ADDR "
-                        "or the default socket)")
+    parser.add_argument(
+        "--addr", default=None, help="daemon address (default: KVSTORE_ADDR or the default socket)"
+    )
     parser.add_argument("--small", action="store_true", help="tiny model, short document (CI)")
     parser.add_argument("--doc", default=None, help="document file (default: synthetic)")
     parser.add_argument("--doc-tokens", type=int, default=None)

@@ -41,8 +41,9 @@ def encode(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--addr", default=None, help="daemon address (default: KVSTORE_ADDR "
-                        "or the default socket)")
+    parser.add_argument(
+        "--addr", default=None, help="daemon address (default: KVSTORE_ADDR or the default socket)"
+    )
     parser.add_argument("--small", action="store_true", help="tiny model, short replies (CI)")
     parser.add_argument("--turns", type=int, default=len(USER_TURNS))
     parser.add_argument("--reply-tokens", type=int, default=None)
@@ -58,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     model_id = f"random-llama-{preset}-seed0"
 
     with KVClient(args.addr) as client:
-        kv = HFPrefixCache(client, model, model_id, block_tokens=args.block_tokens,
-                           tenant_salt=args.tenant)
-        print(f"namespace {kv.namespace.ns_id}: {kv.layout.block_bytes} bytes per block "
-              f"of {kv.block_tokens} tokens")
+        kv = HFPrefixCache(
+            client, model, model_id, block_tokens=args.block_tokens, tenant_salt=args.tenant
+        )
+        print(
+            f"namespace {kv.namespace.ns_id}: {kv.layout.block_bytes} bytes per block "
+            f"of {kv.block_tokens} tokens"
+        )
         conversation = encode(SYSTEM)
         for turn in range(min(args.turns, len(USER_TURNS))):
             conversation += encode(f"\nUser: {USER_TURNS[turn]}\nAssistant: ")

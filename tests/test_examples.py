@@ -26,7 +26,10 @@ BLOCK_TOKENS = 16
 def run_example(script: str, *args: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
-        capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
@@ -34,8 +37,9 @@ def run_example(script: str, *args: str, env: dict[str, str] | None = None) -> s
 
 def test_chat_reuse_reuses_earlier_turns(kvstored: Daemon) -> None:
     # address from KVSTORE_ADDR, as a user with a running daemon would have it
-    out = run_example("chat_reuse.py", "--small", "--turns", "3",
-                      env={"KVSTORE_ADDR": kvstored.addr})
+    out = run_example(
+        "chat_reuse.py", "--small", "--turns", "3", env={"KVSTORE_ADDR": kvstored.addr}
+    )
     turns = [
         tuple(int(x) for x in m.groups())
         for m in re.finditer(r"turn \d+: prompt (\d+) tokens, reused (\d+), computed (\d+)", out)
@@ -58,8 +62,15 @@ def test_cag_answers_from_the_stored_document_after_a_restart(kvstored: Daemon) 
     assert blocks == doc_tokens // BLOCK_TOKENS > 0
 
     kvstored.restart()  # the document survives on the disk tier
-    out = run_example("cag.py", "--addr", kvstored.addr, "--small", "ask",
-                      "What is a lease?", "Which tier is fastest?")
+    out = run_example(
+        "cag.py",
+        "--addr",
+        kvstored.addr,
+        "--small",
+        "ask",
+        "What is a lease?",
+        "Which tier is fastest?",
+    )
     answers = re.findall(
         r"prompt (\d+) tokens, reused (\d+) \(host (\d+) / disk (\d+) blocks\), computed (\d+)",
         out,

@@ -89,10 +89,13 @@ def worker_main() -> None:
 
 def run_worker(addr: str, tokens: list[int], out: Path) -> dict:
     job = json.dumps({"addr": addr, "tokens": tokens, "out": str(out)})
-    code = f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import test_hf_adapter as t; " \
-           "t.worker_main()"
-    proc = subprocess.run([sys.executable, "-c", code, job], capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import test_hf_adapter as t; "
+        "t.worker_main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, job], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     return torch.load(out)
 
@@ -163,8 +166,7 @@ def test_other_config_other_model_id_or_other_tenant_never_reuses(daemon: Daemon
             "other model id": (model, "tiny-llama-seed1", ""),
         }
         for case, (other, model_id, salt) in others.items():
-            kv = HFPrefixCache(client, other, model_id, block_tokens=BLOCK_TOKENS,
-                               tenant_salt=salt)
+            kv = HFPrefixCache(client, other, model_id, block_tokens=BLOCK_TOKENS, tenant_salt=salt)
             out = kv.prefill(tokens, store=False)
             assert out.stats.reused_tokens == 0, case
         # other tokens per block: another namespace too
@@ -183,8 +185,8 @@ def test_short_prompts_and_the_last_token_is_always_computed(daemon: Daemon) -> 
         # shorter than one block: nothing to reuse, nothing to store, logits as usual
         short = make_prompt(4, 5)
         out = kv.prefill(short, logits_to_keep=0)
-        assert (out.stats.reused_tokens, out.stats.computed_tokens, out.stats.stored_blocks) == (
-            0, 5, 0)
+        stats = out.stats
+        assert (stats.reused_tokens, stats.computed_tokens, stats.stored_blocks) == (0, 5, 0)
         assert torch.equal(out.logits, full_prefill_logits(model, short))
         # exactly one block: stored, but never reused for the same prompt (its last token
         # must be computed to get logits)
@@ -221,8 +223,9 @@ def test_prompt_diverging_mid_block_reuses_exactly_the_full_blocks_before_it(
         assert out.stats.computed_tokens == len(diverged) - 3 * BLOCK_TOKENS == sum(seen)
         # reference: the stored prompt's prefill, cut to 3 blocks, then the new tokens
         _, cache = forward(model, stored)
-        ref, _ = forward(model, diverged, truncated(model, cache, 3 * BLOCK_TOKENS),
-                         3 * BLOCK_TOKENS)
+        ref, _ = forward(
+            model, diverged, truncated(model, cache, 3 * BLOCK_TOKENS), 3 * BLOCK_TOKENS
+        )
         assert torch.equal(out.logits, ref)
         drift = (out.logits - full_prefill_logits(model, diverged)[:, 24:]).abs().max().item()
         assert drift < 1e-4
@@ -235,8 +238,13 @@ def test_generate_matches_transformers_greedy_and_stores_the_reply(daemon: Daemo
     prompt = make_prompt(7, 45)
     with torch.no_grad():
         ids = torch.tensor([prompt])  # (an explicit mask: token 0 is not padding here)
-        expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
-                                  do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        expected = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     with KVClient(daemon.addr) as client:
         kv = HFPrefixCache(client, model, MODEL_ID, block_tokens=BLOCK_TOKENS, tenant_salt="gen")
         cold = kv.generate(prompt, max_new_tokens=12)
@@ -278,7 +286,12 @@ def test_loaded_prefix_plugs_into_transformers_generate(daemon: Daemon) -> None:
         assert (loaded.tokens, loaded.host_blocks, loaded.disk_blocks) == (48, 6, 0)
         seen = count_model_tokens(model)
         with torch.no_grad():
-            got = model.generate(ids, attention_mask=mask, past_key_values=loaded.cache,
-                                 max_new_tokens=6, do_sample=False)
+            got = model.generate(
+                ids,
+                attention_mask=mask,
+                past_key_values=loaded.cache,
+                max_new_tokens=6,
+                do_sample=False,
+            )
         assert torch.equal(got, expected)
         assert seen[0] == 2  # transformers ran only the two uncached prompt tokens

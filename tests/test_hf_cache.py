@@ -64,8 +64,7 @@ def test_block_bytes_match_what_the_daemon_computes(dtype, overrides) -> None:
 def test_block_layout_is_layer_kv_head_token_dim() -> None:
     # a cache whose every element says where it came from: value = f(layer, kv, head, pos, d)
     L, H, D, S = 2, 3, 5, 3 * T
-    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32,
-                      block_tokens=T)
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, block_tokens=T)
     config = LlamaConfig(num_hidden_layers=L)
 
     def element(layer: int, kv: int, head: int, pos: int, d: int) -> float:
@@ -73,8 +72,15 @@ def test_block_layout_is_layer_kv_head_token_dim() -> None:
 
     layers = []
     for layer in range(L):
-        k, v = (torch.tensor([[[[element(layer, kv, h, p, d) for d in range(D)]
-                                for p in range(S)] for h in range(H)]]) for kv in range(2))
+        k, v = (
+            torch.tensor(
+                [
+                    [[element(layer, kv, h, p, d) for d in range(D)] for p in range(S)]
+                    for h in range(H)
+                ]
+            ).unsqueeze(0)
+            for kv in range(2)
+        )
         layers.append((k, v))
     cache = hf_cache.cache_from_layers(config, layers)
 
@@ -100,8 +106,9 @@ def test_cache_to_blocks_to_cache_is_bit_exact(dtype) -> None:
     loaded = cache_from_blocks(blocks, layout, model.config)
     assert hf_cache.cache_length(loaded) == 5 * T
     for layer in range(layout.num_layers):
-        for original, back in zip(hf_cache.layer_kv(cache, layer),
-                                  hf_cache.layer_kv(loaded, layer), strict=True):
+        for original, back in zip(
+            hf_cache.layer_kv(cache, layer), hf_cache.layer_kv(loaded, layer), strict=True
+        ):
             assert back.dtype == dtype and back.is_contiguous()
             assert torch.equal(original[:, :, : 5 * T], back)
 
@@ -116,8 +123,7 @@ def test_loaded_prefix_gives_bit_identical_logits_to_an_in_memory_prefix() -> No
     ref_logits, _ = prefill(model, ids[prefix:], ref_cache, start=prefix)
     # the same prefix through bytes
     _, cache = prefill(model, ids[:prefix])
-    loaded = cache_from_blocks(blocks_from_cache(cache, layout, 0, 6).numpy(), layout,
-                               model.config)
+    loaded = cache_from_blocks(blocks_from_cache(cache, layout, 0, 6).numpy(), layout, model.config)
     logits, _ = prefill(model, ids[prefix:], loaded, start=prefix)
     assert torch.equal(logits, ref_logits)
     # a single full prefill differs only in the last bits (other matmul shapes)
@@ -126,8 +132,14 @@ def test_loaded_prefix_gives_bit_identical_logits_to_an_in_memory_prefix() -> No
 
 
 def test_models_whose_cache_is_not_full_attention_are_refused() -> None:
-    sliding = MistralConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                            num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    sliding = MistralConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=32,
+    )
     with pytest.raises(UnsupportedModelError, match="(?i)sliding"):
         hf_cache.check_supported(sliding)
     hf_cache.check_supported(random_llama("tiny").config)  # plain Llama: fine
