@@ -24,10 +24,8 @@ the run is about indexing and per-block overheads, not memory bandwidth.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from kvclient import KVClient
+from kvclient.bench import OwnDaemon
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
 
@@ -78,46 +77,10 @@ class Result:
     heap_per_token: float
 
 
-def start_daemon(workdir: str, host_bytes: int) -> tuple[subprocess.Popen[bytes], str]:
-    sock = os.path.join(workdir, "kv.sock")
-    addr = f"unix://{sock}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvstored",
-        "--listen",
-        addr,
-        "--host-bytes",
-        str(host_bytes),
-        "--disk-bytes",
-        "0",
-        "--arena-dir",
-        workdir,
-        "--log-level",
-        "warning",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"kvstored exited: {proc.stderr.read().decode() if proc.stderr else ''}"
-            )
-        if os.path.exists(sock):
-            try:
-                with KVClient(addr, timeout=2) as client:
-                    client.server_info()
-                return proc, addr
-            except Exception:  # not serving yet
-                pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("kvstored did not start in 30 s")
-
-
 def run_one(block_tokens: int, prompts: list[list[int]], host_bytes: int) -> Result:
-    workdir = tempfile.mkdtemp(prefix="kvbs")
-    proc, addr = start_daemon(workdir, host_bytes)
+    daemon = OwnDaemon(Path(tempfile.mkdtemp(prefix="kvbs")), host_bytes, disk_bytes=0)
+    daemon.start()
+    addr = daemon.addr
     block_bytes = TOKEN_BYTES * block_tokens
     pool = np.random.default_rng(1).integers(
         0, 256, (4096 // block_tokens + 8, block_bytes), dtype=np.uint8
@@ -146,9 +109,8 @@ def run_one(block_tokens: int, prompts: list[list[int]], host_bytes: int) -> Res
                     put_n += new
                     put_b += new * block_bytes
     finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(workdir, ignore_errors=True)
+        daemon.cleanup()
+        shutil.rmtree(daemon.workdir, ignore_errors=True)
     return Result(
         block_tokens,
         prompt_tokens,
