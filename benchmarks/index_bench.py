@@ -41,7 +41,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def make_store(blocks: int) -> tuple[Store, str]:
+def make_store(blocks: int, algorithm: str = "sha256") -> tuple[Store, str]:
     store = Store(
         StoreConfig(
             host_bytes=max(blocks, 1024) * PAYLOAD + (1 << 20),
@@ -50,13 +50,15 @@ def make_store(blocks: int) -> tuple[Store, str]:
         )
     )
     spec = store.open_namespace(
-        NamespaceSpec("bench", block_tokens=TOKENS_PER_BLOCK, block_bytes=PAYLOAD)
+        NamespaceSpec(
+            "bench", block_tokens=TOKENS_PER_BLOCK, block_bytes=PAYLOAD, hash_algorithm=algorithm
+        )
     )
     return store, spec.ns_id
 
 
-def bench_lookup(runs: int = 200) -> dict[str, float]:
-    store, ns = make_store(4096)
+def bench_lookup(runs: int = 200, algorithm: str = "sha256") -> dict[str, float]:
+    store, ns = make_store(4096, algorithm)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 128_000, 2048 * TOKENS_PER_BLOCK).tolist()
     keys = store.keys_for(ns, tokens)
@@ -76,6 +78,7 @@ def bench_lookup(runs: int = 200) -> dict[str, float]:
     store.close()
     times.sort()
     return {
+        "lookup_min_ms": times[0] * 1e3,
         "lookup_p50_ms": statistics.median(times) * 1e3,
         "lookup_p99_ms": times[int(len(times) * 0.99) - 1] * 1e3,
         "hash_only_p50_ms": statistics.median(hash_times) * 1e3,
@@ -161,6 +164,7 @@ def main() -> int:
 
     print("lookup of a 2048-block chain ...", flush=True)
     lookup = bench_lookup()
+    lookup_xxh = bench_lookup(algorithm="xxh3-128")
     print("put and evict ...", flush=True)
     put = bench_put_evict()
     print(f"memory at {args.blocks} blocks ...", flush=True)
@@ -173,6 +177,12 @@ def main() -> int:
             "<= 5 ms",
         ),
         ("lookup 32k tokens, p99", f"{lookup['lookup_p99_ms']:.2f} ms", ""),
+        ("lookup 32k tokens, best of 200", f"{lookup['lookup_min_ms']:.2f} ms", ""),
+        (
+            "lookup 32k tokens with xxh3-128 keys, p50",
+            f"{lookup_xxh['lookup_p50_ms']:.2f} ms",
+            "<= 5 ms",
+        ),
         (
             "  of which hashing 32k tokens (SHA-256), p50",
             f"{lookup['hash_only_p50_ms']:.2f} ms",
