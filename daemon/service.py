@@ -486,8 +486,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.PutResponse:
         """Deliver the next ``n_blocks`` blocks of a claim (a write lease) and commit them.
 
-        On a broken transfer the claim is abandoned: its waiters compute for themselves
-        rather than wait for bytes that are not coming.
+        A malformed delivery (wrong byte count) is refused and changes nothing; a broken
+        transfer (cancelled, failed) abandons the claim: its waiters compute for
+        themselves rather than wait for bytes that are not coming.
         """
         lease = convert.lease_id(head.lease_id)
         spec = self._spec(head.ns_id)
@@ -516,6 +517,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     f"{head.n_blocks} x {bb} = {expected}"
                 )
             committed = await self._commit(lease, head.n_blocks)
+        except InvalidArgument:
+            raise  # a malformed delivery changes nothing: the claim stays, pending
         except BaseException:
             with contextlib.suppress(StoreError):
                 self._store.abandon(lease)

@@ -192,3 +192,33 @@ def test_async_claim_round_trip(kvstored: Daemon) -> None:
     for use_arena in (True, False):
         got = asyncio.run(run(use_arena))
         assert np.array_equal(got, np.stack([content(i) for i in range(8)]))
+
+
+def test_bad_inline_delivery_is_refused_and_changes_nothing(kvstored: Daemon) -> None:
+    from kvclient import InvalidArgumentError, LeaseError
+    from kvclient import wire as kvwire
+    from kvproto.v1 import kvstore_pb2 as pb
+
+    with KVClient(kvstored.addr, use_arena=False) as client:
+        ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        claim = ns.claim(PROMPT)
+
+        def deliver(lease_id: int, n_blocks: int, rows: np.ndarray) -> None:
+            header = pb.PutHeader(ns_id=ns.ns_id, n_blocks=n_blocks, lease_id=lease_id)
+            try:
+                client._put_stream(kvwire.put_messages(header, rows, 1 << 20))
+            except Exception as exc:  # grpc.RpcError -> the client's typed error
+                raise client._error(exc) from None
+
+        one = np.stack([content(0)])
+        with pytest.raises(LeaseError):  # FAILED_PRECONDITION: no such claim
+            deliver(12345, 1, one)
+        with pytest.raises(InvalidArgumentError, match="has 8 left"):
+            deliver(claim.lease_id, 9, np.stack([content(i % 8) for i in range(9)]))
+        with pytest.raises(InvalidArgumentError, match="expected n_blocks x block_bytes"):
+            deliver(claim.lease_id, 2, one)  # 2 blocks announced, 1 sent
+        # nothing changed: all 8 blocks still pending under the claim, none ready
+        look = ns.lookup(PROMPT)
+        assert (look.blocks, look.pending_blocks) == (0, 8)
+        assert claim.fill(np.stack([content(i) for i in range(8)])) == 8
+        assert np.array_equal(ns.get(PROMPT).blocks, np.stack([content(i) for i in range(8)]))
