@@ -892,12 +892,7 @@ class Store:
             for i, offset in fresh.items():
                 node = nodes[i]
                 if i < ok and not node.in_host and not self._closed:
-                    self._host_add(node, offset)
-                    self._host_policy.insert(node)
-                    self._c.promotions += 1
-                    self._c.host_bytes_in += node.size
-                    self._c.disk_bytes_out += node.size
-                    self._emit(EventKind.PROMOTED, node, Tier.HOST)
+                    self._publish_promotion(node, offset)
                 else:
                     self._arena.free(offset)
             for i in range(len(nodes)):
@@ -937,13 +932,17 @@ class Store:
             self._arena.free(offset)
             self._lost_on_disk(node)
             return False
+        self._publish_promotion(node, offset)
+        return True
+
+    def _publish_promotion(self, node: Node, offset: int) -> None:
+        """A disk block's bytes are verified in host slot ``offset``: it is in host now."""
         self._host_add(node, offset)
         self._host_policy.insert(node)
         self._c.promotions += 1
         self._c.host_bytes_in += node.size
         self._c.disk_bytes_out += node.size
         self._emit(EventKind.PROMOTED, node, Tier.HOST)
-        return True
 
     def _lost_on_disk(self, node: Node) -> None:
         """A block the index had on disk could not be read back (checksum or gone).
