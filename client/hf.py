@@ -420,15 +420,7 @@ class HFPrefixCache:
         reused = loaded.tokens
         reused_blocks = reused // T
 
-        computed = ids[reused:].to(device).unsqueeze(0)
-        kwargs = hf_cache.forward_kwargs(
-            self.model, reused, n_tokens - reused, logits_to_keep, device
-        )
-        with torch.no_grad():
-            out = self.model(input_ids=computed, past_key_values=cache, use_cache=True, **kwargs)
-        logits = out.logits
-        if logits_to_keep and logits.shape[1] > logits_to_keep:  # models without the argument
-            logits = logits[:, -logits_to_keep:]
+        cache, logits = self._forward(ids, reused, n_tokens, cache, logits_to_keep)
         _synchronize(device)
         ttft_s = time.perf_counter() - start_time
         self._learn_rate(n_tokens - reused, ttft_s - loaded.load_s)
@@ -436,7 +428,7 @@ class HFPrefixCache:
         stored, store_s = 0, 0.0
         if store:
             t0 = time.perf_counter()
-            stored = self.store(tokens, out.past_key_values, reused_blocks, n_tokens // T)
+            stored = self.store(tokens, cache, reused_blocks, n_tokens // T)
             store_s = time.perf_counter() - t0
         stats = ReuseStats(
             prompt_tokens=n_tokens,
@@ -449,7 +441,26 @@ class HFPrefixCache:
             ttft_s=ttft_s,
             store_s=store_s,
         )
-        return PrefillOutput(logits=logits, cache=out.past_key_values, stats=stats)
+        return PrefillOutput(logits=logits, cache=cache, stats=stats)
+
+    def _forward(
+        self, ids: torch.Tensor, start: int, end: int, cache: Any, logits_to_keep: int
+    ) -> tuple[Any, torch.Tensor]:
+        """Run the model on tokens ``[start, end)`` at their true positions after the
+        ``start`` tokens in ``cache``; returns the grown cache and the kept logits."""
+        device = self.device
+        kwargs = hf_cache.forward_kwargs(self.model, start, end - start, logits_to_keep, device)
+        with torch.no_grad():
+            out = self.model(
+                input_ids=ids[start:end].to(device).unsqueeze(0),
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
+            )
+        logits = out.logits
+        if logits_to_keep and logits.shape[1] > logits_to_keep:  # models without the argument
+            logits = logits[:, -logits_to_keep:]
+        return out.past_key_values, logits
 
     def _prefill_early(
         self,
@@ -495,23 +506,11 @@ class HFPrefixCache:
             while True:
                 end = min(n_tokens, pos + step)
                 last = end == n_tokens
-                kwargs = hf_cache.forward_kwargs(
-                    self.model, pos, end - pos, logits_to_keep if last else 1, device
-                )
-                with torch.no_grad():
-                    out = self.model(
-                        input_ids=ids[pos:end].to(device).unsqueeze(0),
-                        past_key_values=cache,
-                        use_cache=True,
-                        **kwargs,
-                    )
-                cache, pos = out.past_key_values, end
+                cache, logits = self._forward(ids, pos, end, cache, logits_to_keep if last else 1)
+                pos = end
                 if last:
                     break
                 stored += self._deliver(claim, cache, pos // T)
-            logits = out.logits
-            if logits_to_keep and logits.shape[1] > logits_to_keep:
-                logits = logits[:, -logits_to_keep:]
             _synchronize(device)
             ttft_s = time.perf_counter() - start_time
             self._learn_rate(n_tokens - reused, ttft_s - loaded.load_s - waited_s)
