@@ -441,26 +441,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sink = _SlotSink(self._store.arena.array(), reservation.slots, head.start_block, bb)
         committed = 0
         try:
-            received = 0
-            async for msg in messages:
-                chunk = self._put_data(msg)
-                size = len(chunk)
-                if size > MAX_CHUNK_BYTES:
-                    raise InvalidArgument(
-                        f"data chunk of {size} bytes exceeds max_chunk_bytes={MAX_CHUNK_BYTES}"
-                    )
-                if received + size > expected:
-                    raise InvalidArgument(
-                        f"Put data exceeds n_blocks x block_bytes = {head.n_blocks} x {bb} "
-                        f"= {expected} bytes (got at least {received + size})"
-                    )
-                sink.write(received, chunk)
-                received += size
-            if received != expected:
-                raise InvalidArgument(
-                    f"Put data is {received} bytes, expected n_blocks x block_bytes = "
-                    f"{head.n_blocks} x {bb} = {expected}"
-                )
+            await self._receive(messages, sink, head.n_blocks, bb)
             if lease:
                 committed = await self._commit(lease, None)
         except BaseException:
@@ -486,9 +467,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.PutResponse:
         """Deliver the next ``n_blocks`` blocks of a claim (a write lease) and commit them.
 
-        A malformed delivery (wrong byte count) is refused and changes nothing; a broken
-        transfer (cancelled, failed) abandons the claim: its waiters compute for
-        themselves rather than wait for bytes that are not coming.
+        A malformed delivery (wrong byte count, oversized chunk) is refused and changes
+        nothing; a broken transfer (cancelled, failed) abandons the claim: its waiters
+        compute for themselves rather than wait for bytes that are not coming.
         """
         lease = convert.lease_id(head.lease_id)
         spec = self._spec(head.ns_id)
@@ -498,24 +479,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if any(slot.size != spec.block_bytes for slot in slots):
             raise InvalidArgument(f"lease {lease} is not a lease of namespace {head.ns_id}")
         bb = spec.block_bytes
-        expected = head.n_blocks * bb
         sink = _SlotSink(self._store.arena.array(), slots, slots[0].index, bb)
         try:
-            received = 0
-            async for msg in messages:
-                chunk = self._put_data(msg)
-                if received + len(chunk) > expected:
-                    raise InvalidArgument(
-                        f"Put data exceeds n_blocks x block_bytes = {head.n_blocks} x {bb} "
-                        f"= {expected} bytes (got at least {received + len(chunk)})"
-                    )
-                sink.write(received, chunk)
-                received += len(chunk)
-            if received != expected:
-                raise InvalidArgument(
-                    f"Put data is {received} bytes, expected n_blocks x block_bytes = "
-                    f"{head.n_blocks} x {bb} = {expected}"
-                )
+            await self._receive(messages, sink, head.n_blocks, bb)
             committed = await self._commit(lease, head.n_blocks)
         except InvalidArgument:
             raise  # a malformed delivery changes nothing: the claim stays, pending
@@ -524,6 +490,36 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 self._store.abandon(lease)
             raise
         return pb.PutResponse(stored=committed)
+
+    async def _receive(
+        self,
+        messages: AsyncIterator[pb.PutRequest | bytes],
+        sink: _SlotSink,
+        n_blocks: int,
+        block_bytes: int,
+    ) -> None:
+        """Copy a Put's data chunks into ``sink``; exactly n_blocks x block_bytes bytes."""
+        expected = n_blocks * block_bytes
+        received = 0
+        async for msg in messages:
+            chunk = self._put_data(msg)
+            size = len(chunk)
+            if size > MAX_CHUNK_BYTES:
+                raise InvalidArgument(
+                    f"data chunk of {size} bytes exceeds max_chunk_bytes={MAX_CHUNK_BYTES}"
+                )
+            if received + size > expected:
+                raise InvalidArgument(
+                    f"Put data exceeds n_blocks x block_bytes = {n_blocks} x {block_bytes} "
+                    f"= {expected} bytes (got at least {received + size})"
+                )
+            sink.write(received, chunk)
+            received += size
+        if received != expected:
+            raise InvalidArgument(
+                f"Put data is {received} bytes, expected n_blocks x block_bytes = "
+                f"{n_blocks} x {block_bytes} = {expected}"
+            )
 
     def _put_header(self, first: pb.PutRequest | bytes | None) -> pb.PutHeader:
         msg = self._put_message(first) if isinstance(first, bytes) else first
