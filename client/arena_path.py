@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # A copy of at least this many bytes is split between COPY_THREADS threads (the caller
 # and helpers). Below it a thread hand-off costs more than it saves.
-PARALLEL_COPY_BYTES = 8 << 20
+PARALLEL_COPY_BYTES = 2 << 20
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 

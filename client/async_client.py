@@ -39,6 +39,13 @@ from kvclient.errors import (
     InvalidArgumentError,
     KVStoreError,
     error_from_rpc,
+    error_from_status,
+)
+from kvclient.local_calls import (
+    AsyncLocalCalls,
+    LocalCallFailed,
+    LocalCallStatus,
+    raise_local_failure,
 )
 from kvclient.payloads import (
     as_blocks,
@@ -62,6 +69,7 @@ from kvclient.results import (
 from kvclient.sync_client import DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
+from kvproto.v1.local_calls import UNARY_METHODS
 from kvstored.hostinfo import host_id
 
 log = logging.getLogger(__name__)
@@ -105,6 +113,9 @@ class AsyncKVClient:
         self._flushes: set[asyncio.Task[None]] = set()
         # calls whose answer a block still pinned by this client cannot change
         self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
+        # unary calls go over the daemon's local socket while the arena is mapped
+        self._local: AsyncLocalCalls | None = None
+        self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -120,6 +131,8 @@ class AsyncKVClient:
         arena, self._arena = self._arena, None
         if arena is not None:
             arena.close()
+        if self._local is not None:
+            self._local.close()
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
@@ -136,10 +149,34 @@ class AsyncKVClient:
         """One unary call; every gRPC error becomes a KVStoreError."""
         if self._done and method not in self._unordered:
             await self._settle()
+        local = self._local
+        if local is not None:
+            name = self._local_names.get(method)
+            if name is not None:
+                try:
+                    return await local.call(name, request, self.timeout)
+                except LocalCallStatus as exc:
+                    raise self._checked(
+                        error_from_status(exc.code, exc.details, exc.kind, self.addr)
+                    ) from None
+                except LocalCallFailed as exc:
+                    self._local_failed(local, exc)  # raises unless gRPC may take the call
+        return await self._call_grpc(method, request)
+
+    async def _call_grpc(
+        self, method: Callable[..., Awaitable[_Response]], request: Any
+    ) -> _Response:
         try:
             return await method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+
+    def _local_failed(self, local: AsyncLocalCalls, exc: LocalCallFailed) -> None:
+        """Stop using a local socket that failed; raise unless the call never left."""
+        if self._local is local:
+            self._local, self._info = None, None  # asked again at the next data call
+        local.close()
+        raise_local_failure(exc, self.addr, self.timeout)
 
     def _release_later(self, lease_id: int) -> None:
         """Release a read lease with the next Acquire, or within RELEASE_DELAY_S (see
@@ -167,12 +204,14 @@ class AsyncKVClient:
             return
         request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
         try:
-            await self._stub.Release(request, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            log.debug("release of %d leases: %s", len(done), exc.details())
+            await self._call(self._stub.Release, request)
+        except KVStoreError as exc:
+            log.debug("release of %d leases: %s", len(done), exc)
 
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
-        error = error_from_rpc(exc, self.addr)
+        return self._checked(error_from_rpc(exc, self.addr))
+
+    def _checked(self, error: KVStoreError) -> KVStoreError:
         if isinstance(error, DaemonUnavailableError):
             self._info = None  # it may come back as a new process with a new arena
         return error
@@ -184,14 +223,20 @@ class AsyncKVClient:
             info, arena = self._info, self._arena
             if info is not None and (arena is None or arena.is_current()):
                 return info, arena
-            response = await self._call(self._stub.ServerInfo, pb.ServerInfoRequest())
+            # over gRPC: it names the local socket, and a dead one must not hide it
+            response = await self._call_grpc(self._stub.ServerInfo, pb.ServerInfoRequest())
             info = wire.server_info(response)
             old, arena = self._arena, None
             if self.use_arena is not False:
                 arena = ClientArena.open(info.arena_path, info.host_id, host_id())
-            self._info, self._arena = info, arena
+            old_local, local = self._local, None
+            if arena is not None and info.local_socket:
+                local = AsyncLocalCalls(info.local_socket)
+            self._info, self._arena, self._local = info, arena, local
         if old is not None:
             old.close()
+        if old_local is not None:
+            old_local.close()
         return info, arena
 
     async def _arena_for_data(self) -> tuple[ServerInfo, ClientArena | None]:

@@ -126,7 +126,15 @@ def _status(err: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
 def error_from_rpc(err: grpc.RpcError, addr: str) -> KVStoreError:
     """Turn a gRPC error (sync or aio) into the matching :class:`KVStoreError`."""
     code, details = _status(err)
-    cls = _BY_KIND.get(_error_kind(err))
+    return error_from_status(code, details, _error_kind(err), addr)
+
+
+def error_from_status(
+    code: grpc.StatusCode | None, details: str, kind: str, addr: str
+) -> KVStoreError:
+    """The :class:`KVStoreError` of a status code, its message and the daemon's error
+    kind (``kvstore-error``), from gRPC or from a local call."""
+    cls = _BY_KIND.get(kind)
     if cls is None and code is grpc.StatusCode.FAILED_PRECONDITION:
         cls = LeaseError if "lease" in details.lower() else LayoutMismatchError
     if cls is None:

@@ -128,6 +128,7 @@ class ServerInfo:
     max_message_bytes: int
     max_chunk_bytes: int  # largest data chunk of one Put / Get message
     max_transfer_bytes: int  # most block bytes one Put or Get call moves
+    local_socket: str = ""  # unix socket of local calls (same host); "" when not offered
 
 
 @dataclass(frozen=True, slots=True)

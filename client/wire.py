@@ -117,6 +117,7 @@ def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         max_message_bytes=msg.max_message_bytes,
         max_chunk_bytes=msg.max_chunk_bytes,
         max_transfer_bytes=msg.max_transfer_bytes,
+        local_socket=msg.local_socket,
     )
 
 

@@ -306,9 +306,11 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         failure: BaseException | None,
         started: float,
     ) -> None:
-        self.duration.labels(method, status_name(context, failure)).observe(
-            time.perf_counter() - started
-        )
+        self.observe(method, status_name(context, failure), time.perf_counter() - started)
+
+    def observe(self, method: str, code: str, seconds: float) -> None:
+        """One finished call (gRPC here, local calls from kvstored.local_calls)."""
+        self.duration.labels(method, code).observe(seconds)
 
 
 def status_name(context: grpc.aio.ServicerContext, failure: BaseException | None) -> str:

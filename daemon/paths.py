@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 SOCKET_NAME = "kvstored.sock"
+LOCAL_SUFFIX = ".local"
 UNIX_PREFIX = "unix://"
 
 
@@ -47,3 +48,12 @@ def socket_path_of(address: str) -> Path | None:
     if address.startswith("unix:"):
         return Path(address[len("unix:") :])
     return None
+
+
+def local_socket_path(socket_path: Path | None, port: int) -> Path:
+    """Where a daemon serves local calls (see kvproto.v1.local_calls): beside its gRPC
+    socket (``kvstored.sock`` -> ``kvstored.local.sock``), or for a TCP daemon in the
+    default socket directory, named after its port."""
+    if socket_path is not None:
+        return socket_path.with_name(socket_path.stem + LOCAL_SUFFIX + socket_path.suffix)
+    return default_socket_path().parent / f"kvstored-{port}{LOCAL_SUFFIX}.sock"

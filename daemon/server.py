@@ -39,8 +39,9 @@ from kvstore import pinning
 from kvstore import platform as kv_platform
 from kvstore.store import Store
 from kvstored import paths
-from kvstored.config import DaemonConfig, human_size
+from kvstored.config import UNIX_PATH_MAX, DaemonConfig, human_size
 from kvstored.gpu_service import KVGpuService
+from kvstored.local_calls import LocalCallServer
 from kvstored.metrics import DaemonMetrics, MetricsBindError
 from kvstored.names import NamespaceNames
 from kvstored.service import KVStoreService, add_to_server
@@ -165,6 +166,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         if isinstance(exc, MetricsBindError):
             raise StartupError(f"cannot listen on {exc}") from exc
         raise StartupError(f"cannot listen on {config.listen}: {exc}") from exc
+    local = await start_local_calls(config, service, metrics, port)
     if metrics_url:  # logged before SERVING: whoever waits for health can read it
         log.info("metrics on %s", metrics_url, extra={"event": "metrics", "url": metrics_url})
 
@@ -185,6 +187,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         )
         await health_servicer.enter_graceful_shutdown()
         service.begin_shutdown()
+        if local is not None:
+            local.stop()
         await server.stop(config.grace_s)
         await asyncio.to_thread(gpu_service.close)  # running transfers end before the store
         await asyncio.to_thread(metrics.close)
@@ -194,11 +198,37 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         )
         await asyncio.to_thread(store.close)
         service.close()
+        if local is not None:
+            local.close()
         if sock_path is not None:
             with contextlib.suppress(OSError):
                 sock_path.unlink()
         log.info("stopped", extra={"event": "stopped"})
     return 0
+
+
+async def start_local_calls(
+    config: DaemonConfig, service: KVStoreService, metrics: DaemonMetrics, port: int
+) -> LocalCallServer | None:
+    """Serve local calls beside the gRPC socket (see kvproto.v1.local_calls); None when
+    turned off or when its socket cannot be made (logged: clients then use gRPC only)."""
+    if not config.local_calls:
+        return None
+    path = paths.local_socket_path(config.socket_path, port)
+    local = LocalCallServer(service, config.max_message_bytes, metrics.interceptor.observe)
+    try:
+        if len(str(path).encode()) > UNIX_PATH_MAX:
+            raise StartupError(f"the path {path} is longer than a unix socket path may be")
+        prepare_socket(path)
+        await local.start(path)
+    except (StartupError, OSError) as exc:
+        log.warning(
+            "local calls off (clients use gRPC only): %s", exc,
+            extra={"event": "local_calls_off"},
+        )
+        return None
+    service.local_socket = str(path)
+    return local
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

@@ -106,6 +106,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         # True once add_to_server registered Get and Put with identity (de)serializers:
         # Get then yields framed bytes and Put receives them (see convert.framed).
         self.framed = False
+        # the local-call socket once kvstored.local_calls serves it (ServerInfo names it)
+        self.local_socket = ""
 
     def begin_shutdown(self) -> None:
         """End the open WatchEvents streams so a graceful stop does not wait for them."""
@@ -241,6 +243,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             max_transfer_bytes=cfg.max_transfer_bytes,
             pid=os.getpid(),
             uptime_s=time.monotonic() - self._started,
+            local_socket=self.local_socket,
         )
 
     # --- read side --------------------------------------------------------------------

@@ -17,7 +17,7 @@ Lists are intrusive (links live in the nodes) so a block costs no extra objects.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from kvstore.index import Node
@@ -97,6 +97,17 @@ class LruList:
         setattr(node, self._owner, None)
         self.size -= 1
 
+    def holds_newest(self, nodes: Sequence[Node]) -> bool:
+        """Whether ``nodes`` are already the newest ``len(nodes)`` entries, in order
+        (oldest of them first): touching them again in that order changes nothing."""
+        node = self.tail
+        prev = self._prev
+        for want in reversed(nodes):
+            if node is not want:
+                return False
+            node = getattr(node, prev)
+        return True
+
     def oldest_first(self) -> Iterator[Node]:
         """Iterate from the head; the yielded node may be removed before resuming."""
         node = self.head
@@ -112,6 +123,7 @@ class TierPolicy(Protocol):
 
     def insert(self, node: Node) -> None: ...
     def touch(self, node: Node) -> None: ...
+    def touch_all(self, nodes: Sequence[Node]) -> None: ...
     def remove(self, node: Node) -> None: ...
     def reprioritize(self, node: Node) -> None: ...
     def candidates(self) -> Iterator[Node]: ...
@@ -140,6 +152,18 @@ class PriorityLRU:
         lst: LruList = getattr(node, self._owner)
         lst.remove(node)
         self._lists[node.priority].push_newest(node)
+
+    def touch_all(self, nodes: Sequence[Node]) -> None:
+        """Touch the listed ``nodes`` in order (each ends newer than the one before).
+
+        A prefix read again and again is already at the newest end of its list in that
+        order: checking so is a walk, moving it would relink every node."""
+        owner = self._owner
+        mine = [node for node in nodes if getattr(node, owner) is not None]
+        if mine and self._lists[mine[0].priority].holds_newest(mine):
+            return
+        for node in mine:
+            self.touch(node)
 
     def remove(self, node: Node) -> None:
         lst: LruList = getattr(node, self._owner)
@@ -173,6 +197,14 @@ class PlainLRU:
     def touch(self, node: Node) -> None:
         self._list.remove(node)
         self._list.push_newest(node)
+
+    def touch_all(self, nodes: Sequence[Node]) -> None:
+        owner = self._owner
+        mine = [node for node in nodes if getattr(node, owner) is not None]
+        if self._list.holds_newest(mine):
+            return
+        for node in mine:
+            self.touch(node)
 
     def remove(self, node: Node) -> None:
         self._list.remove(node)

@@ -1107,14 +1107,11 @@ class Store:
         nodes: Iterable[Node] = named
         if self._host_policy.touch_prefix:
             nodes = itertools.chain((named[-1],), named[-1].ancestors())
-        for node in nodes:
-            if not node.ready:
-                continue
+        used = [node for node in nodes if node.ready]
+        for node in used:
             node.last_access = now
-            if node in self._host_policy:
-                self._host_policy.touch(node)
-            if node in self._disk_policy:
-                self._disk_policy.touch(node)
+        self._host_policy.touch_all(used)
+        self._disk_policy.touch_all(used)
 
     # --- eviction -------------------------------------------------------------------
     def _alloc_host(self, size: int) -> int | None:

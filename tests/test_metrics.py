@@ -197,7 +197,8 @@ def test_streaming_calls_are_timed_until_they_end_or_are_cancelled(kvstored_fact
     call = stub.WatchEvents(pb.WatchEventsRequest(from_now=True))
     method = "kvstore.v1.KVStore/WatchEvents"
     deadline = time.monotonic() + 10
-    while value(scrape(url), "kvstore_rpc_in_flight", method=method) != 1:
+    in_flight = ("kvstore_rpc_in_flight", (("method", method),))
+    while scrape(url).get(in_flight) != 1:  # no series until the call has started
         assert time.monotonic() < deadline, "WatchEvents never counted in flight"
         time.sleep(0.05)
     call.cancel()

@@ -1,0 +1,196 @@
+"""Serve the unary methods of ``kvstore.v1.KVStore`` as local calls on a unix socket.
+
+The framing and the reason for it are in :mod:`kvproto.v1.local_calls`. Each
+connection is an asyncio protocol that cuts frames out of what it receives and hands
+them, one at a time and in order, to the same servicer methods gRPC calls: same
+validation, same quick path on the event loop, same error mapping
+(:mod:`kvstored.errors`), whose ``context.abort`` is captured here by a small stand-in
+for grpc's ServicerContext. A call answered on the event loop costs no thread hop.
+
+Life: :meth:`LocalCallServer.start` binds the socket (mode 0600, born so under a
+umask: only the daemon's user may connect, as on the gRPC socket), :meth:`stop` stops
+accepting connections and answers further calls UNAVAILABLE while in-flight ones
+finish, :meth:`close` drops the connections and removes the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvproto.v1 import local_calls as frames
+from kvstored.service import KVStoreService
+
+log = logging.getLogger("kvstored.local_calls")
+
+SERVICE_PREFIX = "kvstore.v1.KVStore/"
+
+# observe(method, status name, seconds): the daemon's RPC metrics
+Observer = Callable[[str, str, float], None]
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.kind = kind
+
+
+class _CallContext:
+    """What the servicer's unary methods use of grpc.aio.ServicerContext: ``abort``."""
+
+    async def abort(
+        self,
+        code: grpc.StatusCode,
+        details: str = "",
+        trailing_metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        kind = dict(trailing_metadata).get("kvstore-error", "")
+        raise _Aborted(code, details, kind)
+
+
+class LocalCallServer:
+    """The local-call socket of one daemon, in front of its :class:`KVStoreService`."""
+
+    def __init__(
+        self, service: KVStoreService, max_frame_bytes: int, observe: Observer | None = None
+    ) -> None:
+        self._methods: dict[bytes, tuple[Callable[..., Any], Any, str]] = {
+            name.encode(): (getattr(service, name), request_cls, SERVICE_PREFIX + name)
+            for name, (request_cls, _) in frames.UNARY_METHODS.items()
+        }
+        self.max_frame_bytes = max_frame_bytes
+        self._observe = observe
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+        self._stopping = False
+        self.path: Path | None = None
+
+    async def start(self, path: Path) -> None:
+        """Listen on ``path`` (which must not exist: the caller cleared a stale one)."""
+        loop = asyncio.get_running_loop()
+        old_umask = os.umask(0o177)
+        try:
+            self._server = await loop.create_unix_server(
+                lambda: _Connection(self), str(path)
+            )
+        finally:
+            os.umask(old_umask)
+        self.path = path
+
+    def stop(self) -> None:
+        """No new connections; calls from now on answer UNAVAILABLE."""
+        self._stopping = True
+        if self._server is not None:
+            self._server.close()
+
+    def close(self) -> None:
+        """Drop every connection and remove the socket file."""
+        self.stop()
+        for connection in list(self._connections):
+            connection.close()
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    async def call(self, name: bytes, body: bytes) -> bytes:
+        """Run one call; the response frame."""
+        entry = self._methods.get(name)
+        if entry is None:
+            text = name.decode(errors="replace")
+            return _error(grpc.StatusCode.UNIMPLEMENTED, "", f"no unary method {text!r}")
+        method, request_cls, full_name = entry
+        if self._stopping:
+            return _error(grpc.StatusCode.UNAVAILABLE, "", "kvstored is shutting down")
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            request = request_cls.FromString(body)
+        except DecodeError:
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            frame = _error(code, "InvalidArgument", f"the body is not a valid {full_name} request")
+        else:
+            try:
+                response = await method(request, _CallContext())
+                frame = frames.response_frame(frames.OK, response.SerializeToString())
+            except _Aborted as aborted:
+                code = aborted.code
+                frame = _error(code, aborted.kind, aborted.message)
+            except Exception:  # grpc_errors maps every error: this is a bug
+                log.exception("local call %s failed", full_name)
+                code = grpc.StatusCode.INTERNAL
+                frame = _error(code, "", f"internal error in {full_name} (see the daemon log)")
+        if self._observe is not None:
+            self._observe(full_name, code.name, time.perf_counter() - started)
+        return frame
+
+
+def _error(code: grpc.StatusCode, kind: str, message: str) -> bytes:
+    return frames.response_frame(code.value[0], frames.error_body(kind, message))
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: frames in, handled in order, answers out."""
+
+    def __init__(self, server: LocalCallServer) -> None:
+        self._server = server
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._task: asyncio.Task[None] | None = None  # the call being handled
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self._server._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._server._connections.discard(self)
+        self._transport = None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if self._task is None:
+            self._next()
+
+    def _next(self) -> None:
+        """Start the next complete call in the buffer, if any."""
+        buffer = self._buffer
+        if len(buffer) < frames.HEADER.size or self._transport is None:
+            return
+        body_len, name_len = frames.HEADER.unpack_from(buffer)
+        if not 0 < name_len <= frames.MAX_NAME_BYTES or body_len > self._server.max_frame_bytes:
+            log.warning(
+                "closing a local-call connection: malformed frame (name %d bytes, body %d)",
+                name_len, body_len, extra={"event": "local_call_bad_frame"},
+            )
+            self._transport.close()
+            return
+        start = frames.HEADER.size + name_len
+        end = start + body_len
+        if len(buffer) < end:
+            return
+        name = bytes(buffer[frames.HEADER.size : start])
+        body = bytes(buffer[start:end])
+        del buffer[:end]
+        self._task = asyncio.get_running_loop().create_task(self._serve(name, body))
+
+    async def _serve(self, name: bytes, body: bytes) -> None:
+        frame = await self._server.call(name, body)
+        if self._transport is not None:
+            self._transport.write(frame)
+        self._task = None
+        self._next()

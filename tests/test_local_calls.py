@@ -1,0 +1,213 @@
+"""Local calls: the daemon's unary methods on its second unix socket (kvproto.v1.local_calls).
+
+Every test talks to a real kvstored subprocess: raw frames on the socket for the
+framing and its refusals, and kvclient clients that use local calls (same host, arena
+mapped) beside clients that use gRPC only, which must see the same answers and errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import Daemon
+
+from kvclient import (
+    AsyncKVClient,
+    InvalidArgumentError,
+    KVClient,
+    KVStoreError,
+    LeaseError,
+    NamespaceNotFoundError,
+)
+from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1 import local_calls as frames
+
+BLOCK_BYTES = 4096
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("kvstored"), {"host_bytes": "8MiB", "disk_bytes": 0})
+    d.start()
+    yield d
+    d.cleanup()
+
+
+def local_path(daemon: Daemon) -> str:
+    with KVClient(daemon.addr) as client:
+        return client.server_info().local_socket
+
+
+def raw_call(sock: socket.socket, name: bytes, body: bytes) -> tuple[int, bytes]:
+    sock.sendall(frames.request_frame(name, body))
+    header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
+    assert len(header) == frames.HEADER.size, "the daemon closed the connection"
+    body_len, status = frames.HEADER.unpack(header)
+    data = sock.recv(body_len, socket.MSG_WAITALL) if body_len else b""
+    return status, data
+
+
+def connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    return sock
+
+
+def test_socket_is_private_and_named_by_server_info(daemon: Daemon) -> None:
+    path = local_path(daemon)
+    assert path == str(Path(daemon.socket_path).with_name("kvstored.local.sock"))
+    mode = os.stat(path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+def test_raw_frames_answer_like_grpc(daemon: Daemon) -> None:
+    with KVClient(daemon.addr, use_arena=False) as client:
+        ns = client.namespace("local-raw", 4, BLOCK_BYTES)
+        ns.put(list(range(8)), np.full((2, BLOCK_BYTES), 7, np.uint8))
+        by_grpc = client._call(
+            client._stub.Lookup, pb.LookupRequest(ns_id=ns.ns_id, tokens=list(range(8)))
+        )
+    with connect(local_path(daemon)) as sock:
+        request = pb.LookupRequest(ns_id=ns.ns_id, tokens=list(range(8)))
+        status, body = raw_call(sock, b"Lookup", request.SerializeToString())
+        assert status == frames.OK
+        assert pb.LookupResponse.FromString(body) == by_grpc
+        assert by_grpc.ready_blocks == 2
+        # errors: the status number, then kind NUL message, as gRPC's code and details
+        bad = pb.LookupRequest(ns_id="nope@000000000000", tokens=[1, 2, 3, 4])
+        status, body = raw_call(sock, b"Lookup", bad.SerializeToString())
+        assert status == grpc.StatusCode.NOT_FOUND.value[0]
+        kind, message = frames.parse_error(body)
+        assert kind == "UnknownNamespace" and "nope@000000000000" in message
+        status, body = raw_call(sock, b"Lookup", b"\xff\xff\xff")
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "not a valid" in frames.parse_error(body)[1]
+        # streams and unknown names are not local calls
+        for name in (b"Get", b"Put", b"WatchEvents", b"NoSuchMethod"):
+            status, body = raw_call(sock, name, b"")
+            assert status == grpc.StatusCode.UNIMPLEMENTED.value[0], name
+        # the connection still serves after every refusal
+        status, _ = raw_call(sock, b"ServerInfo", b"")
+        assert status == frames.OK
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        frames.HEADER.pack(0, 0),  # no method name
+        frames.HEADER.pack(1 << 31, 6) + b"Lookup",  # body over max_message_bytes
+        frames.HEADER.pack(0, 200) + b"x" * 200,  # name longer than any method's
+    ],
+    ids=["empty-name", "oversized-body", "long-name"],
+)
+def test_malformed_frame_closes_the_connection_and_changes_nothing(
+    daemon: Daemon, frame: bytes
+) -> None:
+    with KVClient(daemon.addr, use_arena=False) as client:
+        before = client.stats()
+    with connect(local_path(daemon)) as sock:
+        sock.sendall(frame)
+        assert sock.recv(16) == b""  # closed without an answer
+    with KVClient(daemon.addr) as client:
+        after = client.stats()
+        assert after.tier("host").blocks == before.tier("host").blocks
+        assert after.leases == before.leases
+
+
+def test_client_uses_local_calls_and_maps_errors_as_grpc_does(daemon: Daemon) -> None:
+    tokens = list(range(100, 116))
+    blocks = np.arange(4 * BLOCK_BYTES, dtype=np.uint32).astype(np.uint8).reshape(4, -1)
+    with KVClient(daemon.addr) as local, KVClient(daemon.addr, use_arena=False) as remote:
+        assert local.arena_in_use and local._local is not None
+        assert remote._local is None
+        ns_local = local.namespace("local-errors", 4, BLOCK_BYTES)
+        ns_remote = remote.open_namespace(ns_local.ns_id)
+        assert ns_local.put(tokens, blocks).stored == 4
+        got = ns_remote.get(tokens)
+        assert got.n_blocks == 4 and np.array_equal(got.blocks, blocks)
+        assert ns_local.lookup(tokens) == ns_remote.lookup(tokens)
+        out = np.zeros_like(blocks)
+        assert ns_local.get(tokens, out=out).n_blocks == 4 and np.array_equal(out, blocks)
+
+        def errors(client: KVClient) -> list[tuple[type, grpc.StatusCode | None, str]]:
+            seen = []
+            calls = [
+                lambda: client.open_namespace("missing@000000000000"),
+                lambda: client.namespace("local-errors", 1, BLOCK_BYTES),
+                lambda: client._call(client._stub.Release, pb.ReleaseRequest(lease_id=424242)),
+                lambda: client._call(client._stub.Commit, pb.CommitRequest(lease_id=0)),
+            ]
+            for call in calls:
+                with pytest.raises(KVStoreError) as info:
+                    call()
+                seen.append((type(info.value), info.value.code, info.value.details))
+            return seen
+
+        local_errors, remote_errors = errors(local), errors(remote)
+        assert local_errors == remote_errors
+        kinds = [cls for cls, _, _ in local_errors]
+        expected = [NamespaceNotFoundError, InvalidArgumentError, LeaseError, InvalidArgumentError]
+        assert kinds == expected
+        assert local._local is not None  # still in use after errors
+
+
+def test_local_calls_off_leaves_grpc_only(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, {"host_bytes": "8MiB", "disk_bytes": 0, "local_calls": "false"})
+    d.start()
+    try:
+        assert not Path(d.socket_path).with_name("kvstored.local.sock").exists()
+        with KVClient(d.addr) as client:
+            assert client.server_info().local_socket == ""
+            ns = client.namespace("no-local", 4, BLOCK_BYTES)
+            assert client.arena_in_use and client._local is None
+            ns.put(list(range(8)), np.ones((2, BLOCK_BYTES), np.uint8))
+            assert ns.get(list(range(8))).n_blocks == 2
+    finally:
+        d.cleanup()
+
+
+def test_restart_reconnects_and_socket_is_removed_on_stop(tmp_path: Path) -> None:
+    d = Daemon(tmp_path, {"host_bytes": "8MiB"})
+    d.start()
+    try:
+        path = Path(d.socket_path).with_name("kvstored.local.sock")
+        with KVClient(d.addr) as client:
+            ns = client.namespace("restart-local", 4, BLOCK_BYTES)
+            data = np.full((2, BLOCK_BYTES), 3, np.uint8)
+            ns.put(list(range(8)), data)
+            assert client._local is not None and path.exists()
+            d.stop()
+            assert not path.exists()
+            d.start()  # the blocks come back from the disk tier
+            got = ns.get(list(range(8)))  # the idle connection is dead: gRPC, then local
+            assert got.n_blocks == 2 and np.array_equal(got.blocks, data)
+            assert ns.get(list(range(8))).n_blocks == 2
+            assert client._local is not None
+    finally:
+        d.cleanup()
+
+
+def test_async_client_uses_local_calls(daemon: Daemon) -> None:
+    async def run() -> None:
+        async with AsyncKVClient(daemon.addr) as client:
+            ns = await client.namespace("local-async", 4, BLOCK_BYTES)
+            data = np.full((3, BLOCK_BYTES), 9, np.uint8)
+            assert (await ns.put(list(range(12)), data)).stored == 3
+            assert client._local is not None
+            got = await ns.get(list(range(12)))
+            assert got.n_blocks == 3 and np.array_equal(got.blocks, data)
+            with pytest.raises(NamespaceNotFoundError):
+                await client.open_namespace("missing@000000000000")
+            lookups = await asyncio.gather(*(ns.lookup(list(range(12))) for _ in range(8)))
+            assert {r.blocks for r in lookups} == {3}
+
+    asyncio.run(run())
