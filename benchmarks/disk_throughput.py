@@ -211,15 +211,19 @@ def render(results: list[Result], baseline: float, total: int, base: str, repeat
         "",
         "- Every read verifies the xxh3-64 checksum, included in the read numbers.",
         "- Write-back: one writer thread, one transaction (and one fdatasync) per batch. "
-        "Per batch LMDB copies every value into freshly malloc'd dirty pages, writes them "
-        "to the page cache and syncs, one after the other; on this machine fresh memory "
-        "costs ~1 ms/MiB to fault in, part of the gap to the device baseline. "
-        "glibc returns those pages to the OS after each batch; running the daemon with "
-        "`MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296` keeps them "
-        "(re-run this program with those set to compare). `accept` is higher while the "
-        "queue absorbs the burst and falls to the write-back rate under backpressure.",
-        "- Warm reads: one copy out of LMDB's map inside the read transaction plus one "
-        "checksum pass over the copy. Here each result is dropped at once, so `bytes` "
+        "Per batch LMDB copies every value into malloc'd dirty pages, writes them to the "
+        "page cache and fdatasyncs. Three things keep that near the device's rate: the "
+        "tier sets glibc's mmap/trim thresholds once per process so those dirty pages are "
+        "reused batch after batch (fresh memory costs ~1 ms/MiB to fault in here); a "
+        "helper thread calls `sync_file_range(SYNC_FILE_RANGE_WRITE)` while a commit runs, "
+        "so the device writes the batch while LMDB is still writing it and the fdatasync "
+        "waits only for the tail (durability unchanged: LMDB still syncs data before it "
+        "writes the meta page); and `write()` copies with the GIL released, so the writer "
+        "is not stalled between its LMDB calls. `accept` is higher while the queue absorbs "
+        "the burst and falls to the write-back rate under backpressure.",
+        "- Warm reads: one `pread` of the value's overflow pages (file offset from its "
+        "page header, inside the read transaction) into the destination, GIL released, "
+        "plus one checksum pass over the copy. Here each result is dropped at once, so `bytes` "
         "reuses freed memory and matches `out=`; a caller that keeps the results pays "
         "page faults for fresh memory, which `out=` (a reused buffer) avoids.",
         "- Cold reads show why the tier keeps kernel readahead on although access is "

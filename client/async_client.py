@@ -394,6 +394,7 @@ class AsyncNamespace:
             extra_keys=extra,
             max_blocks=max_blocks,
             release_lease_ids=client._take_done(),
+            compact_slots=True,
         )
         acquired = await client._call(client._stub.Acquire, request)
         if arena.names_another_arena(acquired.arena_path):  # the daemon restarted
@@ -404,7 +405,7 @@ class AsyncNamespace:
             client._info = None  # the next call maps the new arena
             return await self._get_inline(tokens, extra, out, max_blocks)
         try:
-            slots = wire.slot_table(acquired.slots)
+            slots = wire.slot_table(acquired)
             blocks = output_array(out, len(slots), self.block_bytes)
             await asyncio.to_thread(read_slots, arena.mapping, slots, blocks, self.block_bytes)
         finally:
@@ -441,6 +442,7 @@ class AsyncNamespace:
             extra_keys=wire.extra_bytes(extra_keys),
             max_blocks=max_blocks,
             ttl_s=ttl_s or 0.0,
+            compact_slots=True,
         )
         return AsyncAcquire(self, request)
 
@@ -457,7 +459,7 @@ class AsyncNamespace:
             request.release_lease_ids[:] = client._take_done()
             acquired = await client._call(client._stub.Acquire, request)
             if not arena.names_another_arena(acquired.arena_path):
-                table = wire.slot_table(acquired.slots)
+                table = wire.slot_table(acquired)
                 return AsyncBlockLease(
                     client, arena, table, self.block_bytes, self.block_tokens, acquired.lease_id
                 )
@@ -560,6 +562,7 @@ class AsyncNamespace:
             start_block=start,
             n_blocks=len(rows),
             priority=priority,
+            compact_slots=True,
         )
         reserved = await client._call(client._stub.Reserve, request)
         if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
@@ -568,7 +571,7 @@ class AsyncNamespace:
             client._info = None  # the next call maps the new arena
             info, _ = await client._refresh()
             return await self._put_inline(info, tokens, extra, rows, start, priority)
-        slots = wire.slot_table(reserved.slots)
+        slots = wire.slot_table(reserved)
         committed = 0
         if reserved.lease_id:
             try:

@@ -60,7 +60,7 @@ class _ClaimState:
         self.pending_elsewhere: bool = response.refused > 0 and not response.out_of_space
         self.arena = arena
         self.delivered = 0
-        self._slots = wire.slot_table(response.slots)
+        self._slots = wire.slot_table(response)
 
     @property
     def remaining(self) -> int:

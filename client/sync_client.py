@@ -440,6 +440,7 @@ class Namespace:
             extra_keys=extra,
             max_blocks=max_blocks,
             release_lease_ids=client._take_done(),
+            compact_slots=True,
         )
         acquired = client._call(client._stub.Acquire, request)
         if arena.names_another_arena(acquired.arena_path):  # the daemon restarted
@@ -448,7 +449,7 @@ class Namespace:
             client._info = None  # the next call maps the new arena
             return self._get_inline(tokens, extra, out, max_blocks)
         try:
-            slots = wire.slot_table(acquired.slots)
+            slots = wire.slot_table(acquired)
             blocks = output_array(out, len(slots), self.block_bytes)
             read_slots(arena.mapping, slots, blocks, self.block_bytes)
         finally:
@@ -486,6 +487,7 @@ class Namespace:
             extra_keys=wire.extra_bytes(extra_keys),
             max_blocks=max_blocks,
             ttl_s=ttl_s or 0.0,
+            compact_slots=True,
         )
         for _ in range(2):
             info, arena = client._arena_for_data()
@@ -498,7 +500,7 @@ class Namespace:
             request.release_lease_ids[:] = client._take_done()
             acquired = client._call(client._stub.Acquire, request)
             if not arena.names_another_arena(acquired.arena_path):
-                table = wire.slot_table(acquired.slots)
+                table = wire.slot_table(acquired)
                 return BlockLease(
                     client, arena, table, self.block_bytes, self.block_tokens, acquired.lease_id
                 )
@@ -602,6 +604,7 @@ class Namespace:
             start_block=start,
             n_blocks=len(rows),
             priority=priority,
+            compact_slots=True,
         )
         reserved = client._call(client._stub.Reserve, request)
         if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
@@ -610,7 +613,7 @@ class Namespace:
             client._info = None  # the next call maps the new arena
             info, _ = client._refresh()
             return self._put_inline(info, tokens, extra, rows, start, priority)
-        slots = wire.slot_table(reserved.slots)
+        slots = wire.slot_table(reserved)
         committed = 0
         if reserved.lease_id:
             try:

@@ -139,14 +139,21 @@ def slots(msgs: Sequence[pb.Slot]) -> list[Slot]:
     return [Slot(index=s.index, offset=s.offset, size=s.size) for s in msgs]
 
 
-def slot_table(msgs: Sequence[pb.Slot]) -> SlotTable:
-    """Slots of an answer as arrays (what the copy routines work on)."""
+def slot_table(msg: pb.AcquireResponse | pb.ReserveResponse) -> SlotTable:
+    """The slots of an Acquire or Reserve answer as arrays (what the copy routines work
+    on), from its packed ``slot_offsets`` (asked for with ``compact_slots``) or else from
+    its Slot messages."""
+    if msg.slot_offsets:
+        offsets = np.array(msg.slot_offsets, np.int64)
+        if isinstance(msg, pb.ReserveResponse):
+            return SlotTable(np.array(msg.slot_indices, np.int64), offsets)
+        return SlotTable(np.arange(offsets.size, dtype=np.int64), offsets)
     indices: list[int] = []
-    offsets: list[int] = []
-    for s in msgs:  # one pass over the messages (each attribute read builds an int)
+    offsets_list: list[int] = []
+    for s in msg.slots:  # one pass over the messages (each attribute read builds an int)
         indices.append(s.index)
-        offsets.append(s.offset)
-    return SlotTable(np.array(indices, np.int64), np.array(offsets, np.int64))
+        offsets_list.append(s.offset)
+    return SlotTable(np.array(indices, np.int64), np.array(offsets_list, np.int64))
 
 
 def _tier_stats(msg: pb.TierStats) -> TierStats:

@@ -183,7 +183,9 @@ def put_response(result: PutResult) -> pb.PutResponse:
     return pb.PutResponse(stored=result.stored, existing=result.existing, refused=result.refused)
 
 
-def reserve_response(res: Reservation, arena_path: str) -> pb.ReserveResponse:
+def reserve_response(
+    res: Reservation, arena_path: str, compact: bool = False
+) -> pb.ReserveResponse:
     msg = pb.ReserveResponse(
         lease_id=res.lease_id,
         expires_in_s=expires_in(res.expires_at) if res.lease_id else 0.0,
@@ -192,18 +194,27 @@ def reserve_response(res: Reservation, arena_path: str) -> pb.ReserveResponse:
         arena_path=arena_path,
         out_of_space=res.out_of_space,
     )
-    _add_slots(msg.slots, res.slots)
+    if compact:
+        msg.slot_indices.extend([s.index for s in res.slots])
+        msg.slot_offsets.extend([s.offset for s in res.slots])
+    else:
+        _add_slots(msg.slots, res.slots)
     return msg
 
 
-def acquire_response(got: Acquisition, block_tokens: int, arena_path: str) -> pb.AcquireResponse:
+def acquire_response(
+    got: Acquisition, block_tokens: int, arena_path: str, compact: bool = False
+) -> pb.AcquireResponse:
     msg = pb.AcquireResponse(
         lease_id=got.lease_id,
         expires_in_s=expires_in(got.expires_at) if got.lease_id else 0.0,
-        ready_tokens=len(got.slots) * block_tokens,
+        ready_tokens=len(got.offsets) * block_tokens,
         arena_path=arena_path,
     )
-    _add_slots(msg.slots, got.slots)
+    if compact:
+        msg.slot_offsets.extend(got.offsets)
+    else:
+        _add_slots(msg.slots, got.slots)
     return msg
 
 

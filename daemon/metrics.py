@@ -216,6 +216,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             buckets=RPC_BUCKETS,
             registry=registry,
         )
+        self._children: dict[tuple[str, str], Any] = {}
         self.in_flight = Gauge(
             "kvstore_rpc_in_flight", "gRPC calls being handled now.", ["method"],
             registry=registry,
@@ -310,7 +311,10 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
 
     def observe(self, method: str, code: str, seconds: float) -> None:
         """One finished call (gRPC here, local calls from kvstored.local_calls)."""
-        self.duration.labels(method, code).observe(seconds)
+        child = self._children.get((method, code))
+        if child is None:  # labels() takes a lock and builds a tuple: once per series
+            child = self._children[(method, code)] = self.duration.labels(method, code)
+        child.observe(seconds)
 
 
 def status_name(context: grpc.aio.ServicerContext, failure: BaseException | None) -> str:

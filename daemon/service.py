@@ -346,12 +346,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         of the prefix cannot be (a disk block with no room to promote it: read() copies
         it from disk instead)."""
         got = self._store.acquire(spec.ns_id, keys, self._config.max_lease_ttl_s)
-        if len(got.slots) < len(keys):
+        if len(got.offsets) < len(keys):
             if got.lease_id:
                 self._store.release(got.lease_id)
             return None
         arena = self._store.arena
-        segments = [arena.view(offset, size) for offset, size in _slot_runs(got.slots[start:])]
+        runs = _slot_runs(got.offsets[start:], got.block_bytes)
+        segments = [arena.view(offset, size) for offset, size in runs]
         return _ReadPlan(pb.GetHeader(), segments, got.lease_id, len(keys) - start)
 
     def _release_quietly(self, lease_id: int) -> bool:
@@ -379,10 +380,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             if request.max_blocks:
                 keys = keys[: request.max_blocks]
-            if quick:
-                self._check_host(spec.ns_id, keys)
-            got = self._store.acquire(spec.ns_id, keys, ttl)
-            return convert.acquire_response(got, spec.block_tokens, self._store.arena_path or "")
+            got = self._store.acquire(spec.ns_id, keys, ttl, host_only=quick)
+            if got is None:  # a block is on disk only: promoting it waits on the disk
+                raise _NeedsPool
+            return convert.acquire_response(
+                got, spec.block_tokens, self._store.arena_path or "", request.compact_slots
+            )
 
         return await self._run_quick(acquire)
 
@@ -569,7 +572,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     f"no room to reserve any of the {end - request.start_block} blocks: the "
                     "store is full of leased or pending blocks"
                 )
-            return convert.reserve_response(res, self._store.arena_path or "")
+            return convert.reserve_response(
+                res, self._store.arena_path or "", request.compact_slots
+            )
 
         return await self._run_quick(reserve)
 
@@ -789,16 +794,15 @@ class _ReadPlan:
             yield pieces, size
 
 
-def _slot_runs(slots: Sequence[SlotRef]) -> Iterator[tuple[int, int]]:
-    """(offset, bytes) of runs of slots that follow each other in the arena."""
+def _slot_runs(offsets: Sequence[int], size: int) -> Iterator[tuple[int, int]]:
+    """(offset, bytes) of runs of ``size``-byte slots that follow each other in the arena."""
     i = 0
-    while i < len(slots):
-        offset, size = slots[i].offset, slots[i].size
+    while i < len(offsets):
+        start = offsets[i]
         j = i + 1
-        while j < len(slots) and slots[j].offset == offset + size:
-            size += slots[j].size
+        while j < len(offsets) and offsets[j] == start + (j - i) * size:
             j += 1
-        yield offset, size
+        yield start, (j - i) * size
         i = j
 
 

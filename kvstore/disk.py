@@ -57,16 +57,33 @@ KiB to tens of MiB, stored as contiguous overflow pages) and always read whole, 
 without kernel readahead every 4 KiB page of a cold value is its own synchronous I/O
 (measured: 0.08 GB/s cold without readahead, 1.0-1.2 GB/s with it; see
 ``docs/benchmarks/disk.md``). ``writemap`` stays off: writes measured 35-50% slower with it.
+
+Write-back speed (see ``docs/benchmarks/disk.md``): copies of megabytes (``write`` into
+the queue, reads into the caller's buffer) release the GIL, so the writer thread is not
+stalled waiting for the interpreter between its LMDB calls; the first DiskTier of a
+process raises glibc's mmap and trim thresholds (:func:`_tune_malloc`) so that the dirty
+pages LMDB mallocs per batch are reused instead of faulted in again; and while a commit
+runs, a helper thread starts writeback of the file's dirty pages
+(:class:`_EarlyWriteback`) so that the device works while LMDB is still writing the batch
+and the commit's fdatasync waits only for the tail. None of this changes what is durable
+when: LMDB still fdatasyncs the data pages before it writes the meta page.
+
+Committed payloads are read with ``pread`` at the value's file offset (from its overflow
+page header, inside the read transaction that keeps those pages allocated) straight into
+the caller's buffer: no faults on a freshly mapped map, GIL released.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
 import mmap
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -75,6 +92,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import lmdb
+import numpy as np
 import xxhash
 
 log = logging.getLogger(__name__)
@@ -93,6 +111,14 @@ _NS_PREFIX = b"ns:"  # queue keys of namespace saves: prefix + digest + seq (43 
 _SCAN_CHUNK = 1024  # records() reads this many records per read transaction
 _CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
 _DB_NAMES = (b"meta", b"payload", b"namespaces", b"info")
+_WRITEBACK_POLL_S = 0.002  # while a commit runs: start writeback of its pages this often
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+_OVERFLOW_HEADER = struct.Struct("<QHHI")  # MDB_page of an overflow run: pgno, pad, flags, pages
+_P_OVERFLOW = 0x04
+_M_TRIM_THRESHOLD = -1  # <malloc.h> mallopt parameters
+_M_MMAP_THRESHOLD = -3
+_MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bit)
+_MALLOC_TRIM_THRESHOLD = 128 << 20  # above a thread arena's 64 MiB heap: never shrunk
 _FORMAT_KEY = b"format"
 _FORMAT = b"kvstore.disk.v1"
 
@@ -270,6 +296,115 @@ def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
     return view
 
 
+def _copy(dst: memoryview, src: bytes | bytearray | memoryview) -> None:
+    """``dst[:] = src`` for flat byte buffers, with the GIL released (numpy drops it for
+    large copies): the writer thread and readers copy megabytes while other threads
+    need the interpreter, and a copy under the GIL stalls them by up to a switch
+    interval (5 ms) each time they want it back."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        sync_file_range = libc.sync_file_range
+        sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        sync_file_range.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
+_malloc_tuned = False
+
+
+def _tune_malloc() -> None:
+    """Let glibc keep the memory LMDB's writer frees (process-wide, once).
+
+    Without MDB_WRITEMAP, LMDB malloc()s the dirty overflow pages of every value in a
+    write transaction and frees them at commit. The writer thread allocates from its
+    own glibc arena, whose heaps glibc shrinks (MADV_DONTNEED) once the free top exceeds
+    the trim threshold, and large chunks above the mmap threshold are fresh mmap()s; so
+    every batch faulted all its pages in again (~1 ms/MiB on a VM: half the write-back
+    time, see ``docs/benchmarks/disk.md``). A fixed mmap threshold of 32 MiB (glibc's
+    maximum) and a trim threshold above a thread heap's size (64 MiB) keep freed pages
+    for the next batch. Values of 32 MiB or more still get their own mappings. Not
+    applied when the operator set either threshold in the environment.
+    """
+    global _malloc_tuned
+    if _malloc_tuned or _LIBC is None:
+        return
+    _malloc_tuned = True
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is None:  # not glibc
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MALLOC_MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _MALLOC_TRIM_THRESHOLD)
+
+
+class _EarlyWriteback:
+    """While the writer commits, keep asking the kernel to start writing the data
+    file's dirty pages (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait).
+
+    LMDB's commit writes the batch's pages into the page cache and then fdatasyncs;
+    without help the device sits idle until that fdatasync, then the commit waits for
+    all of it. Started early, most of the batch is on its way while LMDB is still
+    writing it, and the fdatasync waits only for the tail. This changes nothing about
+    durability or ordering: the kernel may write dirty pages back at any moment anyway,
+    LMDB's own fdatasync still decides what is durable, and the meta page is still
+    written only after the data pages are synced.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._cond = threading.Condition()
+        self._active = False
+        self._stopped = False
+        self._thread = threading.Thread(
+            target=self._run, name="kvstore-disk-writeback", daemon=True
+        )
+        self._thread.start()
+
+    @contextmanager
+    def during(self) -> Iterator[None]:
+        with self._cond:
+            self._active = True
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+        os.close(self._fd)
+
+    def _run(self) -> None:
+        sync_file_range = _LIBC.sync_file_range
+        while True:
+            with self._cond:
+                while not self._active and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+            if sync_file_range(self._fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+                log.warning(
+                    "sync_file_range failed (%s); early writeback off",
+                    os.strerror(ctypes.get_errno()),
+                )
+                return
+            time.sleep(_WRITEBACK_POLL_S)
+
+
 class DiskTier:
     """One LMDB environment holding block payloads and metadata; see the module docstring."""
 
@@ -298,6 +433,7 @@ class DiskTier:
         else:
             requested = _round_up(int(capacity_bytes * _MAP_FACTOR) + _MAP_HEADROOM, os_page)
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        _tune_malloc()
         self._env = lmdb.open(
             directory,
             map_size=requested,
@@ -345,6 +481,17 @@ class DiskTier:
         self._corrupt_reads = self._map_full_events = self._dropped_writes = 0
 
         self._load_sizes()
+        # Committed payloads are read with pread() from here into the caller's buffer:
+        # no page faults on the map (a fresh process has mapped none of it), GIL released.
+        self._read_fd = os.open(
+            os.path.join(directory, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        )
+        self._writeback: _EarlyWriteback | None = None
+        if _LIBC is not None:
+            try:
+                self._writeback = _EarlyWriteback(os.path.join(directory, "data.mdb"))
+            except OSError:
+                log.warning("early writeback off: cannot open data.mdb", exc_info=True)
         self._writer = threading.Thread(
             target=self._run_writer, name="kvstore-disk-writer", daemon=True
         )
@@ -418,7 +565,7 @@ class DiskTier:
             buf: bytes | bytearray = payload if type(payload) is bytes else self._pool_take(size)
         if buf is not payload:  # bytes are immutable: keep a reference, copy anything else
             try:
-                memoryview(buf)[:] = src
+                _copy(memoryview(buf), src)
             except BaseException:
                 with self._cond:
                     self._queued_bytes -= size
@@ -541,7 +688,7 @@ class DiskTier:
                 size = queued.record.size
                 if dst is not None:
                     self._check_out(dst, size)
-                    dst[:size] = queued.buf
+                    _copy(dst[:size], queued.buf)
                     data: bytes | memoryview = dst[:size]
                 else:
                     data = bytes(queued.buf)
@@ -585,11 +732,29 @@ class DiskTier:
                     checksum = -1
                 elif dst is not None:
                     self._check_out(dst, record.size)
-                    dst[: record.size] = view
+                    self._copy_value(view, dst[: record.size])
                     data, checksum = dst[: record.size], record.checksum
                 else:
                     data, checksum = bytes(view), record.checksum
         return data, checksum
+
+    def _copy_value(self, view: memoryview, dst: memoryview) -> None:
+        """Copy a value the open read transaction holds (``view``, into LMDB's map) to
+        ``dst``. A value stored as an overflow run (every payload above ~2 KiB) is read
+        with pread() at its file offset, found from the run's page header; the pages
+        stay allocated while the transaction lives, and the page cache is the same one
+        the map shows. Anything else is copied from the map. The caller verifies the
+        checksum of what lands in ``dst`` either way."""
+        size = len(view)
+        if size > self._psize:
+            addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+            header = (ctypes.c_char * _OVERFLOW_HEADER.size).from_address(addr - _PAGE_HEADER)
+            pgno, _, flags, pages = _OVERFLOW_HEADER.unpack(bytes(header))
+            if flags & _P_OVERFLOW and pages * self._psize >= size + _PAGE_HEADER:
+                offset = pgno * self._psize + _PAGE_HEADER
+                if os.preadv(self._read_fd, [dst], offset) == size:
+                    return
+        _copy(dst, view)
 
     @staticmethod
     def _check_out(dst: memoryview, size: int) -> None:
@@ -670,11 +835,14 @@ class DiskTier:
                 self._stopping = True  # new writes are refused; the writer drains
                 self._cond.notify_all()
             self._writer.join()
+            if self._writeback is not None:
+                self._writeback.close()
             with self._resize.exclusive():
                 try:
                     self._env.sync(True)
                 finally:
                     self._env.close()
+                    os.close(self._read_fd)
                     with self._cond:
                         self._closed = True
                         self._cond.notify_all()
@@ -770,7 +938,7 @@ class DiskTier:
                         return
                     batch = self._take_batch_locked()
                 try:
-                    self._commit(batch)
+                    self._commit_early(batch)
                 except lmdb.MapFullError:
                     self._on_map_full(batch)
                     continue
@@ -799,6 +967,14 @@ class DiskTier:
             op.inflight = True
             batch.append(op)
         return batch
+
+    def _commit_early(self, ops: Sequence[_Op]) -> None:
+        """``_commit`` with early writeback of the batch's pages (see _EarlyWriteback)."""
+        if self._writeback is None:
+            self._commit(ops)
+            return
+        with self._writeback.during():
+            self._commit(ops)
 
     def _commit(self, ops: Sequence[_Op]) -> None:
         """Apply ``ops`` in one write transaction (aborted if anything raises)."""

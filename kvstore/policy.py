@@ -97,15 +97,33 @@ class LruList:
         setattr(node, self._owner, None)
         self.size -= 1
 
-    def holds_newest(self, nodes: Sequence[Node]) -> bool:
-        """Whether ``nodes`` are already the newest ``len(nodes)`` entries, in order
-        (oldest of them first): touching them again in that order changes nothing."""
-        node = self.tail
-        prev = self._prev
-        for want in reversed(nodes):
+    def move_run_to_newest(self, nodes: Sequence[Node]) -> bool:
+        """If ``nodes`` lie next to each other in this list in this order, move them to
+        the newest end as one piece (four links change, whatever their number) and
+        return True; else change nothing and return False. A prompt's chain, touched
+        as a unit the last time, is such a run until blocks are added in between."""
+        prev, nxt, owner = self._prev, self._next, self._owner
+        first, last = nodes[0], nodes[-1]
+        if getattr(first, owner) is not self:
+            return False
+        node = first
+        for want in nodes[1:]:
+            node = getattr(node, nxt)
             if node is not want:
                 return False
-            node = getattr(node, prev)
+        if last is self.tail:
+            return True
+        before = getattr(first, prev)
+        after = getattr(last, nxt)  # not None: last is not the tail
+        if before is None:
+            self.head = after
+        else:
+            setattr(before, nxt, after)
+        setattr(after, prev, before)
+        setattr(first, prev, self.tail)
+        setattr(self.tail, nxt, first)
+        setattr(last, nxt, None)
+        self.tail = last
         return True
 
     def oldest_first(self) -> Iterator[Node]:
@@ -156,14 +174,14 @@ class PriorityLRU:
     def touch_all(self, nodes: Sequence[Node]) -> None:
         """Touch the listed ``nodes`` in order (each ends newer than the one before).
 
-        A prefix read again and again is already at the newest end of its list in that
-        order: checking so is a walk, moving it would relink every node."""
-        owner = self._owner
-        mine = [node for node in nodes if getattr(node, owner) is not None]
-        if mine and self._lists[mine[0].priority].holds_newest(mine):
+        A prefix read again is usually one run of its list, in that order (it was
+        touched as a unit): it moves to the newest end in one piece."""
+        if nodes and self._lists[nodes[0].priority].move_run_to_newest(nodes):
             return
-        for node in mine:
-            self.touch(node)
+        owner = self._owner
+        for node in nodes:
+            if getattr(node, owner) is not None:
+                self.touch(node)
 
     def remove(self, node: Node) -> None:
         lst: LruList = getattr(node, self._owner)
@@ -199,12 +217,12 @@ class PlainLRU:
         self._list.push_newest(node)
 
     def touch_all(self, nodes: Sequence[Node]) -> None:
-        owner = self._owner
-        mine = [node for node in nodes if getattr(node, owner) is not None]
-        if self._list.holds_newest(mine):
+        if nodes and self._list.move_run_to_newest(nodes):
             return
-        for node in mine:
-            self.touch(node)
+        owner = self._owner
+        for node in nodes:
+            if getattr(node, owner) is not None:
+                self.touch(node)
 
     def remove(self, node: Node) -> None:
         self._list.remove(node)

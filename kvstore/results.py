@@ -95,7 +95,18 @@ class Acquisition:
 
     lease_id: int  # 0 when no block was pinned (nothing to release)
     expires_at: float
-    slots: tuple[SlotRef, ...]
+    keys: tuple[BlockKey, ...]  # of blocks 0 .. n-1 of the request's chain
+    offsets: tuple[int, ...]  # their host arena offsets
+    block_bytes: int
+
+    @property
+    def slots(self) -> tuple[SlotRef, ...]:
+        """The same as SlotRefs (built on demand: the hot path uses ``offsets``)."""
+        size = self.block_bytes
+        return tuple(
+            SlotRef(i, key, offset, size)
+            for i, (key, offset) in enumerate(zip(self.keys, self.offsets, strict=True))
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,12 +23,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import xxhash
@@ -63,6 +66,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PRIORITY = 35
 ADMISSION_POLICIES = ("write-back", "write-through", "selective")
+# a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
+PARALLEL_PROMOTE_BYTES = 4 << 20
+PROMOTE_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,7 @@ class Store:
                 self._disk.close()
             raise
         self._reaper_stop = threading.Event()
+        self._promoters: ThreadPoolExecutor | None = None  # made on the first big promotion
         self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
         self._reaper.start()
 
@@ -218,6 +225,8 @@ class Store:
             self._changed.notify_all()
         self._reaper_stop.set()
         self._reaper.join(timeout=5)
+        if self._promoters is not None:
+            self._promoters.shutdown(wait=True)
         if self._disk is not None:
             self._disk.close()
         self._arena.close()
@@ -345,13 +354,33 @@ class Store:
         copied = max(ok - start, 0)
         return copied, out[: copied * size]
 
+    @overload
     def acquire(
         self, ns_id: str, keys: Sequence[BlockKey], ttl_s: float | None = None
-    ) -> Acquisition:
+    ) -> Acquisition: ...
+
+    @overload
+    def acquire(
+        self, ns_id: str, keys: Sequence[BlockKey], ttl_s: float | None, host_only: bool
+    ) -> Acquisition | None: ...
+
+    def acquire(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        ttl_s: float | None = None,
+        host_only: bool = False,
+    ) -> Acquisition | None:
+        """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
+        its disk-only blocks. ``host_only``: None, having changed nothing, when one would
+        need promoting (for a caller that must not wait on the disk)."""
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         ttl = self._ttl(ttl_s)
-        nodes, fresh = self._pin_prefix(entry, keys, promote_all=True)
+        pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
+        if pinned is None:
+            return None
+        nodes, fresh = pinned
         ok = len(nodes)
         try:
             ok = self._fill_promotions(nodes, fresh)
@@ -359,13 +388,13 @@ class Store:
             self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True)
         kept = nodes[:ok]
         with self._lock:
+            size = entry.spec.block_bytes
             if not kept:
-                return Acquisition(lease_id=0, expires_at=0.0, slots=())
+                return Acquisition(0, 0.0, (), (), size)
             lease = self._new_lease(entry, kept, write=False, ttl=ttl)
-            slots = tuple(
-                SlotRef(i, node.key, node.host_offset, node.size) for i, node in enumerate(kept)
-            )
-            return Acquisition(lease.lease_id, lease.expires_at, slots)
+            keys = tuple([node.key for node in kept])
+            offsets = tuple([node.host_offset for node in kept])
+            return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
 
     def note_misses(self, ns_id: str, blocks: int) -> None:
         """Count ``blocks`` asked for and not found, for a caller that read only the
@@ -808,24 +837,51 @@ class Store:
         return LookupResult(ready, host, ready - host, pending)
 
     # --- pinned reads -----------------------------------------------------------
+    @overload
     def _pin_prefix(
         self, entry: NamespaceEntry, keys: Sequence[BlockKey], promote_all: bool
-    ) -> tuple[list[Node], dict[int, int]]:
+    ) -> tuple[list[Node], dict[int, int]]: ...
+
+    @overload
+    def _pin_prefix(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        promote_all: bool,
+        host_only: bool,
+    ) -> tuple[list[Node], dict[int, int]] | None: ...
+
+    def _pin_prefix(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        promote_all: bool,
+        host_only: bool = False,
+    ) -> tuple[list[Node], dict[int, int]] | None:
         """Pin the ready prefix and reserve host slots for its disk-only blocks.
 
         Returns the pinned nodes and {position: fresh host offset} for blocks to promote.
         With ``promote_all`` the prefix is cut at the first block that gets no slot
         (acquire needs every block in host); otherwise that block is read from disk.
+        With ``host_only``, None (nothing pinned) when a block is not in the host tier.
         """
         with self._lock:
             self._check_open()
             self._expire()
             nodes: list[Node] = []
+            all_host = True
             for node in self._index.walk(keys):
-                if not node.ready:
+                if node.state != READY:
                     break
                 node.pins += 1
                 nodes.append(node)
+                all_host = all_host and node.host_offset >= 0
+            if all_host:
+                return nodes, {}
+            if host_only:
+                for node in nodes:
+                    node.pins -= 1
+                return None
             fresh: dict[int, int] = {}
             for i, node in enumerate(nodes):
                 if node.in_host:
@@ -867,13 +923,36 @@ class Store:
         return len(nodes)
 
     def _fill_promotions(self, nodes: list[Node], fresh: dict[int, int]) -> int:
-        """Read disk-only blocks into their fresh host slots (no lock held)."""
-        for i in sorted(fresh):
-            assert self._disk is not None
+        """Read disk-only blocks into their fresh host slots (no lock held); the number
+        of leading ``nodes`` that are good.
+
+        A disk read is a pread and a checksum pass, both without the GIL: promotions
+        of ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once."""
+        disk = self._disk
+        todo = sorted(fresh)
+
+        def fill(i: int) -> bool:
+            assert disk is not None
             slot = self._arena.view(fresh[i], nodes[i].size)
-            if self._disk.read(nodes[i].key, out=slot) is None:
+            return disk.read(nodes[i].key, out=slot) is not None
+
+        if len(todo) > 1 and sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES:
+            for i, good in zip(todo, self._promote_pool().map(fill, todo), strict=True):
+                if not good:
+                    return i
+            return len(nodes)
+        for i in todo:
+            if not fill(i):
                 return i
         return len(nodes)
+
+    def _promote_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._promoters is None:
+                self._promoters = ThreadPoolExecutor(
+                    PROMOTE_THREADS, thread_name_prefix="kvstore-promote"
+                )
+            return self._promoters
 
     def _finish_pinned(
         self,
@@ -887,6 +966,9 @@ class Store:
     ) -> None:
         """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits of the
         blocks the caller asked for (``start`` on), unpin."""
+        if not fresh and ok == len(nodes) and keep_pins:
+            self._finish_host_hits(entry, len(keys), nodes)
+            return
         with self._lock:
             host_hits = sum(1 for node in nodes[start:ok] if node.in_host)
             for i, offset in fresh.items():
@@ -917,6 +999,26 @@ class Store:
             for node in nodes[:ok]:
                 node.hits += 1
             self._touch([node for node in nodes[:ok] if self._index.get(node.key) is node])
+
+    def _finish_host_hits(self, entry: NamespaceEntry, wanted: int, nodes: list[Node]) -> None:
+        """_finish_pinned of an acquire whose whole prefix was in the host tier (the hot
+        path: no promotion to publish, every pin kept for the lease)."""
+        with self._lock:
+            served = len(nodes)
+            c = self._c
+            c.host_hits += served
+            c.host_misses += wanted - served
+            c.disk_misses += wanted - served
+            c.host_bytes_out += served * entry.spec.block_bytes
+            entry.hits += served
+            entry.misses += wanted - served
+            for node in nodes:
+                node.hits += 1
+            # blocks deleted while pinned are not touched: the chain ends before them
+            end = len(nodes)
+            while end and self._index.get(nodes[end - 1].key) is not nodes[end - 1]:
+                end -= 1
+            self._touch(nodes[:end])
 
     def _promote_now(self, node: Node) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.
@@ -1104,14 +1206,18 @@ class Store:
         if not named:
             return
         now = self._wall()
-        nodes: Iterable[Node] = named
-        if self._host_policy.touch_prefix:
-            nodes = itertools.chain((named[-1],), named[-1].ancestors())
-        used = [node for node in nodes if node.ready]
+        last = named[-1]
+        if not self._host_policy.touch_prefix:
+            used = [node for node in named if node.ready]
+        elif named[0].parent is None and last.state == READY:
+            used = named[::-1]  # the whole prefix, leaf first (a ready block's parents are)
+        else:
+            used = [node for node in itertools.chain((last,), last.ancestors()) if node.ready]
         for node in used:
             node.last_access = now
         self._host_policy.touch_all(used)
-        self._disk_policy.touch_all(used)
+        if self._disk is not None:
+            self._disk_policy.touch_all(used)
 
     # --- eviction -------------------------------------------------------------------
     def _alloc_host(self, size: int) -> int | None:
@@ -1171,11 +1277,15 @@ class Store:
         if disk is None or node.on_disk or not self._admit(node):
             return False
         chain = [node]
+        # the nearest ancestor already on disk is pinned too: it is a disk leaf until
+        # the chain lands under it, and making room must not evict it first
+        held = [node]
         for ancestor in node.ancestors():
+            held.append(ancestor)
             if ancestor.on_disk:
                 break
             chain.append(ancestor)
-        for pinned in chain:
+        for pinned in held:
             pinned.pins += 1
         try:
             for block in reversed(chain):  # parents first
@@ -1188,7 +1298,7 @@ class Store:
                 self._queue_disk_write(disk, block)
             return True
         finally:
-            for pinned in chain:
+            for pinned in held:
                 pinned.pins -= 1
 
     def _queue_disk_write(self, disk: DiskTier, node: Node) -> None:

@@ -67,3 +67,43 @@ def test_plain_lru_ignores_priority() -> None:
         policy.insert(n)
     assert names(policy) == ["a", "b"]  # type: ignore[arg-type]
     assert not policy.leaf_first and not policy.touch_prefix
+
+
+def test_touch_all_orders_like_one_touch_per_node() -> None:
+    """touch_all moves a run in one piece, or falls back to node by node: either way the
+    order is what touching each node in turn gives (random lists, runs and non-runs)."""
+    import random
+
+    rng = random.Random(7)
+    for cls in (PriorityLRU, PlainLRU):
+        for _ in range(300):
+            size = rng.randint(1, 12)
+            fast, slow = cls("host"), cls("host")
+            fast_nodes = [node(f"n{i}", rng.choice((10, 35, 35))) for i in range(size)]
+            slow_nodes = [node(f"n{i}", n.priority) for i, n in enumerate(fast_nodes)]
+            for a, b in zip(fast_nodes, slow_nodes, strict=True):
+                fast.insert(a)
+                slow.insert(b)
+            for _ in range(4):
+                if rng.random() < 0.5:  # a run of the current order, as a chain touch makes
+                    order = [n.key for n in fast.candidates()]
+                    lo = rng.randrange(size)
+                    picked = order[lo : rng.randint(lo + 1, size)]
+                else:
+                    picked = [n.key for n in rng.sample(fast_nodes, rng.randint(1, size))]
+                by_key_fast = {n.key: n for n in fast_nodes}
+                by_key_slow = {n.key: n for n in slow_nodes}
+                fast.touch_all([by_key_fast[k] for k in picked])
+                for k in picked:
+                    slow.touch(by_key_slow[k])
+                assert names(fast) == names(slow)
+                # the links agree with the order both ways
+                lists = getattr(fast, "_lists", None) or [fast._list]
+                for lst in lists:
+                    backward, n = [], lst.tail
+                    while n is not None:
+                        backward.append(n)
+                        n = n.host_prev
+                    assert backward[::-1] == list(lst.oldest_first())
+                    assert lst.size == len(backward)
+                    assert (lst.head is None) == (lst.tail is None)

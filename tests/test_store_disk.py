@@ -174,3 +174,31 @@ def test_demoted_parent_keeps_disk_children_usable(tmp_path: Path, admission: st
             s.verify_invariants()
         n, data = s.read(ns, keys)
         assert n == 3 and bytes(data) == b"".join(payload(i) for i in range(3))
+
+
+
+def test_making_disk_room_never_evicts_the_parent_of_the_block_being_written(
+    tmp_path: Path,
+) -> None:
+    """Found by the state machine (these are its steps): an acquire promotes a chain
+    that is on disk only, which demotes host leaves onto a full disk tier. Making room
+    for a demoted block must not evict its parent, the only evictable disk leaf left:
+    the block would sit on disk with no parent there. The parent is held meanwhile."""
+    block = 512
+    store = Store(
+        StoreConfig(
+            host_bytes=8 * block,
+            disk_dir=str(tmp_path / "lmdb"),
+            disk_bytes=6 * 8192,  # 6 blocks: a 512-byte block is accounted as 2 pages
+            shared_arena=False,
+        )
+    )
+    ns = store.open_namespace(NamespaceSpec("m", block_tokens=2, block_bytes=block)).ns_id
+    for tokens in ([0, 0], [1, 0, 1, 2, 1, 2], [0] * 10, [0, 1, 0, 0, 0]):
+        keys = store.keys_for(ns, tokens)
+        store.put(ns, keys, [bytes([len(tokens)]) * block for _ in keys])
+        store.verify_invariants()
+    got = store.acquire(ns, store.keys_for(ns, [1, 0, 1, 2, 1, 2]))
+    assert len(got.offsets) == 3
+    store.verify_invariants()
+    store.close()

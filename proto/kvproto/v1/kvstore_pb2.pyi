@@ -226,34 +226,38 @@ class Slot(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s", "release_lease_ids")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s", "release_lease_ids", "compact_slots")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     max_blocks: int
     ttl_s: float
     release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    compact_slots: bool
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., compact_slots: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path")
+    __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path", "slot_offsets")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     READY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     expires_in_s: float
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
     ready_tokens: int
     arena_path: str
-    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ...) -> None: ...
+    slot_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ..., slot_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id", "more_lease_ids")
@@ -304,7 +308,7 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority", "compact_slots")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +316,7 @@ class ReserveRequest(_message.Message):
     N_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    COMPACT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -319,10 +324,11 @@ class ReserveRequest(_message.Message):
     n_blocks: int
     ttl_s: float
     priority: int
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+    compact_slots: bool
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., compact_slots: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused", "arena_path", "out_of_space")
+    __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused", "arena_path", "out_of_space", "slot_indices", "slot_offsets")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +336,8 @@ class ReserveResponse(_message.Message):
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     OUT_OF_SPACE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_INDICES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     expires_in_s: float
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -337,7 +345,9 @@ class ReserveResponse(_message.Message):
     refused: int
     arena_path: str
     out_of_space: bool
-    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ..., arena_path: _Optional[str] = ..., out_of_space: _Optional[bool] = ...) -> None: ...
+    slot_indices: _containers.RepeatedScalarFieldContainer[int]
+    slot_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ..., arena_path: _Optional[str] = ..., out_of_space: _Optional[bool] = ..., slot_indices: _Optional[_Iterable[int]] = ..., slot_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "count")
