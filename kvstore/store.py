@@ -826,11 +826,12 @@ class Store:
     def _lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
         walk = self._index.walk(keys)
         ready = host = 0
-        for node in walk:
-            if not node.ready:
+        for node in walk:  # attributes, not the properties: this runs per block per call
+            if node.state != READY:
                 break
             ready += 1
-            host += node.in_host
+            if node.host_offset >= 0:
+                host += 1
         pending = tuple(
             node.key for node in itertools.takewhile(lambda n: not n.ready, walk[ready:])
         )
@@ -936,15 +937,24 @@ class Store:
             slot = self._arena.view(fresh[i], nodes[i].size)
             return disk.read(nodes[i].key, out=slot) is not None
 
-        if len(todo) > 1 and sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES:
-            for i, good in zip(todo, self._promote_pool().map(fill, todo), strict=True):
-                if not good:
+        def fill_all(part: list[int]) -> int | None:
+            """The first block of ``part`` that failed, or None."""
+            for i in part:
+                if not fill(i):
                     return i
-            return len(nodes)
-        for i in todo:
-            if not fill(i):
-                return i
-        return len(nodes)
+            return None
+
+        if len(todo) > 1 and sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES:
+            # one share per thread (a hand-off per block would cost more than it saves)
+            share = -(-len(todo) // PROMOTE_THREADS)
+            parts = [todo[k : k + share] for k in range(0, len(todo), share)]
+            pool = self._promote_pool()
+            futures = [pool.submit(fill_all, part) for part in parts[1:]]
+            failed = [fill_all(parts[0])] + [f.result() for f in futures]
+            bad = [i for i in failed if i is not None]
+            return min(bad) if bad else len(nodes)
+        first_bad = fill_all(todo)
+        return len(nodes) if first_bad is None else first_bad
 
     def _promote_pool(self) -> ThreadPoolExecutor:
         with self._lock:
