@@ -279,6 +279,9 @@ KEYS: tuple[Key, ...] = (
         "directory of the shared arena file; default /dev/shm"),
     Key("shared_arena", "bool", parse_bool, True,
         "false: anonymous arena memory (no zero-copy clients)"),
+    Key("prefault_arena", "bool", parse_bool, True,
+        "fault the arena's pages in on a background thread after start-up, so first "
+        "puts run at copy speed (commits the memory up front); false: on first use"),
     Key("persist_on_close", "bool", parse_bool, True,
         "on shutdown, write host-only blocks to disk"),
     Key("event_buffer", "int", parse_int, 65536, "events kept for WatchEvents", _at_least(16)),
@@ -319,6 +322,7 @@ class DaemonConfig:
     max_transfer_bytes: int
     arena_dir: str
     shared_arena: bool
+    prefault_arena: bool
     persist_on_close: bool
     event_buffer: int
     workers: int
@@ -348,6 +352,7 @@ class DaemonConfig:
             max_blocks_per_request=self.max_blocks_per_request,
             arena_dir=self.arena_dir or None,
             shared_arena=self.shared_arena,
+            prefault_arena=self.prefault_arena,
             persist_on_close=self.persist_on_close,
             event_buffer=self.event_buffer,
         )

@@ -90,6 +90,7 @@ class StoreConfig:
     persist_on_close: bool = True  # close() writes host-only blocks to disk first
     event_buffer: int = 65536
     eviction_policy: str = "priority-lru"  # priority-lru | plain-lru (baseline only)
+    prefault_arena: bool = False  # fault the arena's pages in on a background thread
 
     def validate(self) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -195,6 +196,7 @@ class Store:
             directory=config.arena_dir,
             shared=config.shared_arena,
             pin=pin,
+            prefault=config.prefault_arena,
         )
         self._disk: DiskTier | None = None
         try:

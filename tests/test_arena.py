@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -494,3 +495,27 @@ def test_own_pid_region_not_created_here_is_stale(tmp_path: Path) -> None:
         with HostArena(1 << 16, directory=str(tmp_path)) as second:
             assert first.path and os.path.exists(first.path)
             assert second.path and os.path.exists(second.path)
+
+
+def test_prefault_populates_the_arena_in_the_background_and_stops_on_close(
+    tmp_path: Path,
+) -> None:
+    """tmpfs allocates a file's pages when they are faulted in: its block count shows
+    how much of the arena is populated."""
+    lazy = HostArena(16 << 20, directory=str(tmp_path))
+    assert lazy.path is not None and os.stat(lazy.path).st_blocks == 0
+    lazy.close()
+    arena = HostArena(64 << 20, directory=str(tmp_path), prefault=True)
+    assert arena.path is not None
+    deadline = time.monotonic() + 30
+    while os.stat(arena.path).st_blocks * 512 < arena.capacity_bytes:
+        if time.monotonic() > deadline:
+            pytest.skip("MADV_POPULATE_WRITE unsupported here: the arena stays lazy")
+        time.sleep(0.05)
+    arena.close()
+    # a big arena closed at once: close stops the thread within a chunk
+    big = HostArena(1 << 30, directory=str(tmp_path), prefault=True)
+    started = time.monotonic()
+    big.close()
+    assert time.monotonic() - started < 5
+    assert not os.listdir(tmp_path)
