@@ -39,7 +39,6 @@ from kvclient.errors import (
     InvalidArgumentError,
     KVStoreError,
     error_from_rpc,
-    error_from_status,
 )
 from kvclient.local_calls import (
     AsyncLocalCalls,
@@ -156,9 +155,7 @@ class AsyncKVClient:
                 try:
                     return await local.call(name, request, self.timeout)
                 except LocalCallStatus as exc:
-                    raise self._checked(
-                        error_from_status(exc.code, exc.details, exc.kind, self.addr)
-                    ) from None
+                    raise self._checked(exc.error(self.addr)) from None
                 except LocalCallFailed as exc:
                     self._local_failed(local, exc)  # raises unless gRPC may take the call
         return await self._call_grpc(method, request)

@@ -24,7 +24,12 @@ from typing import Any
 
 import grpc
 
-from kvclient.errors import DaemonUnavailableError, RequestTimeoutError
+from kvclient.errors import (
+    DaemonUnavailableError,
+    KVStoreError,
+    RequestTimeoutError,
+    error_from_status,
+)
 from kvproto.v1 import local_calls as frames
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -38,6 +43,10 @@ class LocalCallStatus(Exception):
         self.code = code
         self.details = details
         self.kind = kind
+
+    def error(self, addr: str) -> KVStoreError:
+        """The client error gRPC would have raised for the same answer."""
+        return error_from_status(self.code, self.details, self.kind, addr)
 
 
 class LocalCallFailed(Exception):

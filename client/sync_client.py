@@ -47,7 +47,6 @@ from kvclient.errors import (
     InvalidArgumentError,
     KVStoreError,
     error_from_rpc,
-    error_from_status,
 )
 from kvclient.local_calls import LocalCallFailed, LocalCalls, LocalCallStatus, raise_local_failure
 from kvclient.payloads import (
@@ -164,9 +163,7 @@ class KVClient:
                 try:
                     return local.call(name, request, self.timeout)
                 except LocalCallStatus as exc:
-                    raise self._checked(
-                        error_from_status(exc.code, exc.details, exc.kind, self.addr)
-                    ) from None
+                    raise self._checked(exc.error(self.addr)) from None
                 except LocalCallFailed as exc:
                     self._local_failed(local, exc)  # raises unless gRPC may take the call
         return self._call_grpc(method, request)
