@@ -159,6 +159,7 @@ def collect_status(client: KVClient) -> JSONDict:
         "uptime_s": stats.uptime_s or info.uptime_s,
         "arena_path": info.arena_path,
         "arena_bytes": info.arena_bytes,
+        "local_socket": info.local_socket,
         "tiers": [tier_dict(t) for t in stats.tiers],
         "namespaces": [namespace_dict(ns) for ns in stats.namespaces],
         "pending_blocks": stats.pending_blocks,

@@ -140,13 +140,22 @@ def _error(code: grpc.StatusCode, kind: str, message: str) -> bytes:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: frames in, handled in order, answers out."""
+    """One client connection: frames in, handled in order, answers out.
+
+    Flow control: calls are handled one at a time, so a client that sends faster than
+    it is answered fills ``_buffer``; reading pauses while it holds more than two of
+    the largest frames. A client that does not read its answers fills the transport's
+    write buffer; asyncio then calls ``pause_writing`` and no further call starts
+    until ``resume_writing``. Either way the daemon's memory per connection is bounded.
+    """
 
     def __init__(self, server: LocalCallServer) -> None:
         self._server = server
         self._buffer = bytearray()
         self._transport: asyncio.Transport | None = None
         self._task: asyncio.Task[None] | None = None  # the call being handled
+        self._reading = True
+        self._writable = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -163,13 +172,30 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
+        if self._reading and len(self._buffer) > 2 * self._server.max_frame_bytes:
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._reading = False
+        if self._task is None:
+            self._next()
+
+    def pause_writing(self) -> None:
+        self._writable = False
+
+    def resume_writing(self) -> None:
+        self._writable = True
         if self._task is None:
             self._next()
 
     def _next(self) -> None:
         """Start the next complete call in the buffer, if any."""
         buffer = self._buffer
-        if len(buffer) < frames.HEADER.size or self._transport is None:
+        if self._transport is None or not self._writable:
+            return
+        if not self._reading and len(buffer) <= self._server.max_frame_bytes:
+            self._transport.resume_reading()
+            self._reading = True
+        if len(buffer) < frames.HEADER.size:
             return
         body_len, name_len = frames.HEADER.unpack_from(buffer)
         if not 0 < name_len <= frames.MAX_NAME_BYTES or body_len > self._server.max_frame_bytes:

@@ -211,3 +211,24 @@ def test_async_client_uses_local_calls(daemon: Daemon) -> None:
             assert {r.blocks for r in lookups} == {3}
 
     asyncio.run(run())
+
+
+def test_a_client_that_does_not_read_its_answers_is_paused_not_buffered(daemon: Daemon) -> None:
+    """Thousands of calls sent without reading: the daemon stops taking calls from that
+    connection while its answers are not read, serves other clients meanwhile, and
+    answers every call in order once the client reads."""
+    calls = 5000
+    frame = frames.request_frame(b"ServerInfo", b"")
+    path = local_path(daemon)
+    with connect(path) as greedy:
+        greedy.sendall(frame * calls)
+        with KVClient(daemon.addr) as other:  # not starved meanwhile
+            ns = other.namespace("local-flow", 4, BLOCK_BYTES)
+            ns.put(list(range(4)), np.ones((1, BLOCK_BYTES), np.uint8))
+            assert other._local is not None and ns.lookup(list(range(4))).blocks == 1
+        for _ in range(calls):
+            header = greedy.recv(frames.HEADER.size, socket.MSG_WAITALL)
+            body_len, status = frames.HEADER.unpack(header)
+            assert status == frames.OK
+            info = pb.ServerInfoResponse.FromString(greedy.recv(body_len, socket.MSG_WAITALL))
+            assert info.local_socket == path
