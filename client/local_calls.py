@@ -18,6 +18,7 @@ of a failed call is closed, never reused.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 from typing import Any
@@ -87,13 +88,16 @@ def _response(status: int, body: bytes, name: str) -> Any:
 
 
 class LocalCalls:
-    """Blocking local calls to one daemon socket. Thread-safe."""
+    """Blocking local calls to one daemon socket. Thread-safe, and safe across fork:
+    a child process never uses its parent's connections (their answers would be read
+    by whichever process reads first); it opens its own."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
 
     def call(self, name: str, request: Any, timeout: float) -> Any:
         """``name``'s response to ``request``, or LocalCallStatus / LocalCallFailed."""
@@ -120,6 +124,10 @@ class LocalCalls:
 
     def _take(self, timeout: float) -> socket.socket:
         with self._lock:
+            if self._pid != os.getpid():  # forked: the idle sockets are the parent's
+                for inherited in self._idle:
+                    inherited.close()  # our copy of the fd only: the parent keeps its own
+                self._idle, self._pid = [], os.getpid()
             if self._idle:
                 return self._idle.pop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -232,3 +232,27 @@ def test_calls_sent_ahead_of_their_answers_are_all_answered_in_order(daemon: Dae
             assert status == frames.OK
             info = pb.ServerInfoResponse.FromString(greedy.recv(body_len, socket.MSG_WAITALL))
             assert info.local_socket == path
+
+
+def test_a_forked_child_opens_its_own_connections(daemon: Daemon) -> None:
+    """After fork the parent's idle local-call connections stay the parent's: parent and
+    child call at the same time and each reads its own answers."""
+    tokens = list(range(40))
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("local-fork", 4, BLOCK_BYTES)
+        ns.put(tokens, np.ones((10, BLOCK_BYTES), np.uint8))
+        assert client._local is not None and ns.lookup(tokens).blocks == 10
+        pid = os.fork()
+        if pid == 0:  # the child: local calls only (no gRPC across fork)
+            code = 0
+            try:
+                for i in range(200):
+                    if ns.lookup(tokens[: 4 * (1 + i % 10)]).blocks != 1 + i % 10:
+                        code = 1
+            except BaseException:
+                code = 2
+            os._exit(code)
+        for i in range(200):
+            assert ns.lookup(tokens[: 4 * (1 + (i + 5) % 10)]).blocks == 1 + (i + 5) % 10
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
