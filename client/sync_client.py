@@ -196,7 +196,8 @@ class KVClient:
             if not self._done:
                 self._done_since = time.monotonic()
             self._done.append(lease_id)
-            if self._flusher is None and not self._closed:
+            # not alive: never started, or started in the parent before a fork
+            if (self._flusher is None or not self._flusher.is_alive()) and not self._closed:
                 self._flusher = threading.Thread(
                     target=self._flush_loop, name="kvclient-release", daemon=True
                 )
