@@ -191,7 +191,8 @@ def render(results: list[Result], baseline: float, total: int, base: str, repeat
         "- tier settings: defaults (`sync=True, metasync=False`, `writemap=False`, "
         "queue 256 MiB, batches of up to 64 MiB, readahead on)",
         f"- device baseline (sequential 1 MiB writes + one fdatasync): **{baseline:.2f} GB/s**",
-        f"- malloc settings: {malloc_env() or 'glibc defaults'}",
+        f"- malloc settings: {malloc_env() or 'glibc defaults in the environment'}; "
+        "the tier sets its own thresholds (`_tune_malloc`, below)",
         "",
         "| payload | blocks | accept (write() returns) | write-back (until flushed + synced) "
         "| warm read into `out` | warm read as `bytes` | cold read, readahead on "
