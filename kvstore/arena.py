@@ -196,10 +196,20 @@ class _Prefaulter:
                 return
             length = min(PREFAULT_CHUNK, size - offset)
             if _madvise(base + offset, length, MADV_POPULATE_WRITE) != 0:
-                log.info(
-                    "arena %s: not prefaulted (%s); pages fault in on first use",
-                    label, os.strerror(ctypes.get_errno()),
-                )
+                err = ctypes.get_errno()
+                if err == errno.EFAULT:  # a page could not be allocated: SIGBUS territory
+                    log.warning(
+                        "arena %s: only %d of %d MiB could be faulted in: its file system "
+                        "holds less than the arena (a container's /dev/shm is often "
+                        "64 MiB); set arena_dir to a larger tmpfs or lower host_bytes, "
+                        "or the daemon will crash writing past that point",
+                        label, offset >> 20, size >> 20,
+                    )
+                else:
+                    log.info(
+                        "arena %s: not prefaulted (%s); pages fault in on first use",
+                        label, os.strerror(err),
+                    )
                 return
         log.info(
             "arena %s: %d MiB prefaulted in %.1f s",
