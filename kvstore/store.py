@@ -345,7 +345,9 @@ class Store:
                     f"({wanted} blocks x {size}), got {out.nbytes}"
                     + (" (read-only)" if out.readonly else "")
                 )
-        nodes, fresh = self._pin_prefix(entry, keys, promote_all=False)
+        pinned = self._pin_prefix(entry, keys, promote_all=False)
+        assert pinned is not None  # None only for host_only
+        nodes, fresh = pinned
         if out is None:
             out = memoryview(bytearray(max(len(nodes) - start, 0) * size))
         ok = len(nodes)
@@ -840,20 +842,6 @@ class Store:
         return LookupResult(ready, host, ready - host, pending)
 
     # --- pinned reads -----------------------------------------------------------
-    @overload
-    def _pin_prefix(
-        self, entry: NamespaceEntry, keys: Sequence[BlockKey], promote_all: bool
-    ) -> tuple[list[Node], dict[int, int]]: ...
-
-    @overload
-    def _pin_prefix(
-        self,
-        entry: NamespaceEntry,
-        keys: Sequence[BlockKey],
-        promote_all: bool,
-        host_only: bool,
-    ) -> tuple[list[Node], dict[int, int]] | None: ...
-
     def _pin_prefix(
         self,
         entry: NamespaceEntry,
@@ -978,21 +966,19 @@ class Store:
     ) -> None:
         """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits of the
         blocks the caller asked for (``start`` on), unpin."""
-        if not fresh and ok == len(nodes) and keep_pins:
-            self._finish_host_hits(entry, len(keys), nodes)
-            return
         with self._lock:
-            host_hits = sum(1 for node in nodes[start:ok] if node.in_host)
+            host_hits = sum(1 for node in nodes[start:ok] if node.host_offset >= 0)
+            promoted = 0  # served blocks read into a fresh slot (the rest came from host)
             for i, offset in fresh.items():
                 node = nodes[i]
+                if start <= i < ok and not node.in_host:
+                    promoted += 1
                 if i < ok and not node.in_host and not self._closed:
                     self._publish_promotion(node, offset)
                 else:
                     self._arena.free(offset)
-            for i in range(len(nodes)):
-                if keep_pins and i < ok:
-                    continue
-                nodes[i].pins -= 1
+            for node in nodes[ok:] if keep_pins else nodes:
+                node.pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
                 self._lost_on_disk(nodes[ok])
             wanted = len(keys) - start
@@ -1004,30 +990,15 @@ class Store:
             c.disk_hits += disk_hits
             c.disk_misses += wanted - served
             c.host_bytes_out += host_hits * entry.spec.block_bytes
-            direct = sum(1 for i in range(start, ok) if i not in fresh and not nodes[i].in_host)
+            direct = served - host_hits - promoted  # read from disk without promoting
             c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
             entry.hits += served
             entry.misses += wanted - served
             for node in nodes[:ok]:
                 node.hits += 1
-            self._touch([node for node in nodes[:ok] if self._index.get(node.key) is node])
-
-    def _finish_host_hits(self, entry: NamespaceEntry, wanted: int, nodes: list[Node]) -> None:
-        """_finish_pinned of an acquire whose whole prefix was in the host tier (the hot
-        path: no promotion to publish, every pin kept for the lease)."""
-        with self._lock:
-            served = len(nodes)
-            c = self._c
-            c.host_hits += served
-            c.host_misses += wanted - served
-            c.disk_misses += wanted - served
-            c.host_bytes_out += served * entry.spec.block_bytes
-            entry.hits += served
-            entry.misses += wanted - served
-            for node in nodes:
-                node.hits += 1
-            # blocks deleted while pinned are not touched: the chain ends before them
-            end = len(nodes)
+            # blocks deleted while pinned are not touched: their subtrees went with them,
+            # so the still indexed ones are a prefix of the chain
+            end = ok
             while end and self._index.get(nodes[end - 1].key) is not nodes[end - 1]:
                 end -= 1
             self._touch(nodes[:end])
