@@ -152,31 +152,33 @@ def _attrs(tier: str) -> tuple[str, str, str]:
     return f"{tier}_prev", f"{tier}_next", f"{tier}_list"
 
 
-class PriorityLRU:
-    leaf_first = True
-    touch_prefix = True
+class _ListPolicy:
+    """What both policies share: each block in one LruList of the tier, found through
+    the node's ``<tier>_list`` link; a subclass says which list a block belongs in."""
 
     def __init__(self, tier: str) -> None:
         self._owner = _attrs(tier)[2]
-        self._lists = [LruList(*_attrs(tier)) for _ in range(MAX_PRIORITY + 1)]
+
+    def _list_of(self, node: Node) -> LruList:
+        raise NotImplementedError
 
     def __contains__(self, node: Node) -> bool:
         return getattr(node, self._owner) is not None
 
     def insert(self, node: Node) -> None:
-        self._lists[node.priority].push_newest(node)
+        self._list_of(node).push_newest(node)
 
     def touch(self, node: Node) -> None:
         lst: LruList = getattr(node, self._owner)
         lst.remove(node)
-        self._lists[node.priority].push_newest(node)
+        self._list_of(node).push_newest(node)
 
     def touch_all(self, nodes: Sequence[Node]) -> None:
         """Touch the listed ``nodes`` in order (each ends newer than the one before).
 
         A prefix read again is usually one run of its list, in that order (it was
         touched as a unit): it moves to the newest end in one piece."""
-        if nodes and self._lists[nodes[0].priority].move_run_to_newest(nodes):
+        if nodes and self._list_of(nodes[0]).move_run_to_newest(nodes):
             return
         owner = self._owner
         for node in nodes:
@@ -186,6 +188,18 @@ class PriorityLRU:
     def remove(self, node: Node) -> None:
         lst: LruList = getattr(node, self._owner)
         lst.remove(node)
+
+
+class PriorityLRU(_ListPolicy):
+    leaf_first = True
+    touch_prefix = True
+
+    def __init__(self, tier: str) -> None:
+        super().__init__(tier)
+        self._lists = [LruList(*_attrs(tier)) for _ in range(MAX_PRIORITY + 1)]
+
+    def _list_of(self, node: Node) -> LruList:
+        return self._lists[node.priority]
 
     def reprioritize(self, node: Node) -> None:
         lst: LruList = getattr(node, self._owner)
@@ -198,34 +212,16 @@ class PriorityLRU:
                 yield from lst.oldest_first()
 
 
-class PlainLRU:
+class PlainLRU(_ListPolicy):
     leaf_first = False
     touch_prefix = False
 
     def __init__(self, tier: str) -> None:
-        self._owner = _attrs(tier)[2]
+        super().__init__(tier)
         self._list = LruList(*_attrs(tier))
 
-    def __contains__(self, node: Node) -> bool:
-        return getattr(node, self._owner) is not None
-
-    def insert(self, node: Node) -> None:
-        self._list.push_newest(node)
-
-    def touch(self, node: Node) -> None:
-        self._list.remove(node)
-        self._list.push_newest(node)
-
-    def touch_all(self, nodes: Sequence[Node]) -> None:
-        if nodes and self._list.move_run_to_newest(nodes):
-            return
-        owner = self._owner
-        for node in nodes:
-            if getattr(node, owner) is not None:
-                self.touch(node)
-
-    def remove(self, node: Node) -> None:
-        self._list.remove(node)
+    def _list_of(self, node: Node) -> LruList:
+        return self._list
 
     def reprioritize(self, node: Node) -> None:
         """Plain LRU ignores priorities."""
