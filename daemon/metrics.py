@@ -198,6 +198,15 @@ def _store_families(stats: StoreStats) -> Iterator[Metric]:
 # --- RPCs ------------------------------------------------------------------------------
 
 
+# the four kinds of gRPC method handler and how to build each around a new behaviour
+_HANDLER_KINDS: tuple[tuple[str, Callable[..., grpc.RpcMethodHandler]], ...] = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler),
+)
+
+
 class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
     """Times each call: ``kvstore_rpc_duration_seconds`` and ``kvstore_rpc_in_flight``.
 
@@ -231,30 +240,14 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method.lstrip("/")
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap(method, handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap(method, handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                self._wrap(method, handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap(method, handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+        for kind, make in _HANDLER_KINDS:
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return make(
+                    self._wrap(method, behavior),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
         return handler
 
     def _wrap(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
