@@ -159,27 +159,22 @@ class LocalCalls:
 
 def _receive(sock: socket.socket) -> tuple[int, bytes]:
     """One response frame: (status, body). Usually a single recv."""
-    data = sock.recv(1 << 16)
-    while len(data) < frames.HEADER.size:
-        more = sock.recv(1 << 16)
-        if not more:
-            raise ConnectionResetError(0, "the daemon closed the local-call connection")
-        data += more
-    body_len, status = frames.HEADER.unpack_from(data)
-    end = frames.HEADER.size + body_len
-    if len(data) < end:
-        parts = [data]
-        have = len(data)
-        while have < end:
-            more = sock.recv(min(end - have, 1 << 20))
+    data = bytearray()
+    need = frames.HEADER.size
+    status: int | None = None
+    while True:
+        while len(data) < need:
+            more = sock.recv(max(need - len(data), 1 << 16))
             if not more:
                 raise ConnectionResetError(0, "the daemon closed the local-call connection")
-            parts.append(more)
-            have += len(more)
-        data = b"".join(parts)
-    elif len(data) > end:
+            data += more
+        if status is not None:
+            break
+        body_len, status = frames.HEADER.unpack_from(data)
+        need += body_len  # now read the body
+    if len(data) > need:  # one call at a time: nothing may follow its answer
         raise ConnectionResetError(0, "the daemon sent more than one answer")
-    return status, data[frames.HEADER.size : end]
+    return status, bytes(data[frames.HEADER.size :])
 
 
 class AsyncLocalCalls:
