@@ -413,10 +413,10 @@ class HostArena:
         self._mapping = ArenaMapping(region, self.path, writable=True)
         self._pin_view: memoryview | None = None
         self._unpin: Callable[[], None] | None = None
+        self._prefaulter: _Prefaulter | None = None
         if pin is not None:
             self._pin(pin, region)
         self._init_allocator()
-        self._prefaulter: _Prefaulter | None = None
         if prefault:
             self._prefaulter = _Prefaulter(self._mapping.array(), self.path or "(anonymous)")
 
@@ -517,7 +517,7 @@ class HostArena:
         """
         if self._mapping.closed:
             return
-        prefaulter, self._prefaulter = getattr(self, "_prefaulter", None), None
+        prefaulter, self._prefaulter = self._prefaulter, None
         if prefaulter is not None:
             prefaulter.stop()  # at most one chunk: it must not touch an unmapped region
         unpin, self._unpin = self._unpin, None
