@@ -1192,43 +1192,37 @@ def targets(results: Sequence[Result]) -> list[Target]:
         return worst
 
     big = lambda r: r.block_bytes >= 256 * 1024 and r.batch >= 16  # noqa: E731
+
+    def ratio_target(name: str, goal: str, least: float, worst: tuple[float, str] | None) -> None:
+        """A target met when the worst qualifying ratio is at least ``least``."""
+        met = None if worst is None else worst[0] >= least
+        out.append(Target(name, goal, worst[1] if worst else "not measured", met))
+
     for op in ("get", "put"):
-        w = worst_ratio(op, "arena", "host", "memcpy", "get", big)
-        out.append(
-            Target(
-                f"arena {op}, host hit, blocks >= 256 KiB, batch >= 16",
-                ">= 0.7x memcpy",
-                w[1] if w else "not measured",
-                None if w is None else w[0] >= 0.7,
-            )
+        ratio_target(
+            f"arena {op}, host hit, blocks >= 256 KiB, batch >= 16",
+            ">= 0.7x memcpy",
+            0.7,
+            worst_ratio(op, "arena", "host", "memcpy", "get", big),
         )
-    w = worst_ratio("get", "arena", "host", "redis", "get", big)
-    out.append(
-        Target(
-            "arena get, host hit, vs Redis MGET of the same blocks (>= 256 KiB, batch >= 16)",
-            ">= 4x Redis",
-            w[1] if w else "not measured",
-            None if w is None else w[0] >= 4,
-        )
+    ratio_target(
+        "arena get, host hit, vs Redis MGET of the same blocks (>= 256 KiB, batch >= 16)",
+        ">= 4x Redis",
+        4,
+        worst_ratio("get", "arena", "host", "redis", "get", big),
     )
     for op in ("get", "put"):
-        w = worst_ratio(op, "inline", "host", "grpc-raw", op, big)
-        out.append(
-            Target(
-                f"inline {op} vs raw grpc bytes, same size and direction (>= 256 KiB, batch >= 16)",
-                ">= 0.8x grpc raw",
-                w[1] if w else "not measured",
-                None if w is None else w[0] >= 0.8,
-            )
+        ratio_target(
+            f"inline {op} vs raw grpc bytes, same size and direction (>= 256 KiB, batch >= 16)",
+            ">= 0.8x grpc raw",
+            0.8,
+            worst_ratio(op, "inline", "host", "grpc-raw", op, big),
         )
-    w = worst_ratio("get", "arena", "disk-warm", "memcpy", "get", big)
-    out.append(
-        Target(
-            "disk warm hit (arena get), blocks >= 256 KiB, batch >= 16",
-            ">= 0.5x memcpy",
-            w[1] if w else "not measured",
-            None if w is None else w[0] >= 0.5,
-        )
+    ratio_target(
+        "disk warm hit (arena get), blocks >= 256 KiB, batch >= 16",
+        ">= 0.5x memcpy",
+        0.5,
+        worst_ratio("get", "arena", "disk-warm", "memcpy", "get", big),
     )
     wb = _find(results, system="kvstore", op="write-back")
     out.append(
