@@ -60,7 +60,7 @@ from kvclient.errors import (
 )
 from kvclient.payloads import as_tokens, check_cover, check_priority
 from kvclient.results import PutResult
-from kvclient.sync_client import KVClient, Namespace, _abandon_quietly
+from kvclient.sync_client import KVClient, Namespace, commit_filled
 from kvclient.wire import ExtraKeys, extra_bytes, slots
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
@@ -444,28 +444,14 @@ class GpuClient:
         )
         reserved = client._call(client._stub.Reserve, request)
         got = slots(reserved.slots)
-        committed = 0
-        if reserved.lease_id:
-            try:
-                event = _moved(
-                    mover.offload,
-                    kv,
-                    [ids[s.index - start] for s in got],
-                    [s.offset for s in got],
-                    stream,
-                )
-                if event is not None:
-                    event.synchronize()
-                commit = pb.CommitRequest(lease_id=reserved.lease_id)
-                committed = client._call(client._stub.Commit, commit).committed
-            except BaseException:
-                _abandon_quietly(client, reserved.lease_id)
-                raise
-        return PutResult(
-            stored=committed,
-            existing=reserved.existing,
-            refused=reserved.refused + len(got) - committed,
-        )
+
+        def fill() -> None:
+            block_ids = [ids[s.index - start] for s in got]
+            event = _moved(mover.offload, kv, block_ids, [s.offset for s in got], stream)
+            if event is not None:
+                event.synchronize()
+
+        return commit_filled(client, reserved, len(got), fill)
 
     def onboard(
         self,

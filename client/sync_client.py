@@ -612,19 +612,11 @@ class Namespace:
             info, _ = client._refresh()
             return self._put_inline(info, tokens, extra, rows, start, priority)
         slots = wire.slot_table(reserved)
-        committed = 0
-        if reserved.lease_id:
-            try:
-                write_slots(arena.mapping, slots, rows, self.block_bytes, start)
-                commit = pb.CommitRequest(lease_id=reserved.lease_id)
-                committed = client._call(client._stub.Commit, commit).committed
-            except BaseException:
-                _abandon_quietly(client, reserved.lease_id)
-                raise
-        return PutResult(
-            stored=committed,
-            existing=reserved.existing,
-            refused=reserved.refused + len(slots) - committed,
+        return commit_filled(
+            client,
+            reserved,
+            len(slots),
+            lambda: write_slots(arena.mapping, slots, rows, self.block_bytes, start),
         )
 
     def _put_inline(
@@ -770,6 +762,27 @@ class BlockLease(BlockViews):
 
 
 # -- helpers -------------------------------------------------------------------------
+
+
+def commit_filled(
+    client: KVClient, reserved: pb.ReserveResponse, n_slots: int, fill: Callable[[], object]
+) -> PutResult:
+    """The end of an arena put: ``fill`` the ``n_slots`` slots a Reserve answered, then
+    Commit them; Abandon if anything raises (the pending blocks are dropped)."""
+    committed = 0
+    if reserved.lease_id:
+        try:
+            fill()
+            commit = pb.CommitRequest(lease_id=reserved.lease_id)
+            committed = client._call(client._stub.Commit, commit).committed
+        except BaseException:
+            _abandon_quietly(client, reserved.lease_id)
+            raise
+    return PutResult(
+        stored=committed,
+        existing=reserved.existing,
+        refused=reserved.refused + n_slots - committed,
+    )
 
 
 def _abandon_quietly(client: KVClient, lease_id: int) -> None:
