@@ -103,10 +103,14 @@ class Daemon:
 
     # --- process control --------------------------------------------------------------
 
+    def command(self) -> list[str]:
+        """The command line of the next start."""
+        return [sys.executable, "-m", "kvstored", *self.args]
+
     def start(self, timeout: float = START_TIMEOUT_S) -> Daemon:
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstored", *self.args],
+            self.command(),
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,

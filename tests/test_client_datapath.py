@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import mmap
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -171,17 +170,8 @@ class FramedDaemon(Daemon):
         "from kvstored.main import main; sys.exit(main(sys.argv[1:]))"
     )
 
-    def start(self, timeout: float = 30.0) -> Daemon:
-        self._log_file = open(self.log_path, "ab")  # noqa: SIM115 - closed by the fixture
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.LAUNCH, *self.args],
-            stdin=subprocess.DEVNULL,
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-        )
-        self.wait_serving(timeout)
-        return self
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.LAUNCH, *self.args]
 
 
 SETTINGS = {"max_transfer_bytes": "1MiB", "metrics_listen": None}
