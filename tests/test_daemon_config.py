@@ -184,6 +184,8 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         (["--max-message-bytes", "1MiB"], {}, "max_message_bytes"),
         (["--log-level", "loud"], {}, "log_level"),
         (["--shared-arena", "maybe"], {}, "shared_arena"),
+        (["--local-calls", "maybe"], {}, "local_calls"),
+        ([], {"KVSTORED_PREFAULT_ARENA": "sometimes"}, "prefault_arena"),
         ([], {"KVSTORED_DISK_BYTES": "lots"}, "disk_bytes"),
         ([], {"KVSTORED_HOSTBYTES": "1GiB"}, "KVSTORED_HOSTBYTES"),
         (["--lease-ttl-s", "900"], {}, "lease_ttl_s"),  # > max_lease_ttl_s
