@@ -201,11 +201,14 @@ def _copy_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+def parallel_copy(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], one_thread: bool = False
+) -> None:
     """``np.copyto(dst, src)`` for each pair; pairs that together hold at least
-    ``PARALLEL_COPY_BYTES`` are cut into row ranges copied by COPY_THREADS threads."""
+    ``PARALLEL_COPY_BYTES`` are cut into row ranges copied by COPY_THREADS threads,
+    unless ``one_thread`` (a copy that overlaps the daemon's work on another core)."""
     total = sum(dst.nbytes for dst, _ in pairs)
-    if COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
+    if one_thread or COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
         for dst, src in pairs:
             np.copyto(dst, src)
         return
@@ -268,6 +271,7 @@ def read_slots(
     out: np.ndarray,
     block_bytes: int,
     first_index: int = 0,
+    one_thread: bool = False,
 ) -> None:
     """Copy the slot of each chain ``index`` into ``out[index - first_index]``
     (uint8 ``[n, block_bytes]``): one copy per run, no intermediate buffer."""
@@ -278,7 +282,27 @@ def read_slots(
         row = int(table.indices[run.pos]) - first_index
         src = run_view(arena, run, block_bytes, writable=False)
         pairs.append((out[row : row + run.count], src))
-    parallel_copy(pairs)
+    parallel_copy(pairs, one_thread)
+
+
+def read_runs(
+    mapping: ArenaMapping,
+    runs: Sequence[Run],
+    out: np.ndarray,
+    block_bytes: int,
+    first_row: int = 0,
+    one_thread: bool = False,
+) -> None:
+    """Copy the runs of a table whose chain positions are 0, 1, 2 ... (an Acquire
+    answer's) into ``out[first_row + run.pos ...]``: :func:`read_slots` with the runs
+    already known."""
+    arena = mapping.array()
+    pairs = []
+    for run in runs:
+        row = first_row + run.pos
+        src = run_view(arena, run, block_bytes, writable=False)
+        pairs.append((out[row : row + run.count], src))
+    parallel_copy(pairs, one_thread)
 
 
 def slot_views(

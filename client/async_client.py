@@ -66,9 +66,11 @@ from kvclient.results import (
     Stats,
 )
 from kvclient.sync_client import DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
+from kvclient.unpinned_reads import LastSlots, UnpinnedGet, epoch_table
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvproto.v1.local_calls import UNARY_METHODS
+from kvstore.slot_epochs import SlotEpochs
 from kvstored.hostinfo import host_id
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,9 @@ class AsyncKVClient:
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: AsyncLocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}
+        # unpinned gets (kvclient.unpinned_reads): the arena's epoch table, last slots
+        self._epochs: SlotEpochs | None = None
+        self._last_slots = LastSlots()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -144,8 +149,14 @@ class AsyncKVClient:
 
     # -- plumbing -------------------------------------------------------------------
 
-    async def _call(self, method: Callable[..., Awaitable[_Response]], request: Any) -> _Response:
-        """One unary call; every gRPC error becomes a KVStoreError."""
+    async def _call(
+        self,
+        method: Callable[..., Awaitable[_Response]],
+        request: Any,
+        during: Callable[[], None] | None = None,
+    ) -> _Response:
+        """One unary call; every gRPC error becomes a KVStoreError. ``during`` runs on a
+        worker thread while the call is in flight (local calls), else before it."""
         if self._done and method not in self._unordered:
             await self._settle()
         local = self._local
@@ -153,11 +164,13 @@ class AsyncKVClient:
             name = self._local_names.get(method)
             if name is not None:
                 try:
-                    return await local.call(name, request, self.timeout)
+                    return await local.call(name, request, self.timeout, during)
                 except LocalCallStatus as exc:
                     raise self._checked(exc.error(self.addr)) from None
                 except LocalCallFailed as exc:
                     self._local_failed(local, exc)  # raises unless gRPC may take the call
+        if during is not None:
+            await asyncio.to_thread(during)
         return await self._call_grpc(method, request)
 
     async def _call_grpc(
@@ -230,6 +243,8 @@ class AsyncKVClient:
             if arena is not None and info.local_socket:
                 local = AsyncLocalCalls(info.local_socket)
             self._info, self._arena, self._local = info, arena, local
+            self._epochs = epoch_table(arena, info) if arena is not None else None
+            self._last_slots = LastSlots()
         if old is not None:
             old.close()
         if old_local is not None:
@@ -368,13 +383,56 @@ class AsyncNamespace:
         extra_keys: wire.ExtraKeys = (),
         out: np.ndarray | None = None,
     ) -> GetResult:
-        token_list = as_tokens(tokens).tolist()
+        token_array = as_tokens(tokens)
+        token_list = token_array.tolist()
         max_blocks = check_out(out, self.block_bytes)
         _, arena = await self.client._arena_for_data()
         extra = wire.extra_bytes(extra_keys)
-        if arena is not None:
-            return await self._get_arena(arena, token_list, extra, out, max_blocks)
-        return await self._get_inline(token_list, extra, out, max_blocks)
+        if arena is None:
+            return await self._get_inline(token_list, extra, out, max_blocks)
+        epochs = self.client._epochs
+        if epochs is not None:
+            got = await self._get_unpinned(
+                arena, epochs, token_array, token_list, extra, out, max_blocks
+            )
+            if got is not None:
+                return got
+        return await self._get_arena(arena, token_list, extra, out, max_blocks)
+
+    async def _get_unpinned(
+        self,
+        arena: ClientArena,
+        epochs: SlotEpochs,
+        token_array: np.ndarray,
+        tokens: list[int],
+        extra: list[bytes],
+        out: np.ndarray | None,
+        max_blocks: int,
+    ) -> GetResult | None:
+        """See :meth:`kvclient.Namespace._get_unpinned`."""
+        client = self.client
+        last_slots = client._last_slots
+        key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
+        reader = UnpinnedGet(epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks)
+        request = pb.AcquireRequest(
+            ns_id=self.ns_id,
+            tokens=tokens,
+            extra_keys=extra,
+            max_blocks=max_blocks,
+            release_lease_ids=client._take_done(),
+            compact_slots=True,
+            unpinned=True,
+        )
+        answer = await client._call(client._stub.Acquire, request, during=reader.copy_early)
+        if answer.lease_id or arena.names_another_arena(answer.arena_path):
+            # pinned after all (a block was on disk), or from a restarted daemon
+            return await self._read_acquired(arena, answer, tokens, extra, out, max_blocks)
+        done = await asyncio.to_thread(reader.finish, answer)
+        if done is None:
+            return None
+        blocks, slots = done
+        last_slots.remember(key, slots)
+        return GetResult(tokens=len(blocks) * self.block_tokens, blocks=blocks)
 
     async def _get_arena(
         self,
@@ -394,6 +452,19 @@ class AsyncNamespace:
             compact_slots=True,
         )
         acquired = await client._call(client._stub.Acquire, request)
+        return await self._read_acquired(arena, acquired, tokens, extra, out, max_blocks)
+
+    async def _read_acquired(
+        self,
+        arena: ClientArena,
+        acquired: pb.AcquireResponse,
+        tokens: list[int],
+        extra: list[bytes],
+        out: np.ndarray | None,
+        max_blocks: int,
+    ) -> GetResult:
+        """Copy the blocks of a pinned Acquire answer out, then release its lease."""
+        client = self.client
         if arena.names_another_arena(acquired.arena_path):  # the daemon restarted
             if acquired.lease_id:
                 await client._call(

@@ -21,6 +21,7 @@ import asyncio
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -99,8 +100,11 @@ class LocalCalls:
         self._closed = False
         self._pid = os.getpid()
 
-    def call(self, name: str, request: Any, timeout: float) -> Any:
-        """``name``'s response to ``request``, or LocalCallStatus / LocalCallFailed."""
+    def call(
+        self, name: str, request: Any, timeout: float, during: Callable[[], None] | None = None
+    ) -> Any:
+        """``name``'s response to ``request``, or LocalCallStatus / LocalCallFailed.
+        ``during`` runs once the request is sent, before the answer is read."""
         frame = _request(name, request)
         sock = self._take(timeout)
         sent = False
@@ -110,6 +114,12 @@ class LocalCalls:
             # daemon that stopped): then it has not seen the request
             sock.sendall(frame)
             sent = True
+            if during is not None:
+                try:
+                    during()
+                except BaseException:
+                    sock.close()  # its answer is still coming: the connection is spent
+                    raise
             status, body = _receive(sock)
         except TimeoutError:
             sock.close()
@@ -185,7 +195,11 @@ class AsyncLocalCalls:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._closed = False
 
-    async def call(self, name: str, request: Any, timeout: float) -> Any:
+    async def call(
+        self, name: str, request: Any, timeout: float, during: Callable[[], None] | None = None
+    ) -> Any:
+        """Like :meth:`LocalCalls.call`; ``during`` runs on a worker thread while the
+        answer is awaited, and has finished whenever this returns or raises."""
         frame = _request(name, request)
         if self._idle:
             reader, writer = self._idle.pop()
@@ -202,9 +216,14 @@ class AsyncLocalCalls:
         if reader.at_eof() or writer.is_closing():  # the daemon closed an idle connection
             writer.close()
             raise LocalCallFailed("the local-call connection was closed", sent=False)
+        early: asyncio.Future[None] | None = None
         try:
             writer.write(frame)
+            if during is not None:
+                early = asyncio.ensure_future(asyncio.to_thread(during))
             status, body = await asyncio.wait_for(_areceive(reader, writer), timeout)
+            if early is not None:
+                await early  # its error, if any, spends the connection below
         except TimeoutError:
             writer.close()
             raise LocalCallFailed(
@@ -216,6 +235,9 @@ class AsyncLocalCalls:
         except BaseException:  # cancelled mid-call: the answer would confuse the next call
             writer.close()
             raise
+        finally:
+            if early is not None and not early.done():
+                await asyncio.wait([early])  # never leave a copy running into the caller's rows
         if self._closed:
             writer.close()
         else:

@@ -129,6 +129,8 @@ class ServerInfo:
     max_chunk_bytes: int  # largest data chunk of one Put / Get message
     max_transfer_bytes: int  # most block bytes one Put or Get call moves
     local_socket: str = ""  # unix socket of local calls (same host); "" when not offered
+    slot_epochs_offset: int = 0  # where the slot epoch table is in the arena file
+    slot_epochs_count: int = 0  # its counters; 0: no unpinned reads
 
 
 @dataclass(frozen=True, slots=True)

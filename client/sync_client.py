@@ -68,9 +68,11 @@ from kvclient.results import (
     ServerInfo,
     Stats,
 )
+from kvclient.unpinned_reads import LastSlots, UnpinnedGet, epoch_table
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvproto.v1.local_calls import UNARY_METHODS
+from kvstore.slot_epochs import SlotEpochs
 from kvstored.hostinfo import host_id
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,9 @@ class KVClient:
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: LocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}
+        # unpinned gets (kvclient.unpinned_reads): the arena's epoch table, last slots
+        self._epochs: SlotEpochs | None = None
+        self._last_slots = LastSlots()
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -152,8 +157,14 @@ class KVClient:
 
     # -- plumbing -------------------------------------------------------------------
 
-    def _call(self, method: Callable[..., _Response], request: Any) -> _Response:
-        """One unary call; every gRPC error becomes a KVStoreError."""
+    def _call(
+        self,
+        method: Callable[..., _Response],
+        request: Any,
+        during: Callable[[], None] | None = None,
+    ) -> _Response:
+        """One unary call; every gRPC error becomes a KVStoreError. ``during`` runs
+        while the call is in flight (local calls), else before it."""
         if self._done and method not in self._unordered:
             self._settle()
         local = self._local
@@ -161,11 +172,13 @@ class KVClient:
             name = self._local_names.get(method)
             if name is not None:
                 try:
-                    return local.call(name, request, self.timeout)
+                    return local.call(name, request, self.timeout, during)
                 except LocalCallStatus as exc:
                     raise self._checked(exc.error(self.addr)) from None
                 except LocalCallFailed as exc:
                     self._local_failed(local, exc)  # raises unless gRPC may take the call
+        if during is not None:
+            during()
         return self._call_grpc(method, request)
 
     def _call_grpc(self, method: Callable[..., _Response], request: Any) -> _Response:
@@ -270,6 +283,8 @@ class KVClient:
             if arena is not None and info.local_socket:
                 local = LocalCalls(info.local_socket)
             self._info, self._arena, self._local = info, arena, local
+            self._epochs = epoch_table(arena, info) if arena is not None else None
+            self._last_slots = LastSlots()
         if old is not None:
             old.close()
         if old_local is not None:
@@ -415,13 +430,55 @@ class Namespace:
         ``out`` (``uint8[k, block_bytes]``, C-contiguous) is filled instead of a new
         array, and caps the blocks returned at k: reuse it across calls.
         """
-        token_list = as_tokens(tokens).tolist()
+        token_array = as_tokens(tokens)
+        token_list = token_array.tolist()
         max_blocks = check_out(out, self.block_bytes)
         _, arena = self.client._arena_for_data()
         extra = wire.extra_bytes(extra_keys)
-        if arena is not None:
-            return self._get_arena(arena, token_list, extra, out, max_blocks)
-        return self._get_inline(token_list, extra, out, max_blocks)
+        if arena is None:
+            return self._get_inline(token_list, extra, out, max_blocks)
+        epochs = self.client._epochs
+        if epochs is not None:
+            got = self._get_unpinned(arena, epochs, token_array, token_list, extra, out, max_blocks)
+            if got is not None:
+                return got
+        return self._get_arena(arena, token_list, extra, out, max_blocks)
+
+    def _get_unpinned(
+        self,
+        arena: ClientArena,
+        epochs: SlotEpochs,
+        token_array: np.ndarray,
+        tokens: list[int],
+        extra: list[bytes],
+        out: np.ndarray | None,
+        max_blocks: int,
+    ) -> GetResult | None:
+        """A get that pins nothing and copies while its Acquire is in flight (see
+        kvclient.unpinned_reads); None when a slot changed under a copy."""
+        client = self.client
+        last_slots = client._last_slots
+        key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
+        reader = UnpinnedGet(epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks)
+        request = pb.AcquireRequest(
+            ns_id=self.ns_id,
+            tokens=tokens,
+            extra_keys=extra,
+            max_blocks=max_blocks,
+            release_lease_ids=client._take_done(),
+            compact_slots=True,
+            unpinned=True,
+        )
+        answer = client._call(client._stub.Acquire, request, during=reader.copy_early)
+        if answer.lease_id or arena.names_another_arena(answer.arena_path):
+            # pinned after all (a block was on disk), or from a restarted daemon
+            return self._read_acquired(arena, answer, tokens, extra, out, max_blocks)
+        done = reader.finish(answer)
+        if done is None:
+            return None
+        blocks, slots = done
+        last_slots.remember(key, slots)
+        return GetResult(tokens=len(blocks) * self.block_tokens, blocks=blocks)
 
     def _get_arena(
         self,
@@ -441,6 +498,19 @@ class Namespace:
             compact_slots=True,
         )
         acquired = client._call(client._stub.Acquire, request)
+        return self._read_acquired(arena, acquired, tokens, extra, out, max_blocks)
+
+    def _read_acquired(
+        self,
+        arena: ClientArena,
+        acquired: pb.AcquireResponse,
+        tokens: list[int],
+        extra: list[bytes],
+        out: np.ndarray | None,
+        max_blocks: int,
+    ) -> GetResult:
+        """Copy the blocks of a pinned Acquire answer out, then release its lease."""
+        client = self.client
         if arena.names_another_arena(acquired.arena_path):  # the daemon restarted
             if acquired.lease_id:
                 client._call(client._stub.Release, pb.ReleaseRequest(lease_id=acquired.lease_id))

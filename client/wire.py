@@ -118,6 +118,8 @@ def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         max_chunk_bytes=msg.max_chunk_bytes,
         max_transfer_bytes=msg.max_transfer_bytes,
         local_socket=msg.local_socket,
+        slot_epochs_offset=msg.slot_epochs_offset,
+        slot_epochs_count=msg.slot_epochs_count,
     )
 
 

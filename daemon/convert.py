@@ -34,6 +34,7 @@ from kvstore.results import (
     Acquisition,
     Event,
     EventKind,
+    Located,
     LookupResult,
     NamespaceStats,
     PutResult,
@@ -215,6 +216,16 @@ def acquire_response(
         msg.slot_offsets.extend(got.offsets)
     else:
         _add_slots(msg.slots, got.slots)
+    return msg
+
+
+def located_response(got: Located, block_tokens: int, arena_path: str) -> pb.AcquireResponse:
+    """An unpinned Acquire's answer: no lease, the slots and their epochs."""
+    msg = pb.AcquireResponse(
+        ready_tokens=len(got.offsets) * block_tokens, arena_path=arena_path
+    )
+    msg.slot_offsets.extend(got.offsets)
+    msg.slot_epochs.extend(got.epochs.tolist())
     return msg
 
 

@@ -229,6 +229,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfoResponse:
         cfg = self._config
+        arena = self._store.arena
         return pb.ServerInfoResponse(
             version=self._version,
             platform=self._store.platform,
@@ -244,6 +245,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             pid=os.getpid(),
             uptime_s=time.monotonic() - self._started,
             local_socket=self.local_socket,
+            slot_epochs_offset=arena.epochs_offset if arena.path else 0,
+            slot_epochs_count=arena.epochs.count if arena.path else 0,
         )
 
     # --- read side --------------------------------------------------------------------
@@ -380,6 +383,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             if request.max_blocks:
                 keys = keys[: request.max_blocks]
+            if request.unpinned and request.compact_slots:
+                located = self._store.locate(spec.ns_id, keys)
+                if located is not None:
+                    return convert.located_response(
+                        located, spec.block_tokens, self._store.arena_path or ""
+                    )
             got = self._store.acquire(spec.ns_id, keys, ttl, host_only=quick)
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise _NeedsPool

@@ -15,7 +15,7 @@ Protocol:
 - A client calls ``map_arena(path)`` and reads/writes ``view(offset, size)`` for the
   offsets the daemon handed it. It never allocates; the daemon's index says which
   slots are whose.
-- ``pin`` is called once with the whole region right after mapping and returns the
+- ``pin`` is called once with the slot space right after mapping and returns the
   matching unpin, called on ``close``. The GPU mover plugs ``cudaHostRegister`` in
   here; without it the region is plain pageable memory.
 - Pages are faulted in after start-up, not on the hot path: on the VMs we run on a
@@ -79,10 +79,12 @@ from types import TracebackType
 
 import numpy as np
 
+from kvstore.slot_epochs import SlotEpochs, default_count, table_bytes
+
 log = logging.getLogger(__name__)
 
 PinHook = Callable[[memoryview], Callable[[], None]]
-"""Called once with the whole region after mapping; returns the unpin, run on close."""
+"""Called once with the slot space after mapping; returns the unpin, run on close."""
 
 PAGE_SIZE = 4096  # slots of at least this size are page-aligned
 GRAIN = 64  # alignment and size granule of smaller slots (one cache line)
@@ -394,6 +396,7 @@ class HostArena:
         name_prefix: str = "kvstore",
         pin: PinHook | None = None,
         prefault: bool = False,
+        epoch_count: int | None = None,
     ) -> None:
         capacity = operator.index(capacity_bytes) & ~_PAGE_MASK
         if capacity < PAGE_SIZE:
@@ -403,14 +406,21 @@ class HostArena:
         self.capacity_bytes = capacity
         self.path: str | None = None
         self._unlink: Callable[[], object] | None = None
+        # the slot epoch table (kvstore.slot_epochs) follows the slots in the same file
+        self.epochs_offset = capacity
+        epoch_count = epoch_count or default_count(capacity)
+        size = capacity + table_bytes(epoch_count)
         if shared:
-            path, region = _create_region(directory or _default_directory(), name_prefix, capacity)
+            path, region = _create_region(directory or _default_directory(), name_prefix, size)
             self.path = path
             # unlinks the file if the arena is dropped (or the interpreter exits) unclosed
             self._unlink = weakref.finalize(self, _drop_region_file, path)
         else:
-            region = mmap.mmap(-1, capacity, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+            region = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self._mapping = ArenaMapping(region, self.path, writable=True)
+        whole = self._mapping.array()
+        self._slot_array = whole[:capacity]
+        self.epochs = SlotEpochs(whole[capacity : capacity + epoch_count * 8].view(np.uint64))
         self._pin_view: memoryview | None = None
         self._unpin: Callable[[], None] | None = None
         self._prefaulter: _Prefaulter | None = None
@@ -421,7 +431,7 @@ class HostArena:
             self._prefaulter = _Prefaulter(self._mapping.array(), self.path or "(anonymous)")
 
     def _pin(self, pin: PinHook, region: mmap.mmap) -> None:
-        self._pin_view = memoryview(region)
+        self._pin_view = memoryview(region)[: self.capacity_bytes]  # the slots, not the table
         try:
             self._unpin = pin(self._pin_view)
         except BaseException:
@@ -462,10 +472,12 @@ class HostArena:
         return self._carve(start, extent, rounded, align)
 
     def free(self, offset: int) -> None:
-        """Return a slot; merges it with free neighbours. Unknown offsets raise ValueError."""
+        """Return a slot; merges it with free neighbours. Unknown offsets raise ValueError.
+        Bumps the slot's epoch: a reader that copied it unpinned discards its copy."""
         size = self._slots.pop(offset, None)
         if size is None:
             raise ValueError(f"offset {offset} is not a live slot (double free?)")
+        self.epochs.bump((offset,))
         self._used_bytes -= size
         start, end = offset, offset + size
         right = self._free_size.get(end)
@@ -487,11 +499,16 @@ class HostArena:
 
     def view(self, offset: int, size: int) -> memoryview:
         """Writable zero-copy view of ``arena[offset:offset + size]``."""
+        if offset + size > self.capacity_bytes:  # the epoch table is not slot space
+            raise ValueError(
+                f"range [{offset}, {offset + size}) is outside the arena of "
+                f"{self.capacity_bytes} bytes"
+            )
         return self._mapping.view(offset, size)
 
     def array(self) -> np.ndarray:
-        """The whole region as a uint8 array (no copy)."""
-        return self._mapping.array()
+        """The slot space (the file less its epoch table) as a uint8 array (no copy)."""
+        return self._slot_array
 
     def stats(self) -> ArenaStats:
         free = self.capacity_bytes - self._used_bytes
@@ -528,6 +545,9 @@ class HostArena:
             self._release_pin_view()
             if self._unlink is not None:
                 self._unlink()
+            # these viewed the mapping: let it unmap now (later bumps go nowhere)
+            self.epochs = SlotEpochs(np.zeros(2, dtype=np.uint64))
+            self._slot_array = np.zeros(0, dtype=np.uint8)
             self._mapping.close()
 
     def _release_pin_view(self) -> None:

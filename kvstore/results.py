@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from kvstore.keys import BlockKey
 
 
@@ -107,6 +109,16 @@ class Acquisition:
             SlotRef(i, key, offset, size)
             for i, (key, offset) in enumerate(zip(self.keys, self.offsets, strict=True))
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """From :meth:`Store.locate`: the ready prefix's host slots, not pinned, with the
+    epoch of each slot when they were read (see :mod:`kvstore.slot_epochs`)."""
+
+    offsets: tuple[int, ...]  # host arena offsets of blocks 0 .. n-1 of the chain
+    epochs: np.ndarray  # uint64, one per offset
+    block_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

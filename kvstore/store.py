@@ -52,6 +52,7 @@ from kvstore.results import (
     Acquisition,
     Event,
     EventKind,
+    Located,
     LookupResult,
     NamespaceStats,
     PutResult,
@@ -400,6 +401,29 @@ class Store:
             offsets = tuple([node.host_offset for node in kept])
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
 
+    def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
+        """The host slots of the ready prefix of ``keys`` and their epochs, pinning
+        nothing (an unpinned read: see :mod:`kvstore.slot_epochs`). Counts the hits and
+        touches the prefix as a read does. None, having changed nothing, when a block of
+        the prefix is on disk only (the caller acquires instead)."""
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        with self._lock:
+            self._check_open()
+            self._expire()
+            nodes: list[Node] = []
+            for node in self._index.walk(keys):
+                if node.state != READY:
+                    break
+                if node.host_offset < 0:
+                    return None
+                nodes.append(node)
+            self._count_served(entry, len(keys), nodes, len(nodes))
+            self._touch(nodes)
+            offsets = [node.host_offset for node in nodes]
+            epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
+            return Located(tuple(offsets), epochs, entry.spec.block_bytes)
+
     def note_misses(self, ns_id: str, blocks: int) -> None:
         """Count ``blocks`` asked for and not found, for a caller that read only the
         ready prefix it had looked up (the daemon's Get): hit rates stay honest."""
@@ -536,6 +560,7 @@ class Store:
                     f"count={count} is outside [0, {remaining}] for lease {lease_id}"
                 )
             batch = lease.nodes[lease.committed : lease.committed + n]
+            self._arena.epochs.bump([node.host_offset for node in batch])  # final bytes now
             for node in batch:
                 node.state = READY
                 node.pins -= 1
@@ -981,27 +1006,38 @@ class Store:
                 node.pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
                 self._lost_on_disk(nodes[ok])
-            wanted = len(keys) - start
-            served = max(ok - start, 0)
-            disk_hits = served - host_hits
-            c = self._c
-            c.host_hits += host_hits
-            c.host_misses += wanted - host_hits
-            c.disk_hits += disk_hits
-            c.disk_misses += wanted - served
-            c.host_bytes_out += host_hits * entry.spec.block_bytes
-            direct = served - host_hits - promoted  # read from disk without promoting
-            c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
-            entry.hits += served
-            entry.misses += wanted - served
-            for node in nodes[:ok]:
-                node.hits += 1
+            self._count_served(entry, len(keys) - start, nodes[start:ok], host_hits, promoted)
             # blocks deleted while pinned are not touched: their subtrees went with them,
             # so the still indexed ones are a prefix of the chain
             end = ok
             while end and self._index.get(nodes[end - 1].key) is not nodes[end - 1]:
                 end -= 1
             self._touch(nodes[:end])
+
+    def _count_served(
+        self,
+        entry: NamespaceEntry,
+        wanted: int,
+        served_nodes: Sequence[Node],
+        host_hits: int,
+        promoted: int = 0,
+    ) -> None:
+        """Hit and miss counters of a read that asked for ``wanted`` blocks and served
+        ``served_nodes`` (``host_hits`` of them from host, ``promoted`` read into a
+        fresh host slot, the rest straight from disk). Under the lock."""
+        served = len(served_nodes)
+        c = self._c
+        c.host_hits += host_hits
+        c.host_misses += wanted - host_hits
+        c.disk_hits += served - host_hits
+        c.disk_misses += wanted - served
+        c.host_bytes_out += host_hits * entry.spec.block_bytes
+        direct = served - host_hits - promoted  # read from disk without promoting
+        c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
+        entry.hits += served
+        entry.misses += wanted - served
+        for node in served_nodes:
+            node.hits += 1
 
     def _promote_now(self, node: Node) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.
@@ -1022,6 +1058,7 @@ class Store:
 
     def _publish_promotion(self, node: Node, offset: int) -> None:
         """A disk block's bytes are verified in host slot ``offset``: it is in host now."""
+        self._arena.epochs.bump((offset,))  # the slot's bytes are final from here on
         self._host_add(node, offset)
         self._host_policy.insert(node)
         self._c.promotions += 1

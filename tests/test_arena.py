@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvstore import arena as arena_module
 from kvstore.arena import HostArena, map_arena
+from kvstore.slot_epochs import table_bytes
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -216,7 +217,7 @@ def test_region_file_is_owner_only(make_arena, tmp_path):
     assert os.path.basename(arena.path).startswith(f"test-{os.getuid()}-{os.getpid()}-")
     info = os.stat(arena.path)
     assert stat.S_IMODE(info.st_mode) == 0o600
-    assert info.st_size == 16 * KiB
+    assert info.st_size == 16 * KiB + table_bytes(arena.epochs.count)  # slots, epoch table
 
 
 def test_region_pages_are_not_touched_at_start(make_arena):
@@ -313,11 +314,12 @@ def test_map_arena_read_only(make_arena):
     arena = make_arena(16 * KiB)
     arena.view(0, 3)[:] = b"abc"
     with map_arena(arena.path, writable=False) as mapping:
-        assert mapping.size == 16 * KiB and mapping.path == arena.path
+        assert mapping.size == 16 * KiB + table_bytes(arena.epochs.count)  # and the table
+        assert mapping.path == arena.path
         view = mapping.view(0, 3)
         assert view.readonly and bytes(view) == b"abc"
         with pytest.raises(ValueError):
-            mapping.view(16 * KiB, 1)
+            mapping.view(mapping.size, 1)
         del view
     assert mapping.closed
 

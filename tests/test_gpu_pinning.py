@@ -95,7 +95,8 @@ def test_store_passes_the_hook_and_a_client_pins_its_own_mapping(tmp_path) -> No
         mapping = map_arena(store.arena_path)
         unpin = pin_mapping(mapping, HOST_REGISTER_PORTABLE, lambda: fake)
         client_address = mapping.array().ctypes.data
-        assert fake.registered[1] == (client_address, 1 << 20, HOST_REGISTER_PORTABLE)
+        # the whole mapped file: the slots and the epoch table after them
+        assert fake.registered[1] == (client_address, mapping.size, HOST_REGISTER_PORTABLE)
         unpin()
         assert fake.unregistered == [client_address]
         mapping.close()

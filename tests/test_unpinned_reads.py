@@ -1,0 +1,376 @@
+"""Unpinned gets: slot epochs in the store, the client's check, and the real daemon.
+
+The promise under test: an unpinned get returns the blocks the daemon's answer names,
+byte for byte, or falls back to a pinned get; it never returns bytes of a slot that
+was freed, reused or being written while it copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import Daemon, kv_stub
+
+from kvclient import AsyncKVClient, KVClient
+from kvclient.arena_path import ClientArena
+from kvclient.unpinned_reads import LastSlots, Slots, UnpinnedGet
+from kvproto.v1 import kvstore_pb2 as pb
+from kvstore.arena import ArenaMapping
+from kvstore.keys import NamespaceSpec
+from kvstore.slot_epochs import SlotEpochs
+from kvstore.store import Store, StoreConfig
+
+BLOCK = 8192
+TOKENS = 4
+
+
+# -- the epoch table -------------------------------------------------------------------
+
+
+def test_epoch_entries_spread_slots_of_any_stride() -> None:
+    epochs = SlotEpochs(np.zeros(1 << 18, np.uint64))
+    for stride in (4096, 256 << 10, 2 << 20):
+        offsets = np.arange(8192, dtype=np.int64) * stride
+        entries = epochs.entries(offsets)
+        assert entries.min() >= 0 and entries.max() < epochs.count
+        assert np.unique(entries).size > 8000  # a plain offset >> 6 would give 64 for 256 KiB
+    assert np.array_equal(epochs.entries([4096, 8192]), epochs.entries(np.array([4096, 8192])))
+
+
+def test_bumps_count_every_offset_even_in_one_entry() -> None:
+    epochs = SlotEpochs(np.zeros(64, np.uint64))
+    entry = epochs.entries([4096])
+    epochs.bump([4096])
+    epochs.bump([4096, 4096, 8192])
+    assert int(epochs.read(entry)[0]) == 3
+    assert int(epochs.read(epochs.entries([8192]))[0]) >= 1
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 100])
+def test_epoch_table_needs_a_power_of_two_of_uint64(count: int) -> None:
+    with pytest.raises(ValueError, match="power-of-two"):
+        SlotEpochs(np.zeros(count, np.uint64))
+    with pytest.raises(ValueError, match="power-of-two"):
+        SlotEpochs(np.zeros(64, np.int64))
+
+
+# -- the store ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store() -> Iterator[Store]:
+    with Store(StoreConfig(host_bytes=8 * BLOCK, shared_arena=False)) as s:
+        yield s
+
+
+def open_ns(store: Store) -> str:
+    return store.open_namespace(
+        NamespaceSpec("m", block_tokens=TOKENS, block_bytes=BLOCK)
+    ).ns_id
+
+
+def payloads(tag: int, n: int) -> list[bytes]:
+    return [bytes([(tag * 16 + i) % 251]) * BLOCK for i in range(n)]
+
+
+def epoch_of(store: Store, offset: int) -> int:
+    epochs = store.arena.epochs
+    return int(epochs.read(epochs.entries([offset]))[0])
+
+
+def test_commit_and_free_bump_the_slot_and_locate_reports_it(store: Store) -> None:
+    ns = open_ns(store)
+    keys = store.keys_for(ns, list(range(3 * TOKENS)))
+    reservation = store.reserve(ns, keys)
+    offsets = [slot.offset for slot in reservation.slots]
+    before = [epoch_of(store, o) for o in offsets]
+    store.commit(reservation.lease_id)
+    ready = [epoch_of(store, o) for o in offsets]
+    assert all(r > b for r, b in zip(ready, before, strict=True))  # ready: bumped
+
+    located = store.locate(ns, keys)
+    assert located is not None
+    assert list(located.offsets) == offsets
+    assert located.epochs.tolist() == ready
+    assert store.stats().leases == 0  # nothing pinned
+
+    store.delete(ns, keys, start=2)
+    assert epoch_of(store, offsets[2]) > ready[2]  # freed: bumped again
+    again = store.locate(ns, keys)
+    assert again is not None and list(again.offsets) == offsets[:2]
+
+
+def test_locate_counts_hits_and_touches_like_a_read(store: Store) -> None:
+    ns = open_ns(store)
+    old = store.keys_for(ns, list(range(2 * TOKENS)))
+    store.put(ns, old, payloads(1, 2))
+    other = store.keys_for(ns, list(range(100, 100 + 6 * TOKENS)))
+    store.put(ns, other, payloads(2, 6))  # the arena is full: 8 blocks
+    hits = store.stats().tiers[0].hits
+    assert store.locate(ns, old) is not None  # touched: `other` is now older
+    assert store.stats().tiers[0].hits == hits + 2
+    store.put(ns, store.keys_for(ns, list(range(200, 200 + 2 * TOKENS))), payloads(3, 2))
+    assert store.lookup(ns, old).ready_blocks == 2  # the LRU victims came from `other`
+
+
+def test_locate_answers_none_for_a_block_on_disk_only(tmp_path) -> None:  # noqa: ANN001
+    config = StoreConfig(
+        host_bytes=4 * BLOCK, shared_arena=False, disk_dir=str(tmp_path), disk_bytes=1 << 24
+    )
+    with Store(config) as s:
+        ns = open_ns(s)
+        first = s.keys_for(ns, list(range(2 * TOKENS)))
+        s.put(ns, first, payloads(1, 2))
+        s.put(ns, s.keys_for(ns, list(range(50, 50 + 4 * TOKENS))), payloads(2, 4))
+        s.flush()
+        assert s.lookup(ns, first).disk_blocks > 0
+        assert s.locate(ns, first) is None
+        assert s.stats().leases == 0
+
+
+# -- the client's check, against a store in this process ---------------------------------
+
+
+class _Harness:
+    """A store with a shared arena, and the client's view of it."""
+
+    def __init__(self, tmp_path) -> None:  # noqa: ANN001
+        self.store = Store(
+            StoreConfig(host_bytes=8 * BLOCK, arena_dir=str(tmp_path), shared_arena=True)
+        )
+        self.ns = open_ns(self.store)
+        path = self.store.arena_path
+        assert path is not None
+        self.arena = ClientArena.open(path, "h", "h")
+        assert self.arena is not None
+        mapping: ArenaMapping = self.arena.mapping
+        offset, count = self.store.arena.epochs_offset, self.store.arena.epochs.count
+        self.epochs = SlotEpochs(mapping.array()[offset : offset + count * 8].view(np.uint64))
+
+    def answer(self, keys: list) -> pb.AcquireResponse:  # noqa: ANN401
+        located = self.store.locate(self.ns, keys)
+        assert located is not None
+        msg = pb.AcquireResponse()
+        msg.slot_offsets.extend(located.offsets)
+        msg.slot_epochs.extend(located.epochs.tolist())
+        return msg
+
+    def slots(self, answer: pb.AcquireResponse) -> Slots:
+        return Slots.of(np.array(answer.slot_offsets, np.int64), self.epochs, BLOCK)
+
+    def close(self) -> None:
+        self.arena.close()
+        self.store.close()
+
+
+@pytest.fixture
+def harness(tmp_path) -> Iterator[_Harness]:  # noqa: ANN001
+    h = _Harness(tmp_path)
+    yield h
+    h.close()
+
+
+def test_early_copy_of_unchanged_slots_is_kept(harness: _Harness) -> None:
+    s = harness.store
+    keys = s.keys_for(harness.ns, list(range(3 * TOKENS)))
+    s.put(harness.ns, keys, payloads(1, 3))
+    last = harness.slots(harness.answer(keys))
+    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0)
+    get.copy_early()
+    done = get.finish(harness.answer(keys))
+    assert done is not None
+    assert done[0].tobytes() == b"".join(payloads(1, 3))
+
+
+def test_slots_reused_by_other_blocks_before_the_answer_are_copied_again(
+    harness: _Harness,
+) -> None:
+    s, ns = harness.store, harness.ns
+    keys = s.keys_for(ns, list(range(2 * TOKENS)))
+    s.put(ns, keys, payloads(1, 2))
+    last = harness.slots(harness.answer(keys))
+    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0)
+    get.copy_early()  # copies blocks of tag 1 ...
+    s.delete(ns, keys)  # ... whose slots now go to other blocks
+    other = s.keys_for(ns, list(range(500, 500 + 2 * TOKENS)))
+    s.put(ns, other, payloads(7, 2))
+    s.put(ns, keys, payloads(1, 2))  # the prefix is back, in other slots or the same
+    done = get.finish(harness.answer(keys))
+    assert done is not None
+    assert done[0].tobytes() == b"".join(payloads(1, 2))
+
+
+def test_an_early_copy_of_another_block_in_the_same_slot_is_not_kept(
+    harness: _Harness,
+) -> None:
+    s, ns = harness.store, harness.ns
+    a = s.keys_for(ns, list(range(2 * TOKENS)))
+    b = s.keys_for(ns, list(range(700, 700 + 2 * TOKENS)))
+    s.put(ns, a, payloads(1, 2))
+    last = harness.slots(harness.answer(a))
+    s.delete(ns, a)
+    s.put(ns, b, payloads(2, 2))  # b takes a's slots ...
+    assert harness.slots(harness.answer(b)).offsets.tolist() == last.offsets.tolist()
+    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0)
+    get.copy_early()  # ... so this copies b's bytes
+    s.delete(ns, b)
+    s.put(ns, a, payloads(1, 2))  # and a is back in the very same slots
+    answer = harness.answer(a)
+    assert list(answer.slot_offsets) == last.offsets.tolist()
+    done = get.finish(answer)
+    assert done is not None
+    assert done[0].tobytes() == b"".join(payloads(1, 2))
+
+
+def test_a_slot_rewritten_during_the_copy_is_never_returned(harness: _Harness) -> None:
+    s, ns = harness.store, harness.ns
+    keys = s.keys_for(ns, list(range(2 * TOKENS)))
+    s.put(ns, keys, payloads(1, 2))
+    answer = harness.answer(keys)  # the daemon answered: slots and epochs
+    get = UnpinnedGet(harness.epochs, harness.arena, None, None, BLOCK, 0)
+    get.copy_early()  # nothing remembered: the copy happens in finish
+
+    real_read = harness.epochs.read
+    calls = 0
+
+    def read_then_reuse(entries: np.ndarray) -> np.ndarray:
+        # the slots are freed and reused between the answer and the check after the copy
+        nonlocal calls
+        calls += 1
+        s.delete(ns, keys)
+        s.put(ns, s.keys_for(ns, list(range(900, 900 + 2 * TOKENS))), payloads(9, 2))
+        return real_read(entries)
+
+    harness.epochs.read = read_then_reuse  # type: ignore[method-assign]
+    assert get.finish(answer) is None  # not trusted: the caller pins
+    assert calls == 1
+
+
+def test_last_slots_are_bounded_and_forget_empty_answers() -> None:
+    last = LastSlots(entries=2)
+    epochs = SlotEpochs(np.zeros(64, np.uint64))
+    keys = [LastSlots.key("ns", np.arange(i, i + 4), [], 0) for i in range(3)]
+    for key in keys:
+        last.remember(key, Slots.of(np.array([0, 8192], np.int64), epochs, BLOCK))
+    assert last.get(keys[0]) is None and last.get(keys[2]) is not None
+    last.remember(keys[2], Slots.of(np.array([], np.int64), epochs, BLOCK))
+    assert last.get(keys[2]) is None
+    assert LastSlots.key("ns", np.arange(4), [b"x"], 0) != LastSlots.key("ns", np.arange(4), [], 0)
+
+
+# -- the real daemon ----------------------------------------------------------------------
+
+
+def block_of(prompt: int, index: int, size: int) -> np.ndarray:
+    return np.full(size, (prompt * 31 + index * 7) % 251, dtype=np.uint8)
+
+
+def test_unpinned_acquire_answers_epochs_and_no_lease(kvstored: Daemon) -> None:
+    stub = kv_stub(kvstored)
+    info = stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
+    assert info.slot_epochs_count > 0 and info.slot_epochs_offset >= info.arena_bytes
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("raw", block_tokens=TOKENS, block_bytes=BLOCK)
+        ns.put(np.arange(2 * TOKENS), np.stack([block_of(3, i, BLOCK) for i in range(2)]))
+        request = pb.AcquireRequest(
+            ns_id=ns.ns_id, tokens=list(range(2 * TOKENS)), compact_slots=True, unpinned=True
+        )
+        answer = stub.Acquire(request, timeout=10)
+        assert answer.lease_id == 0 and len(answer.slot_offsets) == 2
+        assert len(answer.slot_epochs) == 2 and min(answer.slot_epochs) > 0
+        request.unpinned = False
+        pinned = stub.Acquire(request, timeout=10)
+        assert pinned.lease_id != 0 and not pinned.slot_epochs
+        stub.Release(pb.ReleaseRequest(lease_id=pinned.lease_id), timeout=10)
+
+
+def test_gets_through_the_daemon_pin_nothing(kvstored: Daemon) -> None:
+    with KVClient(kvstored.addr) as client, KVClient(kvstored.addr) as observer:
+        ns = client.namespace("unpinned", block_tokens=TOKENS, block_bytes=BLOCK)
+        tokens = np.arange(6 * TOKENS)
+        blocks = np.stack([block_of(1, i, BLOCK) for i in range(6)])
+        ns.put(tokens, blocks)
+        out = np.zeros_like(blocks)
+        for _ in range(3):  # the first get learns the slots, the others copy early
+            got = ns.get(tokens, out=out)
+            assert got.tokens == 6 * TOKENS and np.array_equal(got.blocks, blocks)
+            # a pinned get leaves its lease to be released later; the observer's Stats
+            # does not release this client's leases
+            assert observer.stats().leases == 0
+        assert np.array_equal(ns.get(tokens).blocks, blocks)  # no out: a new array
+
+        # the answer, not the remembered slots, says how long the prefix is
+        longer = np.arange(8 * TOKENS)
+        ns.put(longer, np.stack([block_of(1, i, BLOCK) for i in range(6, 8)]), start=6)
+        assert ns.get(longer).tokens == 8 * TOKENS
+        ns.delete(tokens[: 4 * TOKENS], start=3)
+        got = ns.get(longer)
+        assert got.tokens == 3 * TOKENS
+        assert np.array_equal(got.blocks, blocks[:3])
+
+
+def test_async_gets_are_unpinned_too(kvstored: Daemon) -> None:
+    async def run() -> None:
+        async with AsyncKVClient(kvstored.addr) as client:
+            ns = await client.namespace("async-unpinned", block_tokens=TOKENS, block_bytes=BLOCK)
+            tokens = np.arange(4 * TOKENS)
+            blocks = np.stack([block_of(5, i, BLOCK) for i in range(4)])
+            await ns.put(tokens, blocks)
+            out = np.zeros_like(blocks)
+            with KVClient(kvstored.addr) as observer:
+                for _ in range(3):
+                    got = await ns.get(tokens, out=out)
+                    assert got.tokens == 4 * TOKENS and np.array_equal(got.blocks, blocks)
+                    assert observer.stats().leases == 0
+            await ns.delete(tokens, start=1)
+            got = await ns.get(tokens, out=out)
+            assert got.tokens == TOKENS and np.array_equal(got.blocks, blocks[:1])
+
+    asyncio.run(run())
+
+
+def test_concurrent_eviction_never_returns_other_bytes(kvstored_factory) -> None:  # noqa: ANN001
+    """A writer cycles prompts through a small arena (each put evicts others) while a
+    reader gets them: every block returned is the one asked for."""
+    daemon = kvstored_factory(host_bytes="4MiB", disk_bytes=0)
+    size, n_blocks, prompts = 512 << 10, 2, 10  # 10 MiB of prompts in a 4 MiB arena
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def tokens_of(prompt: int) -> np.ndarray:
+        return np.arange(n_blocks * TOKENS) + prompt * 1000
+
+    def write() -> None:
+        with KVClient(daemon.addr) as client:
+            ns = client.namespace("churn", block_tokens=TOKENS, block_bytes=size)
+            p = 0
+            while not stop.is_set():
+                ns.put(tokens_of(p), np.stack([block_of(p, i, size) for i in range(n_blocks)]))
+                p = (p + 1) % prompts
+
+    checked = 0
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        with KVClient(daemon.addr) as client:
+            ns = client.namespace("churn", block_tokens=TOKENS, block_bytes=size)
+            out = np.empty((n_blocks, size), np.uint8)
+            deadline = time.monotonic() + 3.0
+            p = 0
+            while time.monotonic() < deadline:
+                got = ns.get(tokens_of(p), out=out)
+                for i in range(got.tokens // TOKENS):
+                    if not np.array_equal(got.blocks[i], block_of(p, i, size)):
+                        errors.append(f"prompt {p} block {i}: wrong bytes")
+                checked += got.tokens // TOKENS
+                p = (p + 5) % prompts
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+    assert not errors, errors[:5]
+    assert checked > 0
