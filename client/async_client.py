@@ -239,6 +239,8 @@ class AsyncKVClient:
             old, arena = self._arena, None
             if self.use_arena is not False:
                 arena = ClientArena.open(info.arena_path, info.host_id, host_id())
+                if arena is not None and info.arena_prefaulted:
+                    arena.mapping.map_in_background()
             old_local, local = self._local, None
             if arena is not None and info.local_socket:
                 local = AsyncLocalCalls(info.local_socket)

@@ -131,6 +131,7 @@ class ServerInfo:
     local_socket: str = ""  # unix socket of local calls (same host); "" when not offered
     slot_epochs_offset: int = 0  # where the slot epoch table is in the arena file
     slot_epochs_count: int = 0  # its counters; 0: no unpinned reads
+    arena_prefaulted: bool = False  # the daemon faults its arena in: clients map theirs in too
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,7 @@ def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         local_socket=msg.local_socket,
         slot_epochs_offset=msg.slot_epochs_offset,
         slot_epochs_count=msg.slot_epochs_count,
+        arena_prefaulted=msg.arena_prefaulted,
     )
 
 

@@ -247,6 +247,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             local_socket=self.local_socket,
             slot_epochs_offset=arena.epochs_offset if arena.path else 0,
             slot_epochs_count=arena.epochs.count if arena.path else 0,
+            arena_prefaulted=self._store.config.prefault_arena,
         )
 
     # --- read side --------------------------------------------------------------------

@@ -159,6 +159,7 @@ class ArenaStats:
     fragmentation: float
 
 
+MADV_POPULATE_READ = 22  # <linux/mman.h>, Linux 5.14+: map pages in (page-table entries)
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+: fault pages in, writable
 PREFAULT_CHUNK = 32 << 20  # one madvise call: how long close may wait for the thread
 
@@ -181,8 +182,9 @@ class _Prefaulter:
     """Faults a region's pages in on a background thread, PREFAULT_CHUNK at a time
     (the ctypes call releases the GIL, so the daemon keeps serving meanwhile)."""
 
-    def __init__(self, array: np.ndarray, label: str) -> None:
+    def __init__(self, array: np.ndarray, label: str, advice: int = MADV_POPULATE_WRITE) -> None:
         self._stop = threading.Event()
+        self._advice = advice
         self._thread = threading.Thread(
             target=self._run, args=(array, label), name="kvstore-prefault", daemon=True
         )
@@ -197,7 +199,7 @@ class _Prefaulter:
             if self._stop.is_set():
                 return
             length = min(PREFAULT_CHUNK, size - offset)
-            if _madvise(base + offset, length, MADV_POPULATE_WRITE) != 0:
+            if _madvise(base + offset, length, self._advice) != 0:
                 err = ctypes.get_errno()
                 if err == errno.EFAULT:  # a page could not be allocated: SIGBUS territory
                     log.warning(
@@ -235,9 +237,19 @@ class ArenaMapping:
         self._region: mmap.mmap | None = region
         self._buffer: memoryview | None = memoryview(region)
         self._array: np.ndarray | None = None
+        self._prefaulter: _Prefaulter | None = None
         self.path = path
         self.size = len(region)
         self.writable = writable
+
+    def map_in_background(self) -> None:
+        """Fill this process's page table for the whole mapping on a background thread
+        (``MADV_POPULATE_READ``). Each process that maps the arena pays a page fault on
+        its first touch of every page (here ~0.5 ms per MiB: a first 4 MiB copy took
+        3 ms instead of 0.8); a client does this once after mapping, off the hot path.
+        The pages themselves are the daemon's (faulted in by its own prefault)."""
+        if self._prefaulter is None and self._region is not None:
+            self._prefaulter = _Prefaulter(self.array(), self.path or "", MADV_POPULATE_READ)
 
     @property
     def closed(self) -> bool:
@@ -267,6 +279,9 @@ class ArenaMapping:
         region, self._region = self._region, None
         if region is None:
             return
+        prefaulter, self._prefaulter = self._prefaulter, None
+        if prefaulter is not None:
+            prefaulter.stop()  # at most one chunk: it must not touch an unmapped region
         self._array = None
         if self._buffer is not None:
             self._buffer.release()

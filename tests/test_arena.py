@@ -521,3 +521,42 @@ def test_prefault_populates_the_arena_in_the_background_and_stops_on_close(
     big.close()
     assert time.monotonic() - started < 5
     assert not os.listdir(tmp_path)
+
+
+def _resident_bytes(mapping_address: int) -> int:
+    """Bytes of the mapping at ``mapping_address`` in this process's page table (Rss)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        start = line.split("-", 1)[0]
+        if all(c in "0123456789abcdef" for c in start) and int(start, 16) == mapping_address:
+            for field in lines[i + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+def test_a_client_mapping_fills_its_page_table_in_the_background(tmp_path: Path) -> None:
+    """Each process pays a fault per page on its first touch of a shared mapping;
+    map_in_background takes them off the hot path, and close stops it."""
+    arena = HostArena(32 << 20, directory=str(tmp_path))
+    assert arena.path is not None
+    arena.array()[:] = 7  # the daemon's pages exist
+    mapping = map_arena(arena.path)
+    address = mapping.array().ctypes.data
+    assert _resident_bytes(address) < (1 << 20)  # nothing mapped in this process yet
+    mapping.map_in_background()
+    deadline = time.monotonic() + 30
+    while _resident_bytes(address) < arena.capacity_bytes:
+        if time.monotonic() > deadline:
+            pytest.skip("MADV_POPULATE_READ unsupported here: the mapping stays lazy")
+        time.sleep(0.05)
+    assert int(mapping.array()[12345]) == 7  # read-only advice changed no byte
+    mapping.close()
+    big = HostArena(1 << 30, directory=str(tmp_path))
+    assert big.path is not None
+    started = time.monotonic()
+    with map_arena(big.path) as lazy:
+        lazy.map_in_background()
+    assert time.monotonic() - started < 5  # closed within a chunk
+    big.close()
+    arena.close()

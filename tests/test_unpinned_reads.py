@@ -274,6 +274,7 @@ def test_unpinned_acquire_answers_epochs_and_no_lease(kvstored: Daemon) -> None:
     stub = kv_stub(kvstored)
     info = stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
     assert info.slot_epochs_count > 0 and info.slot_epochs_offset >= info.arena_bytes
+    assert info.arena_prefaulted  # the default: clients map their pages in as well
     with KVClient(kvstored.addr) as client:
         ns = client.namespace("raw", block_tokens=TOKENS, block_bytes=BLOCK)
         ns.put(np.arange(2 * TOKENS), np.stack([block_of(3, i, BLOCK) for i in range(2)]))
@@ -287,6 +288,17 @@ def test_unpinned_acquire_answers_epochs_and_no_lease(kvstored: Daemon) -> None:
         pinned = stub.Acquire(request, timeout=10)
         assert pinned.lease_id != 0 and not pinned.slot_epochs
         stub.Release(pb.ReleaseRequest(lease_id=pinned.lease_id), timeout=10)
+
+
+def test_server_info_says_when_the_arena_is_not_prefaulted(kvstored_factory) -> None:  # noqa: ANN001
+    daemon = kvstored_factory(prefault_arena="false")
+    info = kv_stub(daemon).ServerInfo(pb.ServerInfoRequest(), timeout=10)
+    assert not info.arena_prefaulted and info.slot_epochs_count > 0
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("lazy", block_tokens=TOKENS, block_bytes=BLOCK)
+        block = block_of(4, 0, BLOCK)[None, :]
+        ns.put(np.arange(TOKENS), block)
+        assert np.array_equal(ns.get(np.arange(TOKENS)).blocks, block)
 
 
 def test_gets_through_the_daemon_pin_nothing(kvstored: Daemon) -> None:

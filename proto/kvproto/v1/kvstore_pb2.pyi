@@ -116,7 +116,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count")
+    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,7 @@ class ServerInfoResponse(_message.Message):
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SLOT_EPOCHS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SLOT_EPOCHS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PREFAULTED_FIELD_NUMBER: _ClassVar[int]
     version: str
     platform: str
     arena_path: str
@@ -149,7 +150,8 @@ class ServerInfoResponse(_message.Message):
     local_socket: str
     slot_epochs_offset: int
     slot_epochs_count: int
-    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ...) -> None: ...
+    arena_prefaulted: bool
+    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "wait_pending_s")
