@@ -256,3 +256,40 @@ def test_a_forked_child_opens_its_own_connections(daemon: Daemon) -> None:
             assert ns.lookup(tokens[: 4 * (1 + (i + 5) % 10)]).blocks == 1 + (i + 5) % 10
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_call_that_waits_holds_back_later_calls_on_its_connection_only(
+    daemon: Daemon,
+) -> None:
+    """Most calls are answered as soon as they are read; one that waits (a Lookup for a
+    pending block) is finished by a task: the calls behind it on its connection answer
+    after it, in order, while other connections are served meanwhile."""
+    path = local_path(daemon)
+    tokens = list(range(1000, 1004))
+    with KVClient(daemon.addr) as writer:
+        ns = writer.namespace("local-wait", 4, BLOCK_BYTES)
+        with connect(path) as waiting, connect(path) as other:
+            status, body = raw_call(
+                other,
+                b"Reserve",
+                pb.ReserveRequest(ns_id=ns.ns_id, tokens=tokens).SerializeToString(),
+            )
+            assert status == frames.OK
+            lease = pb.ReserveResponse.FromString(body).lease_id
+            lookup = pb.LookupRequest(ns_id=ns.ns_id, tokens=tokens, wait_pending_s=10)
+            waiting.sendall(
+                frames.request_frame(b"Lookup", lookup.SerializeToString())
+                + frames.request_frame(b"ServerInfo", b"")
+            )
+            # the other connection is served while the Lookup waits, and commits
+            status, _ = raw_call(other, b"ServerInfo", b"")
+            assert status == frames.OK
+            commit = pb.CommitRequest(lease_id=lease).SerializeToString()
+            assert raw_call(other, b"Commit", commit)[0] == frames.OK
+            for expect in (pb.LookupResponse, pb.ServerInfoResponse):
+                header = waiting.recv(frames.HEADER.size, socket.MSG_WAITALL)
+                body_len, status = frames.HEADER.unpack(header)
+                assert status == frames.OK
+                answer = expect.FromString(waiting.recv(body_len, socket.MSG_WAITALL))
+                if expect is pb.LookupResponse:
+                    assert answer.ready_blocks == 1  # answered after the commit
