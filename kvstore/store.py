@@ -418,7 +418,9 @@ class Store:
                 if node.host_offset < 0:
                     return None
                 nodes.append(node)
-            self._count_served(entry, len(keys), nodes, len(nodes))
+            self._count_served(entry, len(keys), len(nodes), len(nodes))
+            for node in nodes:
+                node.hits += 1
             self._touch(nodes)
             offsets = [node.host_offset for node in nodes]
             epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
@@ -1006,7 +1008,9 @@ class Store:
                 node.pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
                 self._lost_on_disk(nodes[ok])
-            self._count_served(entry, len(keys) - start, nodes[start:ok], host_hits, promoted)
+            self._count_served(entry, len(keys) - start, max(ok - start, 0), host_hits, promoted)
+            for node in nodes[:ok]:
+                node.hits += 1
             # blocks deleted while pinned are not touched: their subtrees went with them,
             # so the still indexed ones are a prefix of the chain
             end = ok
@@ -1015,17 +1019,11 @@ class Store:
             self._touch(nodes[:end])
 
     def _count_served(
-        self,
-        entry: NamespaceEntry,
-        wanted: int,
-        served_nodes: Sequence[Node],
-        host_hits: int,
-        promoted: int = 0,
+        self, entry: NamespaceEntry, wanted: int, served: int, host_hits: int, promoted: int = 0
     ) -> None:
         """Hit and miss counters of a read that asked for ``wanted`` blocks and served
-        ``served_nodes`` (``host_hits`` of them from host, ``promoted`` read into a
-        fresh host slot, the rest straight from disk). Under the lock."""
-        served = len(served_nodes)
+        ``served`` (``host_hits`` of them from host, ``promoted`` read into a fresh host
+        slot, the rest straight from disk). Under the lock."""
         c = self._c
         c.host_hits += host_hits
         c.host_misses += wanted - host_hits
@@ -1036,8 +1034,6 @@ class Store:
         c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
         entry.hits += served
         entry.misses += wanted - served
-        for node in served_nodes:
-            node.hits += 1
 
     def _promote_now(self, node: Node) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.
