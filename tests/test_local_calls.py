@@ -46,13 +46,25 @@ def local_path(daemon: Daemon) -> str:
         return client.server_info().local_socket
 
 
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or fewer only if the daemon closed the connection. (MSG_WAITALL is
+    no guarantee here: a socket with a timeout is non-blocking underneath, and a recv
+    then returns what has arrived.)"""
+    data = bytearray()
+    while len(data) < n:
+        more = sock.recv(n - len(data))
+        if not more:
+            break
+        data += more
+    return bytes(data)
+
+
 def raw_call(sock: socket.socket, name: bytes, body: bytes) -> tuple[int, bytes]:
     sock.sendall(frames.request_frame(name, body))
-    header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
+    header = recv_exactly(sock, frames.HEADER.size)
     assert len(header) == frames.HEADER.size, "the daemon closed the connection"
     body_len, status = frames.HEADER.unpack(header)
-    data = sock.recv(body_len, socket.MSG_WAITALL) if body_len else b""
-    return status, data
+    return status, recv_exactly(sock, body_len)
 
 
 def connect(path: str) -> socket.socket:
@@ -227,10 +239,10 @@ def test_calls_sent_ahead_of_their_answers_are_all_answered_in_order(daemon: Dae
             ns.put(list(range(4)), np.ones((1, BLOCK_BYTES), np.uint8))
             assert other._local is not None and ns.lookup(list(range(4))).blocks == 1
         for _ in range(calls):
-            header = greedy.recv(frames.HEADER.size, socket.MSG_WAITALL)
+            header = recv_exactly(greedy, frames.HEADER.size)
             body_len, status = frames.HEADER.unpack(header)
             assert status == frames.OK
-            info = pb.ServerInfoResponse.FromString(greedy.recv(body_len, socket.MSG_WAITALL))
+            info = pb.ServerInfoResponse.FromString(recv_exactly(greedy, body_len))
             assert info.local_socket == path
 
 
@@ -287,9 +299,9 @@ def test_a_call_that_waits_holds_back_later_calls_on_its_connection_only(
             commit = pb.CommitRequest(lease_id=lease).SerializeToString()
             assert raw_call(other, b"Commit", commit)[0] == frames.OK
             for expect in (pb.LookupResponse, pb.ServerInfoResponse):
-                header = waiting.recv(frames.HEADER.size, socket.MSG_WAITALL)
+                header = recv_exactly(waiting, frames.HEADER.size)
                 body_len, status = frames.HEADER.unpack(header)
                 assert status == frames.OK
-                answer = expect.FromString(waiting.recv(body_len, socket.MSG_WAITALL))
+                answer = expect.FromString(recv_exactly(waiting, body_len))
                 if expect is pb.LookupResponse:
                     assert answer.ready_blocks == 1  # answered after the commit
