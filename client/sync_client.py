@@ -462,14 +462,8 @@ class Namespace:
         last_slots = client._last_slots
         key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
         reader = UnpinnedGet(epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks)
-        request = pb.AcquireRequest(
-            ns_id=self.ns_id,
-            tokens=tokens,
-            extra_keys=extra,
-            max_blocks=max_blocks,
-            release_lease_ids=client._take_done(),
-            compact_slots=True,
-            unpinned=True,
+        request = wire.get_request(
+            self.ns_id, tokens, extra, max_blocks, client._take_done(), unpinned=True
         )
         answer = client._call(client._stub.Acquire, request, during=reader.copy_early)
         if answer.lease_id or arena.names_another_arena(answer.arena_path):
@@ -491,14 +485,7 @@ class Namespace:
         max_blocks: int,
     ) -> GetResult:
         client = self.client
-        request = pb.AcquireRequest(
-            ns_id=self.ns_id,
-            tokens=tokens,
-            extra_keys=extra,
-            max_blocks=max_blocks,
-            release_lease_ids=client._take_done(),
-            compact_slots=True,
-        )
+        request = wire.get_request(self.ns_id, tokens, extra, max_blocks, client._take_done())
         acquired = client._call(client._stub.Acquire, request)
         return self._read_acquired(arena, acquired, tokens, extra, out, max_blocks)
 

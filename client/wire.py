@@ -94,6 +94,29 @@ def namespace_request(
         raise InvalidArgumentError(f"bad namespace spec: {exc}") from None
 
 
+def get_request(
+    ns_id: str,
+    tokens: list[int],
+    extra: list[bytes],
+    max_blocks: int,
+    release_lease_ids: list[int],
+    *,
+    unpinned: bool = False,
+) -> pb.AcquireRequest:
+    """The Acquire of an arena get: packed slots, the client's finished read leases
+    riding along; ``unpinned`` asks for slots and epochs and no lease
+    (kvclient.unpinned_reads)."""
+    return pb.AcquireRequest(
+        ns_id=ns_id,
+        tokens=tokens,
+        extra_keys=extra,
+        max_blocks=max_blocks,
+        release_lease_ids=release_lease_ids,
+        compact_slots=True,
+        unpinned=unpinned,
+    )
+
+
 def namespace_info(msg: pb.NamespaceInfo) -> NamespaceInfo:
     return NamespaceInfo(
         ns_id=msg.ns_id,
