@@ -54,7 +54,7 @@ def epoch_table(arena: ClientArena, info: ServerInfo) -> SlotEpochs | None:
     if offset + count * 8 > array.size:
         return None
     try:
-        return SlotEpochs(array[offset : offset + count * 8].view(np.uint64))
+        return SlotEpochs.in_region(array, offset, count)
     except ValueError:
         return None
 
@@ -69,15 +69,18 @@ class Slots:
 
     @classmethod
     def of(cls, offsets: np.ndarray, epochs: SlotEpochs, block_bytes: int) -> Slots:
-        table = SlotTable(np.arange(offsets.size, dtype=np.int64), offsets)
-        return cls(offsets, epochs.entries(offsets), slot_runs(table, block_bytes))
+        return cls(offsets, epochs.entries(offsets), _prefix_runs(offsets, block_bytes))
 
     def first(self, n: int, block_bytes: int) -> Slots:
         if n >= self.offsets.size:
             return self
         offsets = self.offsets[:n]
-        table = SlotTable(np.arange(n, dtype=np.int64), offsets)
-        return Slots(offsets, self.entries[:n], slot_runs(table, block_bytes))
+        return Slots(offsets, self.entries[:n], _prefix_runs(offsets, block_bytes))
+
+
+def _prefix_runs(offsets: np.ndarray, block_bytes: int) -> list[Run]:
+    """Copy runs of the slots of blocks 0, 1, 2 ... (a prefix, in chain order)."""
+    return slot_runs(SlotTable(np.arange(offsets.size, dtype=np.int64), offsets), block_bytes)
 
 
 class LastSlots:
@@ -163,8 +166,8 @@ class UnpinnedGet:
                 grown[:kept] = rows[:kept]
             rows = grown
         if kept < n:
-            rest = Slots.of(offsets[kept:], self._epochs, self._block_bytes)
-            read_runs(self._arena.mapping, rest.runs, rows, self._block_bytes, first_row=kept)
+            rest = _prefix_runs(offsets[kept:], self._block_bytes)
+            read_runs(self._arena.mapping, rest, rows, self._block_bytes, first_row=kept)
         if not np.array_equal(self._epochs.read(slots.entries), epochs):
             return None
         return rows[:n], slots

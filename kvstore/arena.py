@@ -435,7 +435,7 @@ class HostArena:
         self._mapping = ArenaMapping(region, self.path, writable=True)
         whole = self._mapping.array()
         self._slot_array = whole[:capacity]
-        self.epochs = SlotEpochs(whole[capacity : capacity + epoch_count * 8].view(np.uint64))
+        self.epochs = SlotEpochs.in_region(whole, capacity, epoch_count)
         self._pin_view: memoryview | None = None
         self._unpin: Callable[[], None] | None = None
         self._prefaulter: _Prefaulter | None = None

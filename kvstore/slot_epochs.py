@@ -64,6 +64,12 @@ class SlotEpochs:
         self.count = count
         self._shift = np.uint64(64 - (count.bit_length() - 1))
 
+    @classmethod
+    def in_region(cls, region: np.ndarray, offset: int, count: int) -> SlotEpochs:
+        """The table of ``count`` counters at byte ``offset`` of a uint8 mapping of the
+        arena file (where ServerInfo.slot_epochs_offset/count say it is)."""
+        return cls(region[offset : offset + count * 8].view(np.uint64))
+
     def entries(self, offsets: np.ndarray | Sequence[int]) -> np.ndarray:
         """The table entry of each slot offset (int64 indices)."""
         grains = np.asarray(offsets, dtype=np.uint64) >> np.uint64(6)

@@ -150,7 +150,7 @@ class _Harness:
         assert self.arena is not None
         mapping: ArenaMapping = self.arena.mapping
         offset, count = self.store.arena.epochs_offset, self.store.arena.epochs.count
-        self.epochs = SlotEpochs(mapping.array()[offset : offset + count * 8].view(np.uint64))
+        self.epochs = SlotEpochs.in_region(mapping.array(), offset, count)
 
     def answer(self, keys: list) -> pb.AcquireResponse:  # noqa: ANN401
         located = self.store.locate(self.ns, keys)
