@@ -390,6 +390,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     return convert.located_response(
                         located, spec.block_tokens, self._store.arena_path or ""
                     )
+                if quick:  # a block is on disk only: so host_only acquire would say too
+                    raise _NeedsPool
             got = self._store.acquire(spec.ns_id, keys, ttl, host_only=quick)
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise _NeedsPool

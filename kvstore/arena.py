@@ -182,7 +182,7 @@ class _Prefaulter:
     """Faults a region's pages in on a background thread, PREFAULT_CHUNK at a time
     (the ctypes call releases the GIL, so the daemon keeps serving meanwhile)."""
 
-    def __init__(self, array: np.ndarray, label: str, advice: int = MADV_POPULATE_WRITE) -> None:
+    def __init__(self, array: np.ndarray, label: str, advice: int) -> None:
         self._stop = threading.Event()
         self._advice = advice
         self._thread = threading.Thread(
@@ -242,14 +242,23 @@ class ArenaMapping:
         self.size = len(region)
         self.writable = writable
 
-    def map_in_background(self) -> None:
+    def map_in_background(self, *, write: bool = False) -> None:
         """Fill this process's page table for the whole mapping on a background thread
         (``MADV_POPULATE_READ``). Each process that maps the arena pays a page fault on
         its first touch of every page (here ~0.5 ms per MiB: a first 4 MiB copy took
         3 ms instead of 0.8); a client does this once after mapping, off the hot path.
-        The pages themselves are the daemon's (faulted in by its own prefault)."""
+        The pages themselves are the daemon's: its arena maps them with ``write``
+        (``MADV_POPULATE_WRITE``, which allocates them). :meth:`stop_mapping_in` or
+        :meth:`close` stops the thread."""
         if self._prefaulter is None and self._region is not None:
-            self._prefaulter = _Prefaulter(self.array(), self.path or "", MADV_POPULATE_READ)
+            advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+            self._prefaulter = _Prefaulter(self.array(), self.path or "(anonymous)", advice)
+
+    def stop_mapping_in(self) -> None:
+        """Stop :meth:`map_in_background`'s thread (within one chunk); idempotent."""
+        prefaulter, self._prefaulter = self._prefaulter, None
+        if prefaulter is not None:
+            prefaulter.stop()
 
     @property
     def closed(self) -> bool:
@@ -279,9 +288,7 @@ class ArenaMapping:
         region, self._region = self._region, None
         if region is None:
             return
-        prefaulter, self._prefaulter = self._prefaulter, None
-        if prefaulter is not None:
-            prefaulter.stop()  # at most one chunk: it must not touch an unmapped region
+        self.stop_mapping_in()  # it must not touch an unmapped region
         self._array = None
         if self._buffer is not None:
             self._buffer.release()
@@ -438,12 +445,11 @@ class HostArena:
         self.epochs = SlotEpochs.in_region(whole, capacity, epoch_count)
         self._pin_view: memoryview | None = None
         self._unpin: Callable[[], None] | None = None
-        self._prefaulter: _Prefaulter | None = None
         if pin is not None:
             self._pin(pin, region)
         self._init_allocator()
         if prefault:
-            self._prefaulter = _Prefaulter(self._mapping.array(), self.path or "(anonymous)")
+            self._mapping.map_in_background(write=True)
 
     def _pin(self, pin: PinHook, region: mmap.mmap) -> None:
         self._pin_view = memoryview(region)[: self.capacity_bytes]  # the slots, not the table
@@ -549,9 +555,7 @@ class HostArena:
         """
         if self._mapping.closed:
             return
-        prefaulter, self._prefaulter = self._prefaulter, None
-        if prefaulter is not None:
-            prefaulter.stop()  # at most one chunk: it must not touch an unmapped region
+        self._mapping.stop_mapping_in()  # before unpinning and unmapping the region
         unpin, self._unpin = self._unpin, None
         try:
             if unpin is not None:
