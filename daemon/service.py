@@ -377,6 +377,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
+        if request.unpinned and not request.compact_slots:
+            raise InvalidArgument(
+                "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
+            )
         self._release_done(request.release_lease_ids)
         ttl = convert.seconds(request.ttl_s, "ttl_s")
 
@@ -384,7 +388,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             if request.max_blocks:
                 keys = keys[: request.max_blocks]
-            if request.unpinned and request.compact_slots:
+            if request.unpinned:
                 located = self._store.locate(spec.ns_id, keys)
                 if located is not None:
                     return convert.located_response(

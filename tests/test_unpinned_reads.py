@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import numpy as np
 import pytest
 from conftest import Daemon, kv_stub
@@ -287,7 +288,21 @@ def test_unpinned_acquire_answers_epochs_and_no_lease(kvstored: Daemon) -> None:
         request.unpinned = False
         pinned = stub.Acquire(request, timeout=10)
         assert pinned.lease_id != 0 and not pinned.slot_epochs
+
+        # unpinned without compact_slots: refused, and the lease to release is kept
+        bad = pb.AcquireRequest(
+            ns_id=ns.ns_id,
+            tokens=list(range(2 * TOKENS)),
+            unpinned=True,
+            release_lease_ids=[pinned.lease_id],
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Acquire(bad, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unpinned needs compact_slots" in (refused.value.details() or "")
+        assert client.stats().leases == 1
         stub.Release(pb.ReleaseRequest(lease_id=pinned.lease_id), timeout=10)
+        assert client.stats().leases == 0
 
 
 def test_server_info_says_when_the_arena_is_not_prefaulted(kvstored_factory) -> None:  # noqa: ANN001
