@@ -381,8 +381,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise InvalidArgument(
                 "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
             )
+        ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
         self._release_done(request.release_lease_ids)
-        ttl = convert.seconds(request.ttl_s, "ttl_s")
 
         def acquire(quick: bool = False) -> pb.AcquireResponse:
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)

@@ -301,6 +301,12 @@ def test_unpinned_acquire_answers_epochs_and_no_lease(kvstored: Daemon) -> None:
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unpinned needs compact_slots" in (refused.value.details() or "")
         assert client.stats().leases == 1
+        bad.compact_slots, bad.ttl_s = True, -1.0  # a bad ttl: refused the same way
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Acquire(bad, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ttl_s must be" in (refused.value.details() or "")
+        assert client.stats().leases == 1
         stub.Release(pb.ReleaseRequest(lease_id=pinned.lease_id), timeout=10)
         assert client.stats().leases == 0
 
