@@ -287,6 +287,17 @@ class TokenSource:
         return np.arange(first, first + n_tokens, dtype=np.int64) % (1 << 31)
 
 
+def _timed_pass(calls: Sequence[Callable[[], object]], latencies: list[float]) -> float:
+    """One timed pass over ``calls``: its seconds; each call's latency (ms) is appended."""
+    clock = time.perf_counter
+    start = clock()
+    for call in calls:
+        t0 = clock()
+        call()
+        latencies.append((clock() - t0) * 1e3)
+    return clock() - start
+
+
 def timed_passes(
     calls: Sequence[Callable[[], object]],
     repeat: int,
@@ -302,17 +313,44 @@ def timed_passes(
             call()
     best = math.inf
     latencies: list[float] = []
-    clock = time.perf_counter
     for _ in range(repeat):
         if before_pass is not None:
             before_pass()
-        start = clock()
-        for call in calls:
-            t0 = clock()
-            call()
-            latencies.append((clock() - t0) * 1e3)
-        best = min(best, clock() - start)
+        best = min(best, _timed_pass(calls, latencies))
     return best, latencies
+
+
+@dataclass
+class Series:
+    """One series of an interleaved measurement: ``calls`` is one pass of it."""
+
+    result: Result  # its best pass and latencies land here (two series may share one)
+    calls: Sequence[Callable[[], object]]
+    warmup: Callable[[], None] | None = None
+    before_pass: Callable[[], None] | None = None
+
+
+def interleaved_passes(series: Sequence[Series], repeat: int) -> None:
+    """Measure ``series`` in turns: one untimed warm-up of each, in order (``warmup``,
+    else one pass of its calls), then ``repeat`` rounds of one timed pass of each.
+
+    Why in turns: this host's speed drifts by up to 2x within a minute (other tenants).
+    A ratio of two figures measured minutes apart measures that drift as much as the
+    code; taken in turns, every series of a ratio sees the same slow and quick spells,
+    and each keeps its best pass.
+    """
+    for one in series:
+        if one.warmup is not None:
+            one.warmup()
+        else:
+            for call in one.calls:
+                call()
+    for _ in range(repeat):
+        for one in series:
+            if one.before_pass is not None:
+                one.before_pass()
+            seconds = _timed_pass(one.calls, one.result.latencies_ms)
+            one.result.seconds = min(one.result.seconds, seconds)
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -567,6 +605,17 @@ class RedisBaseline:
 
         self.parser = "hiredis" if HIREDIS_AVAILABLE else "python"
 
+    @staticmethod
+    def keys(layout: Layout, call: int, batch: int) -> list[bytes]:
+        """The Redis keys of the blocks of one call."""
+        return [f"{layout.name}:{call}:{i}".encode() for i in range(batch)]
+
+    def check(self, layout: Layout, case: Case) -> None:
+        """The first block of the case's first call reads back as put."""
+        first = self.client.get(self.keys(layout, 0, 1)[0])
+        if first is None or first != case.source[0][0].tobytes():
+            raise RuntimeError("redis returned other bytes")
+
     def _ping(self) -> bool:
         try:
             return bool(self.client.ping())
@@ -728,15 +777,9 @@ class Bench:
 
     # -- measuring
 
-    def record(self, result: Result, seconds: float, latencies: list[float]) -> Result:
-        result.seconds = seconds
-        result.latencies_ms = latencies
-        self.results.append(result)
-        return result
-
     def run(self) -> None:
         combos = list(self.combos())
-        steps = len(combos) * (5 + 2 * len(self.s.paths) + (2 if self.s.redis else 0))
+        steps = len(combos) * (3 + len(self.s.paths))  # see host_cases
         if self.daemon is not None and self.s.disk:
             steps += 4 + len(combos) * len(self.s.paths) * (self.s.disk_passes + self.s.cold)
         self.progress = Progress(steps)
@@ -753,6 +796,10 @@ class Bench:
         self.progress.close()
 
     def host_cases(self, layout: Layout, batch: int) -> None:
+        """Every host-tier case of one (layout, batch). The series that a target compares
+        are measured in turns (:func:`interleaved_passes`): the puts beside memcpy, the
+        raw gRPC push and Redis SET; the gets beside memcpy, the raw gRPC pull and Redis
+        GET. The rest (lookups, zero-copy views, misses, the echo) one after another."""
         s, bb = self.s, layout.block_bytes
         label = f"{layout.name} x{batch}"
         fast = self.case(layout, batch, s.bytes_per_pass)
@@ -760,7 +807,7 @@ class Bench:
         out = self.out[: fast.call_bytes].reshape(batch, bb)
 
         def meta(system: str, op: str, path: str, tier: str, calls: int) -> Result:
-            return Result(
+            result = Result(
                 system,
                 op,
                 path,
@@ -772,43 +819,52 @@ class Bench:
                 calls * batch,
                 calls * fast.call_bytes,
             )
+            self.results.append(result)
+            return result
 
-        # memcpy: the same bytes, call by call, into the reused buffer
-        copies = [lambda src=src: np.copyto(out, src) for src in fast.source]
-        self.record(meta("memcpy", "get", "-", "-", len(copies)), *timed_passes(copies, s.repeat))
-        self.progress.step(f"memcpy {label}")
+        def chains(path: str) -> int:
+            return len(fast.tokens) if path == "arena" else slow_k
+
+        # memcpy: the same bytes, call by call, into the reused buffer; measured in both
+        # groups into one result (its best pass of all)
+        memcpy = Series(
+            meta("memcpy", "get", "-", "-", len(fast.source)),
+            [lambda src=src: np.copyto(out, src) for src in fast.source],
+        )
+        namespaces = {path: self.ns(path, layout) for path in s.paths}
+        # the path with the most chains puts last, so its pass leaves every chain stored
+        order = sorted(s.paths, key=chains)
+        puts = [self.put_series(namespaces[path], path, fast, chains(path), meta) for path in order]
+        gets = [
+            Series(
+                meta("kvstore", "get", path, "host", chains(path)),
+                [
+                    lambda t=t, ns=namespaces[path]: ns.get(t, out=out)
+                    for t in fast.tokens[: chains(path)]
+                ],
+            )
+            for path in s.paths
+        ]
+        raw_put, raw_get = self.raw_series(fast, slow_k, out, meta)
+        redis_put, redis_get = self.redis_series(layout, batch, fast, slow_k, meta)
+        interleaved_passes(puts[:-1] + [raw_put] + redis_put + puts[-1:] + [memcpy], s.repeat)
+        self.progress.step(f"put {label}")
+        for path in s.paths:
+            k = chains(path)
+            self._check(namespaces[path], fast.tokens[k - 1], fast.source[k - 1], out)
+        if self.redis is not None:
+            self.redis.check(layout, fast)
+        interleaved_passes([memcpy] + gets + [raw_get] + redis_get, s.repeat)
+        self.progress.step(f"get {label}")
 
         for path in s.paths:
-            k = len(fast.tokens) if path == "arena" else slow_k
-            ns = self.ns(path, layout)
-            tokens, source = fast.tokens[:k], fast.source[:k]
-
-            def put_all(ns: Namespace = ns, tokens: list = tokens, source: list = source) -> None:
-                for t, b in zip(tokens, source, strict=True):
-                    ns.put(t, b)
-
-            puts = [
-                lambda t=t, b=b, ns=ns: ns.put(t, b) for t, b in zip(tokens, source, strict=True)
-            ]
-            clear = lambda ns=ns: ns.client.clear(ns.ns_id)  # noqa: E731
-            self.record(
-                meta("kvstore", "put", path, "host", k),
-                *timed_passes(puts, s.repeat, warmup=put_all, before_pass=clear),
-            )
-            self.progress.step(f"put {path} {label}")
-            self._check(ns, tokens[0], source[0], out)
-
-            gets = [lambda t=t, ns=ns: ns.get(t, out=out) for t in tokens]
-            self.record(meta("kvstore", "get", path, "host", k), *timed_passes(gets, s.repeat))
-            self.progress.step(f"get {path} {label}")
-
+            ns, k = namespaces[path], chains(path)
+            tokens = fast.tokens[:k]
             if path == s.paths[0]:
                 lookups = [lambda t=t, ns=ns: ns.lookup(t) for t in tokens]
                 self.record(
                     meta("kvstore", "lookup", path, "host", k), *timed_passes(lookups, s.repeat)
                 )
-                self.progress.step(f"lookup {label}")
-
             both = [lambda t=t, ns=ns: (ns.lookup(t), ns.get(t, out=out)) for t in tokens]
             self.record(
                 meta("kvstore", "lookup+get", path, "host", k), *timed_passes(both, s.repeat)
@@ -831,11 +887,38 @@ class Bench:
                 meta("kvstore", "miss", path, "miss", len(misses)), *timed_passes(misses, s.repeat)
             )
             r.bytes = 0
+            self.progress.step(f"lookup, acquire, miss {path} {label}")
+        for ns in namespaces.values():
             ns.client.clear(ns.ns_id)
-
-        self.raw_cases(layout, batch, fast, slow_k, out, meta, label)
+        self.raw_echo(fast, slow_k, out, meta)
+        self.progress.step(f"grpc echo {label}")
         if self.redis is not None:
-            self.redis_cases(layout, batch, fast, slow_k, meta, label)
+            self.redis.client.flushall()
+
+    def put_series(
+        self, ns: Namespace, path: str, fast: Case, k: int, meta: Callable[..., Result]
+    ) -> Series:
+        """Puts of the first ``k`` chains of ``fast``; every pass starts from an empty
+        namespace."""
+        tokens, source = fast.tokens[:k], fast.source[:k]
+
+        def put_all() -> None:
+            for t, b in zip(tokens, source, strict=True):
+                ns.put(t, b)
+
+        return Series(
+            meta("kvstore", "put", path, "host", k),
+            [lambda t=t, b=b: ns.put(t, b) for t, b in zip(tokens, source, strict=True)],
+            warmup=put_all,
+            before_pass=lambda: ns.client.clear(ns.ns_id),
+        )
+
+    def record(self, result: Result, seconds: float, latencies: list[float]) -> Result:
+        result.seconds = seconds
+        result.latencies_ms = latencies
+        if not any(known is result for known in self.results):  # meta() added some
+            self.results.append(result)
+        return result
 
     def _check(
         self, ns: Namespace, tokens: np.ndarray, source: np.ndarray, out: np.ndarray
@@ -844,16 +927,11 @@ class Bench:
         if got.n_blocks != source.shape[0] or not np.array_equal(got.blocks, source):
             raise RuntimeError(f"{ns}: a get did not return the bytes put")
 
-    def raw_cases(
-        self,
-        layout: Layout,
-        batch: int,
-        fast: Case,
-        k: int,
-        out: np.ndarray,
-        meta: Callable[..., Result],
-        label: str,
-    ) -> None:
+    def raw_series(
+        self, fast: Case, k: int, out: np.ndarray, meta: Callable[..., Result]
+    ) -> tuple[Series, Series]:
+        """The raw gRPC push (the bytes of ``k`` calls of ``fast``, in inline chunks) and
+        pull (as many bytes, into ``out``)."""
         raw = self.raw
         assert raw is not None
         flat = out.reshape(-1)
@@ -872,38 +950,37 @@ class Bench:
                 timeout=600,
             )
 
+        put = Series(
+            meta("grpc-raw", "put", "inline", "-", k),
+            [lambda s=s: push(s) for s in fast.source[:k]],
+        )
+        return put, Series(meta("grpc-raw", "get", "inline", "-", k), [pull] * k)
+
+    def raw_echo(self, fast: Case, k: int, out: np.ndarray, meta: Callable[..., Result]) -> None:
+        """The raw gRPC echo: each call's bytes there and back in one message."""
+        raw = self.raw
+        assert raw is not None
+        if fast.call_bytes > 256 * MiB:
+            return
+        flat = out.reshape(-1)
+
         def echo(src: np.ndarray) -> None:
             back = raw.echo(src.tobytes(), timeout=600)
             np.copyto(flat, np.frombuffer(back, np.uint8))
 
-        sources = fast.source[:k]
-        self.record(
-            meta("grpc-raw", "get", "inline", "-", k), *timed_passes([pull] * k, self.s.repeat)
-        )
-        self.record(
-            meta("grpc-raw", "put", "inline", "-", k),
-            *timed_passes([lambda s=s: push(s) for s in sources], self.s.repeat),
-        )
-        if size <= 256 * MiB:
-            self.record(
-                meta("grpc-raw", "echo", "inline", "-", k),
-                *timed_passes([lambda s=s: echo(s) for s in sources], self.s.repeat),
-            )
-        self.progress.step(f"grpc raw {label}")
+        calls = [lambda s=s: echo(s) for s in fast.source[:k]]
+        self.record(meta("grpc-raw", "echo", "inline", "-", k), *timed_passes(calls, self.s.repeat))
 
-    def redis_cases(
-        self,
-        layout: Layout,
-        batch: int,
-        fast: Case,
-        k: int,
-        meta: Callable[..., Result],
-        label: str,
-    ) -> None:
+    def redis_series(
+        self, layout: Layout, batch: int, fast: Case, k: int, meta: Callable[..., Result]
+    ) -> tuple[list[Series], list[Series]]:
+        """Redis SET/MSET of ``k`` calls of ``fast`` (every pass from an empty server)
+        and GET/MGET of them; none without the Redis baseline."""
         redis = self.redis
-        assert redis is not None
+        if redis is None:
+            return [], []
         r = redis.client
-        keys = [[f"{layout.name}:{c}:{i}".encode() for i in range(batch)] for c in range(k)]
+        keys = [redis.keys(layout, c, batch) for c in range(k)]
         values = [[memoryview(block) for block in fast.source[c]] for c in range(k)]
 
         def put(c: int) -> None:
@@ -917,21 +994,13 @@ class Bench:
             if got is None:
                 raise RuntimeError("redis lost a block")
 
-        flush = r.flushall
-        self.record(
+        puts = Series(
             meta("redis", "put", "-", "host", k),
-            *timed_passes([lambda c=c: put(c) for c in range(k)], self.s.repeat, before_pass=flush),
+            [lambda c=c: put(c) for c in range(k)],
+            before_pass=r.flushall,
         )
-        self.progress.step(f"redis set {label}")
-        first = r.get(keys[0][0])
-        if first is None or first != fast.source[0][0].tobytes():
-            raise RuntimeError("redis returned other bytes")
-        self.record(
-            meta("redis", "get", "-", "host", k),
-            *timed_passes([lambda c=c: get(c) for c in range(k)], self.s.repeat),
-        )
-        self.progress.step(f"redis get {label}")
-        flush()
+        gets = Series(meta("redis", "get", "-", "host", k), [lambda c=c: get(c) for c in range(k)])
+        return [puts], [gets]
 
     # -- the disk tier
 

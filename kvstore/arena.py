@@ -492,6 +492,29 @@ class HostArena:
         start, extent = found
         return self._carve(start, extent, rounded, align)
 
+    def alloc_run(self, size: int, count: int) -> list[int]:
+        """Offsets of ``count`` new slots of ``size`` bytes carved as one contiguous run
+        (one free-extent lookup and one carve instead of ``count``, and the blocks of a
+        put land next to each other, so the client copies them in one piece); [] when
+        no free extent holds the whole run (the caller allocates slot by slot)."""
+        size, count = operator.index(size), operator.index(count)
+        if size <= 0 or count <= 0:
+            raise ValueError(f"a run of {count} slots of {size} bytes")
+        rounded, align = _slot_shape(size)
+        total = rounded * count
+        if count == 1 or total > self.capacity_bytes:
+            offset = self.alloc(size) if count == 1 else None
+            return [] if offset is None else [offset]
+        found = self._good_fit(total, align)
+        if found is None:
+            return []
+        first = self._carve(found[0], found[1], total, align)
+        del self._slots[first]  # carved as one slot of the whole run: split it
+        offsets = list(range(first, first + total, rounded))
+        for offset in offsets:
+            self._slots[offset] = rounded
+        return offsets
+
     def free(self, offset: int) -> None:
         """Return a slot; merges it with free neighbours. Unknown offsets raise ValueError.
         Bumps the slot's epoch: a reader that copied it unpinned discards its copy."""

@@ -521,8 +521,14 @@ class Store:
                 # new blocks go to host, so their prefix must be there too (parents first)
                 promoted = all(self._promote_now(node) for node in walk if not node.in_host)
                 out_of_space = not promoted
-                for i in range(max(start, len(walk)), len(keys) if promoted else 0):
-                    offset = self._alloc_host(entry.spec.block_bytes)
+                first_new = max(start, len(walk))
+                size = entry.spec.block_bytes
+                # one carve for the whole batch when a free extent holds it, else slot
+                # by slot (evicting as needed)
+                wanted = len(keys) - first_new if promoted else 0
+                run = self._arena.alloc_run(size, wanted) if wanted > 0 else []
+                for i in range(first_new, len(keys) if promoted else 0):
+                    offset = run[i - first_new] if run else self._alloc_host(size)
                     if offset is None:
                         out_of_space = True
                         break
@@ -533,6 +539,8 @@ class Store:
                     created.append(node)
                     parent = node
             finally:
+                for offset in run[len(created) :]:  # only if something above raised
+                    self._arena.free(offset)
                 for node in walk:
                     node.pins -= 1
             self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
@@ -566,13 +574,12 @@ class Store:
             for node in batch:
                 node.state = READY
                 node.pins -= 1
-                self._host_policy.insert(node)
-                self._emit(EventKind.STORED, node, Tier.HOST)
             self._pending -= n
             self._c.host_bytes_in += n * lease.entry.spec.block_bytes
             lease.committed += n
             if batch:
-                self._touch(batch)
+                self._insert_used(batch)
+                self._emit_all(EventKind.STORED, batch, Tier.HOST)
                 if self.config.admission == "write-through" and self._disk is not None:
                     for node in batch:
                         self._write_to_disk(node)
@@ -1235,6 +1242,20 @@ class Store:
         if self._disk is not None:
             self._disk_policy.touch_all(used)
 
+    def _insert_used(self, batch: Sequence[Node]) -> None:
+        """List blocks that just became ready (one run of a chain, parents first) in the
+        host tier as just used, then touch their prefix: the order that inserting them
+        and then ``_touch(batch)`` gives, with one list operation per block, not three."""
+        policy = self._host_policy
+        now = self._wall()
+        for node in reversed(batch) if policy.touch_prefix else batch:
+            node.last_access = now
+            policy.insert(node)
+        parent = batch[0].parent
+        if policy.touch_prefix and parent is not None:
+            prefix = [parent, *parent.ancestors()]
+            self._touch(prefix[::-1])  # root first, as _touch expects
+
     # --- eviction -------------------------------------------------------------------
     def _alloc_host(self, size: int) -> int | None:
         """A host slot of ``size`` bytes, evicting host leaves until one fits."""
@@ -1432,8 +1453,12 @@ class Store:
 
     # --- events ---------------------------------------------------------------------
     def _emit(self, kind: EventKind, node: Node, tier: Tier | None) -> None:
-        self._seq += 1
-        self._events.append(
-            Event(self._seq, kind, node.ns.spec.ns_id, node.key, tier, self._wall())
-        )
+        self._emit_all(kind, (node,), tier)
+
+    def _emit_all(self, kind: EventKind, nodes: Sequence[Node], tier: Tier | None) -> None:
+        """One event per node, in order; waiters are woken once."""
+        now = self._wall()
+        for node in nodes:
+            self._seq += 1
+            self._events.append(Event(self._seq, kind, node.ns.spec.ns_id, node.key, tier, now))
         self._changed.notify_all()

@@ -105,6 +105,33 @@ def test_alloc_fills_the_arena_then_returns_none(make_arena):
     assert arena.alloc(4 * KiB) == offsets[2]
 
 
+def test_alloc_run_carves_contiguous_slots_that_free_one_by_one(make_arena):
+    arena = make_arena(64 * KiB)
+    run = arena.alloc_run(5000, 3)  # page slots: 8 KiB each, back to back
+    assert run == [run[0], run[0] + 8 * KiB, run[0] + 16 * KiB] and run[0] % 4096 == 0
+    assert [arena.slot_size(o) for o in run] == [8 * KiB] * 3
+    small = arena.alloc_run(100, 4)  # grain slots: 128 B each, back to back
+    assert [b - a for a, b in zip(small, small[1:], strict=False)] == [128] * 3
+    assert arena.used_bytes == 24 * KiB + 4 * 128
+    for offset in run + small:  # each is a slot of its own
+        arena.free(offset)
+    assert arena.used_bytes == 0 and arena.stats().largest_free_bytes == 64 * KiB
+    (one,) = arena.alloc_run(4096, 1)  # a run of one is a plain alloc
+    assert arena.slot_size(one) == 4096 and arena.used_bytes == 4096
+
+
+def test_alloc_run_is_empty_when_no_extent_holds_the_whole_run(make_arena):
+    arena = make_arena(16 * KiB)
+    a, b, c, d = (arena.alloc(4 * KiB) for _ in range(4))
+    arena.free(a)
+    arena.free(c)  # two 4 KiB holes, not next to each other
+    assert arena.alloc_run(4 * KiB, 2) == []
+    assert arena.used_bytes == 8 * KiB  # nothing taken
+    assert sorted([arena.alloc(4 * KiB), arena.alloc(4 * KiB)]) == [a, c]
+    with pytest.raises(ValueError):
+        arena.alloc_run(4 * KiB, 0)
+
+
 def test_capacity_is_rounded_down_to_pages(make_arena):
     # 10000 bytes -> two whole pages are usable
     assert make_arena(10_000).capacity_bytes == 8 * KiB

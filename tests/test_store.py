@@ -344,3 +344,20 @@ def test_out_of_space_is_told_apart_from_a_missing_parent() -> None:
         result = s.put(ns, s.keys_for(ns, seq(100, 1)), [payload(2)])
         assert result.refused == 1 and result.out_of_space
         s.release(lease.lease_id)
+
+
+def test_commit_lists_new_blocks_leaf_first_and_touches_their_prefix() -> None:
+    """After a put the eviction order (oldest first) is: older blocks, the new blocks leaf
+    first, then the prefix they extend, root last (a prefix is never older than its
+    continuations)."""
+    with make_store(16) as s:
+        ns = open_ns(s)
+        prompt = s.keys_for(ns, seq(0, 2))
+        s.put(ns, prompt, [payload(0), payload(1)])
+        other = s.keys_for(ns, seq(500, 1))
+        s.put(ns, other, [payload(5)])
+        longer = s.keys_for(ns, seq(0, 2) + seq(100, 3))
+        s.put(ns, longer, [payload(i) for i in range(2, 5)], start=2)
+        order = [node.key for node in s._host_policy.candidates()]
+        assert order == [other[0], longer[4], longer[3], longer[2], prompt[1], prompt[0]]
+        s.verify_invariants()
