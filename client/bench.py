@@ -1343,7 +1343,8 @@ def render_markdown(bench: Bench, argv: Sequence[str], elapsed: float, png: str 
         f"redis = {bench.info.get('redis', 'skipped')}",
         f"- cold disk passes: page cache dropped with {bench.info.get('cold', 'n/a')}",
         "- GB/s = 1e9 bytes/s of block bytes moved; best of the timed passes; p50/p99 per "
-        "call over every timed call",
+        "call over every timed call; the puts (kvstore, grpc raw push, redis, memcpy) take "
+        "their passes in turns, and so do the gets",
     ]
     for note in bench.notes:
         lines.append(f"- {note}")

@@ -52,6 +52,11 @@ the wrong size; instead every slot is one contiguous extent carved from free ext
 5. Large slots are carved from the head of an extent (after its alignment pad, which
    stays free), small ones from its tail, which keeps the start of the remaining
    extent page-aligned for the next large slot.
+6. ``alloc_run`` carves the slots of a whole put as one run from one extent (one
+   lookup and one carve, then split into slots that are freed one by one like any),
+   when a free extent holds the run; the store falls back to slot-by-slot alloc
+   (with eviction) when none does. Contiguous slots also let the client copy a put
+   in one piece.
 
 Per slot this costs one dict entry: hundreds of thousands of slots are fine. The
 arena is not thread-safe; the store calls it under its own lock.
