@@ -807,7 +807,7 @@ class Bench:
         out = self.out[: fast.call_bytes].reshape(batch, bb)
 
         def meta(system: str, op: str, path: str, tier: str, calls: int) -> Result:
-            result = Result(
+            return Result(
                 system,
                 op,
                 path,
@@ -819,8 +819,6 @@ class Bench:
                 calls * batch,
                 calls * fast.call_bytes,
             )
-            self.results.append(result)
-            return result
 
         def chains(path: str) -> int:
             return len(fast.tokens) if path == "arena" else slow_k
@@ -856,6 +854,8 @@ class Bench:
             self.redis.check(layout, fast)
         interleaved_passes([memcpy] + gets + [raw_get] + redis_get, s.repeat)
         self.progress.step(f"get {label}")
+        measured = [memcpy, *puts, *gets, raw_put, raw_get, *redis_put, *redis_get]
+        self.results.extend(one.result for one in measured)
 
         for path in s.paths:
             ns, k = namespaces[path], chains(path)
@@ -916,8 +916,7 @@ class Bench:
     def record(self, result: Result, seconds: float, latencies: list[float]) -> Result:
         result.seconds = seconds
         result.latencies_ms = latencies
-        if not any(known is result for known in self.results):  # meta() added some
-            self.results.append(result)
+        self.results.append(result)
         return result
 
     def _check(

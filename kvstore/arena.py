@@ -507,9 +507,11 @@ class HostArena:
             raise ValueError(f"a run of {count} slots of {size} bytes")
         rounded, align = _slot_shape(size)
         total = rounded * count
-        if count == 1 or total > self.capacity_bytes:
-            offset = self.alloc(size) if count == 1 else None
+        if count == 1:
+            offset = self.alloc(size)
             return [] if offset is None else [offset]
+        if total > self.capacity_bytes:
+            return []
         found = self._good_fit(total, align)
         if found is None:
             return []

@@ -522,12 +522,12 @@ class Store:
                 promoted = all(self._promote_now(node) for node in walk if not node.in_host)
                 out_of_space = not promoted
                 first_new = max(start, len(walk))
+                end = len(keys) if promoted else first_new
                 size = entry.spec.block_bytes
                 # one carve for the whole batch when a free extent holds it, else slot
                 # by slot (evicting as needed)
-                wanted = len(keys) - first_new if promoted else 0
-                run = self._arena.alloc_run(size, wanted) if wanted > 0 else []
-                for i in range(first_new, len(keys) if promoted else 0):
+                run = self._arena.alloc_run(size, end - first_new) if end > first_new else []
+                for i in range(first_new, end):
                     offset = run[i - first_new] if run else self._alloc_host(size)
                     if offset is None:
                         out_of_space = True
@@ -1253,8 +1253,7 @@ class Store:
             policy.insert(node)
         parent = batch[0].parent
         if policy.touch_prefix and parent is not None:
-            prefix = [parent, *parent.ancestors()]
-            self._touch(prefix[::-1])  # root first, as _touch expects
+            self._touch((parent,))  # a prefix-aware touch of a block is one of its prefix
 
     # --- eviction -------------------------------------------------------------------
     def _alloc_host(self, size: int) -> int | None:
