@@ -45,8 +45,12 @@ from kvstore.arena import ArenaMapping, map_arena
 log = logging.getLogger(__name__)
 
 # A copy of at least this many bytes is split between COPY_THREADS threads (the caller
-# and helpers). Below it a thread hand-off costs more than it saves.
-PARALLEL_COPY_BYTES = 2 << 20
+# and helpers). Below it a thread hand-off costs more than it saves, and the daemon
+# wants the other core. Copies out of the arena, one thread vs two, medians (2-core
+# VMs): 4 MiB 0.146 vs 0.18-0.20 ms, 8 MiB 0.285 vs 0.31, 16 MiB 0.58 vs 0.51 (AMD EPYC,
+# 2026-11-23); an earlier host's early copies: 4 MiB 0.59-0.74 vs 0.64-0.77, 16 MiB
+# 2.6-3.1 vs 1.3-1.9.
+PARALLEL_COPY_BYTES = 8 << 20
 COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -201,14 +205,11 @@ def _copy_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def parallel_copy(
-    pairs: Sequence[tuple[np.ndarray, np.ndarray]], one_thread: bool = False
-) -> None:
+def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     """``np.copyto(dst, src)`` for each pair; pairs that together hold at least
-    ``PARALLEL_COPY_BYTES`` are cut into row ranges copied by COPY_THREADS threads,
-    unless ``one_thread`` (a copy that overlaps the daemon's work on another core)."""
+    ``PARALLEL_COPY_BYTES`` are cut into row ranges copied by COPY_THREADS threads."""
     total = sum(dst.nbytes for dst, _ in pairs)
-    if one_thread or COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
+    if COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
         for dst, src in pairs:
             np.copyto(dst, src)
         return
@@ -271,7 +272,6 @@ def read_slots(
     out: np.ndarray,
     block_bytes: int,
     first_index: int = 0,
-    one_thread: bool = False,
 ) -> None:
     """Copy the slot of each chain ``index`` into ``out[index - first_index]``
     (uint8 ``[n, block_bytes]``): one copy per run, no intermediate buffer."""
@@ -282,7 +282,7 @@ def read_slots(
         row = int(table.indices[run.pos]) - first_index
         src = run_view(arena, run, block_bytes, writable=False)
         pairs.append((out[row : row + run.count], src))
-    parallel_copy(pairs, one_thread)
+    parallel_copy(pairs)
 
 
 def read_runs(
@@ -291,7 +291,6 @@ def read_runs(
     out: np.ndarray,
     block_bytes: int,
     first_row: int = 0,
-    one_thread: bool = False,
 ) -> None:
     """Copy the runs of a table whose chain positions are 0, 1, 2 ... (an Acquire
     answer's) into ``out[first_row + run.pos ...]``: :func:`read_slots` with the runs
@@ -302,7 +301,7 @@ def read_runs(
         row = first_row + run.pos
         src = run_view(arena, run, block_bytes, writable=False)
         pairs.append((out[row : row + run.count], src))
-    parallel_copy(pairs, one_thread)
+    parallel_copy(pairs)
 
 
 def slot_views(

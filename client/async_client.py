@@ -66,7 +66,14 @@ from kvclient.results import (
     Stats,
 )
 from kvclient.sync_client import DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
-from kvclient.unpinned_reads import LastSlots, UnpinnedGet, epoch_table
+from kvclient.unpinned_reads import (
+    LastSlots,
+    ReadKey,
+    ReadReports,
+    UnpinnedGet,
+    epoch_table,
+    wanted_blocks,
+)
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvproto.v1.local_calls import UNARY_METHODS
@@ -108,12 +115,20 @@ class AsyncKVClient:
         self._info: ServerInfo | None = None  # None: ask the daemon again
         self._arena: ClientArena | None = None
         self._closed = False
-        # read leases done with, not released yet (see _release_later)
+        # read leases done with, not released yet (see _release_later), and gets served
+        # from known slots, not reported yet (see _report_read)
         self._done: list[int] = []
+        self._reads = ReadReports()
         self._flush_handle: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[None]] = set()
-        # calls whose answer a block still pinned by this client cannot change
-        self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
+        # calls whose answer neither a block still pinned by this client nor a read it
+        # has not reported can change
+        self._unordered = (
+            self._stub.Acquire,
+            self._stub.Lookup,
+            self._stub.ServerInfo,
+            self._stub.ReportReads,
+        )
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: AsyncLocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}
@@ -157,7 +172,7 @@ class AsyncKVClient:
     ) -> _Response:
         """One unary call; every gRPC error becomes a KVStoreError. ``during`` runs on a
         worker thread while the call is in flight (local calls), else before it."""
-        if self._done and method not in self._unordered:
+        if (self._done or self._reads) and method not in self._unordered:
             await self._settle()
         local = self._local
         if local is not None:
@@ -192,13 +207,26 @@ class AsyncKVClient:
         """Release a read lease with the next Acquire, or within RELEASE_DELAY_S (see
         :meth:`kvclient.KVClient._release_later`)."""
         self._done.append(lease_id)
+        self._flush_later()
+
+    def _report_read(self, key: ReadKey, tokens: list[int], n_blocks: int) -> None:
+        """Report a get served from known slots later (see
+        :meth:`kvclient.KVClient._report_read`)."""
+        if self._reads.add(key, tokens, n_blocks):
+            self._flush_soon()  # many prefixes pending: now
+        else:
+            self._flush_later()
+
+    def _flush_later(self) -> None:
         if self._flush_handle is None and not self._closed:
             loop = asyncio.get_running_loop()
             self._flush_handle = loop.call_later(RELEASE_DELAY_S, self._flush_soon)
 
     def _flush_soon(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
         self._flush_handle = None
-        if self._done:
+        if self._done or self._reads:
             task = asyncio.ensure_future(self._settle())
             self._flushes.add(task)
             task.add_done_callback(self._flushes.discard)
@@ -208,15 +236,21 @@ class AsyncKVClient:
         return done
 
     async def _settle(self) -> None:
-        """Release the pending leases now (one Release call for all of them)."""
+        """Release the pending leases (one Release call for all of them) and report the
+        pending reads (one ReportReads) now."""
         done = self._take_done()
-        if not done:
-            return
-        request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
-        try:
-            await self._call(self._stub.Release, request)
-        except KVStoreError as exc:
-            log.debug("release of %d leases: %s", len(done), exc)
+        reads = self._reads.take()
+        if done:
+            request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
+            try:
+                await self._call(self._stub.Release, request)
+            except KVStoreError as exc:
+                log.debug("release of %d leases: %s", len(done), exc)
+        if reads is not None:
+            try:
+                await self._call(self._stub.ReportReads, reads)
+            except KVStoreError as exc:
+                log.debug("report of reads of %d prefixes: %s", len(reads.prefixes), exc)
 
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
         return self._checked(error_from_rpc(exc, self.addr))
@@ -415,7 +449,14 @@ class AsyncNamespace:
         client = self.client
         last_slots = client._last_slots
         key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
-        reader = UnpinnedGet(epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks)
+        wanted = wanted_blocks(len(tokens), self.block_tokens, max_blocks)
+        reader = UnpinnedGet(
+            epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks, wanted
+        )
+        known = await asyncio.to_thread(reader.read_known) if reader.knows_all else None
+        if known is not None:  # no call: the slots still hold the last answer's blocks
+            client._report_read(key, tokens, len(known))
+            return GetResult(tokens=len(known) * self.block_tokens, blocks=known)
         request = wire.get_request(
             self.ns_id, tokens, extra, max_blocks, client._take_done(), unpinned=True
         )

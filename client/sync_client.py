@@ -68,7 +68,14 @@ from kvclient.results import (
     ServerInfo,
     Stats,
 )
-from kvclient.unpinned_reads import LastSlots, UnpinnedGet, epoch_table
+from kvclient.unpinned_reads import (
+    LastSlots,
+    ReadKey,
+    ReadReports,
+    UnpinnedGet,
+    epoch_table,
+    wanted_blocks,
+)
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvproto.v1.local_calls import UNARY_METHODS
@@ -113,14 +120,22 @@ class KVClient:
         self._info: ServerInfo | None = None  # None: ask the daemon again
         self._arena: ClientArena | None = None
         self._closed = False
-        # read leases done with, not released yet (see _release_later)
+        # read leases done with, not released yet (see _release_later), and gets served
+        # from known slots, not reported yet (see _report_read): the flusher's work
         self._done: list[int] = []
-        self._done_since = 0.0
+        self._reads = ReadReports()
+        self._pending_since = 0.0  # when the oldest pending lease or read was queued
         self._done_cond = threading.Condition()
         self._flusher: threading.Thread | None = None
         self._flusher_parked = False  # waiting for work (else: for a pending lease's due time)
-        # calls whose answer a block still pinned by this client cannot change
-        self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
+        # calls whose answer neither a block still pinned by this client nor a read it
+        # has not reported can change
+        self._unordered = (
+            self._stub.Acquire,
+            self._stub.Lookup,
+            self._stub.ServerInfo,
+            self._stub.ReportReads,
+        )
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: LocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}
@@ -165,7 +180,7 @@ class KVClient:
     ) -> _Response:
         """One unary call; every gRPC error becomes a KVStoreError. ``during`` runs
         while the call is in flight (local calls), else before it."""
-        if self._done and method not in self._unordered:
+        if (self._done or self._reads) and method not in self._unordered:
             self._settle()
         local = self._local
         if local is not None:
@@ -206,17 +221,39 @@ class KVClient:
         releases what is pending, so this client never sees its own stale pins.
         """
         with self._done_cond:
-            if not self._done:
-                self._done_since = time.monotonic()
+            self._mark_pending()
             self._done.append(lease_id)
-            # not alive: never started, or started in the parent before a fork
-            if (self._flusher is None or not self._flusher.is_alive()) and not self._closed:
-                self._flusher = threading.Thread(
-                    target=self._flush_loop, name="kvclient-release", daemon=True
-                )
-                self._flusher.start()
-            elif self._flusher_parked:  # wake it only from idle: no thread hop per get
-                self._done_cond.notify()
+            self._wake_flusher(now=False)
+
+    def _report_read(self, key: ReadKey, tokens: list[int], n_blocks: int) -> None:
+        """Tell the daemon, later, of a get served from known slots (no call of its
+        own: see :mod:`kvclient.unpinned_reads`), so that it counts the hits and touches
+        the blocks. Reads ride with the pending releases: sent within RELEASE_DELAY_S
+        (at once when many prefixes are pending), and before any call whose answer
+        they could change (Stats ...), so this client sees its own reads counted."""
+        with self._done_cond:
+            self._mark_pending()
+            full = self._reads.add(key, tokens, n_blocks)
+            self._wake_flusher(now=full)
+
+    def _mark_pending(self) -> None:
+        """Under _done_cond, before queueing work: start the delay if none was queued."""
+        if not self._done and not self._reads:
+            self._pending_since = time.monotonic()
+
+    def _wake_flusher(self, now: bool) -> None:
+        """Under _done_cond: start the flusher, or wake it when idle (not per get: a
+        thread hop), or when the work is due ``now``."""
+        if now:
+            self._pending_since = 0.0
+        # not alive: never started, or started in the parent before a fork
+        if (self._flusher is None or not self._flusher.is_alive()) and not self._closed:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="kvclient-release", daemon=True
+            )
+            self._flusher.start()
+        elif self._flusher_parked or now:
+            self._done_cond.notify()
 
     def _take_done(self) -> list[int]:
         """The pending lease ids, for a request that releases them."""
@@ -227,17 +264,23 @@ class KVClient:
         return done
 
     def _settle(self) -> None:
-        """Release the pending leases now (one Release call for all of them)."""
+        """Release the pending leases (one Release call for all of them) and report the
+        pending reads (one ReportReads) now."""
         done = self._take_done()
-        if not done:
-            return
-        request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
-        try:
-            self._call(self._stub.Release, request)
-        except KVStoreError as exc:
-            # the first lease ran out (the others are released all the same), or the
-            # daemon is gone (and its leases with it)
-            log.debug("release of %d leases: %s", len(done), exc)
+        reads = self._reads.take()
+        if done:
+            request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
+            try:
+                self._call(self._stub.Release, request)
+            except KVStoreError as exc:
+                # the first lease ran out (the others are released all the same), or the
+                # daemon is gone (and its leases with it)
+                log.debug("release of %d leases: %s", len(done), exc)
+        if reads is not None:
+            try:
+                self._call(self._stub.ReportReads, reads)
+            except KVStoreError as exc:  # the daemon restarted, a namespace is gone ...
+                log.debug("report of reads of %d prefixes: %s", len(reads.prefixes), exc)
 
     def _flush_loop(self) -> None:
         """Release leases pending for RELEASE_DELAY_S. Wakes once per delay while gets
@@ -247,12 +290,12 @@ class KVClient:
             with cond:
                 if self._closed:
                     return
-                if not self._done:
+                if not self._done and not self._reads:
                     self._flusher_parked = True
                     cond.wait()
                     self._flusher_parked = False
                     continue
-                wait = self._done_since + RELEASE_DELAY_S - time.monotonic()
+                wait = self._pending_since + RELEASE_DELAY_S - time.monotonic()
                 if wait > 0:
                     cond.wait(wait)
                     continue
@@ -461,7 +504,14 @@ class Namespace:
         client = self.client
         last_slots = client._last_slots
         key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
-        reader = UnpinnedGet(epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks)
+        wanted = wanted_blocks(len(tokens), self.block_tokens, max_blocks)
+        reader = UnpinnedGet(
+            epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks, wanted
+        )
+        known = reader.read_known()
+        if known is not None:  # no call: the slots still hold the last answer's blocks
+            client._report_read(key, tokens, len(known))
+            return GetResult(tokens=len(known) * self.block_tokens, blocks=known)
         request = wire.get_request(
             self.ns_id, tokens, extra, max_blocks, client._take_done(), unpinned=True
         )

@@ -18,11 +18,21 @@ Why that is safe is in :mod:`kvstore.slot_epochs`. The answer, not the remembere
 slots, says which blocks the prefix has, so a prefix that grew or shrank is seen at
 once; the remembered slots only decide what can be copied early.
 
+A get whose last answer was **complete** (every block the request asks for, so the
+prefix cannot have grown) needs no Acquire at all (:meth:`UnpinnedGet.read_known`):
+when the counters of its slots still equal the epochs of that answer before and after
+the copy, no slot was freed or refilled since the daemon named them, so they hold the
+same blocks' final bytes, which is what the daemon would answer now (a block leaves
+the index only with its slot freed). The daemon learns of such reads afterwards, in
+batches (:class:`ReadReports`, ``ReportReads``), and counts them as hits and touches
+their blocks for eviction as it does for the reads it serves.
+
 Rows of ``out`` past the blocks returned may be overwritten by the early copy.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,13 +45,17 @@ from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.slot_epochs import READS_IN_ORDER, SlotEpochs
 
 LAST_SLOTS_ENTRIES = 4096  # prefixes remembered per client (a few KiB each at most)
-# An early copy of at least this many bytes is split over threads like any other; a
-# smaller one runs on one thread, the daemon's answer taking the other core (measured
-# back to back, 16 blocks: 4 MiB 0.59-0.74 ms on one thread vs 0.64-0.77 on two; 16 MiB
-# 2.6-3.1 ms vs 1.3-1.9).
-EARLY_PARALLEL_BYTES = 8 << 20
+REPORTED_PREFIXES = 1024  # pending read reports that make the client send them at once
 
-_Key = tuple[str, bytes, tuple[bytes, ...], int]
+# a get request: namespace, digest of its tokens, extra keys, max_blocks
+ReadKey = tuple[str, bytes, tuple[bytes, ...], int]
+
+
+def wanted_blocks(n_tokens: int, block_tokens: int, max_blocks: int) -> int:
+    """The blocks a get of ``n_tokens`` tokens asks for (its full blocks, at most
+    ``max_blocks`` when that is set): an answer with that many is complete."""
+    full = n_tokens // block_tokens
+    return min(full, max_blocks) if max_blocks else full
 
 
 def epoch_table(arena: ClientArena, info: ServerInfo) -> SlotEpochs | None:
@@ -66,16 +80,27 @@ class Slots:
     offsets: np.ndarray  # int64, block i of the prefix first
     entries: np.ndarray  # their epoch table entries
     runs: list[Run]  # their copy runs (arena_path.slot_runs)
+    epochs: np.ndarray  # uint64: the answer's epoch of each slot
+    complete: bool  # the answer had every block its request asked for
 
     @classmethod
-    def of(cls, offsets: np.ndarray, epochs: SlotEpochs, block_bytes: int) -> Slots:
-        return cls(offsets, epochs.entries(offsets), _prefix_runs(offsets, block_bytes))
+    def of(
+        cls,
+        offsets: np.ndarray,
+        epochs: SlotEpochs,
+        block_bytes: int,
+        answered: np.ndarray,
+        complete: bool = False,
+    ) -> Slots:
+        entries = epochs.entries(offsets)
+        return cls(offsets, entries, _prefix_runs(offsets, block_bytes), answered, complete)
 
     def first(self, n: int, block_bytes: int) -> Slots:
         if n >= self.offsets.size:
             return self
         offsets = self.offsets[:n]
-        return Slots(offsets, self.entries[:n], _prefix_runs(offsets, block_bytes))
+        runs = _prefix_runs(offsets, block_bytes)
+        return Slots(offsets, self.entries[:n], runs, self.epochs[:n], self.complete)
 
 
 def _prefix_runs(offsets: np.ndarray, block_bytes: int) -> list[Run]:
@@ -88,16 +113,16 @@ class LastSlots:
 
     def __init__(self, entries: int = LAST_SLOTS_ENTRIES) -> None:
         self._entries = entries
-        self._slots: dict[_Key, Slots] = {}
+        self._slots: dict[ReadKey, Slots] = {}
 
     @staticmethod
-    def key(ns_id: str, tokens: np.ndarray, extra: list[bytes], max_blocks: int) -> _Key:
+    def key(ns_id: str, tokens: np.ndarray, extra: list[bytes], max_blocks: int) -> ReadKey:
         return (ns_id, xxhash.xxh3_128_digest(tokens), tuple(extra), max_blocks)
 
-    def get(self, key: _Key) -> Slots | None:
+    def get(self, key: ReadKey) -> Slots | None:
         return self._slots.get(key)
 
-    def remember(self, key: _Key, slots: Slots) -> None:
+    def remember(self, key: ReadKey, slots: Slots) -> None:
         known = self._slots
         if not slots.offsets.size:
             known.pop(key, None)
@@ -119,16 +144,41 @@ class UnpinnedGet:
         out: np.ndarray | None,
         block_bytes: int,
         max_blocks: int,
+        wanted: int,
     ) -> None:
+        """``wanted``: the blocks the request asks for (its tokens' full blocks, at most
+        max_blocks when that is set)."""
         self._epochs = epochs
         self._arena = arena
         self._block_bytes = block_bytes
         self._out = out
+        self._wanted = wanted
         if last is not None and max_blocks:
             last = last.first(max_blocks, block_bytes)
         self._last = last
         self._before: np.ndarray | None = None
         self._rows: np.ndarray | None = None  # where the early copy went
+
+    @property
+    def knows_all(self) -> bool:
+        """Whether :meth:`read_known` may serve the get (the last answer was complete)."""
+        return self._last is not None and self._last.complete
+
+    def read_known(self) -> np.ndarray | None:
+        """The blocks of the last answer, when it was complete and none of its slots
+        changed since (checked before and after the copy); None otherwise (the caller
+        asks the daemon). Nothing is sent: the caller reports the read later."""
+        last = self._last
+        if last is None or not last.complete:
+            return None
+        read = self._epochs.read
+        if not np.array_equal(read(last.entries), last.epochs):
+            return None
+        rows = output_array(self._out, last.offsets.size, self._block_bytes)
+        read_runs(self._arena.mapping, last.runs, rows, self._block_bytes)
+        if not np.array_equal(read(last.entries), last.epochs):
+            return None
+        return rows[: last.offsets.size]
 
     def copy_early(self) -> None:
         """Copy the remembered slots into the output rows (no-op without any)."""
@@ -137,9 +187,7 @@ class UnpinnedGet:
             return
         self._before = self._epochs.read(last.entries)
         self._rows = output_array(self._out, last.offsets.size, self._block_bytes)
-        # small copies on one thread: the daemon is answering on another core meanwhile
-        one = last.offsets.size * self._block_bytes < EARLY_PARALLEL_BYTES
-        read_runs(self._arena.mapping, last.runs, self._rows, self._block_bytes, one_thread=one)
+        read_runs(self._arena.mapping, last.runs, self._rows, self._block_bytes)
 
     def finish(self, answer: pb.AcquireResponse) -> tuple[np.ndarray, Slots] | None:
         """(blocks ``uint8[n, block_bytes]``, their slots) of a checked unpinned answer;
@@ -150,10 +198,12 @@ class UnpinnedGet:
         if epochs.size != n:
             return None
         last, before = self._last, self._before
+        complete = n >= self._wanted
         if last is not None and np.array_equal(last.offsets, offsets):
-            slots = last  # the usual case: nothing moved
+            # the usual case: nothing moved (the epochs may have, and the prefix grown)
+            slots = Slots(last.offsets, last.entries, last.runs, epochs, complete)
         else:
-            slots = Slots.of(offsets, self._epochs, self._block_bytes)
+            slots = Slots.of(offsets, self._epochs, self._block_bytes, epochs, complete)
         kept = 0
         if last is not None and before is not None:
             m = min(last.offsets.size, n)
@@ -171,3 +221,39 @@ class UnpinnedGet:
         if not np.array_equal(self._epochs.read(slots.entries), epochs):
             return None
         return rows[:n], slots
+
+
+class ReadReports:
+    """Reads a client served from known slots (:meth:`UnpinnedGet.read_known`), not
+    yet told to the daemon: one ``PrefixReads`` per request, its count going up with
+    each read. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[ReadKey, pb.PrefixReads] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def add(self, key: ReadKey, tokens: list[int], n_blocks: int) -> bool:
+        """Count one read of the first ``n_blocks`` blocks of ``key``'s request; True
+        when enough are pending that they should be sent now."""
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                ns_id, _, extra, _ = key
+                pending = pb.PrefixReads(
+                    ns_id=ns_id, tokens=tokens, extra_keys=extra, n_blocks=n_blocks
+                )
+                self._pending[key] = pending
+            pending.reads += 1
+            return len(self._pending) >= REPORTED_PREFIXES
+
+    def take(self) -> pb.ReportReadsRequest | None:
+        """The request that reports every pending read (which are then no longer
+        pending); None when there are none."""
+        if not self._pending:
+            return None
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pb.ReportReadsRequest(prefixes=list(pending.values())) if pending else None

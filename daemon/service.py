@@ -80,6 +80,7 @@ EVENT_BATCH = 1024
 MAX_WAIT_PENDING_S = 300.0
 CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
 QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool
+MAX_REPORTED_PREFIXES = 4096  # prefixes in one ReportReads (a client sends far fewer)
 
 
 class _NeedsPool(Exception):
@@ -413,6 +414,33 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._release_done(request.more_lease_ids)
         self._store.release(lease)  # no disk I/O: on the loop
         return pb.ReleaseResponse()
+
+    @grpc_errors
+    async def ReportReads(
+        self, request: pb.ReportReadsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportReadsResponse:
+        prefixes = request.prefixes
+        if len(prefixes) > MAX_REPORTED_PREFIXES:
+            raise InvalidArgument(
+                f"{len(prefixes)} prefixes in one ReportReads, more than {MAX_REPORTED_PREFIXES}"
+            )
+        limit = self._store.config.max_blocks_per_request
+
+        def report(quick: bool = False) -> pb.ReportReadsResponse:
+            # every prefix is checked before any is counted: a bad one changes nothing
+            checked: list[tuple[str, list[BlockKey], int]] = []
+            for i, prefix in enumerate(prefixes):
+                spec, keys = self._chain(prefix.ns_id, prefix.tokens, prefix.extra_keys, quick)
+                if prefix.n_blocks > min(len(keys), limit):
+                    raise InvalidArgument(
+                        f"prefixes[{i}]: n_blocks={prefix.n_blocks}, but its tokens make "
+                        f"{len(keys)} full blocks (max_blocks_per_request={limit})"
+                    )
+                checked.append((spec.ns_id, keys[: prefix.n_blocks], prefix.reads))
+            counted = sum(self._store.note_reads(*one) * one[2] for one in checked)
+            return pb.ReportReadsResponse(blocks_counted=counted)
+
+        return await self._run_quick(report)
 
     def _release_done(self, lease_ids: Sequence[int]) -> None:
         """Release leases a client is done with, skipping those that already ended."""

@@ -426,6 +426,31 @@ class Store:
             epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
             return Located(tuple(offsets), epochs, entry.spec.block_bytes)
 
+    def note_reads(self, ns_id: str, keys: Sequence[BlockKey], reads: int) -> int:
+        """Count ``reads`` reads of the prefix ``keys`` that a client served itself from
+        slots it knew (checked by their epochs, no call of its own): hits, and a touch
+        for eviction, as :meth:`locate` gives each read. Blocks that left the host tier
+        since (and all after them) are not counted. Returns blocks counted per read."""
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        if reads <= 0:
+            return 0
+        with self._lock:
+            self._check_open()
+            nodes: list[Node] = []
+            for node in self._index.walk(keys):
+                if node.state != READY or node.host_offset < 0:
+                    break
+                nodes.append(node)
+            if not nodes:
+                return 0
+            n = len(nodes)
+            self._count_served(entry, n * reads, n * reads, n * reads)
+            for node in nodes:
+                node.hits += reads
+            self._touch(nodes)
+            return n
+
     def note_misses(self, ns_id: str, blocks: int) -> None:
         """Count ``blocks`` asked for and not found, for a caller that read only the
         ready prefix it had looked up (the daemon's Get): hit rates stay honest."""

@@ -8,6 +8,7 @@ was freed, reused or being written while it copied.
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from kvclient.arena_path import ClientArena
 from kvclient.unpinned_reads import LastSlots, Slots, UnpinnedGet
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.arena import ArenaMapping
+from kvstore.errors import InvalidArgument
 from kvstore.keys import NamespaceSpec
 from kvstore.slot_epochs import SlotEpochs
 from kvstore.store import Store, StoreConfig
@@ -119,6 +121,29 @@ def test_locate_counts_hits_and_touches_like_a_read(store: Store) -> None:
     assert store.lookup(ns, old).ready_blocks == 2  # the LRU victims came from `other`
 
 
+def test_note_reads_counts_each_read_and_touches_the_prefix(store: Store) -> None:
+    ns = open_ns(store)
+    old = store.keys_for(ns, list(range(2 * TOKENS)))
+    store.put(ns, old, payloads(1, 2))
+    other = store.keys_for(ns, list(range(100, 100 + 6 * TOKENS)))
+    store.put(ns, other, payloads(2, 6))  # the arena is full: 8 blocks
+    hits = store.stats().tiers[0].hits
+    assert store.note_reads(ns, old, reads=3) == 2
+    assert store.stats().tiers[0].hits == hits + 6  # 3 reads of 2 blocks
+    store.put(ns, store.keys_for(ns, list(range(200, 200 + 2 * TOKENS))), payloads(3, 2))
+    assert store.lookup(ns, old).ready_blocks == 2  # touched: the victims came from `other`
+
+    # blocks no longer in the host tier are not counted, nor anything after them
+    store.delete(ns, old, start=1)
+    assert store.note_reads(ns, old, reads=1) == 1
+    store.delete(ns, old)
+    assert store.note_reads(ns, old, reads=1) == 0
+    hits = store.stats().tiers[0].hits
+    with pytest.raises(InvalidArgument, match="block keys"):
+        store.note_reads(ns, [b"short"], reads=1)
+    assert store.stats().tiers[0].hits == hits
+
+
 def test_locate_answers_none_for_a_block_on_disk_only(tmp_path) -> None:  # noqa: ANN001
     config = StoreConfig(
         host_bytes=4 * BLOCK, shared_arena=False, disk_dir=str(tmp_path), disk_bytes=1 << 24
@@ -162,7 +187,8 @@ class _Harness:
         return msg
 
     def slots(self, answer: pb.AcquireResponse) -> Slots:
-        return Slots.of(np.array(answer.slot_offsets, np.int64), self.epochs, BLOCK)
+        offsets = np.array(answer.slot_offsets, np.int64)
+        return Slots.of(offsets, self.epochs, BLOCK, np.array(answer.slot_epochs, np.uint64))
 
     def close(self) -> None:
         self.arena.close()
@@ -181,7 +207,7 @@ def test_early_copy_of_unchanged_slots_is_kept(harness: _Harness) -> None:
     keys = s.keys_for(harness.ns, list(range(3 * TOKENS)))
     s.put(harness.ns, keys, payloads(1, 3))
     last = harness.slots(harness.answer(keys))
-    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0)
+    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0, 0)
     get.copy_early()
     done = get.finish(harness.answer(keys))
     assert done is not None
@@ -195,7 +221,7 @@ def test_slots_reused_by_other_blocks_before_the_answer_are_copied_again(
     keys = s.keys_for(ns, list(range(2 * TOKENS)))
     s.put(ns, keys, payloads(1, 2))
     last = harness.slots(harness.answer(keys))
-    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0)
+    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0, 0)
     get.copy_early()  # copies blocks of tag 1 ...
     s.delete(ns, keys)  # ... whose slots now go to other blocks
     other = s.keys_for(ns, list(range(500, 500 + 2 * TOKENS)))
@@ -217,7 +243,7 @@ def test_an_early_copy_of_another_block_in_the_same_slot_is_not_kept(
     s.delete(ns, a)
     s.put(ns, b, payloads(2, 2))  # b takes a's slots ...
     assert harness.slots(harness.answer(b)).offsets.tolist() == last.offsets.tolist()
-    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0)
+    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0, 0)
     get.copy_early()  # ... so this copies b's bytes
     s.delete(ns, b)
     s.put(ns, a, payloads(1, 2))  # and a is back in the very same slots
@@ -233,7 +259,7 @@ def test_a_slot_rewritten_during_the_copy_is_never_returned(harness: _Harness) -
     keys = s.keys_for(ns, list(range(2 * TOKENS)))
     s.put(ns, keys, payloads(1, 2))
     answer = harness.answer(keys)  # the daemon answered: slots and epochs
-    get = UnpinnedGet(harness.epochs, harness.arena, None, None, BLOCK, 0)
+    get = UnpinnedGet(harness.epochs, harness.arena, None, None, BLOCK, 0, 0)
     get.copy_early()  # nothing remembered: the copy happens in finish
 
     real_read = harness.epochs.read
@@ -257,9 +283,11 @@ def test_last_slots_are_bounded_and_forget_empty_answers() -> None:
     epochs = SlotEpochs(np.zeros(64, np.uint64))
     keys = [LastSlots.key("ns", np.arange(i, i + 4), [], 0) for i in range(3)]
     for key in keys:
-        last.remember(key, Slots.of(np.array([0, 8192], np.int64), epochs, BLOCK))
+        offsets = np.array([0, 8192], np.int64)
+        last.remember(key, Slots.of(offsets, epochs, BLOCK, np.zeros(2, np.uint64)))
     assert last.get(keys[0]) is None and last.get(keys[2]) is not None
-    last.remember(keys[2], Slots.of(np.array([], np.int64), epochs, BLOCK))
+    none = np.array([], np.int64)
+    last.remember(keys[2], Slots.of(none, epochs, BLOCK, np.array([], np.uint64)))
     assert last.get(keys[2]) is None
     assert LastSlots.key("ns", np.arange(4), [b"x"], 0) != LastSlots.key("ns", np.arange(4), [], 0)
 
@@ -407,3 +435,110 @@ def test_concurrent_eviction_never_returns_other_bytes(kvstored_factory) -> None
         writer.join(timeout=30)
     assert not errors, errors[:5]
     assert checked > 0
+
+
+# -- gets from known slots: no call at all -----------------------------------------------
+
+
+def test_a_complete_prefix_is_read_from_known_slots_without_a_call(kvstored: Daemon) -> None:
+    """Once an answer named every block a get asks for, the same get copies those slots
+    while their epochs say they still hold them: it needs no daemon at all (stopped
+    here), and the daemon counts the reads afterwards."""
+    assert kvstored.proc is not None
+    with KVClient(kvstored.addr) as client, KVClient(kvstored.addr) as observer:
+        ns = client.namespace("known", block_tokens=TOKENS, block_bytes=BLOCK)
+        tokens = np.arange(3 * TOKENS)
+        blocks = np.stack([block_of(2, i, BLOCK) for i in range(3)])
+        ns.put(tokens, blocks)
+        out = np.zeros_like(blocks)
+        assert ns.get(tokens, out=out).tokens == 3 * TOKENS  # learns the slots
+        hits = client.stats().tier("host").hits
+        kvstored.proc.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(5):
+                out[:] = 0
+                got = ns.get(tokens, out=out)
+                assert got.tokens == 3 * TOKENS and np.array_equal(got.blocks, blocks)
+        finally:
+            kvstored.proc.send_signal(signal.SIGCONT)
+        assert client.stats().tier("host").hits == hits + 15  # reported before Stats
+
+        # another client sees them within the report delay, without this client calling
+        ns.get(tokens, out=out)
+        deadline = time.monotonic() + 5
+        while observer.stats().tier("host").hits < hits + 18 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert observer.stats().tier("host").hits == hits + 18
+
+        # a delete by another client frees the slots: the next get asks the daemon
+        observer.open_namespace(ns.ns_id).delete(tokens, start=1)
+        got = ns.get(tokens, out=out)
+        assert got.tokens == TOKENS and np.array_equal(got.blocks, blocks[:1])
+
+
+def test_a_partial_prefix_is_always_asked_for(kvstored: Daemon) -> None:
+    """An answer short of what the get asks for may grow: the next get asks again."""
+    with KVClient(kvstored.addr) as client, KVClient(kvstored.addr) as writer:
+        ns = client.namespace("partial", block_tokens=TOKENS, block_bytes=BLOCK)
+        tokens = np.arange(4 * TOKENS)
+        blocks = np.stack([block_of(6, i, BLOCK) for i in range(4)])
+        ns.put(tokens, blocks[:2])
+        assert ns.get(tokens).tokens == 2 * TOKENS
+        assert ns.get(tokens).tokens == 2 * TOKENS
+        writer.open_namespace(ns.ns_id).put(tokens, blocks[2:], start=2)
+        got = ns.get(tokens)
+        assert got.tokens == 4 * TOKENS and np.array_equal(got.blocks, blocks)
+        # a shorter out asks for fewer blocks: complete at its size, and kept apart
+        out = np.zeros((1, BLOCK), np.uint8)
+        for _ in range(2):
+            got = ns.get(tokens, out=out)
+            assert got.tokens == TOKENS and np.array_equal(got.blocks, blocks[:1])
+
+
+def test_async_gets_read_known_slots_and_report_them(kvstored: Daemon) -> None:
+    async def run() -> None:
+        async with AsyncKVClient(kvstored.addr) as client:
+            ns = await client.namespace("async-known", block_tokens=TOKENS, block_bytes=BLOCK)
+            tokens = np.arange(2 * TOKENS)
+            blocks = np.stack([block_of(8, i, BLOCK) for i in range(2)])
+            await ns.put(tokens, blocks)
+            await ns.get(tokens)
+            hits = (await client.stats()).tier("host").hits
+            assert kvstored.proc is not None
+            kvstored.proc.send_signal(signal.SIGSTOP)
+            try:
+                for _ in range(3):
+                    got = await ns.get(tokens)
+                    assert np.array_equal(got.blocks, blocks)
+            finally:
+                kvstored.proc.send_signal(signal.SIGCONT)
+            assert (await client.stats()).tier("host").hits == hits + 6
+
+    asyncio.run(run())
+
+
+def test_report_reads_refuses_bad_prefixes_and_changes_nothing(kvstored: Daemon) -> None:
+    stub = kv_stub(kvstored)
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("report", block_tokens=TOKENS, block_bytes=BLOCK)
+        tokens = list(range(2 * TOKENS))
+        ns.put(np.array(tokens), np.stack([block_of(1, i, BLOCK) for i in range(2)]))
+        hits = client.stats().tier("host").hits
+        good = pb.PrefixReads(ns_id=ns.ns_id, tokens=tokens, n_blocks=2, reads=2)
+        cases = [
+            (pb.PrefixReads(ns_id=ns.ns_id, tokens=tokens, n_blocks=3, reads=1),
+             grpc.StatusCode.INVALID_ARGUMENT, "prefixes[1]: n_blocks=3"),
+            (pb.PrefixReads(ns_id="no-such-ns", tokens=tokens, n_blocks=1, reads=1),
+             grpc.StatusCode.NOT_FOUND, "no-such-ns"),
+            (pb.PrefixReads(tokens=tokens, n_blocks=1, reads=1),
+             grpc.StatusCode.INVALID_ARGUMENT, "ns_id is required"),
+        ]
+        for bad, code, words in cases:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ReportReads(pb.ReportReadsRequest(prefixes=[good, bad]), timeout=10)
+            assert refused.value.code() == code
+            assert words in (refused.value.details() or "")
+            assert client.stats().tier("host").hits == hits  # the good one was not counted
+        answer = stub.ReportReads(pb.ReportReadsRequest(prefixes=[good]), timeout=10)
+        assert answer.blocks_counted == 4
+        assert client.stats().tier("host").hits == hits + 4

@@ -74,6 +74,11 @@ class KVStoreStub:
                 request_serializer=kvproto_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvproto_dot_v1_dot_kvstore__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ReportReads = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReportReads',
+                request_serializer=kvproto_dot_v1_dot_kvstore__pb2.ReportReadsRequest.SerializeToString,
+                response_deserializer=kvproto_dot_v1_dot_kvstore__pb2.ReportReadsResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/kvstore.v1.KVStore/Put',
                 request_serializer=kvproto_dot_v1_dot_kvstore__pb2.PutRequest.SerializeToString,
@@ -172,6 +177,14 @@ class KVStoreServicer:
 
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportReads(self, request, context):
+        """Gets a client served from slots it already knew, without an Acquire: counted as
+        hits and touched for eviction as reads are (sent in batches, after the fact).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -276,6 +289,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvproto_dot_v1_dot_kvstore__pb2.ReleaseRequest.FromString,
                     response_serializer=kvproto_dot_v1_dot_kvstore__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ReportReads': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportReads,
+                    request_deserializer=kvproto_dot_v1_dot_kvstore__pb2.ReportReadsRequest.FromString,
+                    response_serializer=kvproto_dot_v1_dot_kvstore__pb2.ReportReadsResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -539,6 +557,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Release',
             kvproto_dot_v1_dot_kvstore__pb2.ReleaseRequest.SerializeToString,
             kvproto_dot_v1_dot_kvstore__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportReads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReportReads',
+            kvproto_dot_v1_dot_kvstore__pb2.ReportReadsRequest.SerializeToString,
+            kvproto_dot_v1_dot_kvstore__pb2.ReportReadsResponse.FromString,
             options,
             channel_credentials,
             insecure,
