@@ -119,6 +119,7 @@ class AsyncKVClient:
         # from known slots, not reported yet (see _report_read)
         self._done: list[int] = []
         self._reads = ReadReports()
+        self._settling = asyncio.Lock()  # held while pending work is sent (_settle)
         self._flush_handle: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[None]] = set()
         # calls whose answer neither a block still pinned by this client nor a read it
@@ -127,7 +128,6 @@ class AsyncKVClient:
             self._stub.Acquire,
             self._stub.Lookup,
             self._stub.ServerInfo,
-            self._stub.ReportReads,
         )
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: AsyncLocalCalls | None = None
@@ -169,11 +169,13 @@ class AsyncKVClient:
         method: Callable[..., Awaitable[_Response]],
         request: Any,
         during: Callable[[], None] | None = None,
+        settle: bool = True,
     ) -> _Response:
         """One unary call; every gRPC error becomes a KVStoreError. ``during`` runs on a
         worker thread while the call is in flight (local calls), else before it."""
-        if (self._done or self._reads) and method not in self._unordered:
-            await self._settle()
+        pending = self._done or self._reads or self._settling.locked()
+        if settle and pending and method not in self._unordered:
+            await self._settle()  # ``settle`` False: the calls of _settle itself
         local = self._local
         if local is not None:
             name = self._local_names.get(method)
@@ -237,20 +239,22 @@ class AsyncKVClient:
 
     async def _settle(self) -> None:
         """Release the pending leases (one Release call for all of them) and report the
-        pending reads (one ReportReads) now."""
-        done = self._take_done()
-        reads = self._reads.take()
-        if done:
-            request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
-            try:
-                await self._call(self._stub.Release, request)
-            except KVStoreError as exc:
-                log.debug("release of %d leases: %s", len(done), exc)
-        if reads is not None:
-            try:
-                await self._call(self._stub.ReportReads, reads)
-            except KVStoreError as exc:
-                log.debug("report of reads of %d prefixes: %s", len(reads.prefixes), exc)
+        pending reads (one ReportReads) now. A settle in flight (the flusher's) is waited
+        for: any call made after this returns comes after every release and report."""
+        async with self._settling:
+            done = self._take_done()
+            reads = self._reads.take()
+            if done:
+                request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
+                try:
+                    await self._call(self._stub.Release, request, settle=False)
+                except KVStoreError as exc:
+                    log.debug("release of %d leases: %s", len(done), exc)
+            if reads is not None:
+                try:
+                    await self._call(self._stub.ReportReads, reads, settle=False)
+                except KVStoreError as exc:
+                    log.debug("report of reads of %d prefixes: %s", len(reads.prefixes), exc)
 
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
         return self._checked(error_from_rpc(exc, self.addr))

@@ -124,6 +124,7 @@ class KVClient:
         # from known slots, not reported yet (see _report_read): the flusher's work
         self._done: list[int] = []
         self._reads = ReadReports()
+        self._settling = threading.Lock()  # held while pending work is sent (_settle)
         self._pending_since = 0.0  # when the oldest pending lease or read was queued
         self._done_cond = threading.Condition()
         self._flusher: threading.Thread | None = None
@@ -134,7 +135,6 @@ class KVClient:
             self._stub.Acquire,
             self._stub.Lookup,
             self._stub.ServerInfo,
-            self._stub.ReportReads,
         )
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: LocalCalls | None = None
@@ -177,11 +177,13 @@ class KVClient:
         method: Callable[..., _Response],
         request: Any,
         during: Callable[[], None] | None = None,
+        settle: bool = True,
     ) -> _Response:
         """One unary call; every gRPC error becomes a KVStoreError. ``during`` runs
         while the call is in flight (local calls), else before it."""
-        if (self._done or self._reads) and method not in self._unordered:
-            self._settle()
+        pending = self._done or self._reads or self._settling.locked()
+        if settle and pending and method not in self._unordered:
+            self._settle()  # ``settle`` False: the calls of _settle itself
         local = self._local
         if local is not None:
             name = self._local_names.get(method)
@@ -265,22 +267,24 @@ class KVClient:
 
     def _settle(self) -> None:
         """Release the pending leases (one Release call for all of them) and report the
-        pending reads (one ReportReads) now."""
-        done = self._take_done()
-        reads = self._reads.take()
-        if done:
-            request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
-            try:
-                self._call(self._stub.Release, request)
-            except KVStoreError as exc:
-                # the first lease ran out (the others are released all the same), or the
-                # daemon is gone (and its leases with it)
-                log.debug("release of %d leases: %s", len(done), exc)
-        if reads is not None:
-            try:
-                self._call(self._stub.ReportReads, reads)
-            except KVStoreError as exc:  # the daemon restarted, a namespace is gone ...
-                log.debug("report of reads of %d prefixes: %s", len(reads.prefixes), exc)
+        pending reads (one ReportReads) now. A settle in flight (the flusher's) is waited
+        for: any call made after this returns comes after every release and report."""
+        with self._settling:
+            done = self._take_done()
+            reads = self._reads.take()
+            if done:
+                request = pb.ReleaseRequest(lease_id=done[0], more_lease_ids=done[1:])
+                try:
+                    self._call(self._stub.Release, request, settle=False)
+                except KVStoreError as exc:
+                    # the first lease ran out (the others are released all the same), or the
+                    # daemon is gone (and its leases with it)
+                    log.debug("release of %d leases: %s", len(done), exc)
+            if reads is not None:
+                try:
+                    self._call(self._stub.ReportReads, reads, settle=False)
+                except KVStoreError as exc:  # the daemon restarted, a namespace is gone ...
+                    log.debug("report of reads of %d prefixes: %s", len(reads.prefixes), exc)
 
     def _flush_loop(self) -> None:
         """Release leases pending for RELEASE_DELAY_S. Wakes once per delay while gets
