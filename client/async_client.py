@@ -124,11 +124,7 @@ class AsyncKVClient:
         self._flushes: set[asyncio.Task[None]] = set()
         # calls whose answer neither a block still pinned by this client nor a read it
         # has not reported can change
-        self._unordered = (
-            self._stub.Acquire,
-            self._stub.Lookup,
-            self._stub.ServerInfo,
-        )
+        self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: AsyncLocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}

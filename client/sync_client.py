@@ -131,11 +131,7 @@ class KVClient:
         self._flusher_parked = False  # waiting for work (else: for a pending lease's due time)
         # calls whose answer neither a block still pinned by this client nor a read it
         # has not reported can change
-        self._unordered = (
-            self._stub.Acquire,
-            self._stub.Lookup,
-            self._stub.ServerInfo,
-        )
+        self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: LocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}

@@ -437,7 +437,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         f"{len(keys)} full blocks (max_blocks_per_request={limit})"
                     )
                 checked.append((spec.ns_id, keys[: prefix.n_blocks], prefix.reads))
-            counted = sum(self._store.note_reads(*one) * one[2] for one in checked)
+            counted = 0
+            for ns_id, keys, reads in checked:
+                counted += self._store.note_reads(ns_id, keys, reads) * reads
             return pb.ReportReadsResponse(blocks_counted=counted)
 
         return await self._run_quick(report)

@@ -411,17 +411,10 @@ class Store:
         with self._lock:
             self._check_open()
             self._expire()
-            nodes: list[Node] = []
-            for node in self._index.walk(keys):
-                if node.state != READY:
-                    break
-                if node.host_offset < 0:
-                    return None
-                nodes.append(node)
-            self._count_served(entry, len(keys), len(nodes), len(nodes))
-            for node in nodes:
-                node.hits += 1
-            self._touch(nodes)
+            nodes, on_disk = self._host_prefix(keys)
+            if on_disk:
+                return None
+            self._read_from_host(entry, nodes, len(keys), reads=1)
             offsets = [node.host_offset for node in nodes]
             epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
             return Located(tuple(offsets), epochs, entry.spec.block_bytes)
@@ -437,19 +430,10 @@ class Store:
             return 0
         with self._lock:
             self._check_open()
-            nodes: list[Node] = []
-            for node in self._index.walk(keys):
-                if node.state != READY or node.host_offset < 0:
-                    break
-                nodes.append(node)
-            if not nodes:
-                return 0
-            n = len(nodes)
-            self._count_served(entry, n * reads, n * reads, n * reads)
-            for node in nodes:
-                node.hits += reads
-            self._touch(nodes)
-            return n
+            nodes, _ = self._host_prefix(keys)
+            if nodes:
+                self._read_from_host(entry, nodes, len(nodes), reads)
+            return len(nodes)
 
     def note_misses(self, ns_id: str, blocks: int) -> None:
         """Count ``blocks`` asked for and not found, for a caller that read only the
@@ -1066,6 +1050,29 @@ class Store:
         c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
         entry.hits += served
         entry.misses += wanted - served
+
+    def _host_prefix(self, keys: Sequence[BlockKey]) -> tuple[list[Node], bool]:
+        """(the ready blocks of ``keys``' prefix up to the first one not in the host
+        tier, whether that one is ready on disk only). Under the lock."""
+        nodes: list[Node] = []
+        for node in self._index.walk(keys):
+            if node.state != READY:
+                break
+            if node.host_offset < 0:
+                return nodes, True
+            nodes.append(node)
+        return nodes, False
+
+    def _read_from_host(
+        self, entry: NamespaceEntry, nodes: list[Node], wanted: int, reads: int
+    ) -> None:
+        """Count ``reads`` reads that asked for ``wanted`` blocks each and were served
+        ``nodes`` from host slots, and touch them as used. Under the lock."""
+        n = len(nodes)
+        self._count_served(entry, wanted * reads, n * reads, n * reads)
+        for node in nodes:
+            node.hits += reads
+        self._touch(nodes)
 
     def _promote_now(self, node: Node) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.
