@@ -197,7 +197,8 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def _copy_pool() -> ThreadPoolExecutor:
+def copy_pool() -> ThreadPoolExecutor:
+    """The helper threads of copies split between COPY_THREADS threads (made once)."""
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -228,7 +229,7 @@ def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
             continue
         for lo in range(0, rows, per):
             pieces.append((dst[lo : lo + per], src[lo : lo + per]))
-    pool = _copy_pool()
+    pool = copy_pool()
     futures: list[Future[None]] = []
     mine = pieces[: -(-len(pieces) // COPY_THREADS)]  # the caller's own share
     for dst, src in pieces[len(mine) :]:

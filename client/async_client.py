@@ -31,8 +31,9 @@ import numpy as np
 
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
-from kvclient.arena_path import BlockViews, ClientArena, SlotTable, read_slots, write_slots
+from kvclient.arena_path import BlockViews, ClientArena, SlotTable, write_slots
 from kvclient.claims import AsyncClaim, reserve_request
+from kvclient.disk_reads import DiskFile, read_answer
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -131,6 +132,8 @@ class AsyncKVClient:
         # unpinned gets (kvclient.unpinned_reads): the arena's epoch table, last slots
         self._epochs: SlotEpochs | None = None
         self._last_slots = LastSlots()
+        # disk_direct gets (kvclient.disk_reads): the daemon's disk file, when readable
+        self._disk: DiskFile | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -148,6 +151,8 @@ class AsyncKVClient:
             arena.close()
         if self._local is not None:
             self._local.close()
+        if self._disk is not None:
+            self._disk.close()
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
@@ -281,8 +286,12 @@ class AsyncKVClient:
             self._info, self._arena, self._local = info, arena, local
             self._epochs = epoch_table(arena, info) if arena is not None else None
             self._last_slots = LastSlots()
+            old_disk = self._disk
+            self._disk = DiskFile.open(info.disk_path) if arena is not None else None
         if old is not None:
             old.close()
+        if old_disk is not None:
+            old_disk.close()
         if old_local is not None:
             old_local.close()
         return info, arena
@@ -458,7 +467,13 @@ class AsyncNamespace:
             client._report_read(key, tokens, len(known))
             return GetResult(tokens=len(known) * self.block_tokens, blocks=known)
         request = wire.get_request(
-            self.ns_id, tokens, extra, max_blocks, client._take_done(), unpinned=True
+            self.ns_id,
+            tokens,
+            extra,
+            max_blocks,
+            client._take_done(),
+            unpinned=True,
+            disk_direct=client._disk is not None,
         )
         answer = await client._call(client._stub.Acquire, request, during=reader.copy_early)
         if answer.lease_id or arena.names_another_arena(answer.arena_path):
@@ -478,9 +493,17 @@ class AsyncNamespace:
         extra: list[bytes],
         out: np.ndarray | None,
         max_blocks: int,
+        disk_direct: bool = True,
     ) -> GetResult:
         client = self.client
-        request = wire.get_request(self.ns_id, tokens, extra, max_blocks, client._take_done())
+        request = wire.get_request(
+            self.ns_id,
+            tokens,
+            extra,
+            max_blocks,
+            client._take_done(),
+            disk_direct=disk_direct and client._disk is not None,
+        )
         acquired = await client._call(client._stub.Acquire, request)
         return await self._read_acquired(arena, acquired, tokens, extra, out, max_blocks)
 
@@ -505,10 +528,15 @@ class AsyncNamespace:
         try:
             slots = wire.slot_table(acquired)
             blocks = output_array(out, len(slots), self.block_bytes)
-            await asyncio.to_thread(read_slots, arena.mapping, slots, blocks, self.block_bytes)
+            host, extents = wire.split_disk_blocks(acquired, slots)
+            whole = await asyncio.to_thread(
+                read_answer, arena.mapping, host, extents, client._disk, blocks, self.block_bytes
+            )
         finally:
             if acquired.lease_id:
                 client._release_later(acquired.lease_id)
+        if not whole:  # a block from the disk file failed its check: the daemon reads it
+            return await self._get_arena(arena, tokens, extra, out, max_blocks, disk_direct=False)
         return GetResult(tokens=len(slots) * self.block_tokens, blocks=blocks)
 
     def acquire(

@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvclient.arena_path import Slot, SlotTable
-from kvclient.errors import InvalidArgumentError
+from kvclient.disk_reads import DiskExtents
+from kvclient.errors import InvalidArgumentError, KVStoreError
 from kvclient.results import (
     Event,
     LookupResult,
@@ -102,10 +103,12 @@ def get_request(
     release_lease_ids: list[int],
     *,
     unpinned: bool = False,
+    disk_direct: bool = False,
 ) -> pb.AcquireRequest:
     """The Acquire of an arena get: packed slots, the client's finished read leases
     riding along; ``unpinned`` asks for slots and epochs and no lease
-    (kvclient.unpinned_reads)."""
+    (kvclient.unpinned_reads), ``disk_direct`` for extents of the disk file in place of
+    promoted disk blocks (kvclient.disk_reads)."""
     return pb.AcquireRequest(
         ns_id=ns_id,
         tokens=tokens,
@@ -114,6 +117,7 @@ def get_request(
         release_lease_ids=release_lease_ids,
         compact_slots=True,
         unpinned=unpinned,
+        disk_direct=disk_direct,
     )
 
 
@@ -144,6 +148,7 @@ def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         slot_epochs_offset=msg.slot_epochs_offset,
         slot_epochs_count=msg.slot_epochs_count,
         arena_prefaulted=msg.arena_prefaulted,
+        disk_path=msg.disk_path,
     )
 
 
@@ -180,6 +185,23 @@ def slot_table(msg: pb.AcquireResponse | pb.ReserveResponse) -> SlotTable:
         indices.append(s.index)
         offsets_list.append(s.offset)
     return SlotTable(np.array(indices, np.int64), np.array(offsets_list, np.int64))
+
+
+def split_disk_blocks(
+    msg: pb.AcquireResponse, slots: SlotTable
+) -> tuple[SlotTable, DiskExtents | None]:
+    """An Acquire answer's slots without its disk_direct blocks, and those blocks (None
+    when it has none)."""
+    if not msg.disk_blocks:
+        return slots, None
+    extents = DiskExtents(list(msg.disk_blocks), list(msg.disk_offsets), list(msg.disk_checksums))
+    if not len(extents) == len(extents.offsets) == len(extents.checksums):
+        raise KVStoreError("malformed Acquire answer: disk_blocks, disk_offsets differ in length")
+    if len(extents) == len(slots):  # the whole prefix is on disk (after a restart ...)
+        return SlotTable(slots.indices[:0], slots.offsets[:0]), extents
+    keep = np.ones(len(slots), dtype=bool)
+    keep[extents.positions] = False
+    return SlotTable(slots.indices[keep], slots.offsets[keep]), extents
 
 
 def _tier_stats(msg: pb.TierStats) -> TierStats:

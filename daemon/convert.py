@@ -212,10 +212,15 @@ def acquire_response(
         ready_tokens=len(got.offsets) * block_tokens,
         arena_path=arena_path,
     )
-    if compact:
-        msg.slot_offsets.extend(got.offsets)
-    else:
+    if not compact:
         _add_slots(msg.slots, got.slots)
+    elif not got.disk:
+        msg.slot_offsets.extend(got.offsets)
+    else:  # disk_direct: blocks in the disk file have no slot (-1 in got.offsets)
+        msg.slot_offsets.extend([max(offset, 0) for offset in got.offsets])
+        msg.disk_blocks.extend([position for position, _ in got.disk])
+        msg.disk_offsets.extend([extent.offset for _, extent in got.disk])
+        msg.disk_checksums.extend([extent.checksum for _, extent in got.disk])
     return msg
 
 

@@ -249,6 +249,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             slot_epochs_offset=arena.epochs_offset if arena.path else 0,
             slot_epochs_count=arena.epochs.count if arena.path else 0,
             arena_prefaulted=self._store.config.prefault_arena,
+            disk_path=self._store.disk_path or "",
         )
 
     # --- read side --------------------------------------------------------------------
@@ -382,6 +383,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             raise InvalidArgument(
                 "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
             )
+        if request.disk_direct and not request.compact_slots:
+            raise InvalidArgument(
+                "disk_direct needs compact_slots: disk_blocks index the slot_offsets entries"
+            )
         ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
         self._release_done(request.release_lease_ids)
 
@@ -395,9 +400,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     return convert.located_response(
                         located, spec.block_tokens, self._store.arena_path or ""
                     )
-                if quick:  # a block is on disk only: so host_only acquire would say too
+                if quick and not request.disk_direct:  # a block is on disk only
                     raise _NeedsPool
-            got = self._store.acquire(spec.ns_id, keys, ttl, host_only=quick)
+            got = self._store.acquire(
+                spec.ns_id, keys, ttl, host_only=quick, disk_direct=request.disk_direct
+            )
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise _NeedsPool
             return convert.acquire_response(

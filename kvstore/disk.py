@@ -40,9 +40,11 @@ shared/exclusive lock keeps every read transaction closed while the writer calls
 On-disk format (one environment at ``directory``, files ``data.mdb`` + ``lock.mdb``):
 
 - named db ``payload``: BlockKey (16 or 32 bytes) -> the block's bytes, verbatim.
-- named db ``meta``: BlockKey -> ``struct "<B32sB32sQQBd"``: format version (1),
+- named db ``meta``: BlockKey -> ``struct "<B32sB32sQQBdQ"``: record version (2),
   namespace digest, parent length + parent key (zero-padded to 32), payload size,
-  xxh3-64 checksum of the payload, priority, last access (``time.time()`` seconds).
+  xxh3-64 checksum of the payload, priority, last access (``time.time()`` seconds), and
+  the byte offset of the payload in ``data.mdb`` (0: not known). Version 1 records
+  (written before the offset was kept: the same without it) are still read.
 - named db ``namespaces``: namespace digest (32 bytes) -> ``NamespaceSpec.to_dict()`` as
   UTF-8 JSON with sorted keys. ``meta`` and ``payload`` are always changed together in
   the same transaction, so a restart never sees one without the other.
@@ -97,11 +99,17 @@ import xxhash
 
 log = logging.getLogger(__name__)
 
-_META = struct.Struct("<B32sB32sQQBd")
-_META_VERSION = 1
+_META = struct.Struct("<B32sB32sQQBdQ")  # version 2: + the payload's offset in data.mdb
+_META_V1 = struct.Struct("<B32sB32sQQBd")  # records written before version 2 (still read)
+_META_VERSION = 2
+_EXTENT = struct.Struct("<QQ")  # size and checksum fields of _META (and of _META_V1) ...
+_EXTENT_AT = 1 + 32 + 1 + 32  # ... at this byte
+_OFFSET = struct.Struct("<Q")  # the payload offset field of _META ...
+_OFFSET_AT = _META.size - 8  # ... at this byte
 _KEY_SIZES = (16, 32)
 _DIGEST_SIZE = 32
 _MAX_PRIORITY = 100
+MAX_SNAPSHOTS = 64  # read transactions open for readers in other processes, at most
 _PAGE_HEADER = 16  # LMDB's header in front of an overflow run (PAGEHDRSZ)
 _MAP_HEADROOM = 64 << 20  # fixed headroom: meta pages, B-tree branches, free list
 _MAP_FACTOR = 1.25  # proportional headroom: copy-on-write and free-list fragmentation
@@ -134,6 +142,7 @@ class DiskRecord:
     checksum: int  # xxhash.xxh3_64_intdigest(payload)
     priority: int  # 0..100
     last_access: float  # wall-clock seconds (time.time())
+    offset: int = 0  # of the payload in data.mdb, once committed (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +162,34 @@ class DiskStats:
     read_misses: int = 0
     dropped_writes: int = 0  # queued writes that could not fit even after growing the map
     map_size_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DiskExtent:
+    """Where a committed payload lies in ``data.mdb``: ``size`` bytes from byte
+    ``offset``, whose xxh3-64 is ``checksum`` (what a reader checks after reading)."""
+
+    offset: int
+    size: int
+    checksum: int
+
+
+class DiskSnapshot:
+    """One open LMDB read transaction, handed out with the extents read in it.
+
+    LMDB never reuses a page that an open read transaction can see, so the bytes at
+    those extents stay what they were for as long as the snapshot is open, whatever is
+    deleted or written meanwhile: another process may pread them from ``data.mdb``.
+    :meth:`close` ends it (idempotent, any thread). A map resize waits for every open
+    snapshot to close, so holders keep them briefly (a read lease's lifetime).
+    """
+
+    def __init__(self, tier: DiskTier, txn: Any) -> None:
+        self._tier = tier
+        self._txn: Any = txn
+
+    def close(self) -> None:
+        self._tier._close_snapshot(self)
 
 
 # --- queue operations ------------------------------------------------------------
@@ -221,10 +258,21 @@ class _ResizeGuard:
         try:
             yield
         finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
+            self.leave()
+
+    def try_enter(self) -> bool:
+        """Count one more reader unless a resize is waiting or running (no waiting)."""
+        with self._cond:
+            if self._exclusive:
+                return False
+            self._readers += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -256,13 +304,19 @@ def _pack(rec: DiskRecord) -> bytes:
         rec.checksum,
         rec.priority,
         rec.last_access,
+        rec.offset,
     )
 
 
 def _unpack(key: bytes, raw: bytes | memoryview) -> DiskRecord:
     """Decode a ``meta`` value. Raises ValueError (or struct.error) if it is malformed."""
-    version, ns_digest, parent_len, parent, size, checksum, priority, last = _META.unpack(raw)
-    if version != _META_VERSION or parent_len not in (0, *_KEY_SIZES):
+    offset = 0
+    if len(raw) == _META_V1.size and raw[0] == 1:
+        fields = _META_V1.unpack(raw)
+    else:
+        *fields, offset = _META.unpack(raw)
+    version, ns_digest, parent_len, parent, size, checksum, priority, last = fields
+    if version not in (1, _META_VERSION) or parent_len not in (0, *_KEY_SIZES):
         raise ValueError(f"bad meta record (version {version}, parent length {parent_len})")
     return DiskRecord(
         key=bytes(key),
@@ -272,6 +326,7 @@ def _unpack(key: bytes, raw: bytes | memoryview) -> DiskRecord:
         checksum=checksum,
         priority=priority,
         last_access=last,
+        offset=offset,
     )
 
 
@@ -423,6 +478,7 @@ class DiskTier:
         if queue_bytes <= 0 or batch_bytes <= 0:
             raise ValueError("queue_bytes and batch_bytes must be > 0")
         self.directory = directory
+        self.data_path = os.path.join(directory, "data.mdb")  # what extents() point into
         self.configured_capacity_bytes = capacity_bytes
         self._queue_limit = queue_bytes
         self._batch_bytes = batch_bytes
@@ -463,6 +519,7 @@ class DiskTier:
         self._capacity = capacity_bytes
 
         self._resize = _ResizeGuard()
+        self._snapshots: set[DiskSnapshot] = set()  # open ones (see extents())
         self._cond = threading.Condition()  # guards everything below
         self._ops: dict[bytes, _Op] = {}  # pending operation per key, in seq order
         self._unflushed: dict[bytes, _Write] = {}  # written, not committed yet: read from here
@@ -483,13 +540,11 @@ class DiskTier:
         self._load_sizes()
         # Committed payloads are read with pread() from here into the caller's buffer:
         # no page faults on the map (a fresh process has mapped none of it), GIL released.
-        self._read_fd = os.open(
-            os.path.join(directory, "data.mdb"), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        )
+        self._read_fd = os.open(self.data_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self._writeback: _EarlyWriteback | None = None
         if _LIBC is not None:
             try:
-                self._writeback = _EarlyWriteback(os.path.join(directory, "data.mdb"))
+                self._writeback = _EarlyWriteback(self.data_path)
             except OSError:
                 log.warning("early writeback off: cannot open data.mdb", exc_info=True)
         self._writer = threading.Thread(
@@ -516,6 +571,12 @@ class DiskTier:
         """
         pages = -(-(size + _PAGE_HEADER) // self._psize)
         return (pages + 1) * self._psize
+
+    @property
+    def open_snapshots(self) -> int:
+        """Snapshots handed out by :meth:`extents` and not closed yet."""
+        with self._cond:
+            return len(self._snapshots)
 
     def drain_map_full(self) -> bool:
         """True once after each map-full event: evict until used_bytes <= capacity_bytes."""
@@ -741,20 +802,95 @@ class DiskTier:
     def _copy_value(self, view: memoryview, dst: memoryview) -> None:
         """Copy a value the open read transaction holds (``view``, into LMDB's map) to
         ``dst``. A value stored as an overflow run (every payload above ~2 KiB) is read
-        with pread() at its file offset, found from the run's page header; the pages
-        stay allocated while the transaction lives, and the page cache is the same one
-        the map shows. Anything else is copied from the map. The caller verifies the
-        checksum of what lands in ``dst`` either way."""
+        with pread() at its file offset; the pages stay allocated while the transaction
+        lives, and the page cache is the same one the map shows. Anything else is
+        copied from the map. The caller verifies the checksum of what lands in ``dst``
+        either way."""
         size = len(view)
-        if size > self._psize:
-            addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
-            header = (ctypes.c_char * _OVERFLOW_HEADER.size).from_address(addr - _PAGE_HEADER)
-            pgno, _, flags, pages = _OVERFLOW_HEADER.unpack(bytes(header))
-            if flags & _P_OVERFLOW and pages * self._psize >= size + _PAGE_HEADER:
-                offset = pgno * self._psize + _PAGE_HEADER
-                if os.preadv(self._read_fd, [dst], offset) == size:
-                    return
+        offset = self._file_offset(view)
+        if offset is not None and os.preadv(self._read_fd, [dst], offset) == size:
+            return
         _copy(dst, view)
+
+    def _file_offset(self, view: memoryview) -> int | None:
+        """The byte offset in ``data.mdb`` of a value the open read transaction holds
+        (``view``, into LMDB's map), found from the header of its overflow run; None
+        for a value that is not stored as one (small values share a page)."""
+        size = len(view)
+        if size <= self._psize:
+            return None
+        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        header = (ctypes.c_char * _OVERFLOW_HEADER.size).from_address(addr - _PAGE_HEADER)
+        pgno, _, flags, pages = _OVERFLOW_HEADER.unpack(bytes(header))
+        if not flags & _P_OVERFLOW or pages * self._psize < size + _PAGE_HEADER:
+            return None
+        return int(pgno * self._psize + _PAGE_HEADER)
+
+    def extents(self, keys: Sequence[bytes]) -> tuple[DiskSnapshot, list[DiskExtent]] | None:
+        """Where the committed payloads of ``keys`` lie in ``data.mdb``, for a reader in
+        another process that preads them itself, and the snapshot that keeps them
+        there until it is closed (see :class:`DiskSnapshot`).
+
+        None, with nothing kept open, when any key is not readable that way: not
+        written, deleted, still in the write queue (not in the file yet), not stored
+        as an overflow run; or when MAX_SNAPSHOTS are open or a map resize is waiting
+        (this never waits for one). The caller then reads the blocks with :meth:`read`.
+        Counted as reads of the payloads' bytes.
+        """
+        wanted = [bytes(key) for key in keys]
+        with self._cond:
+            self._check_open()
+            if len(self._snapshots) >= MAX_SNAPSHOTS:
+                return None
+            if any(key not in self._sizes or key in self._unflushed for key in wanted):
+                return None
+        if not self._resize.try_enter():
+            return None
+        txn = None
+        try:
+            txn = self._env.begin(buffers=True)
+            found = [self._extent(txn, key) for key in wanted]
+            if any(extent is None for extent in found):
+                return None
+            extents = [extent for extent in found if extent is not None]
+            snapshot = DiskSnapshot(self, txn)
+            with self._cond:
+                self._snapshots.add(snapshot)
+                self._reads += len(extents)
+                self._bytes_read += sum(extent.size for extent in extents)
+            txn = None  # the snapshot owns it now
+            return snapshot, extents
+        finally:
+            if txn is not None:
+                txn.abort()
+                self._resize.leave()
+
+    def _extent(self, txn: Any, key: bytes) -> DiskExtent | None:
+        """From the key's meta record: meta and payload change together, so the offset
+        in this snapshot's record is where this snapshot's payload lies. Records
+        without one (version 1) are looked up in ``payload``."""
+        raw = txn.get(key, db=self._meta)
+        if raw is None or len(raw) not in (_META.size, _META_V1.size):
+            return None
+        size, checksum = _EXTENT.unpack_from(raw, _EXTENT_AT)
+        if len(raw) == _META.size and raw[0] == _META_VERSION:
+            (offset,) = _OFFSET.unpack_from(raw, _OFFSET_AT)
+            if offset:
+                return DiskExtent(offset, size, checksum)
+        view = txn.get(key, db=self._payload)
+        if view is None or len(view) != size:
+            return None
+        found = self._file_offset(view)
+        return None if found is None else DiskExtent(found, size, checksum)
+
+    def _close_snapshot(self, snapshot: DiskSnapshot) -> None:
+        with self._cond:
+            if snapshot not in self._snapshots:
+                return
+            self._snapshots.discard(snapshot)
+            txn, snapshot._txn = snapshot._txn, None
+        txn.abort()
+        self._resize.leave()
 
     @staticmethod
     def _check_out(dst: memoryview, size: int) -> None:
@@ -837,6 +973,10 @@ class DiskTier:
             self._writer.join()
             if self._writeback is not None:
                 self._writeback.close()
+            with self._cond:
+                open_snapshots = list(self._snapshots)
+            for snapshot in open_snapshots:
+                snapshot.close()
             with self._resize.exclusive():
                 try:
                     self._env.sync(True)
@@ -978,11 +1118,16 @@ class DiskTier:
 
     def _commit(self, ops: Sequence[_Op]) -> None:
         """Apply ``ops`` in one write transaction (aborted if anything raises)."""
-        with self._env.begin(write=True) as txn:
+        with self._env.begin(write=True, buffers=True) as txn:
             for op in ops:
                 if isinstance(op, _Write):
                     txn.put(op.key, op.buf, db=self._payload)
-                    txn.put(op.key, _pack(op.record), db=self._meta)
+                    # the new value's overflow run has its page number already (the
+                    # header of its dirty copy says it): the file offset it will have
+                    stored = txn.get(op.key, db=self._payload)
+                    offset = self._file_offset(stored) if stored is not None else None
+                    record = replace(op.record, offset=offset or 0)
+                    txn.put(op.key, _pack(record), db=self._meta)
                 elif isinstance(op, _Delete):
                     txn.delete(op.key, db=self._payload)
                     txn.delete(op.key, db=self._meta)

@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 
 from kvstore.arena import HostArena, PinHook
-from kvstore.disk import DiskRecord, DiskTier
+from kvstore.disk import DiskRecord, DiskSnapshot, DiskTier
 from kvstore.errors import (
     InvalidArgument,
     LayoutMismatch,
@@ -133,6 +133,7 @@ class _Lease:
     expires_at: float
     committed: int = 0  # write leases: nodes[:committed] are ready
     first_index: int = 0  # write leases: chain position of nodes[0]
+    snapshot: DiskSnapshot | None = None  # read leases with disk extents: keeps them valid
 
 
 @dataclass(slots=True)
@@ -248,6 +249,11 @@ class Store:
     @property
     def arena_path(self) -> str | None:
         return self._arena.path
+
+    @property
+    def disk_path(self) -> str | None:
+        """The disk tier's data file (what ``disk_direct`` extents point into), if any."""
+        return self._disk.data_path if self._disk is not None else None
 
     @property
     def arena_bytes(self) -> int:
@@ -366,7 +372,12 @@ class Store:
 
     @overload
     def acquire(
-        self, ns_id: str, keys: Sequence[BlockKey], ttl_s: float | None, host_only: bool
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        ttl_s: float | None,
+        host_only: bool,
+        disk_direct: bool = False,
     ) -> Acquisition | None: ...
 
     def acquire(
@@ -375,13 +386,26 @@ class Store:
         keys: Sequence[BlockKey],
         ttl_s: float | None = None,
         host_only: bool = False,
+        disk_direct: bool = False,
     ) -> Acquisition | None:
         """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
         its disk-only blocks. ``host_only``: None, having changed nothing, when one would
-        need promoting (for a caller that must not wait on the disk)."""
+        need promoting (for a caller that must not wait on the disk).
+
+        ``disk_direct`` (for a reader that preads the disk file itself): when every
+        disk-only block of the prefix is on its first read since it reached the disk
+        tier, they are not promoted but answered as extents of the disk file
+        (``Acquisition.disk``), kept valid by the lease; reading them waits on no disk
+        I/O here, so this answers ``host_only`` callers too. A block read again takes
+        the promoting path: a block earns its host slot back by being read twice, and a
+        one-off scan of the disk tier does not flush the host tier."""
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         ttl = self._ttl(ttl_s)
+        if disk_direct and self._disk is not None:
+            direct = self._acquire_direct(entry, keys, ttl, self._disk)
+            if direct is not None:
+                return direct
         pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
         if pinned is None:
             return None
@@ -400,6 +424,53 @@ class Store:
             keys = tuple([node.key for node in kept])
             offsets = tuple([node.host_offset for node in kept])
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
+
+    def _acquire_direct(
+        self, entry: NamespaceEntry, keys: Sequence[BlockKey], ttl: float, disk: DiskTier
+    ) -> Acquisition | None:
+        """:meth:`acquire` with ``disk_direct``; None, having changed nothing, when the
+        prefix has no disk-only block, one of them was read before, or the disk tier
+        cannot give an extent for each (queued writes, too many snapshots open ...)."""
+        with self._lock:
+            self._check_open()
+            self._expire()
+            nodes: list[Node] = []
+            for node in self._index.walk(keys):
+                if node.state != READY:
+                    break
+                nodes.append(node)
+            on_disk = [i for i, node in enumerate(nodes) if not node.in_host]
+            if not on_disk or any(nodes[i].hits for i in on_disk):
+                return None
+            for node in nodes:
+                node.pins += 1
+        got = None
+        try:  # pinned: the blocks stay indexed; the snapshot keeps their pages in place
+            got = disk.extents([nodes[i].key for i in on_disk])
+        finally:
+            if got is None:
+                with self._lock:
+                    for node in nodes:
+                        node.pins -= 1
+        if got is None:
+            return None
+        snapshot, extents = got
+        self._finish_pinned(entry, keys, nodes, {}, len(nodes), keep_pins=True)
+        with self._lock:
+            lease = self._new_lease(entry, nodes, write=False, ttl=ttl)
+            lease.snapshot = snapshot
+            direct = set(on_disk)
+            offsets = tuple(
+                [-1 if i in direct else node.host_offset for i, node in enumerate(nodes)]
+            )
+            return Acquisition(
+                lease.lease_id,
+                lease.expires_at,
+                tuple([node.key for node in nodes]),
+                offsets,
+                entry.spec.block_bytes,
+                tuple(zip(on_disk, extents, strict=True)),
+            )
 
     def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
         """The host slots of the ready prefix of ``keys`` and their epochs, pinning
@@ -1159,6 +1230,8 @@ class Store:
         self._changed.notify_all()
 
     def _forget_lease(self, lease: _Lease, why: str) -> None:
+        if lease.snapshot is not None:
+            lease.snapshot.close()
         del self._leases[lease.lease_id]
         self._ended[lease.lease_id] = why
         if len(self._ended) > _ENDED_LEASES_KEPT:
