@@ -521,14 +521,9 @@ class Namespace:
         if known is not None:  # no call: the slots still hold the last answer's blocks
             client._report_read(key, tokens, len(known))
             return GetResult(tokens=len(known) * self.block_tokens, blocks=known)
+        done, direct = client._take_done(), client._disk is not None
         request = wire.get_request(
-            self.ns_id,
-            tokens,
-            extra,
-            max_blocks,
-            client._take_done(),
-            unpinned=True,
-            disk_direct=client._disk is not None,
+            self.ns_id, tokens, extra, max_blocks, done, unpinned=True, disk_direct=direct
         )
         answer = client._call(client._stub.Acquire, request, during=reader.copy_early)
         if answer.lease_id or arena.names_another_arena(answer.arena_path):
@@ -551,13 +546,9 @@ class Namespace:
         disk_direct: bool = True,
     ) -> GetResult:
         client = self.client
+        direct = disk_direct and client._disk is not None
         request = wire.get_request(
-            self.ns_id,
-            tokens,
-            extra,
-            max_blocks,
-            client._take_done(),
-            disk_direct=disk_direct and client._disk is not None,
+            self.ns_id, tokens, extra, max_blocks, client._take_done(), disk_direct=direct
         )
         acquired = client._call(client._stub.Acquire, request)
         return self._read_acquired(arena, acquired, tokens, extra, out, max_blocks)

@@ -455,7 +455,11 @@ class Store:
         if got is None:
             return None
         snapshot, extents = got
-        self._finish_pinned(entry, keys, nodes, {}, len(nodes), keep_pins=True)
+        try:
+            self._finish_pinned(entry, keys, nodes, {}, len(nodes), keep_pins=True)
+        except BaseException:
+            snapshot.close()
+            raise
         with self._lock:
             lease = self._new_lease(entry, nodes, write=False, ttl=ttl)
             lease.snapshot = snapshot
