@@ -434,11 +434,7 @@ class Store:
         with self._lock:
             self._check_open()
             self._expire()
-            nodes: list[Node] = []
-            for node in self._index.walk(keys):
-                if node.state != READY:
-                    break
-                nodes.append(node)
+            nodes = self._ready_prefix(keys)
             on_disk = [i for i, node in enumerate(nodes) if not node.in_host]
             if not on_disk or any(nodes[i].hits for i in on_disk):
                 return None
@@ -977,20 +973,14 @@ class Store:
         with self._lock:
             self._check_open()
             self._expire()
-            nodes: list[Node] = []
-            all_host = True
-            for node in self._index.walk(keys):
-                if node.state != READY:
-                    break
+            nodes = self._ready_prefix(keys)
+            all_host = all(node.host_offset >= 0 for node in nodes)
+            if host_only and not all_host:
+                return None
+            for node in nodes:
                 node.pins += 1
-                nodes.append(node)
-                all_host = all_host and node.host_offset >= 0
             if all_host:
                 return nodes, {}
-            if host_only:
-                for node in nodes:
-                    node.pins -= 1
-                return None
             fresh: dict[int, int] = {}
             for i, node in enumerate(nodes):
                 if node.in_host:
@@ -1125,6 +1115,15 @@ class Store:
         c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
         entry.hits += served
         entry.misses += wanted - served
+
+    def _ready_prefix(self, keys: Sequence[BlockKey]) -> list[Node]:
+        """The ready blocks of ``keys``' prefix, in any tier. Under the lock."""
+        nodes: list[Node] = []
+        for node in self._index.walk(keys):
+            if node.state != READY:
+                break
+            nodes.append(node)
+        return nodes
 
     def _host_prefix(self, keys: Sequence[BlockKey]) -> tuple[list[Node], bool]:
         """(the ready blocks of ``keys``' prefix up to the first one not in the host
