@@ -66,6 +66,11 @@ STORE_COUNTERS = {
         "Disk reads of a block the index held that failed (checksum mismatch or missing "
         "record); the block and its disk-only descendants were dropped.",
     ),
+    "known_slot_gets": (
+        "kvstore_known_slot_gets",
+        "Gets a same-host client served from arena slots it knew, with no call of its "
+        "own, reported afterwards (ReportReads): the RPC metrics do not count them.",
+    ),
 }
 
 

@@ -88,7 +88,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -162,6 +162,7 @@ class DiskStats:
     read_misses: int = 0
     dropped_writes: int = 0  # queued writes that could not fit even after growing the map
     map_size_bytes: int = 0
+    revoked_snapshots: int = 0  # open snapshots a map resize ended (see DiskSnapshot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +181,14 @@ class DiskSnapshot:
     LMDB never reuses a page that an open read transaction can see, so the bytes at
     those extents stay what they were for as long as the snapshot is open, whatever is
     deleted or written meanwhile: another process may pread them from ``data.mdb``.
-    :meth:`close` ends it (idempotent, any thread). A map resize waits for every open
-    snapshot to close, so holders keep them briefly (a read lease's lifetime).
+    :meth:`close` ends it (idempotent, any thread).
+
+    A map resize needs every read transaction closed, and does not wait for snapshots:
+    it revokes them (closes them itself, counted in ``revoked_snapshots``). A holder may
+    have crashed (its read lease would hold the writer, and every put that demotes
+    behind it, until the lease's TTL). After a revocation the pages behind the extents
+    may be reused by later commits, so a reader must check each block's checksum after
+    reading it, and drop the block on a mismatch, as :mod:`kvclient.disk_reads` does.
     """
 
     def __init__(self, tier: DiskTier, txn: Any) -> None:
@@ -275,11 +282,16 @@ class _ResizeGuard:
                 self._cond.notify_all()
 
     @contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self, on_waiting: Callable[[], None] | None = None) -> Iterator[None]:
+        """Wait until no reader is in, then hold them all out. ``on_waiting`` runs once
+        new readers are held out and before the wait (it may make readers leave)."""
         with self._cond:
             while self._exclusive:
                 self._cond.wait()
             self._exclusive = True  # new readers wait from here on
+        if on_waiting is not None:
+            on_waiting()
+        with self._cond:
             while self._readers:
                 self._cond.wait()
         try:
@@ -520,6 +532,7 @@ class DiskTier:
 
         self._resize = _ResizeGuard()
         self._snapshots: set[DiskSnapshot] = set()  # open ones (see extents())
+        self._revoked_snapshots = 0
         self._cond = threading.Condition()  # guards everything below
         self._ops: dict[bytes, _Op] = {}  # pending operation per key, in seq order
         self._unflushed: dict[bytes, _Write] = {}  # written, not committed yet: read from here
@@ -600,6 +613,7 @@ class DiskTier:
                 read_misses=self._read_misses,
                 dropped_writes=self._dropped_writes,
                 map_size_bytes=self._map_size,
+                revoked_snapshots=self._revoked_snapshots,
             )
 
     # --- write side -------------------------------------------------------------
@@ -882,6 +896,17 @@ class DiskTier:
             return None
         found = self._file_offset(view)
         return None if found is None else DiskExtent(found, size, checksum)
+
+    def _revoke_snapshots(self) -> None:
+        """Close every open snapshot for a map resize (see DiskSnapshot)."""
+        with self._cond:
+            revoked = list(self._snapshots)
+        for snapshot in revoked:
+            self._close_snapshot(snapshot)
+        if revoked:
+            with self._cond:
+                self._revoked_snapshots += len(revoked)
+            log.info("map resize: revoked %d open disk snapshots", len(revoked))
 
     def _close_snapshot(self, snapshot: DiskSnapshot) -> None:
         with self._cond:
@@ -1232,7 +1257,7 @@ class DiskTier:
         step = min(max(current // 8, 16 * self._psize), 4 << 30)
         new = current + step if emergency else min(current + step, self._max_map_size)
         new = _round_up(new, self._psize)
-        with self._resize.exclusive():
+        with self._resize.exclusive(on_waiting=self._revoke_snapshots):
             self._env.set_mapsize(new)
         self._map_size = self._env.info()["map_size"]
         return True

@@ -152,6 +152,7 @@ class _Counters:
     promotions: int = 0
     dropped: int = 0
     lost_on_disk: int = 0
+    known_slot_gets: int = 0  # gets clients served from slots they knew (note_reads)
 
 
 _ENDED_LEASES_KEPT = 4096
@@ -501,6 +502,7 @@ class Store:
             return 0
         with self._lock:
             self._check_open()
+            self._c.known_slot_gets += reads
             nodes, _ = self._host_prefix(keys)
             if nodes:
                 self._read_from_host(entry, nodes, len(nodes), reads)
@@ -823,7 +825,11 @@ class Store:
                 leases=len(self._leases),
                 corrupt_reads=corrupt,
                 disk_queue_bytes=disk_queue,
-                counters={"dropped": c.dropped, "lost_on_disk": c.lost_on_disk},
+                counters={
+                    "dropped": c.dropped,
+                    "lost_on_disk": c.lost_on_disk,
+                    "known_slot_gets": c.known_slot_gets,
+                },
             )
 
     def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]:

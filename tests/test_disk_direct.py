@@ -82,6 +82,46 @@ def test_extents_keep_their_bytes_while_the_snapshot_is_open(tmp_path: Path) -> 
         assert tier.open_snapshots == 0
 
 
+def test_a_map_resize_revokes_open_snapshots_instead_of_waiting(tmp_path: Path) -> None:
+    # the map starts at 1 MiB: the writes below fill it and the writer must grow it,
+    # which needs every read transaction closed; a snapshot held by a lease of a client
+    # that crashed would otherwise hold the writer (and every put behind it) for its TTL
+    with DiskTier(str(tmp_path / "lmdb"), 64 << 20, _map_size_override=1 << 20) as tier:
+        first = [bytes([i]) * 16 for i in range(4)]
+        for i, key in enumerate(first):
+            tier.write(record(key, block(i)), block(i))
+        tier.flush()
+        got = tier.extents(first)
+        assert got is not None
+        snapshot, extents = got
+        for i in range(4, 28):
+            tier.write(record(bytes([i]) * 16, block(i)), block(i))
+        try:
+            tier.flush(timeout=10)  # waited for the snapshot to close before
+        finally:
+            revoked = tier.open_snapshots == 0
+            snapshot.close()  # the holder's own close: a no-op once revoked
+        assert revoked
+        stats = tier.stats()
+        assert stats.map_full_events >= 1 and stats.map_size_bytes > 1 << 20
+        assert stats.revoked_snapshots == 1
+        # the blocks are still live, so their extents still hold them (had they been
+        # deleted, later commits could reuse the pages: the reader's checksum decides)
+        disk = DiskFile.open(tier.data_path)
+        assert disk is not None
+        out = np.zeros((4, BLOCK), np.uint8)
+        where = DiskExtents(
+            list(range(4)), [e.offset for e in extents], [e.checksum for e in extents]
+        )
+        assert disk.read(out, where)
+        disk.close()
+        assert [row.tobytes() for row in out] == [block(i) for i in range(4)]
+        # and new snapshots open again after the resize
+        got = tier.extents(first[:1])
+        assert got is not None
+        got[0].close()
+
+
 def test_extents_refuse_what_is_not_in_the_file(tmp_path: Path) -> None:
     with DiskTier(str(tmp_path / "lmdb"), 64 << 20, batch_bytes=1 << 30) as tier:
         committed, queued = b"c" * 16, b"q" * 16

@@ -277,3 +277,22 @@ def test_inline_get_of_a_partly_cached_prompt_counts_misses(kvstored_factory: An
         after = client.stats().tier("host")
     assert got.blocks.shape[0] == 2
     assert after.hits - before.hits == 2 and after.misses - before.misses == 2
+
+
+def test_gets_served_from_known_slots_are_counted(kvstored_factory: Any) -> None:
+    """A same-host get of a prefix whose slots the client knows makes no call, so the
+    RPC histogram never sees it; the reads it reports afterwards count it."""
+    daemon: Daemon = kvstored_factory(host_bytes="8MiB", metrics_listen="127.0.0.1:0")
+    url = metrics_url(daemon)
+    with KVClient(daemon.addr, use_arena=True) as client:
+        ns = client.namespace("known", block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES)
+        tokens = tokens_of(1, 4)
+        ns.put(tokens, blocks_of(4, 7))
+        out = np.empty((4, BLOCK_BYTES), np.uint8)
+        for _ in range(4):  # the first asks (Acquire) and learns the slots
+            assert ns.get(tokens, out=out).tokens == len(tokens)
+        client.stats()  # sends the reports still pending first
+        samples = scrape(url)
+    assert rpc_count(samples, "Acquire") == 1
+    assert value(samples, "kvstore_known_slot_gets_total") == 3
+    assert value(samples, "kvstore_tier_hits_total", tier="host") == 16

@@ -124,6 +124,7 @@ def test_a_read_counts_hits_and_touches_the_prefix(store: Store, how: str) -> No
     else:
         assert store.note_reads(ns, old, reads=3) == 2
         assert store.stats().tiers[0].hits == hits + 6  # 3 reads of 2 blocks
+        assert store.stats().counters["known_slot_gets"] == 3
     store.put(ns, store.keys_for(ns, list(range(200, 200 + 2 * TOKENS))), payloads(3, 2))
     assert store.lookup(ns, old).ready_blocks == 2  # the LRU victims came from `other`
 
