@@ -24,7 +24,7 @@ from conftest import Daemon, kv_stub
 from kvclient import AsyncKVClient, KVClient
 from kvclient.disk_reads import DiskExtents, DiskFile
 from kvproto.v1 import kvstore_pb2 as pb
-from kvstore.disk import MAX_SNAPSHOTS, DiskRecord, DiskTier
+from kvstore.disk import MAX_SNAPSHOTS, DiskRecord, DiskSnapshot, DiskTier
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
 
@@ -48,18 +48,23 @@ def pread(path: str, offset: int, size: int) -> bytes:
         os.close(fd)
 
 
+def snapshot_of_blocks(tier: DiskTier, n: int) -> tuple[list[bytes], DiskSnapshot, list]:
+    """Write blocks 0..n-1 (keys ``bytes([i]) * 16``), commit them, open their extents."""
+    keys = [bytes([i]) * 16 for i in range(n)]
+    for i, key in enumerate(keys):
+        tier.write(record(key, block(i)), block(i))
+    tier.flush()
+    got = tier.extents(keys)
+    assert got is not None
+    return keys, *got
+
+
 # -- the disk tier ---------------------------------------------------------------------
 
 
 def test_extents_keep_their_bytes_while_the_snapshot_is_open(tmp_path: Path) -> None:
     with DiskTier(str(tmp_path / "lmdb"), 64 << 20) as tier:
-        keys = [bytes([i]) * 16 for i in range(8)]
-        for i, key in enumerate(keys):
-            tier.write(record(key, block(i)), block(i))
-        tier.flush()
-        got = tier.extents(keys)
-        assert got is not None
-        snapshot, extents = got
+        keys, snapshot, extents = snapshot_of_blocks(tier, 8)
         assert [e.size for e in extents] == [BLOCK] * 8
         sums = [xxhash.xxh3_64_intdigest(block(i)) for i in range(8)]
         assert [e.checksum for e in extents] == sums
@@ -87,13 +92,7 @@ def test_a_map_resize_revokes_open_snapshots_instead_of_waiting(tmp_path: Path) 
     # which needs every read transaction closed; a snapshot held by a lease of a client
     # that crashed would otherwise hold the writer (and every put behind it) for its TTL
     with DiskTier(str(tmp_path / "lmdb"), 64 << 20, _map_size_override=1 << 20) as tier:
-        first = [bytes([i]) * 16 for i in range(4)]
-        for i, key in enumerate(first):
-            tier.write(record(key, block(i)), block(i))
-        tier.flush()
-        got = tier.extents(first)
-        assert got is not None
-        snapshot, extents = got
+        first, snapshot, extents = snapshot_of_blocks(tier, 4)
         for i in range(4, 28):
             tier.write(record(bytes([i]) * 16, block(i)), block(i))
         try:
