@@ -282,7 +282,7 @@ class _ResizeGuard:
                 self._cond.notify_all()
 
     @contextmanager
-    def exclusive(self, on_waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    def exclusive(self, on_waiting: Callable[[], object] | None = None) -> Iterator[None]:
         """Wait until no reader is in, then hold them all out. ``on_waiting`` runs once
         new readers are held out and before the wait (it may make readers leave)."""
         with self._cond:
@@ -897,16 +897,21 @@ class DiskTier:
         found = self._file_offset(view)
         return None if found is None else DiskExtent(found, size, checksum)
 
-    def _revoke_snapshots(self) -> None:
-        """Close every open snapshot for a map resize (see DiskSnapshot)."""
+    def _close_snapshots(self) -> int:
+        """Close every open snapshot (their holders' own close() is then a no-op)."""
         with self._cond:
-            revoked = list(self._snapshots)
-        for snapshot in revoked:
+            open_snapshots = list(self._snapshots)
+        for snapshot in open_snapshots:
             self._close_snapshot(snapshot)
+        return len(open_snapshots)
+
+    def _revoke_snapshots(self) -> None:
+        """Close every open snapshot for a map resize, counted (see DiskSnapshot)."""
+        revoked = self._close_snapshots()
         if revoked:
             with self._cond:
-                self._revoked_snapshots += len(revoked)
-            log.info("map resize: revoked %d open disk snapshots", len(revoked))
+                self._revoked_snapshots += revoked
+            log.info("map resize: revoked %d open disk snapshots", revoked)
 
     def _close_snapshot(self, snapshot: DiskSnapshot) -> None:
         with self._cond:
@@ -998,11 +1003,7 @@ class DiskTier:
             self._writer.join()
             if self._writeback is not None:
                 self._writeback.close()
-            with self._cond:
-                open_snapshots = list(self._snapshots)
-            for snapshot in open_snapshots:
-                snapshot.close()
-            with self._resize.exclusive():
+            with self._resize.exclusive(on_waiting=self._close_snapshots):
                 try:
                     self._env.sync(True)
                 finally:
