@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -41,6 +41,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvstore.arena import ArenaMapping, map_arena
+from kvstore.stream_copy import copy_into
 
 log = logging.getLogger(__name__)
 
@@ -206,13 +207,16 @@ def copy_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-    """``np.copyto(dst, src)`` for each pair; pairs that together hold at least
+def parallel_copy(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]],
+    copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
+) -> None:
+    """``copy(dst, src)`` for each pair; pairs that together hold at least
     ``PARALLEL_COPY_BYTES`` are cut into row ranges copied by COPY_THREADS threads."""
     total = sum(dst.nbytes for dst, _ in pairs)
     if COPY_THREADS < 2 or total < PARALLEL_COPY_BYTES:
         for dst, src in pairs:
-            np.copyto(dst, src)
+            copy(dst, src)
         return
     # cut every pair into pieces of about total / COPY_THREADS bytes, whole rows each
     share = -(-total // COPY_THREADS)
@@ -233,10 +237,10 @@ def parallel_copy(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
     futures: list[Future[None]] = []
     mine = pieces[: -(-len(pieces) // COPY_THREADS)]  # the caller's own share
     for dst, src in pieces[len(mine) :]:
-        futures.append(pool.submit(np.copyto, dst, src))
+        futures.append(pool.submit(copy, dst, src))
     try:
         for dst, src in mine:
-            np.copyto(dst, src)
+            copy(dst, src)
     finally:
         for future in futures:
             future.result()
@@ -253,6 +257,9 @@ def write_slots(
 
     ``blocks`` is ``uint8[n, block_bytes]`` (one copy per run) or a sequence of
     ``uint8[block_bytes]`` rows (one copy per block: they are separate buffers).
+    Rows of 64 KiB and more are written with streaming stores
+    (:func:`kvstore.stream_copy.copy_into`): a put's slots are cold and nothing reads
+    them soon, so their lines are not read into the cache before being overwritten.
     """
     table = slots if isinstance(slots, SlotTable) else SlotTable.of(slots)
     arena = mapping.array()
@@ -264,7 +271,7 @@ def write_slots(
             pairs.append((dst, blocks[row : row + run.count]))
         else:
             pairs.extend((dst[i], blocks[row + i]) for i in range(run.count))
-    parallel_copy(pairs)
+    parallel_copy(pairs, copy_into)
 
 
 def read_slots(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Any, TypeVar
 
@@ -66,6 +67,7 @@ from kvclient.results import (
     ServerInfo,
     Stats,
 )
+from kvclient.staged_slots import SlotStash, put_reserve
 from kvclient.sync_client import DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
 from kvclient.unpinned_reads import (
     LastSlots,
@@ -134,6 +136,8 @@ class AsyncKVClient:
         self._last_slots = LastSlots()
         # disk_direct gets (kvclient.disk_reads): the daemon's disk file, when readable
         self._disk: DiskFile | None = None
+        # arena puts: the staged slots of each namespace (kvclient.staged_slots)
+        self._stashes: dict[str, SlotStash] = {}
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -144,6 +148,9 @@ class AsyncKVClient:
         self._closed = True
         if self._flush_handle is not None:
             self._flush_handle.cancel()
+        # staging leases go with the read leases: their slots come back at once
+        staging = (stash.detach() for stash in self._stashes.values())
+        self._done.extend(lease_id for lease_id in staging if lease_id)
         await self._settle()
         await self._channel.close()
         arena, self._arena = self._arena, None
@@ -190,6 +197,21 @@ class AsyncKVClient:
         if during is not None:
             await asyncio.to_thread(during)
         return await self._call_grpc(method, request)
+
+    async def _send(self, method: Callable[..., Awaitable[Any]], request: Any) -> None:
+        """Like KVClient._send: over the local socket without waiting for the answer."""
+        local = self._local
+        name = self._local_names.get(method)
+        if local is not None and name is not None:
+            try:
+                await local.send(name, request, self.timeout)
+                return
+            except LocalCallFailed as exc:
+                self._local_failed(local, exc)  # raises unless gRPC may take the call
+        await self._call(method, request)
+
+    def _stash(self, ns_id: str) -> SlotStash:
+        return self._stashes.setdefault(ns_id, SlotStash())
 
     async def _call_grpc(
         self, method: Callable[..., Awaitable[_Response]], request: Any
@@ -672,39 +694,47 @@ class AsyncNamespace:
         priority: int | None,
     ) -> PutResult:
         client = self.client
-        request = pb.ReserveRequest(
-            ns_id=self.ns_id,
-            tokens=tokens,
-            extra_keys=extra,
-            start_block=start,
-            n_blocks=len(rows),
-            priority=priority,
-            compact_slots=True,
+        stash = client._stash(self.ns_id)
+        request, staged = put_reserve(
+            stash, arena, self.ns_id, tokens, extra, start, len(rows), priority
         )
-        reserved = await client._call(client._stub.Reserve, request)
-        if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
-            if reserved.lease_id:
-                await _abandon_quietly(client, reserved.lease_id)
-            client._info = None  # the next call maps the new arena
-            info, _ = await client._refresh()
-            return await self._put_inline(info, tokens, extra, rows, start, priority)
+        sent_at = time.monotonic()
+        if staged is not None:  # every block into its staged slot while the Reserve flies
+            bb = self.block_bytes
+            try:
+                reserved = await client._call(
+                    client._stub.Reserve,
+                    request,
+                    during=lambda: write_slots(arena.mapping, staged, rows, bb, start),
+                )
+            except BaseException:
+                stage_lease = stash.forget()
+                if stage_lease:
+                    client._release_later(stage_lease)
+                raise
+        else:
+            reserved = await client._call(client._stub.Reserve, request)
+            if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
+                if reserved.lease_id:
+                    await _abandon_quietly(client, reserved.lease_id)
+                client._info = None  # the next call maps the new arena
+                info, _ = await client._refresh()
+                return await self._put_inline(info, tokens, extra, rows, start, priority)
+        stash.answered(sent_at, request, reserved)
         slots = wire.slot_table(reserved)
-        committed = 0
         if reserved.lease_id:
             try:
-                await asyncio.to_thread(
-                    write_slots, arena.mapping, slots, rows, self.block_bytes, start
-                )
-                commit = pb.CommitRequest(lease_id=reserved.lease_id)
-                committed = (await client._call(client._stub.Commit, commit)).committed
+                if staged is None:
+                    await asyncio.to_thread(
+                        write_slots, arena.mapping, slots, rows, self.block_bytes, start
+                    )
             except BaseException:
                 await _abandon_quietly(client, reserved.lease_id)
                 raise
-        return PutResult(
-            stored=committed,
-            existing=reserved.existing,
-            refused=reserved.refused + len(slots) - committed,
-        )
+            # nothing on the put's path needs the answer (see the sync client)
+            commit = pb.CommitRequest(lease_id=reserved.lease_id)
+            await client._send(client._stub.Commit, commit)
+        return PutResult(stored=len(slots), existing=reserved.existing, refused=reserved.refused)
 
     async def _put_inline(
         self,

@@ -164,6 +164,7 @@ def collect_status(client: KVClient) -> JSONDict:
         "namespaces": [namespace_dict(ns) for ns in stats.namespaces],
         "pending_blocks": stats.pending_blocks,
         "leases": stats.leases,
+        "staged_bytes": stats.staged_bytes,
         "demotions": stats.demotions,
         "promotions": stats.promotions,
         "corrupt_reads": stats.corrupt_reads,

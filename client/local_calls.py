@@ -13,15 +13,25 @@ have given. A transport failure raises :class:`LocalCallFailed`; its ``sent`` sa
 whether any byte of the request left, since only a call that certainly did not reach
 the daemon may be sent again over gRPC (a Commit must not run twice). The connection
 of a failed call is closed, never reused.
+
+A call may also be *sent* without waiting for its answer (:meth:`LocalCalls.send`: an
+arena put's Commit, whose answer nothing on the put's path needs). Its connection goes
+back to the idle ones owing that answer, and is the next one taken; the next call on
+it reads the answers owed before its own (the daemon answers a connection's calls in
+order, so that call also runs after the one sent). An owed answer that is an error is
+logged: the blocks of a refused Commit are not stored, and a later lookup reports a
+miss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -35,6 +45,8 @@ from kvclient.errors import (
 from kvproto.v1 import local_calls as frames
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+log = logging.getLogger(__name__)
 
 
 class LocalCallStatus(Exception):
@@ -88,6 +100,43 @@ def _response(status: int, body: bytes, name: str) -> Any:
     raise LocalCallStatus(_CODES.get(status), message, kind)
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One local-call connection: its socket, bytes received past the last answer read,
+    and the calls sent on it whose answers have not been read (in order)."""
+
+    sock: socket.socket
+    buffer: bytearray = field(default_factory=bytearray)
+    owed: list[str] = field(default_factory=list)
+
+    def receive(self) -> tuple[int, bytes]:
+        """The next response frame: (status, body). Usually a single recv."""
+        self._fill(frames.HEADER.size)
+        body_len, status = frames.HEADER.unpack_from(self.buffer)
+        end = frames.HEADER.size + body_len
+        self._fill(end)
+        body = bytes(self.buffer[frames.HEADER.size : end])
+        del self.buffer[:end]
+        return status, body
+
+    def read_owed(self) -> None:
+        """Read the answers of the calls sent without waiting; log the errors."""
+        while self.owed:
+            name = self.owed.pop(0)
+            status, body = self.receive()
+            if status != frames.OK:
+                _, message = frames.parse_error(body)
+                code = _CODES.get(status)
+                log.warning("%s sent without waiting failed: %s %s", name, code, message)
+
+    def _fill(self, need: int) -> None:
+        while len(self.buffer) < need:
+            more = self.sock.recv(max(need - len(self.buffer), 1 << 16))
+            if not more:
+                raise ConnectionResetError(0, "the daemon closed the local-call connection")
+            self.buffer += more
+
+
 class LocalCalls:
     """Blocking local calls to one daemon socket. Thread-safe, and safe across fork:
     a child process never uses its parent's connections (their answers would be read
@@ -95,7 +144,7 @@ class LocalCalls:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._idle: list[socket.socket] = []
+        self._idle: list[_Connection] = []  # the last one put back is taken first
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
@@ -106,37 +155,55 @@ class LocalCalls:
         """``name``'s response to ``request``, or LocalCallStatus / LocalCallFailed.
         ``during`` runs once the request is sent, before the answer is read."""
         frame = _request(name, request)
-        sock = self._take(timeout)
+        conn = self._take(timeout)
         sent = False
         try:
-            sock.settimeout(timeout)
+            conn.sock.settimeout(timeout)
             # a send fails only when the daemon's end is closed (an idle connection to a
             # daemon that stopped): then it has not seen the request
-            sock.sendall(frame)
+            conn.sock.sendall(frame)
             sent = True
             if during is not None:
                 try:
                     during()
                 except BaseException:
-                    sock.close()  # its answer is still coming: the connection is spent
+                    conn.sock.close()  # its answer is still coming: the connection is spent
                     raise
-            status, body = _receive(sock)
+            conn.read_owed()
+            status, body = conn.receive()
+            if conn.buffer:  # one call at a time: nothing may follow its answer
+                raise ConnectionResetError(0, "the daemon sent more than one answer")
         except TimeoutError:
-            sock.close()
+            conn.sock.close()
             raise LocalCallFailed(
                 f"no answer within {timeout} s", sent=sent, timed_out=True
             ) from None
         except OSError as exc:
-            sock.close()
+            conn.sock.close()
             raise LocalCallFailed(exc.strerror or str(exc), sent=sent) from None
-        self._put_back(sock)
+        self._put_back(conn)
         return _response(status, body, name)
 
-    def _take(self, timeout: float) -> socket.socket:
+    def send(self, name: str, request: Any, timeout: float) -> None:
+        """Send ``name(request)`` and return at once: its answer is read by the next
+        call on the same connection (see the module docstring). LocalCallFailed when
+        it could not be sent."""
+        frame = _request(name, request)
+        conn = self._take(timeout)
+        try:
+            conn.sock.settimeout(timeout)
+            conn.sock.sendall(frame)
+        except OSError as exc:
+            conn.sock.close()
+            raise LocalCallFailed(exc.strerror or str(exc), sent=False) from None
+        conn.owed.append(name)
+        self._put_back(conn)
+
+    def _take(self, timeout: float) -> _Connection:
         with self._lock:
             if self._pid != os.getpid():  # forked: the idle sockets are the parent's
                 for inherited in self._idle:
-                    inherited.close()  # our copy of the fd only: the parent keeps its own
+                    inherited.sock.close()  # our copy of the fd only: the parent keeps its own
                 self._idle, self._pid = [], os.getpid()
             if self._idle:
                 return self._idle.pop()
@@ -149,42 +216,32 @@ class LocalCalls:
             raise LocalCallFailed(
                 f"cannot connect to {self.path}: {exc.strerror or exc}", sent=False
             ) from None
-        return sock
+        return _Connection(sock)
 
-    def _put_back(self, sock: socket.socket) -> None:
+    def _put_back(self, conn: _Connection) -> None:
         with self._lock:
             if not self._closed:
-                self._idle.append(sock)
+                self._idle.append(conn)
                 return
-        sock.close()
+        self._finish(conn)
 
     def close(self) -> None:
-        """Close the idle connections; those in use close when their call ends."""
+        """Close the idle connections (reading the answers they owe first); those in use
+        close when their call ends."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
+        for conn in idle:
+            self._finish(conn)
 
-
-def _receive(sock: socket.socket) -> tuple[int, bytes]:
-    """One response frame: (status, body). Usually a single recv."""
-    data = bytearray()
-    need = frames.HEADER.size
-    status: int | None = None
-    while True:
-        while len(data) < need:
-            more = sock.recv(max(need - len(data), 1 << 16))
-            if not more:
-                raise ConnectionResetError(0, "the daemon closed the local-call connection")
-            data += more
-        if status is not None:
-            break
-        body_len, status = frames.HEADER.unpack_from(data)
-        need += body_len  # now read the body
-    if len(data) > need:  # one call at a time: nothing may follow its answer
-        raise ConnectionResetError(0, "the daemon sent more than one answer")
-    return status, bytes(data[frames.HEADER.size :])
+    @staticmethod
+    def _finish(conn: _Connection) -> None:
+        if conn.owed:
+            try:
+                conn.read_owed()
+            except OSError as exc:  # timed out or reset: the daemon has the calls all the same
+                log.debug("answers owed on a closing local-call connection: %s", exc)
+        conn.sock.close()
 
 
 class AsyncLocalCalls:
@@ -192,7 +249,9 @@ class AsyncLocalCalls:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        # idle connections, the last put back first, with the calls sent on each whose
+        # answers have not been read (see LocalCalls.send)
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, list[str]]] = []
         self._closed = False
 
     async def call(
@@ -201,27 +260,13 @@ class AsyncLocalCalls:
         """Like :meth:`LocalCalls.call`; ``during`` runs on a worker thread while the
         answer is awaited, and has finished whenever this returns or raises."""
         frame = _request(name, request)
-        if self._idle:
-            reader, writer = self._idle.pop()
-        else:
-            try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_unix_connection(self.path), timeout
-                )
-            except (OSError, TimeoutError) as exc:
-                reason = getattr(exc, "strerror", None) or str(exc) or "timed out"
-                raise LocalCallFailed(
-                    f"cannot connect to {self.path}: {reason}", sent=False
-                ) from None
-        if reader.at_eof() or writer.is_closing():  # the daemon closed an idle connection
-            writer.close()
-            raise LocalCallFailed("the local-call connection was closed", sent=False)
+        reader, writer, owed = await self._take(timeout)
         early: asyncio.Future[None] | None = None
         try:
             writer.write(frame)
             if during is not None:
                 early = asyncio.ensure_future(asyncio.to_thread(during))
-            status, body = await asyncio.wait_for(_areceive(reader, writer), timeout)
+            status, body = await asyncio.wait_for(_areceive(reader, writer, owed), timeout)
             if early is not None:
                 await early  # its error, if any, spends the connection below
         except TimeoutError:
@@ -238,23 +283,70 @@ class AsyncLocalCalls:
         finally:
             if early is not None and not early.done():
                 await asyncio.wait([early])  # never leave a copy running into the caller's rows
-        if self._closed:
-            writer.close()
-        else:
-            self._idle.append((reader, writer))
+        self._put_back(reader, writer, owed)
         return _response(status, body, name)
+
+    async def send(self, name: str, request: Any, timeout: float) -> None:
+        """Like :meth:`LocalCalls.send`: the answer is read by the next call on the
+        connection."""
+        reader, writer, owed = await self._take(timeout)
+        try:
+            writer.write(_request(name, request))
+            await asyncio.wait_for(writer.drain(), timeout)
+        except (OSError, TimeoutError) as exc:
+            writer.close()
+            raise LocalCallFailed(str(exc) or type(exc).__name__, sent=True) from None
+        owed.append(name)
+        self._put_back(reader, writer, owed)
+
+    async def _take(
+        self, timeout: float
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, list[str]]:
+        if self._idle:
+            reader, writer, owed = self._idle.pop()
+        else:
+            try:
+                reader, writer = await asyncio.wait_for(
+                    asyncio.open_unix_connection(self.path), timeout
+                )
+            except (OSError, TimeoutError) as exc:
+                reason = getattr(exc, "strerror", None) or str(exc) or "timed out"
+                raise LocalCallFailed(
+                    f"cannot connect to {self.path}: {reason}", sent=False
+                ) from None
+            owed = []
+        if reader.at_eof() or writer.is_closing():  # the daemon closed an idle connection
+            writer.close()
+            raise LocalCallFailed("the local-call connection was closed", sent=False)
+        return reader, writer, owed
+
+    def _put_back(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[str]
+    ) -> None:
+        if self._closed:
+            writer.close()  # the daemon has the calls sent on it all the same
+        else:
+            self._idle.append((reader, writer, owed))
 
     def close(self) -> None:
         self._closed = True
         idle, self._idle = self._idle, []
-        for _, writer in idle:
+        for _, writer, _ in idle:
             writer.close()
 
 
 async def _areceive(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[str]
 ) -> tuple[int, bytes]:
+    """This call's answer, after the answers ``owed`` on the connection (errors logged)."""
     await writer.drain()
-    header = await reader.readexactly(frames.HEADER.size)
-    body_len, status = frames.HEADER.unpack(header)
-    return status, await reader.readexactly(body_len)
+    while True:
+        header = await reader.readexactly(frames.HEADER.size)
+        body_len, status = frames.HEADER.unpack(header)
+        body = await reader.readexactly(body_len)
+        if not owed:
+            return status, body
+        name = owed.pop(0)
+        if status != frames.OK:
+            _, message = frames.parse_error(body)
+            log.warning("%s sent without waiting failed: %s %s", name, _CODES.get(status), message)

@@ -104,6 +104,7 @@ class Stats:
     corrupt_reads: int = 0
     disk_queue_bytes: int = 0
     counters: dict[str, int] = field(default_factory=dict)
+    staged_bytes: int = 0  # host slots set aside for writers' next puts
 
     def tier(self, name: str) -> TierStats | None:
         for tier in self.tiers:

@@ -5,7 +5,9 @@ Protocol, per call:
 - ``client.namespace(model, block_tokens, block_bytes, **layout)`` -> OpenNamespace
   (idempotent on the daemon) -> a :class:`Namespace` bound to the returned ns_id.
 - put, shared arena (same host): Reserve -> copy each block into its slot -> Commit;
-  Abandon if anything in between raises. Only slot offsets cross the socket.
+  Abandon if anything in between raises. Only slot offsets cross the socket. Once
+  the client holds staged slots (:mod:`kvclient.staged_slots`) the copy runs while
+  the Reserve is in flight and the Commit is sent without waiting for its answer.
 - put, inline: one client-streaming Put per batch (header, then the bytes in chunks of
   ``max_chunk_bytes``); batches of at most ``max_transfer_bytes`` of blocks, each
   starting where the previous one ended (``start_block``).
@@ -69,6 +71,7 @@ from kvclient.results import (
     ServerInfo,
     Stats,
 )
+from kvclient.staged_slots import SlotStash, put_reserve
 from kvclient.unpinned_reads import (
     LastSlots,
     ReadKey,
@@ -141,6 +144,8 @@ class KVClient:
         self._last_slots = LastSlots()
         # disk_direct gets (kvclient.disk_reads): the daemon's disk file, when readable
         self._disk: DiskFile | None = None
+        # arena puts: the staged slots of each namespace (kvclient.staged_slots)
+        self._stashes: dict[str, SlotStash] = {}
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -153,6 +158,9 @@ class KVClient:
             arena, self._arena = self._arena, None
         with self._done_cond:
             self._done_cond.notify_all()  # the flusher exits
+            # staging leases go with the read leases: their slots come back at once
+            staging = (stash.detach() for stash in self._stashes.values())
+            self._done.extend(lease_id for lease_id in staging if lease_id)
         self._settle()
         self._channel.close()
         if arena is not None:
@@ -198,6 +206,23 @@ class KVClient:
         if during is not None:
             during()
         return self._call_grpc(method, request)
+
+    def _send(self, method: Callable[..., Any], request: Any) -> None:
+        """Send a call whose answer nothing waits for (an arena put's Commit): over the
+        local socket without waiting (LocalCalls.send), else as a plain call."""
+        local = self._local
+        name = self._local_names.get(method)
+        if local is not None and name is not None:
+            try:
+                local.send(name, request, self.timeout)
+                return
+            except LocalCallFailed as exc:
+                self._local_failed(local, exc)  # raises unless gRPC may take the call
+        self._call(method, request)
+
+    def _stash(self, ns_id: str) -> SlotStash:
+        with self._lock:
+            return self._stashes.setdefault(ns_id, SlotStash())
 
     def _call_grpc(self, method: Callable[..., _Response], request: Any) -> _Response:
         try:
@@ -723,29 +748,45 @@ class Namespace:
         priority: int | None,
     ) -> PutResult:
         client = self.client
-        request = pb.ReserveRequest(
-            ns_id=self.ns_id,
-            tokens=tokens,
-            extra_keys=extra,
-            start_block=start,
-            n_blocks=len(rows),
-            priority=priority,
-            compact_slots=True,
+        stash = client._stash(self.ns_id)
+        request, staged = put_reserve(
+            stash, arena, self.ns_id, tokens, extra, start, len(rows), priority
         )
-        reserved = client._call(client._stub.Reserve, request)
-        if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
-            if reserved.lease_id:
-                _abandon_quietly(client, reserved.lease_id)
-            client._info = None  # the next call maps the new arena
-            info, _ = client._refresh()
-            return self._put_inline(info, tokens, extra, rows, start, priority)
+        sent_at = time.monotonic()
+        if staged is not None:  # every block into its staged slot while the Reserve flies
+            bb = self.block_bytes
+            try:
+                reserved = client._call(
+                    client._stub.Reserve,
+                    request,
+                    during=lambda: write_slots(arena.mapping, staged, rows, bb, start),
+                )
+            except BaseException:
+                stage_lease = stash.forget()
+                if stage_lease:
+                    client._release_later(stage_lease)
+                raise
+        else:
+            reserved = client._call(client._stub.Reserve, request)
+            if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
+                if reserved.lease_id:
+                    _abandon_quietly(client, reserved.lease_id)
+                client._info = None  # the next call maps the new arena
+                info, _ = client._refresh()
+                return self._put_inline(info, tokens, extra, rows, start, priority)
+        stash.answered(sent_at, request, reserved)
         slots = wire.slot_table(reserved)
-        return commit_filled(
-            client,
-            reserved,
-            len(slots),
-            lambda: write_slots(arena.mapping, slots, rows, self.block_bytes, start),
-        )
+        if reserved.lease_id:
+            try:
+                if staged is None:
+                    write_slots(arena.mapping, slots, rows, self.block_bytes, start)
+            except BaseException:
+                _abandon_quietly(client, reserved.lease_id)
+                raise
+            # nothing on the put's path needs the answer: this client's next call on
+            # the connection reads it, and runs after the commit
+            client._send(client._stub.Commit, pb.CommitRequest(lease_id=reserved.lease_id))
+        return PutResult(stored=len(slots), existing=reserved.existing, refused=reserved.refused)
 
     def _put_inline(
         self,

@@ -245,6 +245,7 @@ def stats(msg: pb.StatsResponse) -> Stats:
         corrupt_reads=msg.corrupt_reads,
         disk_queue_bytes=msg.disk_queue_bytes,
         counters=dict(msg.counters),
+        staged_bytes=msg.staged_bytes,
     )
 
 

@@ -194,6 +194,9 @@ def reserve_response(
         refused=res.refused,
         arena_path=arena_path,
         out_of_space=res.out_of_space,
+        stage_lease_id=res.stage_lease_id,
+        staged_offsets=res.staged,
+        stage_ttl_s=res.stage_ttl_s,
     )
     if compact:
         msg.slot_indices.extend([s.index for s in res.slots])
@@ -286,6 +289,7 @@ def stats_response(
         platform=platform,
         uptime_s=uptime_s,
         counters=stats.counters,
+        staged_bytes=stats.staged_bytes,
     )
 
 

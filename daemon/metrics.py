@@ -187,6 +187,11 @@ def _store_families(stats: StoreStats) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "kvstore_leases", "Open read and write leases.", value=stats.leases
     )
+    yield GaugeMetricFamily(
+        "kvstore_staged_bytes",
+        "Host arena bytes set aside for writers' next puts (staged slots, in no block yet).",
+        value=stats.staged_bytes,
+    )
     yield CounterMetricFamily(
         "kvstore_corrupt_reads", "Disk records that failed their checksum (reported as misses).",
         value=stats.corrupt_reads,

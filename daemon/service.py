@@ -612,13 +612,23 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ttl = convert.seconds(request.ttl_s, "ttl_s")
         prio = convert.optional_priority(request)
 
+        staged = list(request.staged_offsets)
+
         def reserve(quick: bool = False) -> pb.ReserveResponse:
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             end = convert.block_range(request.start_block, request.n_blocks, len(keys))
-            if quick:
-                self._check_room(spec.ns_id, keys[:end], end - request.start_block)
+            if quick:  # staged slots are allocated already: only stage_more needs room
+                fresh = 0 if staged else end - request.start_block
+                self._check_room(spec.ns_id, keys[:end], fresh + request.stage_more)
             res = self._store.reserve(
-                spec.ns_id, keys[:end], start=request.start_block, ttl_s=ttl, priority=prio
+                spec.ns_id,
+                keys[:end],
+                start=request.start_block,
+                ttl_s=ttl,
+                priority=prio,
+                stage_lease_id=request.stage_lease_id,
+                staged_offsets=staged,
+                stage_more=request.stage_more,
             )
             if res.out_of_space and not res.slots and not res.existing:
                 raise OutOfSpace(

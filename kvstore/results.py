@@ -90,6 +90,11 @@ class Reservation:
     existing: int
     refused: int
     out_of_space: bool = False  # a block was refused because no room could be made
+    # staged slots (see Store.reserve): the staging lease the call used or made (0:
+    # none), the slots it set aside now, and by how long each use renews the lease
+    stage_lease_id: int = 0
+    staged: tuple[int, ...] = ()
+    stage_ttl_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +166,4 @@ class StoreStats:
     corrupt_reads: int
     disk_queue_bytes: int
     counters: dict[str, int] = field(default_factory=dict)
+    staged_bytes: int = 0  # host slots set aside for writers' next puts (staging leases)

@@ -12,6 +12,13 @@ Protocol (every method is thread-safe; all key chains start at the namespace roo
   (partial commits allowed, in chain order; ``abandon`` drops the rest). ``acquire`` pins
   the ready prefix in host slots under a read lease -> the caller reads -> ``release``.
   Leases expire after their TTL; an expired write lease drops its pending blocks.
+- Staged slots (a put with no round trip before its copy): a ``reserve`` may also set
+  aside ``stage_more`` empty slots for the caller's next put under a *staging lease*.
+  Staged slots are allocated but in no block: invisible, never evicted, freed when the
+  lease is released or expires. The next ``reserve`` names them (``staged_offsets``,
+  one per offered block, in chain order) and its new blocks take them instead of fresh
+  slots, so the caller may copy into them while that reserve is in flight. Each
+  reserve that names the lease renews it.
 - ``delete``/``clear``/``set_priority``/``stats``/``events_since``/``flush``/``close``.
 
 Copies of block bytes happen outside the lock: the blocks involved are pinned (lease
@@ -30,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import overload
 
 import numpy as np
@@ -92,6 +99,12 @@ class StoreConfig:
     event_buffer: int = 65536
     eviction_policy: str = "priority-lru"  # priority-lru | plain-lru (baseline only)
     prefault_arena: bool = False  # fault the arena's pages in on a background thread
+    # staged slots one staging lease may hold (bytes); 0: a quarter of host_bytes
+    max_staged_bytes: int = 0
+
+    @property
+    def staged_bytes_limit(self) -> int:
+        return self.max_staged_bytes or self.host_bytes // 4
 
     def validate(self) -> None:
         """Raise InvalidArgument naming the first bad field."""
@@ -120,6 +133,8 @@ class StoreConfig:
             )
         if self.max_blocks_per_request < 1:
             raise InvalidArgument("max_blocks_per_request must be >= 1")
+        if self.max_staged_bytes < 0:
+            raise InvalidArgument(f"max_staged_bytes must be >= 0, got {self.max_staged_bytes}")
         if self.selective_hits < 0:
             raise InvalidArgument(f"selective_hits must be >= 0, got {self.selective_hits}")
 
@@ -134,6 +149,14 @@ class _Lease:
     committed: int = 0  # write leases: nodes[:committed] are ready
     first_index: int = 0  # write leases: chain position of nodes[0]
     snapshot: DiskSnapshot | None = None  # read leases with disk extents: keeps them valid
+    staged: set[int] | None = None  # staging leases: the empty slots set aside (offsets)
+    ttl: float = 0.0  # staging leases: each reserve that uses the lease renews it by this
+
+    @property
+    def kind(self) -> str:
+        if self.staged is not None:
+            return "staging"
+        return "write (reserve)" if self.write else "read (acquire)"
 
 
 @dataclass(slots=True)
@@ -576,70 +599,170 @@ class Store:
         start: int = 0,
         ttl_s: float | None = None,
         priority: int | None = None,
+        *,
+        stage_lease_id: int = 0,
+        staged_offsets: Sequence[int] = (),
+        stage_more: int = 0,
     ) -> Reservation:
+        """Reserve the blocks ``keys[start:]`` that are not stored yet (pending, each in
+        a host slot, under a write lease).
+
+        With ``staged_offsets`` (one per offered block, in chain order; slots of the
+        staging lease ``stage_lease_id``) each new block takes its staged slot instead
+        of a fresh one; the slots of blocks that turn out to exist stay staged. With
+        ``stage_more`` the call also sets aside that many empty slots for the caller's
+        next put (fewer when the lease's limit or the room runs out; a new staging
+        lease when ``stage_lease_id`` is 0). See the module docstring.
+        """
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        if staged_offsets and len(staged_offsets) != len(keys) - start:
+            raise InvalidArgument(
+                f"{len(staged_offsets)} staged slots for {len(keys) - start} offered blocks"
+            )
+        if not 0 <= stage_more <= self.config.max_blocks_per_request:
+            raise InvalidArgument(
+                f"stage_more={stage_more} is outside [0, {self.config.max_blocks_per_request}]"
+            )
         prio = self._priority(priority)
         ttl = self._ttl(ttl_s)
         with self._lock:
             self._check_open()
             self._expire()
-            walk = self._index.walk(keys)
-            offered = len(keys) - start
-            if start > 0 and (len(walk) < start or not walk[start - 1].ready):
-                return Reservation(0, 0.0, (), existing=0, refused=offered)
-            existing = 0
-            for node in walk[start:]:
-                if not node.ready:  # another owner is computing it: wait or recompute
-                    return Reservation(0, 0.0, (), existing, offered - existing)
-                existing += 1
-            for node in walk:
-                node.pins += 1
-            created: list[Node] = []
-            try:
-                parent = walk[-1] if walk else None
-                # new blocks go to host, so their prefix must be there too (parents first)
-                promoted = all(self._promote_now(node) for node in walk if not node.in_host)
-                out_of_space = not promoted
-                first_new = max(start, len(walk))
-                end = len(keys) if promoted else first_new
-                size = entry.spec.block_bytes
-                # one carve for the whole batch when a free extent holds it, else slot
-                # by slot (evicting as needed)
-                run = self._arena.alloc_run(size, end - first_new) if end > first_new else []
-                for i in range(first_new, end):
-                    offset = run[i - first_new] if run else self._alloc_host(size)
-                    if offset is None:
-                        out_of_space = True
-                        break
-                    node = Node(keys[i], entry, parent, priority=prio)
-                    node.pins = 1
-                    self._index.add(node)
-                    self._host_add(node, offset)
-                    created.append(node)
-                    parent = node
-            finally:
+            staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
+            reservation = self._reserve_locked(
+                entry, keys, start, prio, ttl, staging, staged_offsets
+            )
+            if staging is None and stage_more == 0:
+                return reservation
+            if staging is None:
+                staging = self._new_lease(entry, [], write=False, ttl=ttl)
+                staging.staged, staging.ttl = set(), ttl
+            granted = self._stage(staging, stage_more)
+            staging.expires_at = self._clock() + staging.ttl  # _expire sees the renewal
+            return replace(
+                reservation,
+                stage_lease_id=staging.lease_id,
+                staged=tuple(granted),
+                stage_ttl_s=staging.ttl,
+            )
+
+    def _staging_lease(
+        self, entry: NamespaceEntry, lease_id: int, offsets: Sequence[int]
+    ) -> _Lease | None:
+        """The staging lease a reserve names (None for 0), after checking that it is
+        one of this namespace and that ``offsets`` are distinct slots it holds."""
+        if not lease_id:
+            if offsets:
+                raise InvalidArgument("staged slots need the staging lease that holds them")
+            return None
+        lease = self._lease(lease_id)
+        if lease.staged is None:
+            raise LeaseError(f"lease {lease_id} is a {lease.kind} lease, not a staging lease")
+        if lease.entry is not entry:
+            raise LeaseError(
+                f"staging lease {lease_id} holds slots of namespace {lease.entry.spec.ns_id}"
+            )
+        if offsets:
+            unknown = [o for o in offsets if o not in lease.staged]
+            if unknown:
+                raise InvalidArgument(
+                    f"{len(unknown)} of the staged slots (first: offset {unknown[0]}) are not "
+                    f"held by staging lease {lease_id}"
+                )
+            if len(set(offsets)) != len(offsets):
+                raise InvalidArgument("a staged slot is named twice")
+        return lease
+
+    def _stage(self, lease: _Lease, count: int) -> list[int]:
+        """Set aside up to ``count`` more empty slots under a staging lease (evicting
+        leaves as a put would), within the lease's limit; the offsets granted."""
+        assert lease.staged is not None
+        size = lease.entry.spec.block_bytes
+        room = self.config.staged_bytes_limit // size - len(lease.staged)
+        count = max(0, min(count, room))
+        if count == 0:
+            return []
+        offsets = self._arena.alloc_run(size, count)
+        while len(offsets) < count:
+            offset = self._alloc_host(size)
+            if offset is None:
+                break
+            offsets.append(offset)
+        lease.staged.update(offsets)
+        return offsets
+
+    def _reserve_locked(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        start: int,
+        prio: int,
+        ttl: float,
+        staging: _Lease | None,
+        staged_offsets: Sequence[int],
+    ) -> Reservation:
+        walk = self._index.walk(keys)
+        offered = len(keys) - start
+        if start > 0 and (len(walk) < start or not walk[start - 1].ready):
+            return Reservation(0, 0.0, (), existing=0, refused=offered)
+        existing = 0
+        for node in walk[start:]:
+            if not node.ready:  # another owner is computing it: wait or recompute
+                return Reservation(0, 0.0, (), existing, offered - existing)
+            existing += 1
+        for node in walk:
+            node.pins += 1
+        created: list[Node] = []
+        run: list[int] = []
+        try:
+            parent = walk[-1] if walk else None
+            # new blocks go to host, so their prefix must be there too (parents first)
+            promoted = all(self._promote_now(node) for node in walk if not node.in_host)
+            out_of_space = not promoted
+            first_new = max(start, len(walk))
+            end = len(keys) if promoted else first_new
+            size = entry.spec.block_bytes
+            # staged slots, or one carve for the whole batch when a free extent holds
+            # it, else slot by slot (evicting as needed)
+            if staged_offsets:
+                run = list(staged_offsets[first_new - start : end - start])
+            elif end > first_new:
+                run = self._arena.alloc_run(size, end - first_new)
+            for i in range(first_new, end):
+                offset = run[i - first_new] if run else self._alloc_host(size)
+                if offset is None:
+                    out_of_space = True
+                    break
+                node = Node(keys[i], entry, parent, priority=prio)
+                node.pins = 1
+                self._index.add(node)
+                self._host_add(node, offset)
+                if staging is not None and staging.staged is not None:
+                    staging.staged.discard(offset)
+                created.append(node)
+                parent = node
+        finally:
+            if not staged_offsets:
                 for offset in run[len(created) :]:  # only if something above raised
                     self._arena.free(offset)
-                for node in walk:
-                    node.pins -= 1
-            self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
-            refused = offered - existing - len(created)
-            if not created:
-                return Reservation(0, 0.0, (), existing, refused, out_of_space)
-            self._pending += len(created)
-            lease = self._new_lease(entry, created, write=True, ttl=ttl)
-            first = len(keys) - refused - len(created)
-            lease.first_index = first
-            slots = tuple(
-                SlotRef(first + i, node.key, node.host_offset, node.size)
-                for i, node in enumerate(created)
-            )
-            return Reservation(
-                lease.lease_id, lease.expires_at, slots, existing, refused, out_of_space
-            )
+            for node in walk:
+                node.pins -= 1
+        self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
+        refused = offered - existing - len(created)
+        if not created:
+            return Reservation(0, 0.0, (), existing, refused, out_of_space)
+        self._pending += len(created)
+        lease = self._new_lease(entry, created, write=True, ttl=ttl)
+        first = len(keys) - refused - len(created)
+        lease.first_index = first
+        slots = tuple(
+            SlotRef(first + i, node.key, node.host_offset, node.size)
+            for i, node in enumerate(created)
+        )
+        return Reservation(lease.lease_id, lease.expires_at, slots, existing, refused, out_of_space)
 
     def commit(self, lease_id: int, count: int | None = None) -> int:
         with self._lock:
@@ -822,7 +945,7 @@ class Store:
                 demotions=c.demotions,
                 promotions=c.promotions,
                 pending_blocks=self._pending,
-                leases=len(self._leases),
+                leases=sum(lease.staged is None for lease in self._leases.values()),
                 corrupt_reads=corrupt,
                 disk_queue_bytes=disk_queue,
                 counters={
@@ -830,6 +953,11 @@ class Store:
                     "lost_on_disk": c.lost_on_disk,
                     "known_slot_gets": c.known_slot_gets,
                 },
+                staged_bytes=sum(
+                    len(lease.staged) * self._arena.slot_size(next(iter(lease.staged)))
+                    for lease in self._leases.values()
+                    if lease.staged
+                ),
             )
 
     def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]:
@@ -873,6 +1001,7 @@ class Store:
         with self._lock:
             self._expire()  # applies a disk capacity the writer lowered meanwhile
             host = disk = pending = 0
+            held: set[int] = set()  # host slots of blocks
             for node in self._index.nodes.values():
                 parent = node.parent
                 assert node.pins >= 0, f"{node}: negative pins"
@@ -895,7 +1024,14 @@ class Store:
                 assert (node in self._disk_policy) == node.on_disk, f"{node}: disk list membership"
                 host += node.in_host
                 disk += node.on_disk
+                if node.in_host:
+                    held.add(node.host_offset)
             assert host == self._host_blocks and disk == self._disk_blocks, "tier block counts"
+            staged = [o for lease in self._leases.values() for o in lease.staged or ()]
+            assert len(set(staged)) == len(staged), "a slot staged twice"
+            assert held.isdisjoint(staged), "a staged slot holds a block"
+            for offset in staged:
+                self._arena.slot_size(offset)  # raises unless a live slot
             assert pending == self._pending, "pending count"
             assert self._arena.used_bytes <= self._arena.capacity_bytes, "host over capacity"
             if self._disk is not None:
@@ -1218,9 +1354,8 @@ class Store:
             if why is None:
                 raise LeaseError(f"unknown lease {lease_id}")
             raise LeaseError(f"lease {lease_id} has ended ({why})")
-        if write is not None and lease.write != write:
-            kind = "write (reserve)" if lease.write else "read (acquire)"
-            raise LeaseError(f"lease {lease_id} is a {kind} lease")
+        if write is not None and (lease.write != write or lease.staged is not None):
+            raise LeaseError(f"lease {lease_id} is a {lease.kind} lease")
         return lease
 
     def _end_lease(self, lease: _Lease, why: str) -> None:
@@ -1235,6 +1370,8 @@ class Store:
         else:
             for node in lease.nodes:
                 node.pins -= 1
+        for offset in lease.staged or ():
+            self._arena.free(offset)
         self._forget_lease(lease, why)
         self._changed.notify_all()
 
@@ -1255,8 +1392,12 @@ class Store:
         while heap and heap[0][0] <= now:
             _, lease_id = heapq.heappop(heap)
             lease = self._leases.get(lease_id)
-            if lease is not None:
+            if lease is None:
+                continue
+            if lease.expires_at <= now:
                 self._end_lease(lease, "expired")
+            else:  # renewed (a staging lease): its one entry goes back with the new time
+                heapq.heappush(heap, (lease.expires_at, lease_id))
         pheap = self._priority_heap
         while pheap and pheap[0][0] <= now:
             until, _, node = heapq.heappop(pheap)

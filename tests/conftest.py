@@ -381,6 +381,7 @@ def store_snapshot(stub: Any) -> dict[str, Any]:
         ),
         "pending_blocks": stats.pending_blocks,
         "leases": stats.leases,
+        "staged_bytes": stats.staged_bytes,
         "demotions": stats.demotions,
         "promotions": stats.promotions,
     }

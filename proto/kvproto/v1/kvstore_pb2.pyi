@@ -354,7 +354,7 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority", "compact_slots")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority", "compact_slots", "stage_lease_id", "staged_offsets", "stage_more")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,9 @@ class ReserveRequest(_message.Message):
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     COMPACT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MORE_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -371,10 +374,13 @@ class ReserveRequest(_message.Message):
     ttl_s: float
     priority: int
     compact_slots: bool
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., compact_slots: _Optional[bool] = ...) -> None: ...
+    stage_lease_id: int
+    staged_offsets: _containers.RepeatedScalarFieldContainer[int]
+    stage_more: int
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., compact_slots: _Optional[bool] = ..., stage_lease_id: _Optional[int] = ..., staged_offsets: _Optional[_Iterable[int]] = ..., stage_more: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused", "arena_path", "out_of_space", "slot_indices", "slot_offsets")
+    __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused", "arena_path", "out_of_space", "slot_indices", "slot_offsets", "stage_lease_id", "staged_offsets", "stage_ttl_s")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +390,9 @@ class ReserveResponse(_message.Message):
     OUT_OF_SPACE_FIELD_NUMBER: _ClassVar[int]
     SLOT_INDICES_FIELD_NUMBER: _ClassVar[int]
     SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     expires_in_s: float
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -393,7 +402,10 @@ class ReserveResponse(_message.Message):
     out_of_space: bool
     slot_indices: _containers.RepeatedScalarFieldContainer[int]
     slot_offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ..., arena_path: _Optional[str] = ..., out_of_space: _Optional[bool] = ..., slot_indices: _Optional[_Iterable[int]] = ..., slot_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    stage_lease_id: int
+    staged_offsets: _containers.RepeatedScalarFieldContainer[int]
+    stage_ttl_s: float
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ..., arena_path: _Optional[str] = ..., out_of_space: _Optional[bool] = ..., slot_indices: _Optional[_Iterable[int]] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., stage_lease_id: _Optional[int] = ..., staged_offsets: _Optional[_Iterable[int]] = ..., stage_ttl_s: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "count")
@@ -522,7 +534,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters")
+    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -541,6 +553,7 @@ class StatsResponse(_message.Message):
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     demotions: int
@@ -552,7 +565,8 @@ class StatsResponse(_message.Message):
     platform: str
     uptime_s: float
     counters: _containers.ScalarMap[str, int]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    staged_bytes: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("seq", "kind", "ns_id", "key", "tier", "timestamp")
