@@ -5,7 +5,8 @@ Same methods, same protocol, same results and exceptions, as coroutines over
 
 - put, shared arena: Reserve -> copy into the slots (in a worker thread, so a large
   copy does not stall the event loop) -> Commit; Abandon on any exception, including
-  cancellation.
+  cancellation. With staged slots (:mod:`kvclient.staged_slots`) the copy runs while
+  the Reserve is in flight and the Commit is sent without waiting for its answer.
 - put, inline: client-streaming Put per batch (header, then chunks).
 - get, shared arena: Acquire -> copy out (worker thread) -> Release, carried by the
   next Acquire or sent within RELEASE_DELAY_S (one round trip per get).

@@ -269,6 +269,9 @@ KEYS: tuple[Key, ...] = (
         "longest lease a client may ask for (seconds)", _positive),
     Key("max_blocks_per_request", "int", parse_int, 8192, "most blocks one request may name",
         _between(1, 1 << 20)),
+    Key("max_staged_bytes", "size", parse_size, 0,
+        "host arena bytes one writer may hold set aside (staged) for its next puts; "
+        "0: a quarter of host_bytes", _at_least(0, "size")),
     Key("max_message_bytes", "size", parse_size, 64 << 20,
         "largest gRPC message received or sent; bigger ones get RESOURCE_EXHAUSTED",
         _between(MAX_CHUNK_BYTES + MESSAGE_OVERHEAD, (1 << 31) - 1)),
@@ -318,6 +321,7 @@ class DaemonConfig:
     lease_ttl_s: float
     max_lease_ttl_s: float
     max_blocks_per_request: int
+    max_staged_bytes: int
     max_message_bytes: int
     max_transfer_bytes: int
     arena_dir: str
@@ -350,6 +354,7 @@ class DaemonConfig:
             lease_ttl_s=self.lease_ttl_s,
             max_lease_ttl_s=self.max_lease_ttl_s,
             max_blocks_per_request=self.max_blocks_per_request,
+            max_staged_bytes=self.max_staged_bytes,
             arena_dir=self.arena_dir or None,
             shared_arena=self.shared_arena,
             prefault_arena=self.prefault_arena,
