@@ -100,6 +100,13 @@ def _response(status: int, body: bytes, name: str) -> Any:
     raise LocalCallStatus(_CODES.get(status), message, kind)
 
 
+def _owed_answer(name: str, status: int, body: bytes) -> None:
+    """The answer to a call sent without waiting: nothing to do unless it failed."""
+    if status != frames.OK:
+        _, message = frames.parse_error(body)
+        log.warning("%s sent without waiting failed: %s %s", name, _CODES.get(status), message)
+
+
 @dataclass(eq=False)
 class _Connection:
     """One local-call connection: its socket, bytes received past the last answer read,
@@ -122,12 +129,7 @@ class _Connection:
     def read_owed(self) -> None:
         """Read the answers of the calls sent without waiting; log the errors."""
         while self.owed:
-            name = self.owed.pop(0)
-            status, body = self.receive()
-            if status != frames.OK:
-                _, message = frames.parse_error(body)
-                code = _CODES.get(status)
-                log.warning("%s sent without waiting failed: %s %s", name, code, message)
+            _owed_answer(self.owed.pop(0), *self.receive())
 
     def _fill(self, need: int) -> None:
         while len(self.buffer) < need:
@@ -346,7 +348,4 @@ async def _areceive(
         body = await reader.readexactly(body_len)
         if not owed:
             return status, body
-        name = owed.pop(0)
-        if status != frames.OK:
-            _, message = frames.parse_error(body)
-            log.warning("%s sent without waiting failed: %s %s", name, _CODES.get(status), message)
+        _owed_answer(owed.pop(0), status, body)
