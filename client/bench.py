@@ -6,6 +6,12 @@ and, in the same run and on the same bytes, three baselines:
 
 - memcpy: ``np.copyto`` of each call's bytes into a reused buffer, one thread -- the
   physical limit of moving the bytes at all;
+- two floors beside it, for the cases where kvstore cannot use a reused buffer:
+  ``stream`` copies each call's bytes into fresh memory (distinct destinations over a
+  ring larger than the cache, with kvstore's streaming copy), what a put must do to
+  land bytes in arena slots; ``pread`` reads each call's bytes from a file in the
+  page cache (one ``preadv`` per call, next to the disk tier's file), what a warm disk
+  hit must do;
 - grpc raw: an asyncio gRPC server like kvstored's, on a unix socket, with generic
   handlers and identity (de)serializers: ``Pull`` streams N bytes to the client (like
   an inline Get), ``Push`` takes N bytes (like an inline Put), ``Echo`` sends them
@@ -65,6 +71,7 @@ import numpy as np
 
 from kvclient.errors import KVStoreError
 from kvclient.sync_client import KVClient, Namespace
+from kvstore.stream_copy import copy_into
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -181,7 +188,7 @@ def settings_for(args: argparse.Namespace) -> Settings:
 
 @dataclass
 class Result:
-    system: str  # kvstore | memcpy | grpc-raw | redis
+    system: str  # kvstore | memcpy | stream | pread | grpc-raw | redis
     op: str  # put | get | lookup | lookup+get | acquire | miss | echo | write-back
     path: str  # arena | inline | -
     tier: str  # host | disk-warm | disk-cold | miss | -
@@ -680,6 +687,7 @@ class Bench:
         pool_bytes = max(settings.bytes_per_pass, settings.max_call_bytes)
         self.pool = aligned_buffer(pool_bytes, fill=None)  # block bytes to put
         self.out = aligned_buffer(settings.max_call_bytes)  # the reused get buffer
+        self.fresh = aligned_buffer(settings.bytes_per_pass)  # the stream floor's ring
         self.disk_cases: list[tuple[str, Case, Namespace | None]] = []
 
     # -- set-up
@@ -829,6 +837,15 @@ class Bench:
             meta("memcpy", "get", "-", "-", len(fast.source)),
             [lambda src=src: np.copyto(out, src) for src in fast.source],
         )
+        # the put's floor: the same bytes into fresh memory, as a put lands them in slots
+        rings = self.fresh[: len(fast.source) * fast.call_bytes].reshape(-1, batch, bb)
+        stream = Series(
+            meta("stream", "put", "-", "-", len(fast.source)),
+            [
+                lambda src=src, dst=dst: copy_into(dst, src)
+                for src, dst in zip(fast.source, rings, strict=True)
+            ],
+        )
         namespaces = {path: self.ns(path, layout) for path in s.paths}
         # the path with the most chains puts last, so its pass leaves every chain stored
         order = sorted(s.paths, key=chains)
@@ -845,7 +862,9 @@ class Bench:
         ]
         raw_put, raw_get = self.raw_series(fast, slow_k, out, meta)
         redis_put, redis_get = self.redis_series(layout, batch, fast, slow_k, meta)
-        interleaved_passes(puts[:-1] + [raw_put] + redis_put + puts[-1:] + [memcpy], s.repeat)
+        interleaved_passes(
+            puts[:-1] + [raw_put] + redis_put + puts[-1:] + [memcpy, stream], s.repeat
+        )
         self.progress.step(f"put {label}")
         for path in s.paths:
             k = chains(path)
@@ -854,7 +873,7 @@ class Bench:
             self.redis.check(layout, fast)
         interleaved_passes([memcpy] + gets + [raw_get] + redis_get, s.repeat)
         self.progress.step(f"get {label}")
-        measured = [memcpy, *puts, *gets, raw_put, raw_get, *redis_put, *redis_get]
+        measured = [memcpy, stream, *puts, *gets, raw_put, raw_get, *redis_put, *redis_get]
         self.results.extend(one.result for one in measured)
 
         for path in s.paths:
@@ -1033,6 +1052,8 @@ class Bench:
                 if q != p:
                     continue
                 self.disk_case(path, tier, layout, batch, case)
+                if p == 0 and path == s.paths[0]:
+                    self.pread_floor(layout, batch, case)
                 self.progress.step(f"{tier} {path} {layout.name} x{batch}")
         self.progress.step("disk: done")
 
@@ -1098,6 +1119,30 @@ class Bench:
         if found != k * batch:
             result.note = f"only {found} of {k * batch} blocks found"
         self.record(result, seconds, latencies)
+
+    def pread_floor(self, layout: Layout, batch: int, case: Case) -> None:
+        """The warm disk hit's floor: the case's bytes read from a file in the page
+        cache, one ``preadv`` per call into the reused buffer (no lookup, no check),
+        from a scratch file beside the disk tier's (the same file system)."""
+        assert self.daemon is not None
+        path = self.daemon.disk_dir / "pread-floor.bin"
+        out = list(self.out[: case.call_bytes].reshape(batch, layout.block_bytes))
+        with open(path, "wb") as scratch:
+            for source in case.source:
+                scratch.write(source)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offsets = [k * case.call_bytes for k in range(len(case.source))]
+            calls = [lambda offset=offset: os.preadv(fd, out, offset) for offset in offsets]
+            k = len(calls)
+            result = Result(
+                "pread", "get", "-", "disk-warm", layout.name, layout.block_bytes, batch,
+                k, k * batch, k * case.call_bytes,
+            )  # fmt: skip
+            self.record(result, *timed_passes(calls, max(1, self.s.disk_passes)))
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
 
     def writeback(self) -> None:
         """Put ``writeback_bytes`` of 2 MiB blocks through a host tier that holds less:
@@ -1232,6 +1277,7 @@ class Target:
     goal: str
     measured: str
     met: bool | None  # None: not measured in this run
+    floor: str = "-"  # the same case's floor on this machine, where one applies
 
 
 def targets(results: Sequence[Result]) -> list[Target]:
@@ -1245,7 +1291,7 @@ def targets(results: Sequence[Result]) -> list[Target]:
         base_system: str,
         base_op: str,
         keep: Callable[[Result], bool],
-    ) -> tuple[float, str] | None:
+    ) -> tuple[float, str, Result] | None:
         worst = None
         for r in results:
             if r.system != "kvstore" or (r.op, r.path, r.tier) != (op, path, tier) or not keep(r):
@@ -1256,15 +1302,29 @@ def targets(results: Sequence[Result]) -> list[Target]:
             ratio = r.gbps / base.gbps
             label = f"{ratio:.2f}x ({r.layout} x{r.batch}: {r.gbps:.2f} vs {base.gbps:.2f} GB/s)"
             if worst is None or ratio < worst[0]:
-                worst = (ratio, label)
+                worst = (ratio, label, r)
         return worst
 
     big = lambda r: r.block_bytes >= 256 * 1024 and r.batch >= 16  # noqa: E731
 
-    def ratio_target(name: str, goal: str, least: float, worst: tuple[float, str] | None) -> None:
-        """A target met when the worst qualifying ratio is at least ``least``."""
+    def ratio_target(
+        name: str,
+        goal: str,
+        least: float,
+        worst: tuple[float, str, Result] | None,
+        floor_system: str = "",
+    ) -> None:
+        """A target met when the worst qualifying ratio is at least ``least``; with
+        ``floor_system``, the ratio of that floor to memcpy in the same case beside it."""
         met = None if worst is None else worst[0] >= least
-        out.append(Target(name, goal, worst[1] if worst else "not measured", met))
+        floor = "-"
+        if worst is not None and floor_system:
+            r = worst[2]
+            found = _find(results, system=floor_system, layout=r.layout, batch=r.batch)
+            memcpy = _find(results, system="memcpy", layout=r.layout, batch=r.batch)
+            if found and memcpy and found.gbps and memcpy.gbps:
+                floor = f"{floor_system} {found.gbps / memcpy.gbps:.2f}x memcpy"
+        out.append(Target(name, goal, worst[1] if worst else "not measured", met, floor))
 
     for op in ("get", "put"):
         ratio_target(
@@ -1272,6 +1332,7 @@ def targets(results: Sequence[Result]) -> list[Target]:
             ">= 0.7x memcpy",
             0.7,
             worst_ratio(op, "arena", "host", "memcpy", "get", big),
+            "stream" if op == "put" else "",
         )
     ratio_target(
         "arena get, host hit, vs Redis MGET of the same blocks (>= 256 KiB, batch >= 16)",
@@ -1291,6 +1352,7 @@ def targets(results: Sequence[Result]) -> list[Target]:
         ">= 0.5x memcpy",
         0.5,
         worst_ratio("get", "arena", "disk-warm", "memcpy", "get", big),
+        "pread",
     )
     wb = _find(results, system="kvstore", op="write-back")
     out.append(
@@ -1337,6 +1399,9 @@ def render_markdown(bench: Bench, argv: Sequence[str], elapsed: float, png: str 
         f"- daemon: kvstored {bench.info.get('daemon', '?')}, host arena "
         f"{_fmt_size(int(bench.info.get('arena_bytes', 0)))}"
         + (", started by the benchmark in a temp dir" if bench.daemon else f" at {bench.addr}"),
+        "- floors: stream = each call's bytes into fresh memory with kvstore's streaming copy "
+        "(what a put does); pread = each call's bytes from a file in the page cache, one "
+        "`preadv` per call (what a warm disk hit does)",
         f"- baselines: memcpy = one-thread `np.copyto` into a reused buffer; grpc raw = "
         f"grpc.aio server, unix socket, identity serializers, {RAW_CHUNK // 1024} KiB chunks; "
         f"redis = {bench.info.get('redis', 'skipped')}",
@@ -1352,13 +1417,14 @@ def render_markdown(bench: Bench, argv: Sequence[str], elapsed: float, png: str 
     lines += ["", "### Targets", ""]
     lines.append(
         markdown_table(
-            ["target", "goal", "measured (worst qualifying case)", "met"],
+            ["target", "goal", "measured (worst qualifying case)", "met", "floor (same case)"],
             [
                 [
                     t.name,
                     t.goal,
                     t.measured,
                     "-" if t.met is None else ("yes" if t.met else "**no**"),
+                    t.floor,
                 ]
                 for t in targets(results)
             ],
@@ -1413,6 +1479,8 @@ def plot(results: Sequence[Result], path: Path) -> bool:
         return False
     series = [
         ("memcpy", dict(system="memcpy", op="get"), "k-", None),
+        ("stream into fresh memory (put floor)", dict(system="stream"), "k--", None),
+        ("pread, page cache (disk warm floor)", dict(system="pread"), "k:", None),
         (
             "kvstore get arena",
             dict(system="kvstore", op="get", path="arena", tier="host"),
@@ -1476,7 +1544,8 @@ def print_table(results: Sequence[Result], stream: Any = None) -> None:
     print(file=stream)
     for t in targets(results):
         state = "-" if t.met is None else ("met" if t.met else "MISSED")
-        print(f"{state:7} {t.name}: {t.measured} (goal {t.goal})", file=stream)
+        floor = "" if t.floor == "-" else f"; floor {t.floor}"
+        print(f"{state:7} {t.name}: {t.measured} (goal {t.goal}{floor})", file=stream)
 
 
 # -- entry points -----------------------------------------------------------------------

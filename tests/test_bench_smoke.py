@@ -33,6 +33,8 @@ def test_bench_quick_run_writes_every_case(tmp_path: Path) -> None:
         assert ("kvstore", "get", path, "disk-warm") in seen
     assert ("kvstore", "write-back", "-", "disk") in seen
     assert ("memcpy", "get", "-", "-") in seen
+    assert ("stream", "put", "-", "-") in seen  # the put's floor
+    assert ("pread", "get", "-", "disk-warm") in seen  # the warm disk hit's floor
     assert {("grpc-raw", op, "inline", "-") for op in ("get", "put", "echo")} <= seen
     assert (("redis", "get", "-", "host") in seen) == (not redis_missing)
     if redis_missing:
@@ -48,3 +50,32 @@ def test_bench_quick_run_writes_every_case(tmp_path: Path) -> None:
     assert report.read_text() == (
         f"# kept\n\nhand-written\n\n{bench.BEGIN_MARK}\nnew body\n{bench.END_MARK}\n"
     )
+
+
+def test_targets_show_the_floor_of_the_worst_case() -> None:
+    """The put and disk-warm targets name their worst case's floor, as a ratio to the
+    memcpy of that same case (not of another case)."""
+
+    def result(system: str, op: str, path: str, tier: str, batch: int, gbps: float) -> bench.Result:
+        r = bench.Result(system, op, path, tier, "llama3-8b/2", 256 << 10, batch, 1, batch,
+                         int(gbps * 1e9))  # fmt: skip
+        r.seconds = 1.0
+        return r
+
+    results = [
+        result("memcpy", "get", "-", "-", 16, 20.0),
+        result("memcpy", "get", "-", "-", 128, 10.0),
+        result("stream", "put", "-", "-", 16, 15.0),
+        result("stream", "put", "-", "-", 128, 12.0),
+        result("pread", "get", "-", "disk-warm", 16, 18.0),
+        result("kvstore", "put", "arena", "host", 16, 8.0),  # 0.40x: the worst put
+        result("kvstore", "put", "arena", "host", 128, 9.0),  # 0.90x
+        result("kvstore", "get", "arena", "disk-warm", 16, 4.0),
+    ]
+    by_goal = {(t.name.split(",")[0], t.goal): t for t in bench.targets(results)}
+    put = by_goal[("arena put", ">= 0.7x memcpy")]
+    assert put.met is False and put.measured.startswith("0.40x")
+    assert put.floor == "stream 0.75x memcpy"
+    disk = by_goal[("disk warm hit (arena get)", ">= 0.5x memcpy")]
+    assert disk.measured.startswith("0.20x") and disk.floor == "pread 0.90x memcpy"
+    assert by_goal[("arena get", ">= 0.7x memcpy")].floor == "-"
