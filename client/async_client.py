@@ -35,7 +35,8 @@ from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
 from kvclient.arena_path import BlockViews, ClientArena, SlotTable, write_slots
 from kvclient.claims import AsyncClaim, reserve_request
-from kvclient.disk_reads import DiskFile, read_answer
+from kvclient.disk_index import DiskFirstReads
+from kvclient.disk_reads import DiskFile, read_answer, read_first_from_file
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -137,6 +138,7 @@ class AsyncKVClient:
         self._last_slots = LastSlots()
         # disk_direct gets (kvclient.disk_reads): the daemon's disk file, when readable
         self._disk: DiskFile | None = None
+        self._disk_first = DiskFirstReads()  # prefixes read from it with no call
         # arena puts: the staged slots of each namespace (kvclient.staged_slots)
         self._stashes: dict[str, SlotStash] = {}
 
@@ -235,10 +237,12 @@ class AsyncKVClient:
         self._done.append(lease_id)
         self._flush_later()
 
-    def _report_read(self, key: ReadKey, tokens: list[int], n_blocks: int) -> None:
-        """Report a get served from known slots later (see
+    def _report_read(
+        self, key: ReadKey, tokens: list[int], n_blocks: int, from_disk: bool = False
+    ) -> None:
+        """Report a get served from known slots or the disk file later (see
         :meth:`kvclient.KVClient._report_read`)."""
-        if self._reads.add(key, tokens, n_blocks):
+        if self._reads.add(key, tokens, n_blocks, from_disk):
             self._flush_soon()  # many prefixes pending: now
         else:
             self._flush_later()
@@ -482,13 +486,21 @@ class AsyncNamespace:
         last_slots = client._last_slots
         key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
         wanted = wanted_blocks(len(tokens), self.block_tokens, max_blocks)
-        reader = UnpinnedGet(
-            epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks, wanted
-        )
+        last = last_slots.get(key)
+        reader = UnpinnedGet(epochs, arena, last, out, self.block_bytes, max_blocks, wanted)
         known = await asyncio.to_thread(reader.read_known) if reader.knows_all else None
         if known is not None:  # no call: the slots still hold the last answer's blocks
             client._report_read(key, tokens, len(known))
             return GetResult(tokens=len(known) * self.block_tokens, blocks=known)
+        disk = client._disk
+        if last is None and disk is not None and disk.index is not None:  # a first read
+            blocks = await asyncio.to_thread(
+                read_first_from_file, disk, client._disk_first, self.ns_id, key, token_array,
+                extra, out, self.block_bytes, wanted,
+            )  # fmt: skip
+            if blocks is not None:
+                client._report_read(key, tokens, wanted, from_disk=True)
+                return GetResult(tokens=wanted * self.block_tokens, blocks=blocks)
         done, direct = client._take_done(), client._disk is not None
         request = wire.get_request(
             self.ns_id, tokens, extra, max_blocks, done, unpinned=True, disk_direct=direct

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -33,7 +34,12 @@ from kvclient.arena_path import (
     copy_pool,
     read_slots,
 )
+from kvclient.disk_index import DiskFirstReads, DiskIndex
+from kvclient.payloads import output_array
 from kvstore.arena import ArenaMapping
+from kvstore.disk import DiskExtent
+from kvstore.errors import StoreError
+from kvstore.keys import chain_keys
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +58,15 @@ class DiskExtents:
 
 
 class DiskFile:
-    """The daemon's disk tier file, open read-only."""
+    """The daemon's disk tier file, open read-only, and its index where this process
+    can read that too (:mod:`kvclient.disk_index`: disk hits with no call)."""
 
     def __init__(self, fd: int, path: str) -> None:
         self._fd = fd
         self.path = path
+        self._nowait = hasattr(os, "RWF_NOWAIT")  # False once the file system says no
+        self._index: DiskIndex | None = None
+        self._index_pid = 0  # the process _index was opened in (0: not tried yet)
 
     @classmethod
     def open(cls, path: str) -> DiskFile | None:
@@ -70,26 +80,62 @@ class DiskFile:
             return None
         return cls(fd, path)
 
+    @property
+    def index(self) -> DiskIndex | None:
+        """The disk tier's index for reads with no call (:mod:`kvclient.disk_index`),
+        opened on first use in each process; None where it cannot be read, or when
+        ``KVCLIENT_DISK_INDEX=0`` turns those reads off."""
+        pid = os.getpid()
+        if self._index_pid != pid:  # first use, or a forked child: never the parent's
+            self._index_pid = pid
+            off = os.environ.get("KVCLIENT_DISK_INDEX", "1") == "0"
+            self._index = None if off or self._fd < 0 else DiskIndex.open(self.path)
+        return self._index
+
     def read(self, blocks: np.ndarray, extents: DiskExtents) -> bool:
         """Read every extent into ``blocks[position]`` (uint8 ``[n, block_bytes]``, C
         order) and check it; False when any block came back short or failed its
         checksum (what landed in ``blocks`` is then not to be used)."""
         rows = list(zip(extents.positions, extents.offsets, extents.checksums, strict=True))
+        return self._read_split(blocks, rows, 0)
+
+    def read_cached(self, blocks: np.ndarray, extents: Sequence[DiskExtent]) -> bool:
+        """:meth:`read` of ``extents[i]`` into ``blocks[i]``, from the page cache only
+        (``RWF_NOWAIT``): False as soon as a block would need disk I/O."""
+        if not self._nowait:
+            return False
+        rows = [(i, extent.offset, extent.checksum) for i, extent in enumerate(extents)]
+        return self._read_split(blocks, rows, os.RWF_NOWAIT)
+
+    def _read_split(self, blocks: np.ndarray, rows: list[tuple[int, int, int]], flags: int) -> bool:
         if COPY_THREADS < 2 or len(rows) < 2 or blocks[0].nbytes * len(rows) < PARALLEL_COPY_BYTES:
-            return self._read_rows(blocks, rows)
+            return self._read_rows(blocks, rows, flags)
         share = -(-len(rows) // COPY_THREADS)
         parts = [rows[k : k + share] for k in range(0, len(rows), share)]
         futures: list[Future[bool]] = [
-            copy_pool().submit(self._read_rows, blocks, part) for part in parts[1:]
+            copy_pool().submit(self._read_rows, blocks, part, flags) for part in parts[1:]
         ]
-        mine = self._read_rows(blocks, parts[0])
+        mine = self._read_rows(blocks, parts[0], flags)
         return all([future.result() for future in futures]) and mine
 
-    def _read_rows(self, blocks: np.ndarray, rows: list[tuple[int, int, int]]) -> bool:
+    def _read_rows(self, blocks: np.ndarray, rows: list[tuple[int, int, int]], flags: int) -> bool:
         size = blocks.shape[1]
         for position, offset, checksum in rows:
             row = blocks[position]
-            if os.preadv(self._fd, [row], offset) != size:
+            try:
+                if os.preadv(self._fd, [row], offset, flags) != size:
+                    return False
+            except BlockingIOError:  # RWF_NOWAIT: not in the page cache
+                return False
+            except OSError as exc:
+                if not flags:
+                    raise
+                self._nowait = False  # e.g. EOPNOTSUPP: this file system cannot tell
+                log.info(
+                    "disk hits go through the daemon: %s cannot be read without waiting (%s)",
+                    self.path,
+                    exc,
+                )
                 return False
             if xxhash.xxh3_64_intdigest(row) != checksum:
                 return False
@@ -99,6 +145,9 @@ class DiskFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        index, self._index = self._index, None
+        if index is not None and self._index_pid == os.getpid():
+            index.close()
 
 
 def read_answer(
@@ -117,3 +166,34 @@ def read_answer(
     if extents is None:
         return True
     return disk is not None and disk.read(blocks, extents)
+
+
+def read_first_from_file(
+    disk: DiskFile | None,
+    first_reads: DiskFirstReads,
+    ns_id: str,
+    key: Hashable,
+    tokens: np.ndarray,
+    extra: list[bytes],
+    out: np.ndarray | None,
+    block_bytes: int,
+    wanted: int,
+) -> np.ndarray | None:
+    """The ``wanted`` blocks of a get read from the disk file with no call, when this
+    is the client's first read of the prefix (``key``) and every rule of
+    :mod:`kvclient.disk_index` holds; None (ask the daemon) otherwise. ``out`` as for
+    a get (its rows may be written either way)."""
+    index = disk.index if disk is not None else None
+    if index is None or wanted == 0 or not first_reads.first(key):
+        return None
+    spec = index.spec(ns_id)
+    if spec is None or spec.block_bytes != block_bytes:
+        return None
+    try:
+        keys = chain_keys(spec, tokens, extra, max_blocks=wanted)
+    except StoreError:  # bad tokens: the daemon's answer says what is wrong
+        return None
+    if len(keys) < wanted:
+        return None
+    blocks = output_array(out, wanted, block_bytes)
+    return blocks if index.read(keys, blocks, disk) else None

@@ -43,7 +43,8 @@ from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
 from kvclient.arena_path import BlockViews, ClientArena, write_slots
 from kvclient.claims import Claim, reserve_request
-from kvclient.disk_reads import DiskFile, read_answer
+from kvclient.disk_index import DiskFirstReads
+from kvclient.disk_reads import DiskFile, read_answer, read_first_from_file
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -142,8 +143,10 @@ class KVClient:
         # unpinned gets (kvclient.unpinned_reads): the arena's epoch table, last slots
         self._epochs: SlotEpochs | None = None
         self._last_slots = LastSlots()
-        # disk_direct gets (kvclient.disk_reads): the daemon's disk file, when readable
+        # disk_direct gets (kvclient.disk_reads): the daemon's disk file, when readable,
+        # and the prefixes this client has read from it with no call (kvclient.disk_index)
         self._disk: DiskFile | None = None
+        self._disk_first = DiskFirstReads()
         # arena puts: the staged slots of each namespace (kvclient.staged_slots)
         self._stashes: dict[str, SlotStash] = {}
 
@@ -253,15 +256,18 @@ class KVClient:
             self._done.append(lease_id)
             self._wake_flusher(now=False)
 
-    def _report_read(self, key: ReadKey, tokens: list[int], n_blocks: int) -> None:
+    def _report_read(
+        self, key: ReadKey, tokens: list[int], n_blocks: int, from_disk: bool = False
+    ) -> None:
         """Tell the daemon, later, of a get served from known slots (no call of its
-        own: see :mod:`kvclient.unpinned_reads`), so that it counts the hits and touches
-        the blocks. Reads ride with the pending releases: sent within RELEASE_DELAY_S
+        own: see :mod:`kvclient.unpinned_reads`) or ``from_disk`` (the disk file:
+        :mod:`kvclient.disk_index`), so that it counts the hits and touches the blocks.
+        Reads ride with the pending releases: sent within RELEASE_DELAY_S
         (at once when many prefixes are pending), and before any call whose answer
         they could change (Stats ...), so this client sees its own reads counted."""
         with self._done_cond:
             self._mark_pending()
-            full = self._reads.add(key, tokens, n_blocks)
+            full = self._reads.add(key, tokens, n_blocks, from_disk)
             self._wake_flusher(now=full)
 
     def _mark_pending(self) -> None:
@@ -539,13 +545,20 @@ class Namespace:
         last_slots = client._last_slots
         key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
         wanted = wanted_blocks(len(tokens), self.block_tokens, max_blocks)
-        reader = UnpinnedGet(
-            epochs, arena, last_slots.get(key), out, self.block_bytes, max_blocks, wanted
-        )
+        last = last_slots.get(key)
+        reader = UnpinnedGet(epochs, arena, last, out, self.block_bytes, max_blocks, wanted)
         known = reader.read_known()
         if known is not None:  # no call: the slots still hold the last answer's blocks
             client._report_read(key, tokens, len(known))
             return GetResult(tokens=len(known) * self.block_tokens, blocks=known)
+        if last is None:  # a first read: the prefix may be on disk (kvclient.disk_index)
+            blocks = read_first_from_file(
+                client._disk, client._disk_first, self.ns_id, key, token_array, extra, out,
+                self.block_bytes, wanted,
+            )  # fmt: skip
+            if blocks is not None:
+                client._report_read(key, tokens, wanted, from_disk=True)
+                return GetResult(tokens=wanted * self.block_tokens, blocks=blocks)
         done, direct = client._take_done(), client._disk is not None
         request = wire.get_request(
             self.ns_id, tokens, extra, max_blocks, done, unpinned=True, disk_direct=direct

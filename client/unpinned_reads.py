@@ -224,28 +224,33 @@ class UnpinnedGet:
 
 
 class ReadReports:
-    """Reads a client served from known slots (:meth:`UnpinnedGet.read_known`), not
-    yet told to the daemon: one ``PrefixReads`` per request, its count going up with
-    each read. Thread-safe."""
+    """Reads a client served itself, from known slots (:meth:`UnpinnedGet.read_known`)
+    or from the disk file (:mod:`kvclient.disk_index`), not yet told to the daemon:
+    one ``PrefixReads`` per request and source, its count going up with each read.
+    Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[ReadKey, pb.PrefixReads] = {}
+        self._pending: dict[tuple[ReadKey, bool], pb.PrefixReads] = {}
 
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def add(self, key: ReadKey, tokens: list[int], n_blocks: int) -> bool:
+    def add(self, key: ReadKey, tokens: list[int], n_blocks: int, from_disk: bool = False) -> bool:
         """Count one read of the first ``n_blocks`` blocks of ``key``'s request; True
         when enough are pending that they should be sent now."""
         with self._lock:
-            pending = self._pending.get(key)
+            pending = self._pending.get((key, from_disk))
             if pending is None:
                 ns_id, _, extra, _ = key
                 pending = pb.PrefixReads(
-                    ns_id=ns_id, tokens=tokens, extra_keys=extra, n_blocks=n_blocks
+                    ns_id=ns_id,
+                    tokens=tokens,
+                    extra_keys=extra,
+                    n_blocks=n_blocks,
+                    from_disk=from_disk,
                 )
-                self._pending[key] = pending
+                self._pending[key, from_disk] = pending
             pending.reads += 1
             return len(self._pending) >= REPORTED_PREFIXES
 

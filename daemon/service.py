@@ -443,10 +443,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         f"prefixes[{i}]: n_blocks={prefix.n_blocks}, but its tokens make "
                         f"{len(keys)} full blocks (max_blocks_per_request={limit})"
                     )
-                checked.append((spec.ns_id, keys[: prefix.n_blocks], prefix.reads))
+                checked.append(
+                    (spec.ns_id, keys[: prefix.n_blocks], prefix.reads, prefix.from_disk)
+                )
             counted = 0
-            for ns_id, keys, reads in checked:
-                counted += self._store.note_reads(ns_id, keys, reads) * reads
+            for ns_id, keys, reads, from_disk in checked:
+                counted += self._store.note_reads(ns_id, keys, reads, from_disk) * reads
             return pb.ReportReadsResponse(blocks_counted=counted)
 
         return await self._run_quick(report)

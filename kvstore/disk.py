@@ -129,6 +129,20 @@ _MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bi
 _MALLOC_TRIM_THRESHOLD = 128 << 20  # above a thread arena's 64 MiB heap: never shrunk
 _FORMAT_KEY = b"format"
 _FORMAT = b"kvstore.disk.v1"
+META_DB = b"meta"  # the named databases a reader in another process opens
+NAMESPACES_DB = b"namespaces"
+
+# Directories of the DiskTiers open in this process. LMDB must not be opened twice in
+# one process (closing one handle drops the other's file locks), so a reader of the
+# same environment (kvclient.disk_index) checks here first.
+_open_here: set[str] = set()
+_open_here_lock = threading.Lock()
+
+
+def open_in_this_process(directory: str) -> bool:
+    """Whether a DiskTier of this process has the environment at ``directory`` open."""
+    with _open_here_lock:
+        return os.path.realpath(directory) in _open_here
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +356,17 @@ def _unpack(key: bytes, raw: bytes | memoryview) -> DiskRecord:
     )
 
 
+def committed_extent(raw: bytes | memoryview) -> DiskExtent | None:
+    """Where the payload of a ``meta`` record lies in ``data.mdb``, for a reader with its
+    own read transaction (the record and its payload are of one snapshot); None for a
+    record that does not say (version 1, offset not known) or is malformed."""
+    if len(raw) != _META.size or raw[0] != _META_VERSION:
+        return None
+    size, checksum = _EXTENT.unpack_from(raw, _EXTENT_AT)
+    (offset,) = _OFFSET.unpack_from(raw, _OFFSET_AT)
+    return DiskExtent(offset, size, checksum) if offset else None
+
+
 def _check_record(rec: DiskRecord) -> None:
     if len(rec.key) not in _KEY_SIZES:
         raise ValueError(f"key must be 16 or 32 bytes, got {len(rec.key)}")
@@ -518,9 +543,9 @@ class DiskTier:
         stale = self._env.reader_check()  # reader slots left by a crashed process
         if stale:
             log.warning("cleared %d stale LMDB reader slots in %s", stale, directory)
-        self._meta = self._env.open_db(b"meta")
+        self._meta = self._env.open_db(META_DB)
         self._payload = self._env.open_db(b"payload")
-        self._ns = self._env.open_db(b"namespaces")
+        self._ns = self._env.open_db(NAMESPACES_DB)
         self._info = self._env.open_db(b"info")
         self._check_format()
         self._psize = self._env.stat()["psize"]
@@ -560,6 +585,8 @@ class DiskTier:
                 self._writeback = _EarlyWriteback(self.data_path)
             except OSError:
                 log.warning("early writeback off: cannot open data.mdb", exc_info=True)
+        with _open_here_lock:
+            _open_here.add(os.path.realpath(directory))
         self._writer = threading.Thread(
             target=self._run_writer, name="kvstore-disk-writer", daemon=True
         )
@@ -886,11 +913,10 @@ class DiskTier:
         raw = txn.get(key, db=self._meta)
         if raw is None or len(raw) not in (_META.size, _META_V1.size):
             return None
+        extent = committed_extent(raw)
+        if extent is not None:
+            return extent
         size, checksum = _EXTENT.unpack_from(raw, _EXTENT_AT)
-        if len(raw) == _META.size and raw[0] == _META_VERSION:
-            (offset,) = _OFFSET.unpack_from(raw, _OFFSET_AT)
-            if offset:
-                return DiskExtent(offset, size, checksum)
         view = txn.get(key, db=self._payload)
         if view is None or len(view) != size:
             return None
@@ -1009,6 +1035,8 @@ class DiskTier:
                 finally:
                     self._env.close()
                     os.close(self._read_fd)
+                    with _open_here_lock:
+                        _open_here.discard(os.path.realpath(self.directory))
                     with self._cond:
                         self._closed = True
                         self._cond.notify_all()

@@ -77,6 +77,7 @@ ADMISSION_POLICIES = ("write-back", "write-through", "selective")
 # a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
 PARALLEL_PROMOTE_BYTES = 4 << 20
 PROMOTE_THREADS = max(1, min(4, os.cpu_count() or 1))
+DELETE_COMMIT_TIMEOUT_S = 60.0  # clear and delete wait this long for their disk deletions
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +177,7 @@ class _Counters:
     dropped: int = 0
     lost_on_disk: int = 0
     known_slot_gets: int = 0  # gets clients served from slots they knew (note_reads)
+    disk_file_gets: int = 0  # gets clients served from the disk tier's file (note_reads)
 
 
 _ENDED_LEASES_KEPT = 4096
@@ -514,17 +516,33 @@ class Store:
             epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
             return Located(tuple(offsets), epochs, entry.spec.block_bytes)
 
-    def note_reads(self, ns_id: str, keys: Sequence[BlockKey], reads: int) -> int:
-        """Count ``reads`` reads of the prefix ``keys`` that a client served itself from
-        slots it knew (checked by their epochs, no call of its own): hits, and a touch
-        for eviction, as :meth:`locate` gives each read. Blocks that left the host tier
-        since (and all after them) are not counted. Returns blocks counted per read."""
+    def note_reads(
+        self, ns_id: str, keys: Sequence[BlockKey], reads: int, from_disk: bool = False
+    ) -> int:
+        """Count ``reads`` reads of the prefix ``keys`` that a client served itself, with
+        no call of its own: hits, and a touch for eviction, as :meth:`locate` gives each
+        read. From slots it knew (checked by their epochs): blocks that left the host
+        tier since (and all after them) are not counted. ``from_disk``: read from the
+        disk tier's file under the client's own LMDB transaction
+        (:mod:`kvclient.disk_index`): the ready prefix is counted wherever it is now,
+        its disk-only blocks as disk hits read directly (not promoted). Returns blocks
+        counted per read."""
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         if reads <= 0:
             return 0
         with self._lock:
             self._check_open()
+            if from_disk:
+                self._c.disk_file_gets += reads
+                nodes = self._ready_prefix(keys)
+                host = sum(1 for node in nodes if node.in_host)
+                n = len(nodes)
+                self._count_served(entry, n * reads, n * reads, host * reads)
+                for node in nodes:
+                    node.hits += reads
+                self._touch(nodes)
+                return n
             self._c.known_slot_gets += reads
             nodes, _ = self._host_prefix(keys)
             if nodes:
@@ -838,6 +856,8 @@ class Store:
             return dropped
 
     def delete(self, ns_id: str, keys: Sequence[BlockKey], start: int = 0) -> int:
+        """Drop block ``start`` of the chain and its descendants (busy ones stay); the
+        number dropped. Returns once their deletions from disk are committed."""
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         if not 0 <= start < max(len(keys), 1):
@@ -847,19 +867,40 @@ class Store:
             walk = self._index.walk(keys)
             if len(walk) <= start:
                 return 0
-            return self._delete_subtree(walk[start])
+            on_disk = self._disk_blocks
+            removed = self._delete_subtree(walk[start])
+            deleted_on_disk = self._disk_blocks < on_disk
+        if deleted_on_disk:
+            self._commit_deletes()
+        return removed
 
     def clear(self, ns_id: str | None = None) -> int:
+        """Drop every block of a namespace (of all when None; busy ones stay); the number
+        dropped. Returns once their deletions from disk are committed."""
         entries = [self._entry(ns_id)] if ns_id is not None else None
         with self._lock:
             self._expire()
+            on_disk = self._disk_blocks
             removed = 0
             for entry in entries or list(self._namespaces.values()):
                 for key in list(entry.roots):
                     root = self._index.get(key)
                     if root is not None:
                         removed += self._delete_subtree(root)
-            return removed
+            deleted_on_disk = self._disk_blocks < on_disk
+        if deleted_on_disk:
+            self._commit_deletes()
+        return removed
+
+    def _commit_deletes(self) -> None:
+        """Wait (not under the lock) until the disk deletions queued so far are
+        committed: a restart does not bring the blocks back, and a same-host client
+        reading the disk file itself (kvclient.disk_index) no longer finds them."""
+        assert self._disk is not None
+        try:
+            self._disk.flush(timeout=DELETE_COMMIT_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as exc:  # the blocks are gone from the index
+            log.warning("disk deletions not committed yet: %s", exc)
 
     def set_priority(
         self,
@@ -952,6 +993,7 @@ class Store:
                     "dropped": c.dropped,
                     "lost_on_disk": c.lost_on_disk,
                     "known_slot_gets": c.known_slot_gets,
+                    "disk_file_gets": c.disk_file_gets,
                 },
                 staged_bytes=sum(
                     len(lease.staged) * self._arena.slot_size(next(iter(lease.staged)))

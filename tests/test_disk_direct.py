@@ -4,6 +4,9 @@ The promises under test: an extent handed out under a snapshot keeps its bytes
 whatever is deleted or written meanwhile; a disk-only block on its first read is
 served from the file with no promotion, and a second read promotes it; a damaged
 block is a miss, never its bytes; bad requests change nothing.
+
+The clients here ask the daemon for the extents (``KVCLIENT_DISK_INDEX=0``): their
+reads with no call at all are tests/test_disk_index.py's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from kvstore.store import Store, StoreConfig
 
 BLOCK = 64 << 10
 TOKENS = 4
+
+
+@pytest.fixture(autouse=True)
+def extents_from_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVCLIENT_DISK_INDEX", "0")
 
 
 def block(tag: int, size: int = BLOCK) -> bytes:

@@ -296,3 +296,25 @@ def test_gets_served_from_known_slots_are_counted(kvstored_factory: Any) -> None
     assert rpc_count(samples, "Acquire") == 1
     assert value(samples, "kvstore_known_slot_gets_total") == 3
     assert value(samples, "kvstore_tier_hits_total", tier="host") == 16
+
+
+def test_gets_served_from_the_disk_file_are_counted(kvstored_factory: Any) -> None:
+    """A same-host first read of a prefix all on disk makes no call either
+    (kvclient.disk_index); the reads it reports count it, as disk hits."""
+    daemon: Daemon = kvstored_factory(host_bytes="8MiB", metrics_listen="127.0.0.1:0")
+    with KVClient(daemon.addr, use_arena=True) as client:
+        ns = client.namespace("files", block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES)
+        chains = [tokens_of(seed, 4) for seed in (1, 2)]
+        for chain in chains:
+            ns.put(chain, blocks_of(4, 7))
+    daemon.restart()  # every block on disk only
+    url = METRICS_LINE.findall(daemon.output())[-1]  # the restarted daemon's endpoint
+    with KVClient(daemon.addr, use_arena=True) as client:
+        ns = client.namespace("files", block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES)
+        for chain in chains:
+            assert ns.get(chain).blocks.tobytes() == blocks_of(4, 7).tobytes()
+        client.stats()  # sends the reports still pending first
+        samples = scrape(url)
+    assert rpc_count(samples, "Acquire") == 0
+    assert value(samples, "kvstore_disk_file_gets_total") == 2
+    assert value(samples, "kvstore_tier_hits_total", tier="disk") == 8

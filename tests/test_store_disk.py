@@ -126,6 +126,21 @@ def test_write_through_puts_every_block_on_disk(tmp_path: Path) -> None:
         assert s.read(ns, keys)[0] == 3
 
 
+def test_clear_and_delete_return_with_their_disk_deletions_committed(tmp_path: Path) -> None:
+    """A same-host client reads the disk file itself (kvclient.disk_index), and a crash
+    loses what the writer has not committed: neither may see a cleared block again."""
+    with make_store(tmp_path, host_blocks=8, admission="write-through") as s:
+        ns = open_ns(s)
+        first, second = s.keys_for(ns, seq(0, 3)), s.keys_for(ns, seq(500, 2))
+        s.put(ns, first, [payload(i) for i in range(3)])
+        s.put(ns, second, [payload(i) for i in range(2)])
+        s.flush()
+        assert s.delete(ns, first, start=1) == 2
+        assert not s._disk._ops  # nothing queued: the deletions are in LMDB already
+        assert s.clear(ns) == 3
+        assert not s._disk._ops and s.stats().tiers[1].blocks == 0
+
+
 def test_selective_admission_demotes_only_reused_blocks(tmp_path: Path) -> None:
     with make_store(tmp_path, host_blocks=2, admission="selective", selective_hits=1) as s:
         ns = open_ns(s)

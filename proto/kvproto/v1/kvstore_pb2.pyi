@@ -280,18 +280,20 @@ class AcquireResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., slot_epochs: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_offsets: _Optional[_Iterable[int]] = ..., disk_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixReads(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "n_blocks", "reads")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "n_blocks", "reads", "from_disk")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     N_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
+    FROM_DISK_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     n_blocks: int
     reads: int
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., n_blocks: _Optional[int] = ..., reads: _Optional[int] = ...) -> None: ...
+    from_disk: bool
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., n_blocks: _Optional[int] = ..., reads: _Optional[int] = ..., from_disk: _Optional[bool] = ...) -> None: ...
 
 class ReportReadsRequest(_message.Message):
     __slots__ = ("prefixes",)

@@ -1,0 +1,284 @@
+"""Disk hits with no call: a same-host client reads the daemon's LMDB environment.
+
+The promises under test: a first read of a prefix that is all on disk (and in the page
+cache) is served from the file with no call, counted by the daemon as disk hits, and
+the second read promotes as before; a block out of the page cache, a damaged block, a
+namespace the environment does not know, all go to the daemon; a get after clear or
+delete never finds the blocks in the file; one environment handle per process, never
+one beside an in-process DiskTier; the daemon's map resizes are followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+import xxhash
+from conftest import Daemon
+
+from kvclient import AsyncKVClient, KVClient
+from kvclient.disk_index import DiskFirstReads, DiskIndex
+from kvclient.disk_reads import DiskFile, read_first_from_file
+from kvstore import disk
+from kvstore.disk import DiskExtent, DiskRecord, DiskTier, committed_extent
+
+BLOCK = 64 << 10
+TOKENS = 4
+
+
+def block(tag: int) -> bytes:
+    return np.random.default_rng(tag).integers(0, 256, BLOCK, dtype=np.uint8).tobytes()
+
+
+def expected(c: int, blocks: int) -> bytes:
+    return b"".join(block(c * 100 + i) for i in range(blocks))
+
+
+def put_then_restart(kvstored: Daemon, n_chains: int, blocks: int) -> list[list[int]]:
+    """Chains of ``blocks`` blocks, on disk only after a restart (page cache warm)."""
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        chains = [list(range(c * 10_000, c * 10_000 + blocks * TOKENS)) for c in range(n_chains)]
+        for c, tokens in enumerate(chains):
+            ns.put(tokens, np.frombuffer(expected(c, blocks), np.uint8).reshape(blocks, BLOCK))
+    kvstored.restart()  # persists the host tier: every block is on disk only
+    return chains
+
+
+def file_gets(client: KVClient) -> int:
+    return client.stats().counters["disk_file_gets"]  # stats() reports pending reads first
+
+
+def test_a_first_read_from_disk_needs_no_call_and_the_second_promotes(kvstored: Daemon) -> None:
+    chains = put_then_restart(kvstored, 3, 8)
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        out = np.empty((8, BLOCK), np.uint8)
+        for c, tokens in enumerate(chains):
+            assert ns.get(tokens, out=out).blocks.tobytes() == expected(c, 8)
+        stats = client.stats()
+        assert stats.counters["disk_file_gets"] == 3
+        assert stats.tier("disk").hits == 24 and stats.promotions == 0
+        assert stats.leases == 0  # no Acquire pinned anything
+        for c, tokens in enumerate(chains):  # a second read: the daemon promotes
+            assert ns.get(tokens, out=out).blocks.tobytes() == expected(c, 8)
+        stats = client.stats()
+        assert stats.promotions == 24 and stats.counters["disk_file_gets"] == 3
+    with KVClient(kvstored.addr) as other:  # promoted, and still in the file
+        ns = other.namespace("files", TOKENS, block_bytes=BLOCK)
+        host_hits = other.stats().tier("host").hits
+        assert ns.get(chains[0]).blocks.tobytes() == expected(0, 8)  # its first read
+        stats = other.stats()  # from the file, counted where the blocks are now: host
+        assert stats.counters["disk_file_gets"] == 4
+        assert stats.tier("host").hits == host_hits + 8 and stats.promotions == 24
+
+
+def test_a_prefix_longer_than_the_disk_part_asks_the_daemon(kvstored: Daemon) -> None:
+    chains = put_then_restart(kvstored, 1, 4)
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        longer = chains[0] + list(range(90_000, 90_000 + 4 * TOKENS))  # 4 blocks more
+        got = ns.get(longer)
+        assert got.blocks.tobytes() == expected(0, 4)  # the cached prefix, from the daemon
+        assert file_gets(client) == 0
+        got = ns.get(chains[0], out=np.empty((2, BLOCK), np.uint8))  # max_blocks 2
+        assert got.blocks.tobytes() == expected(0, 2) and file_gets(client) == 1
+
+
+def test_blocks_out_of_the_page_cache_are_read_by_the_daemon(kvstored: Daemon) -> None:
+    chains = put_then_restart(kvstored, 1, 8)
+    data_path = os.path.join(kvstored.disk_dir, "data.mdb")
+    fd = os.open(data_path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        probe = bytearray(4096)
+        offset = os.path.getsize(data_path) // 2 // 4096 * 4096
+        try:
+            os.preadv(fd, [probe], offset, os.RWF_NOWAIT)
+            pytest.skip("this file system keeps the file in memory (no page cache to drop)")
+        except BlockingIOError:
+            pass
+    finally:
+        os.close(fd)
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        assert ns.get(chains[0]).blocks.tobytes() == expected(0, 8)
+        stats = client.stats()
+        assert stats.counters["disk_file_gets"] == 0 and stats.tier("disk").hits == 8
+
+
+def test_a_damaged_block_is_the_daemons_to_drop(kvstored: Daemon) -> None:
+    chains = put_then_restart(kvstored, 1, 6)
+    data_path = os.path.join(kvstored.disk_dir, "data.mdb")
+    with open(data_path, "rb") as f:
+        where = f.read().find(block(3))
+    assert where > 0
+    fd = os.open(data_path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xff" * 64, where + 1000)
+    finally:
+        os.close(fd)
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        got = ns.get(chains[0])
+        assert got.blocks.tobytes() == expected(0, 3)  # blocks 0-2; 3 and 4-5 dropped
+        stats = client.stats()
+        assert stats.counters["disk_file_gets"] == 0 and stats.corrupt_reads == 1
+
+
+def test_clear_and_delete_reach_the_file_before_they_return(kvstored: Daemon) -> None:
+    chains = put_then_restart(kvstored, 2, 6)
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        assert ns.delete(chains[0], start=2) == 4
+        got = ns.get(chains[0])  # a first read: blocks 2-5 are not in the file any more
+        assert got.blocks.tobytes() == expected(0, 2)
+        assert client.clear(ns.ns_id) == 2 + 6
+        assert ns.get(chains[1]).n_blocks == 0
+        assert file_gets(client) == 0
+
+
+def test_async_gets_read_the_file_with_no_call(kvstored: Daemon) -> None:
+    chains = put_then_restart(kvstored, 2, 4)
+
+    async def main() -> None:
+        async with AsyncKVClient(kvstored.addr) as client:
+            ns = await client.namespace("files", TOKENS, block_bytes=BLOCK)
+            for c, tokens in enumerate(chains):
+                assert (await ns.get(tokens)).blocks.tobytes() == expected(c, 4)
+            stats = await client.stats()
+            assert stats.counters["disk_file_gets"] == 2 and stats.promotions == 0
+            assert stats.tier("disk").hits == 8
+
+    asyncio.run(main())
+
+
+# -- the index alone ----------------------------------------------------------------------
+
+
+class Reads:
+    """A stand-in file reader for the index alone: records the extents it is given."""
+
+    def __init__(self) -> None:
+        self.extents: list[list[DiskExtent]] = []
+
+    def read_cached(self, blocks: np.ndarray, extents: list[DiskExtent]) -> bool:
+        self.extents.append(list(extents))
+        return True
+
+
+def write_blocks(directory: Path, keys: list[bytes], map_size: int | None = None) -> None:
+    """Write blocks with a DiskTier in another process (never two handles in one)."""
+    script = (
+        "import sys, xxhash\n"
+        "from kvstore.disk import DiskTier, DiskRecord\n"
+        "d, size, keys = sys.argv[1], int(sys.argv[2]), sys.argv[3:]\n"
+        "kw = {'_map_size_override': size} if size else {}\n"
+        "with DiskTier(d, 1 << 30, **kw) as tier:\n"
+        "    for k in keys:\n"
+        "        key = bytes.fromhex(k); data = key * (8192 // len(key))\n"
+        "        sum_ = xxhash.xxh3_64_intdigest(data)\n"
+        "        rec = DiskRecord(key, b'n' * 32, b'', len(data), sum_, 0, 0.0)\n"
+        "        tier.write(rec, data)\n"
+    )  # fmt: skip
+    args = [str(directory), str(map_size or 0), *(key.hex() for key in keys)]
+    subprocess.run([sys.executable, "-c", script, *args], check=True, timeout=60)
+
+
+def test_one_handle_per_process_and_none_beside_an_own_disk_tier(tmp_path: Path) -> None:
+    directory = tmp_path / "lmdb"
+    write_blocks(directory, [b"a" * 16])
+    data_path = str(directory / "data.mdb")
+    first, second = DiskIndex.open(data_path), DiskIndex.open(data_path)
+    assert first is not None and first is second
+    first.close()
+    assert second.read([b"a" * 16], np.empty((1, 8192), np.uint8), Reads())  # still open
+    second.close()
+    with pytest.raises(lmdb.Error):  # closed with its last user
+        second._env.stat()
+    with DiskTier(str(directory), 1 << 30):
+        assert DiskIndex.open(data_path) is None  # LMDB must not be opened twice in one
+    assert DiskIndex.open(str(tmp_path / "nothing" / "data.mdb")) is None
+
+
+def test_the_index_follows_the_daemons_map_resizes(tmp_path: Path) -> None:
+    directory = tmp_path / "lmdb"
+    keys = [bytes([i]) * 16 for i in range(4)]
+    write_blocks(directory, keys[:2], map_size=8 << 20)
+    index = DiskIndex.open(str(directory / "data.mdb"))
+    assert index is not None
+    try:
+        reads = Reads()
+        rows = np.empty((2, 8192), np.uint8)
+        assert index.read(keys[:2], rows, reads)
+        assert not index.read(keys[2:], rows, reads)  # not written yet: no extents asked
+        write_blocks(directory, keys[2:], map_size=64 << 20)  # another process grows it
+        assert index.read(keys[2:], rows, reads)
+        sums = [xxhash.xxh3_64_intdigest(key * 512) for key in keys]
+        assert [e.checksum for got in reads.extents for e in got] == sums
+        assert not index.read(keys[:1], np.empty((1, 4096), np.uint8), reads)  # wrong size
+    finally:
+        index.close()
+
+
+def test_a_prefix_is_read_from_the_file_once_per_client() -> None:
+    first = DiskFirstReads(entries=2)
+    assert first.first("a") and not first.first("a")
+    assert first.first("b") and first.first("c")  # "a" is forgotten (oldest out)
+    assert first.first("a")
+
+
+def test_a_record_names_its_extent_only_once_it_says_where() -> None:
+    rec = DiskRecord(b"k" * 16, b"n" * 32, b"", 4096, 1234, 35, 0.0, offset=8192)
+    assert committed_extent(disk._pack(rec)) == DiskExtent(8192, 4096, 1234)
+    assert committed_extent(disk._pack(replace(rec, offset=0))) is None  # not committed
+    assert committed_extent(disk._pack(rec)[:-8]) is None  # a version 1 record
+    assert committed_extent(b"\x07" + disk._pack(rec)[1:]) is None  # an unknown version
+
+
+def test_the_switch_turns_reads_with_no_call_off(
+    kvstored: Daemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chains = put_then_restart(kvstored, 1, 4)
+    monkeypatch.setenv("KVCLIENT_DISK_INDEX", "0")
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        assert ns.get(chains[0]).blocks.tobytes() == expected(0, 4)  # disk_direct extents
+        stats = client.stats()
+        assert stats.counters["disk_file_gets"] == 0 and stats.tier("disk").hits == 4
+
+
+def test_a_forked_child_never_uses_the_parents_handle(tmp_path: Path) -> None:
+    """LMDB handles must not cross a fork; py-lmdb refuses a second handle for a path a
+    process has open, so a child's reads go to the daemon."""
+    directory = tmp_path / "lmdb"
+    write_blocks(directory, [b"a" * 16])
+    file = DiskFile.open(str(directory / "data.mdb"))
+    assert file is not None
+    try:
+        parent_index = file.index
+        assert parent_index is not None
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                index = file.index
+                got = read_first_from_file(
+                    file, DiskFirstReads(), "any", ("key",), np.arange(4), [], None, 8192, 1
+                )
+                code = 0 if index is None and got is None else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert file.index is parent_index
+        assert parent_index.read([b"a" * 16], np.empty((1, 8192), np.uint8), Reads())
+    finally:
+        file.close()
