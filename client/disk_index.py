@@ -83,7 +83,9 @@ class DiskIndex:
         self._env = env
         self._meta = env.open_db(META_DB, create=False)
         self._namespaces = env.open_db(NAMESPACES_DB, create=False)
-        self._lock = threading.Lock()  # one transaction at a time: set_mapsize needs none
+        # transactions of this handle running now: set_mapsize and close need none
+        self._cond = threading.Condition()
+        self._active = 0
         self._users = 0
         self._specs: dict[str, NamespaceSpec] = {}
         self._scanned_at = -SPEC_RESCAN_S
@@ -128,7 +130,9 @@ class DiskIndex:
                 return
             if shared[0] == os.getpid():
                 del _registry[self.directory]
-                with self._lock:
+                with self._cond:
+                    while self._active:
+                        self._cond.wait()
                     self._env.close()
 
     def spec(self, ns_id: str) -> NamespaceSpec | None:
@@ -139,20 +143,19 @@ class DiskIndex:
             return found
         self._scanned_at = time.monotonic()
         specs: dict[str, NamespaceSpec] = {}
-        with self._lock:
-            txn = self._begin()
-            if txn is None:
-                return None
-            try:
-                for digest, raw in txn.cursor(db=self._namespaces):
-                    try:
-                        spec = NamespaceSpec.from_dict(json.loads(bytes(raw)))
-                    except (ValueError, TypeError, StoreError):
-                        continue  # not a spec this client reads: its gets ask the daemon
-                    if spec.digest == bytes(digest):
-                        specs[spec.ns_id] = spec
-            finally:
-                txn.abort()
+        txn = self._begin()
+        if txn is None:
+            return None
+        try:
+            for digest, raw in txn.cursor(db=self._namespaces):
+                try:
+                    spec = NamespaceSpec.from_dict(json.loads(bytes(raw)))
+                except (ValueError, TypeError, StoreError):
+                    continue  # not a spec this client reads: its gets ask the daemon
+                if spec.digest == bytes(digest):
+                    specs[spec.ns_id] = spec
+        finally:
+            self._end(txn)
         self._specs.update(specs)
         return self._specs.get(ns_id)
 
@@ -162,38 +165,51 @@ class DiskIndex:
         with ``blocks`` not to be used, unless every key has a committed record of the
         right size and every block came from the page cache and passed its check."""
         size = blocks.shape[1]
-        with self._lock:
-            txn = self._begin()
-            if txn is None:
-                return False
-            try:
-                extents: list[DiskExtent] = []
-                for key in keys:
-                    raw = txn.get(key, db=self._meta)
-                    extent = None if raw is None else committed_extent(raw)
-                    if extent is None or extent.size != size:
-                        return False
-                    extents.append(extent)
-                ok: bool = reader.read_cached(blocks, extents)
-                return ok
-            except lmdb.Error as exc:
-                log.info("disk hits go through the daemon for now: %s", exc)
-                return False
-            finally:
-                txn.abort()
+        txn = self._begin()
+        if txn is None:
+            return False
+        try:
+            extents: list[DiskExtent] = []
+            for key in keys:
+                raw = txn.get(key, db=self._meta)
+                extent = None if raw is None else committed_extent(raw)
+                if extent is None or extent.size != size:
+                    return False
+                extents.append(extent)
+            ok: bool = reader.read_cached(blocks, extents)
+            return ok
+        except lmdb.Error as exc:
+            log.info("disk hits go through the daemon for now: %s", exc)
+            return False
+        finally:
+            self._end(txn)
 
     def _begin(self) -> Any:
-        """A read transaction (under ``_lock``), following a resize of the daemon's map;
-        None when LMDB refuses one (every reader slot taken ...)."""
-        for _ in range(2):
-            try:
-                return self._env.begin(buffers=True)
-            except lmdb.MapResizedError:
-                self._env.set_mapsize(0)  # adopt the size the daemon grew the map to
-            except lmdb.Error as exc:
-                log.info("disk hits go through the daemon for now: %s", exc)
-                return None
+        """A read transaction, counted until :meth:`_end`, following a resize of the
+        daemon's map (which waits until none of this handle's runs); None when LMDB
+        refuses one (every reader slot taken, the handle closed ...)."""
+        with self._cond:
+            for _ in range(2):
+                try:
+                    txn = self._env.begin(buffers=True)
+                except lmdb.MapResizedError:
+                    while self._active:
+                        self._cond.wait()
+                    self._env.set_mapsize(0)  # adopt the size the daemon grew the map to
+                    continue
+                except lmdb.Error as exc:
+                    log.info("disk hits go through the daemon for now: %s", exc)
+                    return None
+                self._active += 1
+                return txn
         return None
+
+    def _end(self, txn: Any) -> None:
+        txn.abort()
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
 
 
 class DiskFirstReads:

@@ -14,6 +14,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -219,11 +220,28 @@ def test_the_index_follows_the_daemons_map_resizes(tmp_path: Path) -> None:
         rows = np.empty((2, 8192), np.uint8)
         assert index.read(keys[:2], rows, reads)
         assert not index.read(keys[2:], rows, reads)  # not written yet: no extents asked
-        write_blocks(directory, keys[2:], map_size=64 << 20)  # another process grows it
-        assert index.read(keys[2:], rows, reads)
+        # another process grows the map, and writes past what this handle maps (10 MiB)
+        filler = [(1000 + i).to_bytes(2, "little") * 8 for i in range(1600)]  # 12.5 MiB
+        write_blocks(directory, keys[2:] + filler, map_size=64 << 20)
+        assert index.read(keys[2:], rows, reads)  # after MDB_MAP_RESIZED: the new size
+        assert index._env.info()["map_size"] >= 64 << 20
         sums = [xxhash.xxh3_64_intdigest(key * 512) for key in keys]
         assert [e.checksum for got in reads.extents for e in got] == sums
         assert not index.read(keys[:1], np.empty((1, 4096), np.uint8), reads)  # wrong size
+        # threads read side by side (each its own transaction), while the map grows again
+        results: list[bool] = []
+
+        def reader() -> None:
+            rows = np.empty((4, 8192), np.uint8)
+            results.extend(index.read(keys, rows, Reads()) for _ in range(50))
+
+        threads = [threading.Thread(target=reader) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        write_blocks(directory, [b"z" * 16], map_size=256 << 20)
+        for thread in threads:
+            thread.join()
+        assert len(results) == 200 and all(results)
     finally:
         index.close()
 
