@@ -385,3 +385,17 @@ def store_snapshot(stub: Any) -> dict[str, Any]:
         "demotions": stats.demotions,
         "promotions": stats.promotions,
     }
+
+
+def damage_in_disk_file(disk_dir: str, payload: bytes) -> None:
+    """Overwrite 64 bytes inside ``payload``'s copy in the daemon's ``data.mdb`` (a
+    block damaged on disk: its checksum no longer matches)."""
+    data_path = os.path.join(disk_dir, "data.mdb")
+    with open(data_path, "rb") as f:
+        where = f.read().find(payload)
+    assert where > 0, "the payload is not in the disk file"
+    fd = os.open(data_path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xff" * 64, where + min(1000, len(payload) - 64))
+    finally:
+        os.close(fd)

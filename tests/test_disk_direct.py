@@ -22,7 +22,7 @@ import lmdb
 import numpy as np
 import pytest
 import xxhash
-from conftest import Daemon, kv_stub
+from conftest import Daemon, damage_in_disk_file, kv_stub
 
 from kvclient import AsyncKVClient, KVClient
 from kvclient.disk_reads import DiskExtents, DiskFile
@@ -284,15 +284,7 @@ def test_gets_read_disk_blocks_from_the_file_then_from_host(kvstored: Daemon) ->
 
 def test_a_damaged_block_in_the_file_is_a_miss_never_its_bytes(kvstored: Daemon) -> None:
     ns_id, chains = put_then_restart(kvstored, 1, 6)
-    data_path = os.path.join(kvstored.disk_dir, "data.mdb")
-    with open(data_path, "rb") as f:
-        where = f.read().find(block(3))  # block 3 of chain 0, in the file
-    assert where > 0
-    fd = os.open(data_path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, b"\xff" * 64, where + 1000)
-    finally:
-        os.close(fd)
+    damage_in_disk_file(kvstored.disk_dir, block(3))  # block 3 of chain 0
     with KVClient(kvstored.addr) as client:
         ns = client.namespace("direct", TOKENS, block_bytes=BLOCK)
         got = ns.get(chains[0])

@@ -22,7 +22,7 @@ import lmdb
 import numpy as np
 import pytest
 import xxhash
-from conftest import Daemon
+from conftest import Daemon, damage_in_disk_file
 
 from kvclient import AsyncKVClient, KVClient
 from kvclient.disk_index import DiskFirstReads, DiskIndex
@@ -117,15 +117,7 @@ def test_blocks_out_of_the_page_cache_are_read_by_the_daemon(kvstored: Daemon) -
 
 def test_a_damaged_block_is_the_daemons_to_drop(kvstored: Daemon) -> None:
     chains = put_then_restart(kvstored, 1, 6)
-    data_path = os.path.join(kvstored.disk_dir, "data.mdb")
-    with open(data_path, "rb") as f:
-        where = f.read().find(block(3))
-    assert where > 0
-    fd = os.open(data_path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, b"\xff" * 64, where + 1000)
-    finally:
-        os.close(fd)
+    damage_in_disk_file(kvstored.disk_dir, block(3))  # block 3 of chain 0
     with KVClient(kvstored.addr) as client:
         ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
         got = ns.get(chains[0])
