@@ -120,6 +120,7 @@ _SCAN_CHUNK = 1024  # records() reads this many records per read transaction
 _CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
 _DB_NAMES = (b"meta", b"payload", b"namespaces", b"info")
 _WRITEBACK_POLL_S = 0.002  # while a commit runs: start writeback of its pages this often
+_READER_CHECK_S = 30.0  # the writer frees reader slots of dead processes this often
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
 _OVERFLOW_HEADER = struct.Struct("<QHHI")  # MDB_page of an overflow run: pgno, pad, flags, pages
 _P_OVERFLOW = 0x04
@@ -540,9 +541,7 @@ class DiskTier:
             writemap=False,
             lock=True,
         )
-        stale = self._env.reader_check()  # reader slots left by a crashed process
-        if stale:
-            log.warning("cleared %d stale LMDB reader slots in %s", stale, directory)
+        self._clear_stale_readers()  # reader slots left by a crashed process
         self._meta = self._env.open_db(META_DB)
         self._payload = self._env.open_db(b"payload")
         self._ns = self._env.open_db(NAMESPACES_DB)
@@ -1119,9 +1118,13 @@ class DiskTier:
     # --- internals: the writer thread -------------------------------------------
     def _run_writer(self) -> None:
         failures = 0
+        checked_readers = time.monotonic()
         while True:
             batch: list[_Op] = []
             try:
+                if time.monotonic() - checked_readers > _READER_CHECK_S:
+                    checked_readers = time.monotonic()
+                    self._clear_stale_readers()
                 with self._cond:
                     while not self._ops and not self._stopping:
                         self._cond.wait()
@@ -1250,9 +1253,22 @@ class DiskTier:
         self._cond.notify_all()
 
     # --- internals: map full -----------------------------------------------------
+    def _clear_stale_readers(self) -> int:
+        """Free the reader slots of processes that died inside a read transaction.
+
+        Clients on this host read the environment under their own transactions
+        (kvclient.disk_index); one killed inside a read leaves its slot, and LMDB keeps
+        every page that slot's snapshot can see from being reused, so the file would
+        only grow. The writer clears them every _READER_CHECK_S and on a full map."""
+        stale: int = self._env.reader_check()
+        if stale:
+            log.warning("cleared %d stale LMDB reader slots in %s", stale, self.directory)
+        return stale
+
     def _on_map_full(self, batch: list[_Op]) -> None:
         """The batch did not fit in the map: grow it once, lower the effective capacity,
         tell the store, retry. At the growth limit, commit what fits piece by piece."""
+        self._clear_stale_readers()  # dead readers' snapshots may be what filled it
         with self._cond:
             self._map_full_events += 1
             self._map_full_pending = True

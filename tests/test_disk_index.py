@@ -238,6 +238,31 @@ def test_the_index_follows_the_daemons_map_resizes(tmp_path: Path) -> None:
         index.close()
 
 
+def test_the_disk_writer_frees_the_reader_slot_of_a_client_killed_mid_read(
+    tmp_path: Path,
+) -> None:
+    """A dead reader's slot would keep LMDB from reusing any page its snapshot sees."""
+    directory = tmp_path / "lmdb"
+    with DiskTier(str(directory), 1 << 30) as tier:
+        script = (
+            "import sys, time, lmdb\n"
+            "env = lmdb.open(sys.argv[1], readonly=True, lock=True, max_dbs=4)\n"
+            "txn = env.begin()\n"
+            "print('reading', flush=True)\n"
+            "time.sleep(60)\n"
+        )
+        reader = subprocess.Popen(
+            [sys.executable, "-c", script, str(directory)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert reader.stdout is not None and reader.stdout.readline() == "reading\n"
+            assert tier._clear_stale_readers() == 0  # alive: its snapshot stays
+        finally:
+            reader.kill()
+            reader.wait()
+        assert tier._clear_stale_readers() == 1
+
+
 def test_a_prefix_is_read_from_the_file_once_per_client() -> None:
     first = DiskFirstReads(entries=2)
     assert first.first("a") and not first.first("a")
