@@ -274,9 +274,8 @@ def layout_message(kv: KVCache | SharedKV) -> gpb.KVLayout:
         raise InvalidArgumentError(f"KV tensors on {kv.device} cannot be registered")
     tensors = []
     for t in kv.tensors:
-        msg = gpb.KVTensor(
-            shape=list(t.shape), stride=list(t.stride()), storage_offset=t.storage_offset()
-        )
+        msg = gpb.KVTensor(shape=list(t.shape), stride=list(t.stride()),
+                           storage_offset=t.storage_offset())
         if device == "cuda":
             msg.cuda.CopyFrom(_share_cuda(t))
         tensors.append(msg)
@@ -595,11 +594,7 @@ class Registration:
         reply = self._gpu._call(self._gpu._stub.Offload, request)
         del event  # kept alive until the daemon has waited on it
         return OffloadResult(
-            reply.stored,
-            reply.existing,
-            reply.refused,
-            reply.out_of_space,
-            reply.bytes,
+            reply.stored, reply.existing, reply.refused, reply.out_of_space, reply.bytes,
             reply.copy_s,
         )
 
