@@ -60,7 +60,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from kvstore.disk import META_DB, NAMESPACES_DB, DiskExtent, committed_extent
+from kvstore.disk import DB_NAMES, META_DB, NAMESPACES_DB, DiskExtent, committed_extent
 from kvstore.disk import open_in_this_process as _tier_open_here
 from kvstore.errors import StoreError
 from kvstore.keys import BlockKey, NamespaceSpec
@@ -109,7 +109,7 @@ class DiskIndex:
                         lock=True,  # readers register in lock.mdb, as the daemon's do
                         subdir=True,
                         create=False,
-                        max_dbs=4,
+                        max_dbs=len(DB_NAMES),
                         max_spare_txns=0,  # a reader slot only while a read runs
                         readahead=False,
                     )

@@ -118,7 +118,9 @@ _CAPACITY_CUT = 0.9  # on map full: effective capacity <= this fraction of what 
 _NS_PREFIX = b"ns:"  # queue keys of namespace saves: prefix + digest + seq (43 bytes)
 _SCAN_CHUNK = 1024  # records() reads this many records per read transaction
 _CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
-_DB_NAMES = (b"meta", b"payload", b"namespaces", b"info")
+META_DB = b"meta"  # the named databases a reader in another process opens ...
+NAMESPACES_DB = b"namespaces"
+DB_NAMES = (META_DB, b"payload", NAMESPACES_DB, b"info")  # ... and all of them
 _WRITEBACK_POLL_S = 0.002  # while a commit runs: start writeback of its pages this often
 _READER_CHECK_S = 30.0  # the writer frees reader slots of dead processes this often
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
@@ -130,8 +132,6 @@ _MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bi
 _MALLOC_TRIM_THRESHOLD = 128 << 20  # above a thread arena's 64 MiB heap: never shrunk
 _FORMAT_KEY = b"format"
 _FORMAT = b"kvstore.disk.v1"
-META_DB = b"meta"  # the named databases a reader in another process opens
-NAMESPACES_DB = b"namespaces"
 
 # Directories of the DiskTiers open in this process. LMDB must not be opened twice in
 # one process (closing one handle drops the other's file locks), so a reader of the
@@ -533,7 +533,7 @@ class DiskTier:
             map_size=requested,
             subdir=True,
             mode=0o600,  # data.mdb and lock.mdb; the directory itself is 0o700
-            max_dbs=len(_DB_NAMES),
+            max_dbs=len(DB_NAMES),
             max_spare_txns=8,  # readers from several threads reuse reset txns
             readahead=readahead,
             sync=True,

@@ -511,7 +511,7 @@ class Store:
             nodes, on_disk = self._host_prefix(keys)
             if on_disk:
                 return None
-            self._read_from_host(entry, nodes, len(keys), reads=1)
+            self._count_reads(entry, nodes, len(keys), reads=1, host_hits=len(nodes))
             offsets = [node.host_offset for node in nodes]
             epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
             return Located(tuple(offsets), epochs, entry.spec.block_bytes)
@@ -536,17 +536,13 @@ class Store:
             if from_disk:
                 self._c.disk_file_gets += reads
                 nodes = self._ready_prefix(keys)
-                host = sum(1 for node in nodes if node.in_host)
-                n = len(nodes)
-                self._count_served(entry, n * reads, n * reads, host * reads)
-                for node in nodes:
-                    node.hits += reads
-                self._touch(nodes)
-                return n
-            self._c.known_slot_gets += reads
-            nodes, _ = self._host_prefix(keys)
+                host_hits = sum(1 for node in nodes if node.in_host)
+            else:
+                self._c.known_slot_gets += reads
+                nodes, _ = self._host_prefix(keys)
+                host_hits = len(nodes)
             if nodes:
-                self._read_from_host(entry, nodes, len(nodes), reads)
+                self._count_reads(entry, nodes, len(nodes), reads, host_hits)
             return len(nodes)
 
     def note_misses(self, ns_id: str, blocks: int) -> None:
@@ -862,45 +858,47 @@ class Store:
         self._check_keys(entry, keys)
         if not 0 <= start < max(len(keys), 1):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
-        with self._lock:
-            self._expire()
+
+        def drop() -> int:
             walk = self._index.walk(keys)
-            if len(walk) <= start:
-                return 0
-            on_disk = self._disk_blocks
-            removed = self._delete_subtree(walk[start])
-            deleted_on_disk = self._disk_blocks < on_disk
-        if deleted_on_disk:
-            self._commit_deletes()
-        return removed
+            return self._delete_subtree(walk[start]) if len(walk) > start else 0
+
+        return self._drop_and_commit(drop)
 
     def clear(self, ns_id: str | None = None) -> int:
         """Drop every block of a namespace (of all when None; busy ones stay); the number
         dropped. Returns once their deletions from disk are committed."""
         entries = [self._entry(ns_id)] if ns_id is not None else None
-        with self._lock:
-            self._expire()
-            on_disk = self._disk_blocks
+
+        def drop() -> int:
             removed = 0
             for entry in entries or list(self._namespaces.values()):
                 for key in list(entry.roots):
                     root = self._index.get(key)
                     if root is not None:
                         removed += self._delete_subtree(root)
-            deleted_on_disk = self._disk_blocks < on_disk
-        if deleted_on_disk:
-            self._commit_deletes()
-        return removed
+            return removed
 
-    def _commit_deletes(self) -> None:
-        """Wait (not under the lock) until the disk deletions queued so far are
-        committed: a restart does not bring the blocks back, and a same-host client
-        reading the disk file itself (kvclient.disk_index) no longer finds them."""
+        return self._drop_and_commit(drop)
+
+    def _drop_and_commit(self, drop: Callable[[], int]) -> int:
+        """Run ``drop`` (it removes blocks; returns how many) under the lock, then, once
+        the lock is released, wait until the disk deletions it queued are committed: a
+        restart does not bring the blocks back, and a same-host client reading the disk
+        file itself (kvclient.disk_index) no longer finds them."""
+        with self._lock:
+            self._expire()
+            on_disk = self._disk_blocks
+            removed = drop()
+            deleted_on_disk = self._disk_blocks < on_disk
+        if not deleted_on_disk:
+            return removed
         assert self._disk is not None
         try:
             self._disk.flush(timeout=DELETE_COMMIT_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:  # the blocks are gone from the index
             log.warning("disk deletions not committed yet: %s", exc)
+        return removed
 
     def set_priority(
         self,
@@ -1321,13 +1319,14 @@ class Store:
             nodes.append(node)
         return nodes, False
 
-    def _read_from_host(
-        self, entry: NamespaceEntry, nodes: list[Node], wanted: int, reads: int
+    def _count_reads(
+        self, entry: NamespaceEntry, nodes: list[Node], wanted: int, reads: int, host_hits: int
     ) -> None:
         """Count ``reads`` reads that asked for ``wanted`` blocks each and were served
-        ``nodes`` from host slots, and touch them as used. Under the lock."""
+        ``nodes`` (``host_hits`` of them from host slots, the rest straight from disk),
+        and touch them as used. Under the lock."""
         n = len(nodes)
-        self._count_served(entry, wanted * reads, n * reads, n * reads)
+        self._count_served(entry, wanted * reads, n * reads, host_hits * reads)
         for node in nodes:
             node.hits += reads
         self._touch(nodes)
