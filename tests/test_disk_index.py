@@ -29,6 +29,7 @@ from kvclient.disk_index import DiskFirstReads, DiskIndex
 from kvclient.disk_reads import DiskFile, read_first_from_file
 from kvstore import disk
 from kvstore.disk import DiskExtent, DiskRecord, DiskTier, committed_extent
+from kvstore.keys import chain_keys
 
 BLOCK = 64 << 10
 TOKENS = 4
@@ -96,20 +97,29 @@ def test_a_prefix_longer_than_the_disk_part_asks_the_daemon(kvstored: Daemon) ->
 def test_blocks_out_of_the_page_cache_are_read_by_the_daemon(kvstored: Daemon) -> None:
     chains = put_then_restart(kvstored, 1, 8)
     data_path = os.path.join(kvstored.disk_dir, "data.mdb")
-    fd = os.open(data_path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        probe = bytearray(4096)
-        offset = os.path.getsize(data_path) // 2 // 4096 * 4096
-        try:
-            os.preadv(fd, [probe], offset, os.RWF_NOWAIT)
-            pytest.skip("this file system keeps the file in memory (no page cache to drop)")
-        except BlockingIOError:
-            pass
-    finally:
-        os.close(fd)
     with KVClient(kvstored.addr) as client:
         ns = client.namespace("files", TOKENS, block_bytes=BLOCK)
+        # where the chain's blocks lie, from their meta records alone (reading the
+        # payload pages here would keep them in the page cache)
+        index = DiskIndex.open(data_path)
+        assert index is not None
+        spec = index.spec(ns.ns_id)
+        assert spec is not None
+        located = Reads()
+        assert index.read(chain_keys(spec, chains[0]), np.empty((8, BLOCK), np.uint8), located)
+        index.close()
+        fd = os.open(data_path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            try:
+                # the block's last page: the daemon may map the first (its page header)
+                last_page = (located.extents[0][0].offset + BLOCK - 1) // 4096 * 4096
+                os.preadv(fd, [bytearray(4096)], last_page, os.RWF_NOWAIT)
+                pytest.skip("this file system keeps the file in memory (no page cache to drop)")
+            except BlockingIOError:
+                pass
+        finally:
+            os.close(fd)
         assert ns.get(chains[0]).blocks.tobytes() == expected(0, 8)
         stats = client.stats()
         assert stats.counters["disk_file_gets"] == 0 and stats.tier("disk").hits == 8
