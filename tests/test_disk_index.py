@@ -24,7 +24,7 @@ import pytest
 import xxhash
 from conftest import Daemon, damage_in_disk_file
 
-from kvclient import AsyncKVClient, KVClient
+from kvclient import AsyncKVClient, InvalidArgumentError, KVClient
 from kvclient.disk_index import DiskFirstReads, DiskIndex
 from kvclient.disk_reads import DiskFile, read_first_from_file
 from kvstore import disk
@@ -146,6 +146,27 @@ def test_clear_and_delete_reach_the_file_before_they_return(kvstored: Daemon) ->
         assert client.clear(ns.ns_id) == 2 + 6
         assert ns.get(chains[1]).n_blocks == 0
         assert file_gets(client) == 0
+
+
+def test_tokens_the_namespace_refuses_get_the_daemons_error_and_change_nothing(
+    kvstored: Daemon,
+) -> None:
+    """Token ids past the namespace's vocabulary pass the client's own checks; its key
+    derivation refuses them, and the daemon answers with the precise error."""
+    tokens = list(range(4 * TOKENS))
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("vocab", TOKENS, block_bytes=BLOCK, vocab_size=1000)
+        ns.put(tokens, np.frombuffer(expected(0, 4), np.uint8).reshape(4, BLOCK))
+    kvstored.restart()
+    with KVClient(kvstored.addr) as client:
+        ns = client.namespace("vocab", TOKENS, block_bytes=BLOCK, vocab_size=1000)
+        before = client.stats()
+        with pytest.raises(InvalidArgumentError, match="token ids must be < 1000"):
+            ns.get([*tokens[:-1], 5000])
+        after = client.stats()
+        assert after.counters["disk_file_gets"] == 0 and after.tier("disk") == before.tier("disk")
+        assert ns.get(tokens).blocks.tobytes() == expected(0, 4)  # and the chain is intact
+        assert file_gets(client) == 1
 
 
 def test_async_gets_read_the_file_with_no_call(kvstored: Daemon) -> None:
