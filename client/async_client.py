@@ -48,6 +48,7 @@ from kvclient.local_calls import (
     AsyncLocalCalls,
     LocalCallFailed,
     LocalCallStatus,
+    OnAnswer,
     raise_local_failure,
 )
 from kvclient.payloads import (
@@ -60,6 +61,7 @@ from kvclient.payloads import (
     check_start,
     output_array,
 )
+from kvclient.puts_ahead import AsyncPendingPut, answer_handler
 from kvclient.results import (
     Event,
     GetResult,
@@ -155,6 +157,8 @@ class AsyncKVClient:
         staging = (stash.detach() for stash in self._stashes.values())
         self._done.extend(lease_id for lease_id in staging if lease_id)
         await self._settle()
+        if self._local is not None:  # the answers of puts sent ahead resolve their results
+            await self._local.read_owed(self.timeout)
         await self._channel.close()
         arena, self._arena = self._arena, None
         if arena is not None:
@@ -201,17 +205,34 @@ class AsyncKVClient:
             await asyncio.to_thread(during)
         return await self._call_grpc(method, request)
 
-    async def _send(self, method: Callable[..., Awaitable[Any]], request: Any) -> None:
+    async def _send(
+        self,
+        method: Callable[..., Awaitable[Any]],
+        request: Any,
+        on_answer: OnAnswer | None = None,
+    ) -> None:
         """Like KVClient._send: over the local socket without waiting for the answer."""
         local = self._local
         name = self._local_names.get(method)
         if local is not None and name is not None:
             try:
-                await local.send(name, request, self.timeout)
+                await local.send(name, request, self.timeout, on_answer)
                 return
             except LocalCallFailed as exc:
-                self._local_failed(local, exc)  # raises unless gRPC may take the call
-        await self._call(method, request)
+                try:
+                    self._local_failed(local, exc)  # raises unless gRPC may take the call
+                except KVStoreError as error:
+                    if on_answer is not None:
+                        on_answer(None, error)
+                    raise
+        try:
+            reply = await self._call(method, request)
+        except KVStoreError as error:
+            if on_answer is not None:
+                on_answer(None, error)
+            raise
+        if on_answer is not None:
+            on_answer(reply, None)
 
     def _stash(self, ns_id: str) -> SlotStash:
         return self._stashes.setdefault(ns_id, SlotStash())
@@ -683,6 +704,35 @@ class AsyncNamespace:
         *,
         extra_keys: wire.ExtraKeys = (),
     ) -> PutResult:
+        result = await self._put(tokens, blocks, start, priority, extra_keys, ahead=False)
+        assert isinstance(result, PutResult)
+        return result
+
+    async def put_nowait(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Any,
+        start: int = 0,
+        priority: int | None = None,
+        *,
+        extra_keys: wire.ExtraKeys = (),
+    ) -> AsyncPendingPut:
+        """Like the sync client's ``put_nowait`` (:mod:`kvclient.puts_ahead`): returns
+        once the bytes are in the arena; ``await pending.result()`` for the counts."""
+        result = await self._put(tokens, blocks, start, priority, extra_keys, ahead=True)
+        if isinstance(result, AsyncPendingPut):
+            return result
+        return AsyncPendingPut.of(result, self.client.addr)
+
+    async def _put(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Any,
+        start: int,
+        priority: int | None,
+        extra_keys: wire.ExtraKeys,
+        ahead: bool,
+    ) -> PutResult | AsyncPendingPut:
         arr = as_tokens(tokens)
         rows = as_blocks(blocks, self.block_bytes)
         n = len(rows)
@@ -694,7 +744,7 @@ class AsyncNamespace:
         extra = wire.extra_bytes(extra_keys)
         info, arena = await self.client._arena_for_data()
         if arena is not None:
-            return await self._put_arena(arena, token_list, extra, rows, start, priority)
+            return await self._put_arena(arena, token_list, extra, rows, start, priority, ahead)
         return await self._put_inline(info, token_list, extra, rows, start, priority)
 
     async def _put_arena(
@@ -705,13 +755,19 @@ class AsyncNamespace:
         rows: np.ndarray | list[np.ndarray],
         start: int,
         priority: int | None,
-    ) -> PutResult:
+        ahead: bool = False,
+    ) -> PutResult | AsyncPendingPut:
         client = self.client
         stash = client._stash(self.ns_id)
+        local = client._local if ahead else None
+        if local is not None and len(stash) < len(rows):
+            await local.read_owed(client.timeout)  # answers of puts sent ahead: more slots
         request, staged = put_reserve(
-            stash, arena, self.ns_id, tokens, extra, start, len(rows), priority
+            stash, arena, self.ns_id, tokens, extra, start, len(rows), priority, ahead
         )
         sent_at = time.monotonic()
+        if staged is not None and request.commit:
+            return await self._send_ahead(arena, stash, request, staged, rows, start, sent_at)
         if staged is not None:  # every block into its staged slot while the Reserve flies
             bb = self.block_bytes
             try:
@@ -721,7 +777,7 @@ class AsyncNamespace:
                     during=lambda: write_slots(arena.mapping, staged, rows, bb, start),
                 )
             except BaseException:
-                stage_lease = stash.forget()
+                stage_lease = stash.forget(request)
                 if stage_lease:
                     client._release_later(stage_lease)
                 raise
@@ -748,6 +804,36 @@ class AsyncNamespace:
             commit = pb.CommitRequest(lease_id=reserved.lease_id)
             await client._send(client._stub.Commit, commit)
         return PutResult(stored=len(slots), existing=reserved.existing, refused=reserved.refused)
+
+    async def _send_ahead(
+        self,
+        arena: ClientArena,
+        stash: SlotStash,
+        request: pb.ReserveRequest,
+        staged: SlotTable,
+        rows: np.ndarray | list[np.ndarray],
+        start: int,
+        sent_at: float,
+    ) -> AsyncPendingPut:
+        """Like the sync client's: the copy, then the Reserve that commits, unanswered."""
+        client = self.client
+        try:
+            bb = self.block_bytes
+            await asyncio.to_thread(write_slots, arena.mapping, staged, rows, bb, start)
+        except BaseException:
+            stage_lease = stash.forget(request)
+            if stage_lease:
+                client._release_later(stage_lease)
+            raise
+        local = client._local
+        pending = AsyncPendingPut(
+            client.addr, None if local is None else lambda: local.read_owed(client.timeout)
+        )
+        on_answer = answer_handler(
+            pending, stash, request, sent_at, client._checked, client._release_later
+        )
+        await client._send(client._stub.Reserve, request, on_answer)
+        return pending
 
     async def _put_inline(
         self,

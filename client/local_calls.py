@@ -18,9 +18,13 @@ A call may also be *sent* without waiting for its answer (:meth:`LocalCalls.send
 arena put's Commit, whose answer nothing on the put's path needs). Its connection goes
 back to the idle ones owing that answer, and is the next one taken; the next call on
 it reads the answers owed before its own (the daemon answers a connection's calls in
-order, so that call also runs after the one sent). An owed answer that is an error is
-logged: the blocks of a refused Commit are not stored, and a later lookup reports a
-miss.
+order, so that call also runs after the one sent). The answers owed can also be read
+without a call (``poll_owed``: those that have arrived; ``read_owed``: all of them).
+Each goes to the sender's ``on_answer`` (a put sent ahead resolves its
+:class:`kvclient.puts_ahead.PendingPut`), or without one is logged if it is an error:
+the blocks of a refused Commit are not stored, and a later lookup reports a miss. When
+a connection breaks while answers are owed, their ``on_answer`` gets a LocalCallFailed:
+the daemon may or may not have run those calls.
 """
 
 from __future__ import annotations
@@ -100,11 +104,47 @@ def _response(status: int, body: bytes, name: str) -> Any:
     raise LocalCallStatus(_CODES.get(status), message, kind)
 
 
-def _owed_answer(name: str, status: int, body: bytes) -> None:
-    """The answer to a call sent without waiting: nothing to do unless it failed."""
-    if status != frames.OK:
-        _, message = frames.parse_error(body)
-        log.warning("%s sent without waiting failed: %s %s", name, _CODES.get(status), message)
+# what a caller of ``send`` gets back: the response, or why there is none
+# (LocalCallStatus: the daemon's error; LocalCallFailed: the connection broke first)
+OnAnswer = Callable[[Any, Exception | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Owed:
+    """A call sent without waiting, whose answer has not been read."""
+
+    name: str
+    on_answer: OnAnswer | None = None
+
+    def answered(self, status: int, body: bytes) -> None:
+        """Hand the answer to ``on_answer``; without one, log it if it is an error."""
+        if self.on_answer is None:
+            if status != frames.OK:
+                _, message = frames.parse_error(body)
+                log.warning(
+                    "%s sent without waiting failed: %s %s", self.name, _CODES.get(status), message
+                )
+            return
+        try:
+            response = _response(status, body, self.name)
+        except LocalCallStatus as exc:
+            self._hand(None, exc)
+            return
+        self._hand(response, None)
+
+    def lost(self, reason: str) -> None:
+        """The connection broke before the answer came: the call's outcome is unknown."""
+        if self.on_answer is not None:
+            self._hand(None, LocalCallFailed(reason, sent=True))
+        else:  # the daemon may have run it all the same
+            log.debug("%s sent without waiting: no answer (%s)", self.name, reason)
+
+    def _hand(self, response: Any, error: Exception | None) -> None:
+        assert self.on_answer is not None
+        try:
+            self.on_answer(response, error)
+        except Exception:  # it runs inside whichever call read the answer: never break that
+            log.exception("handling the answer of %s sent without waiting", self.name)
 
 
 @dataclass(eq=False)
@@ -114,22 +154,62 @@ class _Connection:
 
     sock: socket.socket
     buffer: bytearray = field(default_factory=bytearray)
-    owed: list[str] = field(default_factory=list)
+    owed: list[_Owed] = field(default_factory=list)
 
     def receive(self) -> tuple[int, bytes]:
         """The next response frame: (status, body). Usually a single recv."""
         self._fill(frames.HEADER.size)
+        return self._frame()
+
+    def read_owed(self) -> None:
+        """Read the answers of the calls sent without waiting (see _Owed.answered)."""
+        while self.owed:
+            status, body = self.receive()
+            self.owed.pop(0).answered(status, body)
+
+    def poll_owed(self) -> None:
+        """Read the owed answers that have arrived, without waiting for the others."""
+        # a socket with a timeout polls for readiness before each recv, MSG_DONTWAIT or
+        # not: only a non-blocking one returns at once
+        timeout = self.sock.gettimeout()
+        self.sock.setblocking(False)
+        try:
+            while self.owed:
+                if not self._has_frame():
+                    try:
+                        more = self.sock.recv(1 << 16)
+                    except (BlockingIOError, InterruptedError):
+                        return
+                    if not more:
+                        raise ConnectionResetError(0, "the daemon closed the connection")
+                    self.buffer += more
+                    continue
+                status, body = self._frame()
+                self.owed.pop(0).answered(status, body)
+        finally:
+            self.sock.settimeout(timeout)
+
+    def close(self, reason: str) -> None:
+        """Close the socket; the calls whose answers are owed learn they are lost."""
+        self.sock.close()
+        owed, self.owed = self.owed, []
+        for call in owed:
+            call.lost(reason)
+
+    def _has_frame(self) -> bool:
+        if len(self.buffer) < frames.HEADER.size:
+            return False
+        body_len, _ = frames.HEADER.unpack_from(self.buffer)
+        return len(self.buffer) >= frames.HEADER.size + body_len
+
+    def _frame(self) -> tuple[int, bytes]:
+        """The frame at the head of the buffer (its header is there)."""
         body_len, status = frames.HEADER.unpack_from(self.buffer)
         end = frames.HEADER.size + body_len
         self._fill(end)
         body = bytes(self.buffer[frames.HEADER.size : end])
         del self.buffer[:end]
         return status, body
-
-    def read_owed(self) -> None:
-        """Read the answers of the calls sent without waiting; log the errors."""
-        while self.owed:
-            _owed_answer(self.owed.pop(0), *self.receive())
 
     def _fill(self, need: int) -> None:
         while len(self.buffer) < need:
@@ -169,37 +249,70 @@ class LocalCalls:
                 try:
                     during()
                 except BaseException:
-                    conn.sock.close()  # its answer is still coming: the connection is spent
+                    # its answer is still coming: the connection is spent
+                    conn.close("the call's connection was abandoned")
                     raise
             conn.read_owed()
             status, body = conn.receive()
             if conn.buffer:  # one call at a time: nothing may follow its answer
                 raise ConnectionResetError(0, "the daemon sent more than one answer")
         except TimeoutError:
-            conn.sock.close()
+            conn.close(f"no answer within {timeout} s")
             raise LocalCallFailed(
                 f"no answer within {timeout} s", sent=sent, timed_out=True
             ) from None
         except OSError as exc:
-            conn.sock.close()
+            conn.close(exc.strerror or str(exc))
             raise LocalCallFailed(exc.strerror or str(exc), sent=sent) from None
         self._put_back(conn)
         return _response(status, body, name)
 
-    def send(self, name: str, request: Any, timeout: float) -> None:
+    def send(
+        self, name: str, request: Any, timeout: float, on_answer: OnAnswer | None = None
+    ) -> None:
         """Send ``name(request)`` and return at once: its answer is read by the next
-        call on the same connection (see the module docstring). LocalCallFailed when
-        it could not be sent."""
+        call on the same connection, or by :meth:`poll_owed` / :meth:`read_owed`, and
+        handed to ``on_answer`` (see the module docstring). LocalCallFailed when it
+        could not be sent."""
         frame = _request(name, request)
         conn = self._take(timeout)
         try:
             conn.sock.settimeout(timeout)
             conn.sock.sendall(frame)
         except OSError as exc:
-            conn.sock.close()
+            conn.close(exc.strerror or str(exc))
             raise LocalCallFailed(exc.strerror or str(exc), sent=False) from None
-        conn.owed.append(name)
+        conn.owed.append(_Owed(name, on_answer))
         self._put_back(conn)
+
+    def poll_owed(self) -> None:
+        """Read the owed answers that have arrived on the idle connections, without
+        waiting for the rest (a connection that fails is closed: see _Owed.lost)."""
+        self._each_owing(lambda conn: conn.poll_owed())
+
+    def read_owed(self, timeout: float) -> None:
+        """Read every owed answer of the idle connections, waiting up to ``timeout`` for
+        each. Those owed on a connection in use are read by the call using it."""
+
+        def read(conn: _Connection) -> None:
+            conn.sock.settimeout(timeout)
+            conn.read_owed()
+
+        self._each_owing(read)
+
+    def _each_owing(self, read: Callable[[_Connection], None]) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                return  # a forked child: nothing it sent is owed on the parent's sockets
+            owing = [conn for conn in self._idle if conn.owed]
+            self._idle = [conn for conn in self._idle if not conn.owed]
+        for conn in owing:
+            try:
+                read(conn)
+            except OSError as exc:  # timed out or reset: those outcomes are unknown
+                conn.close(exc.strerror or str(exc) or type(exc).__name__)
+                continue
+            self._put_back(conn)
 
     def _take(self, timeout: float) -> _Connection:
         with self._lock:
@@ -242,7 +355,8 @@ class LocalCalls:
             try:
                 conn.read_owed()
             except OSError as exc:  # timed out or reset: the daemon has the calls all the same
-                log.debug("answers owed on a closing local-call connection: %s", exc)
+                conn.close(exc.strerror or str(exc) or type(exc).__name__)
+                return
         conn.sock.close()
 
 
@@ -253,7 +367,7 @@ class AsyncLocalCalls:
         self.path = path
         # idle connections, the last put back first, with the calls sent on each whose
         # answers have not been read (see LocalCalls.send)
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, list[str]]] = []
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, list[_Owed]]] = []
         self._closed = False
 
     async def call(
@@ -272,15 +386,15 @@ class AsyncLocalCalls:
             if early is not None:
                 await early  # its error, if any, spends the connection below
         except TimeoutError:
-            writer.close()
+            _close(writer, owed, f"no answer within {timeout} s")
             raise LocalCallFailed(
                 f"no answer within {timeout} s", sent=True, timed_out=True
             ) from None
         except (OSError, asyncio.IncompleteReadError) as exc:
-            writer.close()
+            _close(writer, owed, str(exc) or type(exc).__name__)
             raise LocalCallFailed(str(exc) or type(exc).__name__, sent=True) from None
         except BaseException:  # cancelled mid-call: the answer would confuse the next call
-            writer.close()
+            _close(writer, owed, "a call on the connection was cancelled")
             raise
         finally:
             if early is not None and not early.done():
@@ -288,22 +402,38 @@ class AsyncLocalCalls:
         self._put_back(reader, writer, owed)
         return _response(status, body, name)
 
-    async def send(self, name: str, request: Any, timeout: float) -> None:
+    async def send(
+        self, name: str, request: Any, timeout: float, on_answer: OnAnswer | None = None
+    ) -> None:
         """Like :meth:`LocalCalls.send`: the answer is read by the next call on the
-        connection."""
+        connection, or by :meth:`read_owed`."""
         reader, writer, owed = await self._take(timeout)
         try:
             writer.write(_request(name, request))
             await asyncio.wait_for(writer.drain(), timeout)
         except (OSError, TimeoutError) as exc:
-            writer.close()
+            _close(writer, owed, str(exc) or type(exc).__name__)
             raise LocalCallFailed(str(exc) or type(exc).__name__, sent=True) from None
-        owed.append(name)
+        owed.append(_Owed(name, on_answer))
         self._put_back(reader, writer, owed)
+
+    async def read_owed(self, timeout: float) -> None:
+        """Like :meth:`LocalCalls.read_owed`."""
+        owing = [idle for idle in self._idle if idle[2]]
+        self._idle = [idle for idle in self._idle if not idle[2]]
+        for reader, writer, owed in owing:
+            try:
+                while owed:
+                    status, body = await asyncio.wait_for(_read_frame(reader), timeout)
+                    owed.pop(0).answered(status, body)
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+                _close(writer, owed, str(exc) or type(exc).__name__)
+                continue
+            self._put_back(reader, writer, owed)
 
     async def _take(
         self, timeout: float
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, list[str]]:
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, list[_Owed]]:
         if self._idle:
             reader, writer, owed = self._idle.pop()
         else:
@@ -318,34 +448,47 @@ class AsyncLocalCalls:
                 ) from None
             owed = []
         if reader.at_eof() or writer.is_closing():  # the daemon closed an idle connection
-            writer.close()
+            _close(writer, owed, "the local-call connection was closed")
             raise LocalCallFailed("the local-call connection was closed", sent=False)
         return reader, writer, owed
 
     def _put_back(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[str]
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[_Owed]
     ) -> None:
         if self._closed:
-            writer.close()  # the daemon has the calls sent on it all the same
+            # the daemon has the calls sent on it all the same, but their answers are lost
+            _close(writer, owed, "the client closed")
         else:
             self._idle.append((reader, writer, owed))
 
     def close(self) -> None:
+        """Close the connections; answers still owed are lost (see :meth:`read_owed`)."""
         self._closed = True
         idle, self._idle = self._idle, []
-        for _, writer, _ in idle:
-            writer.close()
+        for _, writer, owed in idle:
+            _close(writer, owed, "the client closed")
+
+
+def _close(writer: asyncio.StreamWriter, owed: list[_Owed], reason: str) -> None:
+    writer.close()
+    lost, owed[:] = list(owed), []
+    for call in lost:
+        call.lost(reason)
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    header = await reader.readexactly(frames.HEADER.size)
+    body_len, status = frames.HEADER.unpack(header)
+    return status, await reader.readexactly(body_len)
 
 
 async def _areceive(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[str]
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[_Owed]
 ) -> tuple[int, bytes]:
-    """This call's answer, after the answers ``owed`` on the connection (errors logged)."""
+    """This call's answer, after the answers ``owed`` on the connection."""
     await writer.drain()
     while True:
-        header = await reader.readexactly(frames.HEADER.size)
-        body_len, status = frames.HEADER.unpack(header)
-        body = await reader.readexactly(body_len)
+        status, body = await _read_frame(reader)
         if not owed:
             return status, body
-        _owed_answer(owed.pop(0), status, body)
+        owed.pop(0).answered(status, body)

@@ -8,7 +8,8 @@ knows where its blocks go before it asks: it names the slots in its Reserve
 that Reserve is in flight, and sends the Commit without waiting for its answer
 (:meth:`kvclient.local_calls.LocalCalls.send`). The same Reserve asks for as many
 new slots as it used, so a steady stream of puts of one size keeps a put's worth
-ready.
+ready. A put sent ahead (:mod:`kvclient.puts_ahead`) asks for two puts' worth, counting
+the slots asked for by Reserves whose answers are still owed (:meth:`SlotStash.ask`).
 
 Safety: a client writes only slots of a staging lease that is alive. The lease
 lives ``stage_ttl_s`` from the daemon's handling of the last Reserve that named it,
@@ -26,6 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -47,10 +49,16 @@ def put_reserve(
     start: int,
     n: int,
     priority: int | None,
+    ahead: bool = False,
 ) -> tuple[pb.ReserveRequest, SlotTable | None]:
     """The Reserve of an arena put of blocks ``start .. start + n``, and the staged
     slots it names as a table to copy into while it is in flight (None: none staged,
-    the put copies into the slots the answer gives)."""
+    the put copies into the slots the answer gives).
+
+    ``ahead``: a put sent ahead (:mod:`kvclient.puts_ahead`). With staged slots the
+    request commits on arrival; either way it asks for two puts' worth staged, so
+    that the next put need not wait for this one's answer.
+    """
     stage_lease, staged = stash.take(n, arena)
     request = pb.ReserveRequest(
         ns_id=ns_id,
@@ -62,7 +70,8 @@ def put_reserve(
         compact_slots=True,
         stage_lease_id=stage_lease,
         staged_offsets=staged,
-        stage_more=stash.wanted(n),
+        stage_more=stash.ask(n, puts=2 if ahead else 1),
+        commit=ahead and bool(staged),
     )
     if not staged:
         return request, None
@@ -79,6 +88,9 @@ class SlotStash:
         self._usable_until = 0.0  # time.monotonic()
         self._arena: ClientArena | None = None
         self._pid = os.getpid()
+        self._asked = 0  # slots asked for by Reserves not answered yet
+        # leases dropped while Reserves naming them may still be in flight
+        self._dropped: deque[int] = deque(maxlen=64)
 
     def take(self, n: int, arena: ClientArena) -> tuple[int, list[int]]:
         """The staging lease to name and the ``n`` slots this put may write (``[]``
@@ -90,20 +102,28 @@ class SlotStash:
             taken, self._offsets = self._offsets[:n], self._offsets[n:]
             return self._lease_id, taken
 
-    def wanted(self, n: int) -> int:
-        """How many slots to ask for so that a put of ``n`` blocks finds them staged."""
+    def ask(self, n: int, puts: int = 1) -> int:
+        """How many slots a Reserve asks for so that the next ``puts`` puts of ``n``
+        blocks find them staged, counting those asked for by Reserves not answered
+        yet; counted as asked until :meth:`answered` or :meth:`forget`."""
         with self._lock:
-            return max(0, n - len(self._offsets))
+            more = max(0, puts * n - len(self._offsets) - self._asked)
+            self._asked += more
+            return more
 
     def answered(
         self, sent_at: float, request: pb.ReserveRequest, reply: pb.ReserveResponse
     ) -> None:
         """A Reserve sent at ``sent_at`` was answered: keep the slots it set aside and
         those it named but did not fill (their blocks existed), all for the next put,
-        under the lease it used or made."""
+        under the lease it used or made. An answer under a lease already dropped
+        (:meth:`forget`, :meth:`detach`) is ignored: that lease is being released."""
         used = set(reply.slot_offsets)
         staged = request.staged_offsets
         with self._lock:
+            self._asked = max(0, self._asked - request.stage_more)
+            if reply.stage_lease_id in self._dropped:
+                return
             if reply.stage_lease_id != self._lease_id:  # a new lease: the old one is gone
                 self._offsets = []
             self._lease_id = reply.stage_lease_id
@@ -112,20 +132,28 @@ class SlotStash:
             ttl = reply.stage_ttl_s
             self._usable_until = sent_at + ttl - max(MIN_MARGIN_S, MARGIN * ttl)
 
-    def forget(self) -> int:
-        """Drop the slots (a Reserve naming them failed: they may be blocks now); the
-        lease, to release what it still holds."""
+    def forget(self, request: pb.ReserveRequest | None = None) -> int:
+        """Drop the slots (``request``, a Reserve naming them, failed: they may be
+        blocks now); the lease, to release what it still holds."""
         with self._lock:
-            lease_id = self._lease_id
-            self._lease_id, self._offsets = 0, []
-            return lease_id
+            if request is not None:
+                self._asked = max(0, self._asked - request.stage_more)
+            return self._drop()
 
     def detach(self) -> int:
         """The lease to release when the client closes (0: none); the stash is empty."""
         with self._lock:
-            lease_id = self._lease_id if self._pid == os.getpid() else 0
-            self._lease_id, self._offsets = 0, []
-            return lease_id
+            if self._pid != os.getpid():
+                self._lease_id, self._offsets = 0, []
+                return 0
+            return self._drop()
+
+    def _drop(self) -> int:
+        """Under the lock: empty the stash and drop its lease for good."""
+        lease_id, self._lease_id, self._offsets = self._lease_id, 0, []
+        if lease_id:
+            self._dropped.append(lease_id)
+        return lease_id
 
     def __len__(self) -> int:
         return len(self._offsets)

@@ -41,7 +41,7 @@ import numpy as np
 
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
-from kvclient.arena_path import BlockViews, ClientArena, write_slots
+from kvclient.arena_path import BlockViews, ClientArena, SlotTable, write_slots
 from kvclient.claims import Claim, reserve_request
 from kvclient.disk_index import DiskFirstReads
 from kvclient.disk_reads import DiskFile, read_answer, read_first_from_file
@@ -52,7 +52,13 @@ from kvclient.errors import (
     KVStoreError,
     error_from_rpc,
 )
-from kvclient.local_calls import LocalCallFailed, LocalCalls, LocalCallStatus, raise_local_failure
+from kvclient.local_calls import (
+    LocalCallFailed,
+    LocalCalls,
+    LocalCallStatus,
+    OnAnswer,
+    raise_local_failure,
+)
 from kvclient.payloads import (
     as_blocks,
     as_tokens,
@@ -63,6 +69,7 @@ from kvclient.payloads import (
     check_start,
     output_array,
 )
+from kvclient.puts_ahead import PendingPut, answer_handler
 from kvclient.results import (
     Event,
     GetResult,
@@ -210,18 +217,34 @@ class KVClient:
             during()
         return self._call_grpc(method, request)
 
-    def _send(self, method: Callable[..., Any], request: Any) -> None:
-        """Send a call whose answer nothing waits for (an arena put's Commit): over the
-        local socket without waiting (LocalCalls.send), else as a plain call."""
+    def _send(
+        self, method: Callable[..., Any], request: Any, on_answer: OnAnswer | None = None
+    ) -> None:
+        """Send a call whose answer nothing waits for (an arena put's Commit, a put sent
+        ahead): over the local socket without waiting (LocalCalls.send), else as a plain
+        call. ``on_answer`` gets the answer when it is read (an error raised here is
+        handed to it too)."""
         local = self._local
         name = self._local_names.get(method)
         if local is not None and name is not None:
             try:
-                local.send(name, request, self.timeout)
+                local.send(name, request, self.timeout, on_answer)
                 return
             except LocalCallFailed as exc:
-                self._local_failed(local, exc)  # raises unless gRPC may take the call
-        self._call(method, request)
+                try:
+                    self._local_failed(local, exc)  # raises unless gRPC may take the call
+                except KVStoreError as error:
+                    if on_answer is not None:
+                        on_answer(None, error)
+                    raise
+        try:
+            reply = self._call(method, request)
+        except KVStoreError as error:
+            if on_answer is not None:
+                on_answer(None, error)
+            raise
+        if on_answer is not None:
+            on_answer(reply, None)
 
     def _stash(self, ns_id: str) -> SlotStash:
         with self._lock:
@@ -737,6 +760,37 @@ class Namespace:
 
         Blocks before ``start`` must already be stored (else the offer is refused).
         """
+        result = self._put(tokens, blocks, start, priority, extra_keys, ahead=False)
+        assert isinstance(result, PutResult)
+        return result
+
+    def put_nowait(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Any,
+        start: int = 0,
+        priority: int | None = None,
+        *,
+        extra_keys: wire.ExtraKeys = (),
+    ) -> PendingPut:
+        """Like :meth:`put`, but return once the bytes are in the daemon's arena,
+        without waiting for its answer (:mod:`kvclient.puts_ahead`): the counts, or the
+        daemon's error, come from the returned PendingPut's ``result()``. The blocks are
+        ``blocks``' bytes at the time of the call. Without the arena it is a plain put."""
+        result = self._put(tokens, blocks, start, priority, extra_keys, ahead=True)
+        if isinstance(result, PendingPut):
+            return result
+        return PendingPut.of(result, self.client.addr)
+
+    def _put(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        blocks: Any,
+        start: int,
+        priority: int | None,
+        extra_keys: wire.ExtraKeys,
+        ahead: bool,
+    ) -> PutResult | PendingPut:
         arr = as_tokens(tokens)
         rows = as_blocks(blocks, self.block_bytes)
         n = len(rows)
@@ -748,7 +802,7 @@ class Namespace:
         extra = wire.extra_bytes(extra_keys)
         info, arena = self.client._arena_for_data()
         if arena is not None:
-            return self._put_arena(arena, token_list, extra, rows, start, priority)
+            return self._put_arena(arena, token_list, extra, rows, start, priority, ahead)
         return self._put_inline(info, token_list, extra, rows, start, priority)
 
     def _put_arena(
@@ -759,13 +813,21 @@ class Namespace:
         rows: np.ndarray | list[np.ndarray],
         start: int,
         priority: int | None,
-    ) -> PutResult:
+        ahead: bool = False,
+    ) -> PutResult | PendingPut:
         client = self.client
         stash = client._stash(self.ns_id)
+        local = client._local if ahead else None
+        if local is not None and len(stash) < len(rows):
+            local.poll_owed()  # answers of earlier puts sent ahead bring more slots
+            if len(stash) < len(rows):
+                local.read_owed(client.timeout)
         request, staged = put_reserve(
-            stash, arena, self.ns_id, tokens, extra, start, len(rows), priority
+            stash, arena, self.ns_id, tokens, extra, start, len(rows), priority, ahead
         )
         sent_at = time.monotonic()
+        if staged is not None and request.commit:
+            return self._send_ahead(arena, stash, request, staged, rows, start, sent_at)
         if staged is not None:  # every block into its staged slot while the Reserve flies
             bb = self.block_bytes
             try:
@@ -775,7 +837,7 @@ class Namespace:
                     during=lambda: write_slots(arena.mapping, staged, rows, bb, start),
                 )
             except BaseException:
-                stage_lease = stash.forget()
+                stage_lease = stash.forget(request)
                 if stage_lease:
                     client._release_later(stage_lease)
                 raise
@@ -800,6 +862,36 @@ class Namespace:
             # the connection reads it, and runs after the commit
             client._send(client._stub.Commit, pb.CommitRequest(lease_id=reserved.lease_id))
         return PutResult(stored=len(slots), existing=reserved.existing, refused=reserved.refused)
+
+    def _send_ahead(
+        self,
+        arena: ClientArena,
+        stash: SlotStash,
+        request: pb.ReserveRequest,
+        staged: SlotTable,
+        rows: np.ndarray | list[np.ndarray],
+        start: int,
+        sent_at: float,
+    ) -> PendingPut:
+        """Copy every block into its staged slot, then send the Reserve that commits
+        them without waiting (:mod:`kvclient.puts_ahead`)."""
+        client = self.client
+        try:
+            write_slots(arena.mapping, staged, rows, self.block_bytes, start)
+        except BaseException:
+            stage_lease = stash.forget(request)
+            if stage_lease:
+                client._release_later(stage_lease)
+            raise
+        local = client._local
+        pending = PendingPut(
+            client.addr, None if local is None else lambda: local.read_owed(client.timeout)
+        )
+        on_answer = answer_handler(
+            pending, stash, request, sent_at, client._checked, client._release_later
+        )
+        client._send(client._stub.Reserve, request, on_answer)
+        return pending
 
     def _put_inline(
         self,

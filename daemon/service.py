@@ -615,11 +615,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         prio = convert.optional_priority(request)
 
         staged = list(request.staged_offsets)
+        if request.commit and not staged:
+            raise InvalidArgument(
+                "commit=true needs staged_offsets: only blocks already written into their "
+                "staged slots can be committed on arrival"
+            )
 
         def reserve(quick: bool = False) -> pb.ReserveResponse:
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             end = convert.block_range(request.start_block, request.n_blocks, len(keys))
             if quick:  # staged slots are allocated already: only stage_more needs room
+                if request.commit and self._write_through():
+                    raise _NeedsPool  # the commit queues disk writes, which may wait
                 fresh = 0 if staged else end - request.start_block
                 self._check_room(spec.ns_id, keys[:end], fresh + request.stage_more)
             res = self._store.reserve(
@@ -637,6 +644,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     f"no room to reserve any of the {end - request.start_block} blocks: the "
                     "store is full of leased or pending blocks"
                 )
+            if request.commit and res.lease_id:
+                self._store.commit(res.lease_id)
             return convert.reserve_response(
                 res, self._store.arena_path or "", request.compact_slots
             )

@@ -31,6 +31,7 @@ def test_bench_quick_run_writes_every_case(tmp_path: Path) -> None:
             assert ("kvstore", op, path, "host") in seen, (op, path)
         assert ("kvstore", "miss", path, "miss") in seen
         assert ("kvstore", "get", path, "disk-warm") in seen
+    assert ("kvstore", "put-nowait", "arena", "host") in seen  # puts sent ahead
     assert ("kvstore", "write-back", "-", "disk") in seen
     assert ("memcpy", "get", "-", "-") in seen
     assert ("stream", "put", "-", "-") in seen  # the put's floor
@@ -71,6 +72,8 @@ def test_targets_show_the_floor_of_the_worst_case() -> None:
         result("kvstore", "put", "arena", "host", 16, 8.0),  # 0.40x: the worst put
         result("kvstore", "put", "arena", "host", 128, 9.0),  # 0.90x
         result("kvstore", "get", "arena", "disk-warm", 16, 4.0),
+        result("kvstore", "put-nowait", "arena", "host", 16, 16.0),  # 0.80x
+        result("kvstore", "put-nowait", "arena", "host", 128, 9.6),  # 0.96x
     ]
     by_goal = {(t.name.split(",")[0], t.goal): t for t in bench.targets(results)}
     put = by_goal[("arena put", ">= 0.7x memcpy")]
@@ -79,3 +82,6 @@ def test_targets_show_the_floor_of_the_worst_case() -> None:
     disk = by_goal[("disk warm hit (arena get)", ">= 0.5x memcpy")]
     assert disk.measured.startswith("0.20x") and disk.floor == "pread 0.90x memcpy"
     assert by_goal[("arena get", ">= 0.7x memcpy")].floor == "-"
+    ahead = by_goal[("arena put sent ahead (put_nowait)", ">= 0.7x memcpy")]
+    assert ahead.met is True and ahead.measured.startswith("0.80x")
+    assert ahead.floor == "stream 0.75x memcpy"

@@ -356,7 +356,7 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority", "compact_slots", "stage_lease_id", "staged_offsets", "stage_more")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority", "compact_slots", "stage_lease_id", "staged_offsets", "stage_more", "commit")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -368,6 +368,7 @@ class ReserveRequest(_message.Message):
     STAGE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     STAGE_MORE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -379,7 +380,8 @@ class ReserveRequest(_message.Message):
     stage_lease_id: int
     staged_offsets: _containers.RepeatedScalarFieldContainer[int]
     stage_more: int
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., compact_slots: _Optional[bool] = ..., stage_lease_id: _Optional[int] = ..., staged_offsets: _Optional[_Iterable[int]] = ..., stage_more: _Optional[int] = ...) -> None: ...
+    commit: bool
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., compact_slots: _Optional[bool] = ..., stage_lease_id: _Optional[int] = ..., staged_offsets: _Optional[_Iterable[int]] = ..., stage_more: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused", "arena_path", "out_of_space", "slot_indices", "slot_offsets", "stage_lease_id", "staged_offsets", "stage_ttl_s")
