@@ -794,9 +794,8 @@ class AsyncNamespace:
         if reserved.lease_id:
             try:
                 if staged is None:
-                    await asyncio.to_thread(
-                        write_slots, arena.mapping, slots, rows, self.block_bytes, start
-                    )
+                    bb = self.block_bytes
+                    await _copy_to_the_end(write_slots, arena.mapping, slots, rows, bb, start)
             except BaseException:
                 await _abandon_quietly(client, reserved.lease_id)
                 raise
@@ -819,7 +818,7 @@ class AsyncNamespace:
         client = self.client
         try:
             bb = self.block_bytes
-            await asyncio.to_thread(write_slots, arena.mapping, staged, rows, bb, start)
+            await _copy_to_the_end(write_slots, arena.mapping, staged, rows, bb, start)
         except BaseException:
             stage_lease = stash.forget(request)
             if stage_lease:
@@ -987,6 +986,18 @@ class AsyncAcquire:
     async def __aexit__(self, *exc: object) -> None:
         if self._lease is not None:
             await self._lease.release()
+
+
+async def _copy_to_the_end(copy: Callable[..., None], *args: Any) -> None:
+    """``copy(*args)`` on a worker thread. Cancelled meanwhile, it waits for the copy to
+    end before raising: the caller then frees the slots, which a copy still running
+    would go on writing after another block got them."""
+    running = asyncio.ensure_future(asyncio.to_thread(copy, *args))
+    try:
+        await asyncio.shield(running)
+    except asyncio.CancelledError:
+        await asyncio.wait([running])
+        raise
 
 
 async def _abandon_quietly(client: AsyncKVClient, lease_id: int) -> None:

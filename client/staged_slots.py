@@ -134,10 +134,14 @@ class SlotStash:
 
     def forget(self, request: pb.ReserveRequest | None = None) -> int:
         """Drop the slots (``request``, a Reserve naming them, failed: they may be
-        blocks now); the lease, to release what it still holds."""
+        blocks now); the lease, to release what it still holds (0: nothing to release,
+        as when ``request`` named a lease dropped already)."""
         with self._lock:
             if request is not None:
                 self._asked = max(0, self._asked - request.stage_more)
+                named = request.stage_lease_id
+                if named and named != self._lease_id:  # a later lease is not at fault
+                    return 0
             return self._drop()
 
     def detach(self) -> int:

@@ -13,6 +13,7 @@ import asyncio
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from conftest import Daemon, kv_stub, store_snapshot
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, LeaseError
 from kvclient.local_calls import LocalCallFailed, LocalCalls
 from kvclient.puts_ahead import PendingPut
+from kvclient.staged_slots import SlotStash
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import local_calls as frames
 
@@ -250,3 +252,44 @@ def test_answers_lost_with_their_connection_reach_the_sender(tmp_path: Path) -> 
     assert len(outcomes) == 2
     for response, error in outcomes:
         assert response is None and isinstance(error, LocalCallFailed) and error.sent
+
+
+def test_a_failed_reserve_under_a_lease_dropped_already_keeps_the_new_lease() -> None:
+    """Answers come late: a put sent ahead under lease 5 fails after the stash moved on
+    to lease 7. That failure must not drop lease 7's slots; and a success that comes
+    under a dropped lease must not bring that lease's slots back."""
+    stash, arena = SlotStash(), object()
+    stash.take(0, arena)  # type: ignore[arg-type]  # binds the stash to this arena
+    reply = pb.ReserveResponse(stage_lease_id=7, staged_offsets=[0, 4096], stage_ttl_s=30.0)
+    stash.answered(time.monotonic(), pb.ReserveRequest(stage_more=2), reply)
+    assert len(stash) == 2
+    assert stash.forget(pb.ReserveRequest(stage_lease_id=5, staged_offsets=[8192])) == 0
+    assert len(stash) == 2 and stash._lease_id == 7
+    assert stash.forget(pb.ReserveRequest(stage_lease_id=7, staged_offsets=[0])) == 7
+    assert len(stash) == 0 and stash._lease_id == 0
+    late = pb.ReserveResponse(stage_lease_id=7, staged_offsets=[12288], stage_ttl_s=30.0)
+    stash.answered(time.monotonic(), pb.ReserveRequest(stage_lease_id=7), late)
+    assert len(stash) == 0 and stash._lease_id == 0
+
+
+def test_a_cancelled_async_copy_ends_before_the_cancellation_returns() -> None:
+    """The async client frees a put's slots when the put is cancelled: the copy running
+    on a worker thread must have ended by then, or it would write slots given to other
+    blocks meanwhile."""
+    from kvclient.async_client import _copy_to_the_end
+
+    ended = threading.Event()
+
+    def slow_copy() -> None:
+        time.sleep(0.3)
+        ended.set()
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_copy_to_the_end(slow_copy))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert ended.is_set()
+
+    asyncio.run(main())
