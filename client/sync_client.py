@@ -31,8 +31,10 @@ results are the frozen dataclasses of :mod:`kvclient.results`.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -99,6 +101,18 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 30.0
 RELEASE_DELAY_S = 0.05  # longest a get's read lease outlives the get (see _release_later)
 
+# every open KVClient, so that a forked child can give each new locks
+_LIVE: weakref.WeakSet[KVClient] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for client in list(_LIVE):
+        client._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
 _Response = TypeVar("_Response")
 
 
@@ -156,6 +170,17 @@ class KVClient:
         self._disk_first = DiskFirstReads()
         # arena puts: the staged slots of each namespace (kvclient.staged_slots)
         self._stashes: dict[str, SlotStash] = {}
+        _LIVE.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: new locks (a thread of the parent, its flusher say, may
+        have held one at the fork, and would never release it here), no flusher yet,
+        and none of the parent's pending releases and reads (the parent sends them)."""
+        self._lock = threading.Lock()
+        self._settling = threading.Lock()
+        self._done_cond = threading.Condition()
+        self._flusher, self._flusher_parked = None, False
+        self._done, self._reads = [], ReadReports()
 
     # -- lifecycle ------------------------------------------------------------------
 

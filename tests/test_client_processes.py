@@ -264,3 +264,51 @@ def test_client_survives_a_killed_and_restarted_daemon(kvstored) -> None:
         # the daemon that came back cleaned up the dead one's arena file
         leftovers = [p for p in os.listdir(kvstored.arena_dir) if p.startswith("kvstore-")]
         assert len(leftovers) == 1
+
+
+def test_a_client_forked_while_a_thread_holds_its_locks_works_in_the_child(
+    daemon: Daemon,
+) -> None:
+    """A thread of the parent (the release flusher, say) holds the client's locks at
+    the fork. The child has no such thread, so it would wait forever for those locks;
+    it gets new ones instead, and its calls go through."""
+    import threading
+
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        tokens = list(range(5000, 5000 + 2 * BLOCK_TOKENS))
+        ns.put(tokens, blocks_for(tokens, 2))
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with client._settling, client._done_cond:
+                held.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(10)
+        try:
+            pid = os.fork()
+            if pid == 0:  # a call settles first (the settling lock is held): must not hang
+                code = 1
+                try:
+                    got = ns.get(tokens)
+                    ok = got.n_blocks == 2 and np.array_equal(got.blocks, blocks_for(tokens, 2))
+                    code = 0 if ok and client.stats().tier("host").blocks >= 2 else 2
+                finally:
+                    os._exit(code)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung on a lock held by the parent's thread")
+            assert os.waitstatus_to_exitcode(status) == 0
+        finally:
+            release.set()
+            holder.join(10)
