@@ -214,18 +214,13 @@ class AsyncKVClient:
         """Like KVClient._send: over the local socket without waiting for the answer."""
         local = self._local
         name = self._local_names.get(method)
-        if local is not None and name is not None:
-            try:
-                await local.send(name, request, self.timeout, on_answer)
-                return
-            except LocalCallFailed as exc:
-                try:
-                    self._local_failed(local, exc)  # raises unless gRPC may take the call
-                except KVStoreError as error:
-                    if on_answer is not None:
-                        on_answer(None, error)
-                    raise
         try:
+            if local is not None and name is not None:
+                try:
+                    await local.send(name, request, self.timeout, on_answer)
+                    return
+                except LocalCallFailed as exc:
+                    self._local_failed(local, exc)  # raises unless gRPC may take the call
             reply = await self._call(method, request)
         except KVStoreError as error:
             if on_answer is not None:
@@ -777,9 +772,7 @@ class AsyncNamespace:
                     during=lambda: write_slots(arena.mapping, staged, rows, bb, start),
                 )
             except BaseException:
-                stage_lease = stash.forget(request)
-                if stage_lease:
-                    client._release_later(stage_lease)
+                stash.drop(request, client._release_later)
                 raise
         else:
             reserved = await client._call(client._stub.Reserve, request)
@@ -820,9 +813,7 @@ class AsyncNamespace:
             bb = self.block_bytes
             await _copy_to_the_end(write_slots, arena.mapping, staged, rows, bb, start)
         except BaseException:
-            stage_lease = stash.forget(request)
-            if stage_lease:
-                client._release_later(stage_lease)
+            stash.drop(request, client._release_later)
             raise
         local = client._local
         pending = AsyncPendingPut(

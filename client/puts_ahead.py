@@ -153,9 +153,7 @@ def answer_handler(
             stash.answered(sent_at, request, reply)
             pending.resolve(PutResult(len(reply.slot_offsets), reply.existing, reply.refused), None)
             return
-        stage_lease = stash.forget(request)
-        if stage_lease:
-            release(stage_lease)
+        stash.drop(request, release)
         error = to_error(_client_error(failure, pending.addr))
         log.warning("a put sent ahead of %d blocks failed: %s", len(request.staged_offsets), error)
         pending.resolve(None, error)

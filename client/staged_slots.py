@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -143,6 +144,13 @@ class SlotStash:
                 if named and named != self._lease_id:  # a later lease is not at fault
                     return 0
             return self._drop()
+
+    def drop(self, request: pb.ReserveRequest, release: Callable[[int], None]) -> None:
+        """``request``, a Reserve naming staged slots, failed: :meth:`forget` them and
+        ``release`` their lease, if it is still this stash's."""
+        stage_lease = self.forget(request)
+        if stage_lease:
+            release(stage_lease)
 
     def detach(self) -> int:
         """The lease to release when the client closes (0: none); the stash is empty."""

@@ -107,7 +107,7 @@ _LIVE: weakref.WeakSet[KVClient] = weakref.WeakSet()
 
 def _after_fork() -> None:
     for client in list(_LIVE):
-        client._after_fork_in_child()
+        client._new_thread_state()
 
 
 if hasattr(os, "register_at_fork"):
@@ -142,19 +142,11 @@ class KVClient:
             request_serializer=None,
             response_deserializer=pb.PutResponse.FromString,
         )
-        self._lock = threading.Lock()
         self._info: ServerInfo | None = None  # None: ask the daemon again
         self._arena: ClientArena | None = None
         self._closed = False
-        # read leases done with, not released yet (see _release_later), and gets served
-        # from known slots, not reported yet (see _report_read): the flusher's work
-        self._done: list[int] = []
-        self._reads = ReadReports()
-        self._settling = threading.Lock()  # held while pending work is sent (_settle)
         self._pending_since = 0.0  # when the oldest pending lease or read was queued
-        self._done_cond = threading.Condition()
-        self._flusher: threading.Thread | None = None
-        self._flusher_parked = False  # waiting for work (else: for a pending lease's due time)
+        self._new_thread_state()
         # calls whose answer neither a block still pinned by this client nor a read it
         # has not reported can change
         self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
@@ -172,15 +164,20 @@ class KVClient:
         self._stashes: dict[str, SlotStash] = {}
         _LIVE.add(self)
 
-    def _after_fork_in_child(self) -> None:
-        """In a forked child: new locks (a thread of the parent, its flusher say, may
-        have held one at the fork, and would never release it here), no flusher yet,
-        and none of the parent's pending releases and reads (the parent sends them)."""
+    def _new_thread_state(self) -> None:
+        """The client's locks, flusher and the flusher's work, all new: at creation,
+        and again in a forked child (a thread of the parent, its flusher say, may have
+        held a lock at the fork and would never release it there; the parent's pending
+        releases and reads are the parent's to send)."""
         self._lock = threading.Lock()
-        self._settling = threading.Lock()
+        # read leases done with, not released yet (see _release_later), and gets served
+        # from known slots, not reported yet (see _report_read): the flusher's work
+        self._done: list[int] = []
+        self._reads = ReadReports()
+        self._settling = threading.Lock()  # held while pending work is sent (_settle)
         self._done_cond = threading.Condition()
-        self._flusher, self._flusher_parked = None, False
-        self._done, self._reads = [], ReadReports()
+        self._flusher: threading.Thread | None = None
+        self._flusher_parked = False  # waiting for work (else: for a pending lease's due time)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -251,18 +248,13 @@ class KVClient:
         handed to it too)."""
         local = self._local
         name = self._local_names.get(method)
-        if local is not None and name is not None:
-            try:
-                local.send(name, request, self.timeout, on_answer)
-                return
-            except LocalCallFailed as exc:
-                try:
-                    self._local_failed(local, exc)  # raises unless gRPC may take the call
-                except KVStoreError as error:
-                    if on_answer is not None:
-                        on_answer(None, error)
-                    raise
         try:
+            if local is not None and name is not None:
+                try:
+                    local.send(name, request, self.timeout, on_answer)
+                    return
+                except LocalCallFailed as exc:
+                    self._local_failed(local, exc)  # raises unless gRPC may take the call
             reply = self._call(method, request)
         except KVStoreError as error:
             if on_answer is not None:
@@ -862,9 +854,7 @@ class Namespace:
                     during=lambda: write_slots(arena.mapping, staged, rows, bb, start),
                 )
             except BaseException:
-                stage_lease = stash.forget(request)
-                if stage_lease:
-                    client._release_later(stage_lease)
+                stash.drop(request, client._release_later)
                 raise
         else:
             reserved = client._call(client._stub.Reserve, request)
@@ -904,9 +894,7 @@ class Namespace:
         try:
             write_slots(arena.mapping, staged, rows, self.block_bytes, start)
         except BaseException:
-            stage_lease = stash.forget(request)
-            if stage_lease:
-                client._release_later(stage_lease)
+            stash.drop(request, client._release_later)
             raise
         local = client._local
         pending = PendingPut(
