@@ -199,8 +199,8 @@ def reserve_response(
         stage_ttl_s=res.stage_ttl_s,
     )
     if compact:
-        msg.slot_indices.extend([s.index for s in res.slots])
-        msg.slot_offsets.extend([s.offset for s in res.slots])
+        msg.slot_indices.extend(range(res.first_index, res.first_index + len(res.offsets)))
+        msg.slot_offsets.extend(res.offsets)
     else:
         _add_slots(msg.slots, res.slots)
     return msg

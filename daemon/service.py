@@ -520,7 +520,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         return pb.PutResponse(
             stored=committed,
             existing=reservation.existing,
-            refused=reservation.refused + len(reservation.slots) - committed,
+            refused=reservation.refused + len(reservation.offsets) - committed,
         )
 
     async def _put_into_claim(
@@ -639,7 +639,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 staged_offsets=staged,
                 stage_more=request.stage_more,
             )
-            if res.out_of_space and not res.slots and not res.existing:
+            if res.out_of_space and not res.offsets and not res.existing:
                 raise OutOfSpace(
                     f"no room to reserve any of the {end - request.start_block} blocks: the "
                     "store is full of leased or pending blocks"

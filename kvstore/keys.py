@@ -78,12 +78,16 @@ class NamespaceSpec:
     hash_algorithm: str = "sha256"
     vocab_size: int = 0  # 0: any uint32 token id is accepted
     digest: bytes = field(init=False, repr=False, compare=False)
+    # stable printable id: model name plus the first 12 hex digits of the digest (kept,
+    # not formatted per use: every event and lookup of a block names it)
+    ns_id: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _validate(self)
         if self.block_bytes == 0:
             object.__setattr__(self, "block_bytes", self.layout_bytes())
         object.__setattr__(self, "digest", _namespace_digest(self))
+        object.__setattr__(self, "ns_id", f"{self.model}@{self.digest.hex()[:12]}")
 
     def layout_bytes(self) -> int:
         """Bytes per block implied by the layout fields (0 when they are not all given)."""
@@ -97,11 +101,6 @@ class NamespaceSpec:
             * DTYPE_BYTES[self.dtype]
             * self.block_tokens
         )
-
-    @property
-    def ns_id(self) -> str:
-        """Stable printable id: model name plus the first 12 hex digits of the digest."""
-        return f"{self.model}@{self.digest.hex()[:12]}"
 
     @property
     def key_bytes(self) -> int:

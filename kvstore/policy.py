@@ -50,6 +50,24 @@ class LruList:
         setattr(node, self._owner, self)
         self.size += 1
 
+    def push_run(self, nodes: Sequence[Node]) -> None:
+        """:meth:`push_newest` of each of ``nodes`` in order (the last ends newest),
+        linking the run once instead of node by node."""
+        prev_attr, next_attr, owner = self._prev, self._next, self._owner
+        before = self.tail
+        for node in nodes:
+            assert getattr(node, owner) is None, "node already in an eviction list"
+            setattr(node, prev_attr, before)
+            setattr(node, owner, self)
+            if before is None:
+                self.head = node
+            else:
+                setattr(before, next_attr, node)
+            before = node
+        setattr(before, next_attr, None)
+        self.tail = before
+        self.size += len(nodes)
+
     def insert_by_time(self, node: Node) -> None:
         """Insert at the place its ``last_access`` gives (scanning from the newest end).
 
@@ -140,6 +158,7 @@ class TierPolicy(Protocol):
     touch_prefix: bool
 
     def insert(self, node: Node) -> None: ...
+    def insert_all(self, nodes: Sequence[Node]) -> None: ...
     def touch(self, node: Node) -> None: ...
     def touch_all(self, nodes: Sequence[Node]) -> None: ...
     def remove(self, node: Node) -> None: ...
@@ -167,6 +186,18 @@ class _ListPolicy:
 
     def insert(self, node: Node) -> None:
         self._list_of(node).push_newest(node)
+
+    def insert_all(self, nodes: Sequence[Node]) -> None:
+        """:meth:`insert` of each of ``nodes`` in order; one run where they share a
+        list (the blocks of one put do)."""
+        if not nodes:
+            return
+        lst = self._list_of(nodes[0])
+        if all(self._list_of(node) is lst for node in nodes):
+            lst.push_run(nodes)
+            return
+        for node in nodes:
+            self.insert(node)
 
     def touch(self, node: Node) -> None:
         lst: LruList = getattr(node, self._owner)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,8 +30,10 @@ class EventKind(str, Enum):
     CORRUPT = "corrupt"  # a disk record failed its checksum and was dropped
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
+    """One change of a block's tier (a tuple: the store makes one per block it stores,
+    moves or drops, under its lock, and a tuple costs a third of a frozen dataclass)."""
+
     seq: int  # strictly increasing from 1 within one store lifetime
     kind: EventKind
     ns_id: str
@@ -79,22 +82,37 @@ class SlotRef:
 class Reservation:
     """Write lease from :meth:`Store.reserve`: fill each slot, then commit.
 
-    ``slots`` are the newly reserved (pending) blocks, in chain order. Blocks of the
-    request that were already ready are counted in ``existing``; blocks that could
-    not be reserved (no room, or pending under another owner) end the reservation.
+    The newly reserved (pending) blocks are chain positions ``first_index`` on, in
+    chain order: ``keys`` and their host arena ``offsets`` (``slots`` gives them as
+    SlotRefs). Blocks of the request that were already ready are counted in
+    ``existing``; blocks that could not be reserved (no room, or pending under another
+    owner) end the reservation.
     """
 
     lease_id: int
     expires_at: float  # monotonic clock
-    slots: tuple[SlotRef, ...]
     existing: int
     refused: int
     out_of_space: bool = False  # a block was refused because no room could be made
+    first_index: int = 0
+    keys: tuple[BlockKey, ...] = ()
+    offsets: tuple[int, ...] = ()
+    block_bytes: int = 0
     # staged slots (see Store.reserve): the staging lease the call used or made (0:
     # none), the slots it set aside now, and by how long each use renews the lease
     stage_lease_id: int = 0
     staged: tuple[int, ...] = ()
     stage_ttl_s: float = 0.0
+
+    @property
+    def slots(self) -> tuple[SlotRef, ...]:
+        """The reserved blocks as SlotRefs (built on demand: the hot path uses
+        ``offsets``)."""
+        first, size = self.first_index, self.block_bytes
+        return tuple(
+            SlotRef(first + i, key, offset, size)
+            for i, (key, offset) in enumerate(zip(self.keys, self.offsets, strict=True))
+        )
 
 
 @dataclass(frozen=True, slots=True)

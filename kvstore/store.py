@@ -27,11 +27,11 @@ count) while the lock is released, so eviction cannot free a slot under a reader
 
 from __future__ import annotations
 
+import array
 import heapq
 import itertools
 import logging
 import os
-import secrets
 import threading
 import time
 from collections import deque
@@ -52,7 +52,7 @@ from kvstore.errors import (
     StoreClosed,
     UnknownNamespace,
 )
-from kvstore.index import READY, Index, NamespaceEntry, Node
+from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
 from kvstore.policy import MAX_PRIORITY, POLICIES, TierPolicy, make_policy
 from kvstore.results import (
@@ -183,6 +183,20 @@ class _Counters:
 _ENDED_LEASES_KEPT = 4096
 
 
+class _LeaseIds:
+    """Lease ids: 62 random bits plus one (never 0), unguessable by another client.
+    Drawn from ``os.urandom`` 512 at a time: one system call per 512 leases, where
+    ``secrets.randbits`` makes one per lease (a put makes a lease, often two)."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+
+    def next(self) -> int:
+        if not self._ids:
+            self._ids = [(word >> 2) + 1 for word in array.array("Q", os.urandom(4096))]
+        return self._ids.pop()
+
+
 class Store:
     """One process's tiered block store. See the module docstring for the protocol."""
 
@@ -206,12 +220,17 @@ class Store:
         self._host_policy = make_policy(config.eviction_policy, "host")
         self._disk_policy = make_policy(config.eviction_policy, "disk")
         self._leases: dict[int, _Lease] = {}
+        self._lease_ids = _LeaseIds()
         self._lease_heap: list[tuple[float, int]] = []
         self._ended: dict[int, str] = {}  # recently ended lease id -> why (for precise errors)
         self._priority_heap: list[tuple[float, int, Node]] = []
         self._priority_until: dict[Node, float] = {}  # blocks whose priority is timed
         self._priority_seq = itertools.count()
-        self._events: deque[Event] = deque(maxlen=config.event_buffer)
+        # events as plain tuples in Event's field order (Event._make when read: a block
+        # stored makes one, under the lock, and a plain tuple costs half a NamedTuple)
+        self._events: deque[tuple[int, EventKind, str, BlockKey, Tier | None, float]] = deque(
+            maxlen=config.event_buffer
+        )
         self._seq = 0
         self._host_blocks = 0
         self._disk_blocks = 0
@@ -588,19 +607,20 @@ class Store:
                 )
         chain = keys[: start + len(views)]
         reservation = self.reserve(ns_id, chain, start, priority=priority)
+        reserved = len(reservation.offsets)
         try:
             array = self._arena.array()
-            for slot in reservation.slots:
-                view = views[slot.index - start]
-                array[slot.offset : slot.offset + size] = np.frombuffer(view, dtype=np.uint8)
+            first = reservation.first_index - start
+            for i, offset in enumerate(reservation.offsets):
+                array[offset : offset + size] = np.frombuffer(views[first + i], dtype=np.uint8)
         except BaseException:
-            if reservation.slots:
+            if reserved:
                 self.abandon(reservation.lease_id)
             raise
-        if reservation.slots:
+        if reserved:
             self.commit(reservation.lease_id)
         return PutResult(
-            len(reservation.slots),
+            reserved,
             reservation.existing,
             reservation.refused,
             reservation.out_of_space,
@@ -721,11 +741,11 @@ class Store:
         walk = self._index.walk(keys)
         offered = len(keys) - start
         if start > 0 and (len(walk) < start or not walk[start - 1].ready):
-            return Reservation(0, 0.0, (), existing=0, refused=offered)
+            return Reservation(0, 0.0, existing=0, refused=offered)
         existing = 0
         for node in walk[start:]:
             if not node.ready:  # another owner is computing it: wait or recompute
-                return Reservation(0, 0.0, (), existing, offered - existing)
+                return Reservation(0, 0.0, existing, offered - existing)
             existing += 1
         for node in walk:
             node.pins += 1
@@ -740,13 +760,17 @@ class Store:
             end = len(keys) if promoted else first_new
             size = entry.spec.block_bytes
             # staged slots, or one carve for the whole batch when a free extent holds
-            # it, else slot by slot (evicting as needed)
+            # it (then one pass makes the run's nodes), else slot by slot (evicting)
             if staged_offsets:
                 run = list(staged_offsets[first_new - start : end - start])
             elif end > first_new:
                 run = self._arena.alloc_run(size, end - first_new)
-            for i in range(first_new, end):
-                offset = run[i - first_new] if run else self._alloc_host(size)
+            if run:
+                created = self._add_pending_run(entry, keys[first_new:end], parent, prio, run)
+                if staging is not None and staging.staged is not None:
+                    staging.staged.difference_update(run)
+            for i in range(first_new + len(created), end):
+                offset = self._alloc_host(size)
                 if offset is None:
                     out_of_space = True
                     break
@@ -754,8 +778,6 @@ class Store:
                 node.pins = 1
                 self._index.add(node)
                 self._host_add(node, offset)
-                if staging is not None and staging.staged is not None:
-                    staging.staged.discard(offset)
                 created.append(node)
                 parent = node
         finally:
@@ -767,16 +789,47 @@ class Store:
         self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
         refused = offered - existing - len(created)
         if not created:
-            return Reservation(0, 0.0, (), existing, refused, out_of_space)
+            return Reservation(0, 0.0, existing, refused, out_of_space)
         self._pending += len(created)
         lease = self._new_lease(entry, created, write=True, ttl=ttl)
         first = len(keys) - refused - len(created)
         lease.first_index = first
-        slots = tuple(
-            SlotRef(first + i, node.key, node.host_offset, node.size)
-            for i, node in enumerate(created)
+        return Reservation(
+            lease.lease_id,
+            lease.expires_at,
+            existing,
+            refused,
+            out_of_space,
+            first,
+            tuple(keys[first : first + len(created)]),
+            tuple([node.host_offset for node in created]),
+            size,
         )
-        return Reservation(lease.lease_id, lease.expires_at, slots, existing, refused, out_of_space)
+
+    def _add_pending_run(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        parent: Node | None,
+        prio: int,
+        offsets: Sequence[int],
+    ) -> list[Node]:
+        """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
+        the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
+        by the write lease to come: what ``Index.add`` and ``_host_add`` do per block,
+        in one pass (a put's blocks are one such run)."""
+        nodes: list[Node] = []
+        for key, offset in zip(keys, offsets, strict=True):
+            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset)
+            nodes.append(node)
+            parent = node
+        self._index.add_chain(nodes)
+        self._host_blocks += len(nodes)
+        for holder in nodes[:-1]:
+            holder.host_children = 1
+        if nodes[0].parent is not None:
+            nodes[0].parent.host_children += 1
+        return nodes
 
     def commit(self, lease_id: int, count: int | None = None) -> int:
         with self._lock:
@@ -1010,9 +1063,9 @@ class Store:
                 self._changed.wait(remaining)
             if not self._events:
                 return []
-            first = self._events[0].seq
+            first = self._events[0][0]
             begin = max(seq + 1 - first, 0)
-            return list(itertools.islice(self._events, begin, begin + limit))
+            return [Event._make(e) for e in itertools.islice(self._events, begin, begin + limit)]
 
     def wait_ready(self, ns_id: str, keys: Sequence[BlockKey], timeout: float) -> LookupResult:
         entry = self._entry(ns_id)
@@ -1380,9 +1433,9 @@ class Store:
     def _new_lease(
         self, entry: NamespaceEntry, nodes: list[Node], write: bool, ttl: float
     ) -> _Lease:
-        lease_id = secrets.randbits(62) + 1
+        lease_id = self._lease_ids.next()
         while lease_id in self._leases or lease_id in self._ended:
-            lease_id = secrets.randbits(62) + 1
+            lease_id = self._lease_ids.next()
         lease = _Lease(lease_id, write, entry, nodes, self._clock() + ttl)
         self._leases[lease_id] = lease
         heapq.heappush(self._lease_heap, (lease.expires_at, lease_id))
@@ -1544,9 +1597,9 @@ class Store:
         and then ``_touch(batch)`` gives, with one list operation per block, not three."""
         policy = self._host_policy
         now = self._wall()
-        for node in reversed(batch) if policy.touch_prefix else batch:
+        for node in batch:
             node.last_access = now
-            policy.insert(node)
+        policy.insert_all(batch[::-1] if policy.touch_prefix else batch)
         parent = batch[0].parent
         if policy.touch_prefix and parent is not None:
             self._touch((parent,))  # a prefix-aware touch of a block is one of its prefix
@@ -1753,7 +1806,12 @@ class Store:
     def _emit_all(self, kind: EventKind, nodes: Sequence[Node], tier: Tier | None) -> None:
         """One event per node, in order; waiters are woken once."""
         now = self._wall()
-        for node in nodes:
-            self._seq += 1
-            self._events.append(Event(self._seq, kind, node.ns.spec.ns_id, node.key, tier, now))
+        seq = self._seq
+        self._events.extend(
+            [
+                (seq + i, kind, node.ns.spec.ns_id, node.key, tier, now)
+                for i, node in enumerate(nodes, 1)
+            ]
+        )
+        self._seq = seq + len(nodes)
         self._changed.notify_all()
