@@ -66,3 +66,51 @@ def test_remove_unlinks_and_counts() -> None:
     assert root.first_child is None and entry.blocks == 1
     index.remove(root)
     assert len(index) == 0 and entry.roots == set() and entry.bytes == 0
+
+
+def _links(index: Index) -> dict[bytes, tuple[object, ...]]:
+    """Every node's tree links and its namespace's counts, by key, to compare indexes."""
+
+    def name(node: Node | None) -> bytes | None:
+        return None if node is None else node.key
+
+    return {
+        k: (name(n.parent), name(n.first_child), name(n.next_sibling), name(n.prev_sibling))
+        for k, n in index.nodes.items()
+    }
+
+
+def test_add_chain_links_like_one_add_per_node() -> None:
+    # a chain under a parent that already has a child, added in one pass and node by
+    # node: the same tree, the same namespace counts
+    results = []
+    for one_pass in (True, False):
+        entry = NamespaceEntry(ENTRY.spec)
+        index = Index()
+        root = Node(key("root"), entry, None, state=READY)
+        index.add(root)
+        index.add(Node(key("sibling"), entry, root, state=READY))
+        chain: list[Node] = []
+        parent = root
+        for name in ("x", "y", "z"):
+            parent = Node(key(name), entry, parent, state=READY)
+            chain.append(parent)
+        if one_pass:
+            index.add_chain(chain)
+        else:
+            for node in chain:
+                index.add(node)
+        results.append((_links(index), entry.blocks, entry.bytes, entry.roots))
+    assert results[0] == results[1]
+    assert results[0][1] == 5 and results[0][2] == 5 * 64
+
+
+def test_add_chain_of_a_new_root() -> None:
+    entry = NamespaceEntry(ENTRY.spec)
+    index = Index()
+    a = Node(key("a"), entry, None, state=READY)
+    b = Node(key("b"), entry, a, state=READY)
+    index.add_chain([a, b])
+    assert entry.roots == {key("a")}
+    assert index.walk([key("a"), key("b")]) == [a, b]
+    assert list(a.children()) == [b] and list(b.children()) == []

@@ -107,3 +107,27 @@ def test_touch_all_orders_like_one_touch_per_node() -> None:
                     assert backward[::-1] == list(lst.oldest_first())
                     assert lst.size == len(backward)
                     assert (lst.head is None) == (lst.tail is None)
+
+
+def test_insert_all_orders_like_one_insert_per_node() -> None:
+    # a run of one level links as one piece; a run across levels falls back to inserts
+    for run in (
+        [node("a"), node("b"), node("c")],
+        [node("a", 50), node("b", 10), node("c", 50)],
+    ):
+        one, many = PriorityLRU("host"), PriorityLRU("host")
+        old_one, old_many = node("old"), node("old")
+        one.insert(old_one)
+        many.insert(old_many)
+        one.insert_all(run)
+        expected = names(one)
+        for n in run:  # the same blocks again, unlinked, node by node
+            one.remove(n)
+        for n in run:
+            many.insert(n)
+        assert names(many) == expected
+    plain = PlainLRU("host")
+    plain.insert_all([node("p"), node("q")])
+    plain.insert(node("r"))
+    assert names(plain) == ["p", "q", "r"]
+    assert plain._list.size == 3

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.errors import InvalidArgument, LeaseError, UnknownNamespace
 from kvstore.keys import NamespaceSpec
-from kvstore.results import EventKind
+from kvstore.results import Event, EventKind, Tier
 from kvstore.store import Store, StoreConfig
 
 BLOCK = 4096
@@ -272,6 +272,11 @@ def test_events_have_increasing_sequence_numbers(store: Store) -> None:
     assert [e.seq for e in events] == [1, 2, 3]
     assert store.events_since(3, timeout=0.01) == []
     assert [e.seq for e in store.events_since(1)] == [2, 3]
+    keys = store.keys_for(ns, seq(0, 3))
+    assert all(isinstance(e, Event) for e in events)
+    assert [(e.kind, e.ns_id, e.key, e.tier) for e in events] == [
+        (EventKind.STORED, ns, k, Tier.HOST) for k in keys
+    ]
 
 
 def test_used_never_exceeds_capacity_under_churn() -> None:
