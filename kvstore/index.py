@@ -129,24 +129,12 @@ class Index:
 
     def add(self, node: Node) -> None:
         """Insert a new childless node under its parent (which must be indexed)."""
-        assert node.key not in self.nodes, "block indexed twice"
-        parent = node.parent
-        if parent is None:
-            node.ns.roots.add(node.key)
-        else:
-            head = parent.first_child
-            node.next_sibling = head
-            if head is not None:
-                head.prev_sibling = node
-            parent.first_child = node
-        self.nodes[node.key] = node
-        node.ns.blocks += 1
-        node.ns.bytes += node.size
+        self.add_chain((node,))
 
     def add_chain(self, nodes: Sequence[Node]) -> None:
-        """:meth:`add` of new childless nodes that form a chain (each the parent of the
-        next; the first under its own parent, which must be indexed), with the
-        namespace's counts updated once: a put's blocks in one pass."""
+        """Insert new childless nodes that form a chain (each the parent of the next;
+        the first under its own parent, which must be indexed), with the namespace's
+        counts updated once: a put's blocks in one pass."""
         if not nodes:
             return
         index = self.nodes
