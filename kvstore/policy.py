@@ -39,16 +39,7 @@ class LruList:
         self.size = 0
 
     def push_newest(self, node: Node) -> None:
-        assert getattr(node, self._owner) is None, "node already in an eviction list"
-        setattr(node, self._prev, self.tail)
-        setattr(node, self._next, None)
-        if self.tail is None:
-            self.head = node
-        else:
-            setattr(self.tail, self._next, node)
-        self.tail = node
-        setattr(node, self._owner, self)
-        self.size += 1
+        self.push_run((node,))
 
     def push_run(self, nodes: Sequence[Node]) -> None:
         """:meth:`push_newest` of each of ``nodes`` in order (the last ends newest),

@@ -6,6 +6,7 @@ into protobuf messages, tests compare them directly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -78,6 +79,17 @@ class SlotRef:
     size: int
 
 
+def slot_refs(
+    first: int, keys: Sequence[BlockKey], offsets: Sequence[int], size: int
+) -> tuple[SlotRef, ...]:
+    """SlotRefs of the blocks at chain positions ``first``, ``first + 1``, ... (what a
+    result keeps as keys and offsets, for callers that want one object per block)."""
+    return tuple(
+        SlotRef(first + i, key, offset, size)
+        for i, (key, offset) in enumerate(zip(keys, offsets, strict=True))
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """Write lease from :meth:`Store.reserve`: fill each slot, then commit.
@@ -108,11 +120,7 @@ class Reservation:
     def slots(self) -> tuple[SlotRef, ...]:
         """The reserved blocks as SlotRefs (built on demand: the hot path uses
         ``offsets``)."""
-        first, size = self.first_index, self.block_bytes
-        return tuple(
-            SlotRef(first + i, key, offset, size)
-            for i, (key, offset) in enumerate(zip(self.keys, self.offsets, strict=True))
-        )
+        return slot_refs(self.first_index, self.keys, self.offsets, self.block_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,11 +139,7 @@ class Acquisition:
     @property
     def slots(self) -> tuple[SlotRef, ...]:
         """The same as SlotRefs (built on demand: the hot path uses ``offsets``)."""
-        size = self.block_bytes
-        return tuple(
-            SlotRef(i, key, offset, size)
-            for i, (key, offset) in enumerate(zip(self.keys, self.offsets, strict=True))
-        )
+        return slot_refs(0, self.keys, self.offsets, self.block_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -774,12 +774,8 @@ class Store:
                 if offset is None:
                     out_of_space = True
                     break
-                node = Node(keys[i], entry, parent, priority=prio)
-                node.pins = 1
-                self._index.add(node)
-                self._host_add(node, offset)
-                created.append(node)
-                parent = node
+                created += self._add_pending_run(entry, keys[i : i + 1], parent, prio, [offset])
+                parent = created[-1]
         finally:
             if not staged_offsets:
                 for offset in run[len(created) :]:  # only if something above raised
@@ -817,7 +813,8 @@ class Store:
         """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
         the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
         by the write lease to come: what ``Index.add`` and ``_host_add`` do per block,
-        in one pass (a put's blocks are one such run)."""
+        in one pass (a put's blocks are one such run; a slot-by-slot reserve makes
+        runs of one)."""
         nodes: list[Node] = []
         for key, offset in zip(keys, offsets, strict=True):
             node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset)
