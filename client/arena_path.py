@@ -198,6 +198,18 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+def _new_pool_in_child() -> None:
+    """After a fork: the pool's threads are the parent's, and the child has none of
+    them, so a split copy handed to it would wait forever; the child makes its own
+    pool when it first needs one (see :mod:`kvclient.fork_safety`)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_pool_in_child)
+
+
 def copy_pool() -> ThreadPoolExecutor:
     """The helper threads of copies split between COPY_THREADS threads (made once)."""
     global _pool

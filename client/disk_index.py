@@ -60,6 +60,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from kvclient.fork_safety import renew_in_child
 from kvstore.disk import DB_NAMES, META_DB, NAMESPACES_DB, DiskExtent, committed_extent
 from kvstore.disk import open_in_this_process as _tier_open_here
 from kvstore.errors import StoreError
@@ -72,6 +73,17 @@ FIRST_READS_ENTRIES = 16384  # prefixes a client remembers having read from disk
 
 _registry_lock = threading.Lock()
 _registry: dict[str, tuple[int, DiskIndex]] = {}  # realpath -> (pid, the shared index)
+
+
+def _new_registry_lock_in_child() -> None:
+    """After a fork (see :mod:`kvclient.fork_safety`); the parent's handles stay in
+    the registry, under the parent's pid, so the child never uses them."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_registry_lock_in_child)
 
 
 class DiskIndex:
@@ -219,6 +231,10 @@ class DiskFirstReads:
     def __init__(self, entries: int = FIRST_READS_ENTRIES) -> None:
         self._entries = entries
         self._seen: OrderedDict[Hashable, None] = OrderedDict()
+        self._lock = threading.Lock()
+        renew_in_child(self)
+
+    def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()
 
     def first(self, key: Hashable) -> bool:

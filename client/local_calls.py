@@ -46,6 +46,7 @@ from kvclient.errors import (
     RequestTimeoutError,
     error_from_status,
 )
+from kvclient.fork_safety import renew_in_child
 from kvproto.v1 import local_calls as frames
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -230,6 +231,10 @@ class LocalCalls:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
+        renew_in_child(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # the idle sockets are dropped by the next _take
 
     def call(
         self, name: str, request: Any, timeout: float, during: Callable[[], None] | None = None

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvclient.arena_path import ClientArena, SlotTable
+from kvclient.fork_safety import renew_in_child
 from kvproto.v1 import kvstore_pb2 as pb
 
 # stop using a lease's slots this long (a quarter of its TTL, at least a second)
@@ -92,6 +93,10 @@ class SlotStash:
         self._asked = 0  # slots asked for by Reserves not answered yet
         # leases dropped while Reserves naming them may still be in flight
         self._dropped: deque[int] = deque(maxlen=64)
+        renew_in_child(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # the parent's slots are forgotten by _check
 
     def take(self, n: int, arena: ClientArena) -> tuple[int, list[int]]:
         """The staging lease to name and the ``n`` slots this put may write (``[]``

@@ -31,10 +31,8 @@ results are the frozen dataclasses of :mod:`kvclient.results`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -54,6 +52,7 @@ from kvclient.errors import (
     KVStoreError,
     error_from_rpc,
 )
+from kvclient.fork_safety import renew_in_child
 from kvclient.local_calls import (
     LocalCallFailed,
     LocalCalls,
@@ -100,18 +99,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 RELEASE_DELAY_S = 0.05  # longest a get's read lease outlives the get (see _release_later)
-
-# every open KVClient, so that a forked child can give each new locks
-_LIVE: weakref.WeakSet[KVClient] = weakref.WeakSet()
-
-
-def _after_fork() -> None:
-    for client in list(_LIVE):
-        client._new_thread_state()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
 
 _Response = TypeVar("_Response")
 
@@ -162,7 +149,10 @@ class KVClient:
         self._disk_first = DiskFirstReads()
         # arena puts: the staged slots of each namespace (kvclient.staged_slots)
         self._stashes: dict[str, SlotStash] = {}
-        _LIVE.add(self)
+        renew_in_child(self)
+
+    def _after_fork_in_child(self) -> None:
+        self._new_thread_state()
 
     def _new_thread_state(self) -> None:
         """The client's locks, flusher and the flusher's work, all new: at creation,

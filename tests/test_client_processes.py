@@ -7,21 +7,24 @@ socket and, on the arena path, its shared-memory file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from conftest import Daemon
 
-from kvclient import KVClient
+from kvclient import KVClient, arena_path, disk_index
 from kvclient.cli import main as kvctl
 
 BLOCK_TOKENS = 16
@@ -272,43 +275,118 @@ def test_a_client_forked_while_a_thread_holds_its_locks_works_in_the_child(
     """A thread of the parent (the release flusher, say) holds the client's locks at
     the fork. The child has no such thread, so it would wait forever for those locks;
     it gets new ones instead, and its calls go through."""
-    import threading
-
     with KVClient(daemon.addr) as client:
         ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
         tokens = list(range(5000, 5000 + 2 * BLOCK_TOKENS))
         ns.put(tokens, blocks_for(tokens, 2))
-        held, release = threading.Event(), threading.Event()
 
-        def hold() -> None:
-            with client._settling, client._done_cond:
-                held.set()
-                release.wait(30)
+        def child() -> bool:  # a call settles first (the settling lock is held)
+            got = ns.get(tokens)
+            ok = got.n_blocks == 2 and np.array_equal(got.blocks, blocks_for(tokens, 2))
+            return ok and client.stats().tier("host").blocks >= 2
 
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert held.wait(10)
+        with held_by_another_thread(client._settling, client._done_cond):
+            assert in_forked_child(child) == 0
+
+
+@contextlib.contextmanager
+def held_by_another_thread(*locks: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+    """``locks`` held by another thread of this process while the block runs (as they
+    may be when some thread forks)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def in_forked_child(work: Callable[[], bool], timeout: float = 30) -> int:
+    """Run ``work`` in a forked child -> its exit code (0: it returned True, 2: False,
+    1: it raised); fails the test when the child hangs (killed after ``timeout``)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
         try:
-            pid = os.fork()
-            if pid == 0:  # a call settles first (the settling lock is held): must not hang
-                code = 1
-                try:
-                    got = ns.get(tokens)
-                    ok = got.n_blocks == 2 and np.array_equal(got.blocks, blocks_for(tokens, 2))
-                    code = 0 if ok and client.stats().tier("host").blocks >= 2 else 2
-                finally:
-                    os._exit(code)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                time.sleep(0.05)
-            else:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child hung on a lock held by the parent's thread")
-            assert os.waitstatus_to_exitcode(status) == 0
+            code = 0 if work() else 2
         finally:
-            release.set()
-            holder.join(10)
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung (a lock or a thread of the parent's)")
+
+
+def test_a_forked_child_makes_its_own_copy_threads(daemon: Daemon) -> None:
+    """Copies of PARALLEL_COPY_BYTES or more are split with the client's copy threads.
+    A child forked after the parent made them has none of those threads: it must make
+    its own, not hand its share of a copy to a pool that will never run it."""
+    size = 1 << 20
+    n = arena_path.PARALLEL_COPY_BYTES // size + 1
+    rng = np.random.default_rng(11)
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("split-copies", BLOCK_TOKENS, size)
+        tokens = list(range(7000, 7000 + n * BLOCK_TOKENS))
+        blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        assert ns.put(tokens, blocks).stored == n
+        out = np.empty_like(blocks)
+        assert np.array_equal(ns.get(tokens, out=out).blocks, blocks)
+        if arena_path.COPY_THREADS < 2:
+            pytest.skip("one CPU: copies are never split")
+        assert arena_path._pool is not None  # the parent's copy threads exist
+
+        def child() -> bool:
+            more = list(range(8000, 8000 + n * BLOCK_TOKENS))
+            assert ns.put(more, blocks[::-1]).stored == n
+            got = ns.get(more, out=np.empty_like(blocks))
+            return np.array_equal(got.blocks, blocks[::-1]) and np.array_equal(
+                ns.get(tokens, out=np.empty_like(blocks)).blocks, blocks
+            )
+
+        assert in_forked_child(child) == 0
+
+
+def test_a_client_forked_while_threads_hold_its_helpers_locks_works_in_the_child(
+    daemon: Daemon,
+) -> None:
+    """The locks of the client's helpers (local calls, staged slots, the prefixes read
+    from disk, the disk index's registry, the copy pool's) held by a thread of the
+    parent at the fork: the child gets new ones, and its puts and gets go through."""
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        tokens = list(range(9000, 9000 + 3 * BLOCK_TOKENS))
+        ns.put(tokens, blocks_for(tokens, 3))
+        assert np.array_equal(ns.get(tokens).blocks, blocks_for(tokens, 3))
+        assert client._local is not None and client._stashes  # the helpers are in use
+        locks = [
+            client._local._lock,
+            client._stashes[ns.ns_id]._lock,
+            client._disk_first._lock,
+            disk_index._registry_lock,
+            arena_path._pool_lock,
+        ]
+
+        def child() -> bool:
+            more = list(range(9500, 9500 + 2 * BLOCK_TOKENS))
+            assert ns.put(more, blocks_for(more, 2)).stored == 2
+            ok = np.array_equal(ns.get(more).blocks, blocks_for(more, 2))
+            return ok and np.array_equal(ns.get(tokens).blocks, blocks_for(tokens, 3))
+
+        with held_by_another_thread(*locks):
+            assert in_forked_child(child) == 0
