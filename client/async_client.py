@@ -479,13 +479,15 @@ class AsyncNamespace:
         if arena is None:
             return await self._get_inline(token_list, extra, out, max_blocks)
         epochs = self.client._epochs
+        counted = False
         if epochs is not None:
             got = await self._get_unpinned(
                 arena, epochs, token_array, token_list, extra, out, max_blocks
             )
             if got is not None:
                 return got
-        return await self._get_arena(arena, token_list, extra, out, max_blocks)
+            counted = True  # its Acquire counted this get: the copy did not check out
+        return await self._get_arena(arena, token_list, extra, out, max_blocks, counted=counted)
 
     async def _get_unpinned(
         self,
@@ -540,11 +542,14 @@ class AsyncNamespace:
         out: np.ndarray | None,
         max_blocks: int,
         disk_direct: bool = True,
+        counted: bool = False,
     ) -> GetResult:
+        """``counted``: an Acquire of this get was answered and counted already."""
         client = self.client
         direct = disk_direct and client._disk is not None
+        done = client._take_done()
         request = wire.get_request(
-            self.ns_id, tokens, extra, max_blocks, client._take_done(), disk_direct=direct
+            self.ns_id, tokens, extra, max_blocks, done, disk_direct=direct, counted=counted
         )
         acquired = await client._call(client._stub.Acquire, request)
         return await self._read_acquired(arena, acquired, tokens, extra, out, max_blocks)

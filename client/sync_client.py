@@ -553,11 +553,13 @@ class Namespace:
         if arena is None:
             return self._get_inline(token_list, extra, out, max_blocks)
         epochs = self.client._epochs
+        counted = False
         if epochs is not None:
             got = self._get_unpinned(arena, epochs, token_array, token_list, extra, out, max_blocks)
             if got is not None:
                 return got
-        return self._get_arena(arena, token_list, extra, out, max_blocks)
+            counted = True  # its Acquire counted this get: the copy did not check out
+        return self._get_arena(arena, token_list, extra, out, max_blocks, counted=counted)
 
     def _get_unpinned(
         self,
@@ -570,7 +572,8 @@ class Namespace:
         max_blocks: int,
     ) -> GetResult | None:
         """A get that pins nothing and copies while its Acquire is in flight (see
-        kvclient.unpinned_reads); None when a slot changed under a copy."""
+        kvclient.unpinned_reads); None when a slot changed under a copy (the only
+        None: the daemon has counted this get by then)."""
         client = self.client
         last_slots = client._last_slots
         key = last_slots.key(self.ns_id, token_array, extra, max_blocks)
@@ -612,11 +615,14 @@ class Namespace:
         out: np.ndarray | None,
         max_blocks: int,
         disk_direct: bool = True,
+        counted: bool = False,
     ) -> GetResult:
+        """``counted``: an Acquire of this get was answered and counted already."""
         client = self.client
         direct = disk_direct and client._disk is not None
+        done = client._take_done()
         request = wire.get_request(
-            self.ns_id, tokens, extra, max_blocks, client._take_done(), disk_direct=direct
+            self.ns_id, tokens, extra, max_blocks, done, disk_direct=direct, counted=counted
         )
         acquired = client._call(client._stub.Acquire, request)
         return self._read_acquired(arena, acquired, tokens, extra, out, max_blocks)

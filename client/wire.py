@@ -104,11 +104,13 @@ def get_request(
     *,
     unpinned: bool = False,
     disk_direct: bool = False,
+    counted: bool = False,
 ) -> pb.AcquireRequest:
     """The Acquire of an arena get: packed slots, the client's finished read leases
     riding along; ``unpinned`` asks for slots and epochs and no lease
     (kvclient.unpinned_reads), ``disk_direct`` for extents of the disk file in place of
-    promoted disk blocks (kvclient.disk_reads)."""
+    promoted disk blocks (kvclient.disk_reads); ``counted`` when it repeats an Acquire
+    of the same get whose answer could not be used (the daemon counted that one)."""
     return pb.AcquireRequest(
         ns_id=ns_id,
         tokens=tokens,
@@ -118,6 +120,7 @@ def get_request(
         compact_slots=True,
         unpinned=unpinned,
         disk_direct=disk_direct,
+        counted=counted,
     )
 
 

@@ -403,7 +403,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 if quick and not request.disk_direct:  # a block is on disk only
                     raise _NeedsPool
             got = self._store.acquire(
-                spec.ns_id, keys, ttl, host_only=quick, disk_direct=request.disk_direct
+                spec.ns_id,
+                keys,
+                ttl,
+                host_only=quick,
+                disk_direct=request.disk_direct,
+                count=not request.counted,
             )
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise _NeedsPool

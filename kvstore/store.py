@@ -423,6 +423,7 @@ class Store:
         ttl_s: float | None,
         host_only: bool,
         disk_direct: bool = False,
+        count: bool = True,
     ) -> Acquisition | None: ...
 
     def acquire(
@@ -432,6 +433,7 @@ class Store:
         ttl_s: float | None = None,
         host_only: bool = False,
         disk_direct: bool = False,
+        count: bool = True,
     ) -> Acquisition | None:
         """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
         its disk-only blocks. ``host_only``: None, having changed nothing, when one would
@@ -443,12 +445,15 @@ class Store:
         (``Acquisition.disk``), kept valid by the lease; reading them waits on no disk
         I/O here, so this answers ``host_only`` callers too. A block read again takes
         the promoting path: a block earns its host slot back by being read twice, and a
-        one-off scan of the disk tier does not flush the host tier."""
+        one-off scan of the disk tier does not flush the host tier.
+
+        ``count=False`` for a read counted already (the same get acquiring again): no
+        hits or misses are counted, the blocks are touched as by any read."""
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         ttl = self._ttl(ttl_s)
         if disk_direct and self._disk is not None:
-            direct = self._acquire_direct(entry, keys, ttl, self._disk)
+            direct = self._acquire_direct(entry, keys, ttl, self._disk, count)
             if direct is not None:
                 return direct
         pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
@@ -459,7 +464,7 @@ class Store:
         try:
             ok = self._fill_promotions(nodes, fresh)
         finally:
-            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True)
+            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
         kept = nodes[:ok]
         with self._lock:
             size = entry.spec.block_bytes
@@ -471,7 +476,12 @@ class Store:
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
 
     def _acquire_direct(
-        self, entry: NamespaceEntry, keys: Sequence[BlockKey], ttl: float, disk: DiskTier
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        ttl: float,
+        disk: DiskTier,
+        count: bool = True,
     ) -> Acquisition | None:
         """:meth:`acquire` with ``disk_direct``; None, having changed nothing, when the
         prefix has no disk-only block, one of them was read before, or the disk tier
@@ -497,7 +507,7 @@ class Store:
             return None
         snapshot, extents = got
         try:
-            self._finish_pinned(entry, keys, nodes, {}, len(nodes), keep_pins=True)
+            self._finish_pinned(entry, keys, nodes, {}, len(nodes), keep_pins=True, count=count)
         except BaseException:
             snapshot.close()
             raise
@@ -1303,9 +1313,10 @@ class Store:
         ok: int,
         keep_pins: bool,
         start: int = 0,
+        count: bool = True,
     ) -> None:
         """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits of the
-        blocks the caller asked for (``start`` on), unpin."""
+        blocks the caller asked for (``start`` on; not with ``count=False``), unpin."""
         with self._lock:
             host_hits = sum(1 for node in nodes[start:ok] if node.host_offset >= 0)
             promoted = 0  # served blocks read into a fresh slot (the rest came from host)
@@ -1321,9 +1332,12 @@ class Store:
                 node.pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
                 self._lost_on_disk(nodes[ok])
-            self._count_served(entry, len(keys) - start, max(ok - start, 0), host_hits, promoted)
-            for node in nodes[:ok]:
-                node.hits += 1
+            if count:
+                self._count_served(
+                    entry, len(keys) - start, max(ok - start, 0), host_hits, promoted
+                )
+                for node in nodes[:ok]:
+                    node.hits += 1
             # blocks deleted while pinned are not touched: their subtrees went with them,
             # so the still indexed ones are a prefix of the chain
             end = ok

@@ -129,6 +129,25 @@ def test_a_read_counts_hits_and_touches_the_prefix(store: Store, how: str) -> No
     assert store.lookup(ns, old).ready_blocks == 2  # the LRU victims came from `other`
 
 
+def test_an_acquire_of_a_read_counted_already_pins_and_counts_nothing(store: Store) -> None:
+    """acquire(count=False): the retry of a get whose unpinned answer was counted pins
+    the same prefix, and its hits and misses are not counted a second time."""
+    ns = open_ns(store)
+    keys = store.keys_for(ns, list(range(5 * TOKENS)))
+    store.put(ns, keys[:3], payloads(4, 3))
+    before = store.stats()
+    got = store.acquire(ns, keys, count=False)
+    assert got is not None and got.lease_id and len(got.offsets) == 3
+    after = store.stats()
+    assert after.tiers == before.tiers and after.leases == before.leases + 1
+    store.release(got.lease_id)
+    counted = store.acquire(ns, keys)  # the same read, counted: 3 hits, 2 misses
+    assert counted is not None
+    host = store.stats().tiers[0]
+    assert (host.hits, host.misses) == (before.tiers[0].hits + 3, before.tiers[0].misses + 2)
+    store.release(counted.lease_id)
+
+
 def test_note_reads_counts_only_blocks_still_in_host(store: Store) -> None:
     ns = open_ns(store)
     old = store.keys_for(ns, list(range(2 * TOKENS)))
@@ -373,6 +392,44 @@ def test_gets_through_the_daemon_pin_nothing(kvstored: Daemon) -> None:
         got = ns.get(longer)
         assert got.tokens == 3 * TOKENS
         assert np.array_equal(got.blocks, blocks[:3])
+
+
+@pytest.mark.parametrize("client_kind", ["sync", "async"])
+def test_a_get_whose_unpinned_copy_fails_its_check_counts_once(
+    kvstored: Daemon, monkeypatch: pytest.MonkeyPatch, client_kind: str
+) -> None:
+    """The check of an unpinned copy fails (a slot changed under it: forced here in
+    the client), so the get acquires again, pinned: the daemon counted the first
+    answer, and must not count the same get again."""
+    tokens = np.arange(4 * TOKENS)
+    blocks = np.stack([block_of(7, i, BLOCK) for i in range(4)])
+    with KVClient(kvstored.addr) as writer:
+        writer.namespace("once", block_tokens=TOKENS, block_bytes=BLOCK).put(tokens, blocks)
+        before = writer.stats().tier("host")
+    checks: list[object] = []
+
+    def fails_its_check(self: UnpinnedGet, answer: object) -> None:
+        checks.append(answer)
+        return None
+
+    monkeypatch.setattr(UnpinnedGet, "finish", fails_its_check)
+    longer = np.arange(6 * TOKENS)  # 4 blocks cached, 2 not: hits and misses
+    if client_kind == "sync":
+        with KVClient(kvstored.addr) as client:
+            ns = client.namespace("once", block_tokens=TOKENS, block_bytes=BLOCK)
+            got = ns.get(longer)
+            after = client.stats().tier("host")
+    else:
+
+        async def run() -> tuple[object, object]:
+            async with AsyncKVClient(kvstored.addr) as client:
+                ns = await client.namespace("once", block_tokens=TOKENS, block_bytes=BLOCK)
+                return await ns.get(longer), (await client.stats()).tier("host")
+
+        got, after = asyncio.run(run())
+    assert len(checks) == 1  # the unpinned answer came, and was not used
+    assert got.tokens == 4 * TOKENS and np.array_equal(got.blocks, blocks)  # pinned retry
+    assert (after.hits, after.misses) == (before.hits + 4, before.misses + 2)
 
 
 def test_async_gets_are_unpinned_too(kvstored: Daemon) -> None:
