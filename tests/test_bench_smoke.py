@@ -109,3 +109,22 @@ def test_write_back_targets_name_each_pass_and_the_first_fills_floor() -> None:
     assert first.measured == "0.45 GB/s" and first.floor == "fresh-file write 0.60 GB/s"
     assert "freed" in again.name and again.met is True
     assert again.measured == "1.50 GB/s" and again.floor == "-"
+
+
+@pytest.mark.slow
+def test_put_cpu_program_measures_every_mode(tmp_path: Path) -> None:
+    """benchmarks/put_cpu.py at a tiny size: it starts and stops its own daemon and
+    writes one row per mode, with CPU figures for both processes."""
+    import subprocess
+    import sys
+
+    program = Path(__file__).resolve().parent.parent / "benchmarks" / "put_cpu.py"
+    out = tmp_path / "put_cpu.md"
+    argv = [sys.executable, str(program), "--cases", "tiny:4", "--puts", "5", "--rounds", "1",
+            "--out", str(out)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 4 x 2 KiB")]
+    assert [row.split(" | ")[1] for row in rows] == ["memcpy", "put", "put-nowait"]
+    put = rows[1].split(" | ")
+    assert float(put[2]) > 0 and float(put[4].split()[0]) > 0 and float(put[5].split()[0]) > 0

@@ -7,6 +7,13 @@ that the client maps to one exception class.
 
 from __future__ import annotations
 
+import os
+import select
+import shutil
+import socket
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -125,3 +132,66 @@ def test_unreachable_daemon_names_the_address(tmp_path) -> None:
             assert not isinstance(info.value, grpc.RpcError)
             assert info.value.code is grpc.StatusCode.UNAVAILABLE
             assert addr in str(info.value)
+
+
+class SlowHandshakeProxy:
+    """A unix socket in front of the daemon's that relays each connection only after
+    ``delay`` seconds: a daemon (or host) slow to answer a new connection's handshake."""
+
+    def __init__(self, target: str, delay: float) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvslow", dir="/tmp")
+        self.path = os.path.join(self._dir, "slow.sock")
+        self._target, self._delay = target, delay
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(16)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            relay = threading.Thread(target=self._relay, args=(conn,), daemon=True)
+            self._threads.append(relay)
+            relay.start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        time.sleep(self._delay)
+        with conn, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as upstream:
+            upstream.connect(self._target)
+            pair = {conn: upstream, upstream: conn}
+            while not self._stop.is_set():
+                ready, _, _ = select.select(list(pair), [], [], 0.1)
+                for sock in ready:
+                    data = sock.recv(1 << 16)
+                    if not data:
+                        return
+                    pair[sock].sendall(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(5)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def test_a_daemon_slow_to_answer_a_new_connection_is_waited_for(daemon: Daemon) -> None:
+    """The handshake of a new connection takes 0.6 s (a busy daemon, a loaded host): the
+    call waits for it, within its timeout, instead of failing UNAVAILABLE at once."""
+    proxy = SlowHandshakeProxy(daemon.socket_path, delay=0.6)
+    try:
+        with KVClient(proxy.path, use_arena=False, timeout=10) as client:
+            started = time.monotonic()
+            info = client.server_info()
+            assert info.version and time.monotonic() - started >= 0.5
+            ns = client.namespace("slow-handshake", 4, BLOCK_BYTES)
+            block = np.full((1, BLOCK_BYTES), 7, np.uint8)
+            assert ns.put([1, 2, 3, 4], block).stored == 1
+            assert np.array_equal(ns.get([1, 2, 3, 4]).blocks, block)
+    finally:
+        proxy.close()
