@@ -50,6 +50,8 @@ from kvclient.fork_safety import renew_in_child
 from kvproto.v1 import local_calls as frames
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+# what asyncio.wait_for raises when time runs out: TimeoutError only from Python 3.11 on
+_TIMED_OUT = (TimeoutError, asyncio.TimeoutError)
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +392,7 @@ class AsyncLocalCalls:
             status, body = await asyncio.wait_for(_areceive(reader, writer, owed), timeout)
             if early is not None:
                 await early  # its error, if any, spends the connection below
-        except TimeoutError:
+        except _TIMED_OUT:
             _close(writer, owed, f"no answer within {timeout} s")
             raise LocalCallFailed(
                 f"no answer within {timeout} s", sent=True, timed_out=True
@@ -416,7 +418,7 @@ class AsyncLocalCalls:
         try:
             writer.write(_request(name, request))
             await asyncio.wait_for(writer.drain(), timeout)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, *_TIMED_OUT) as exc:
             _close(writer, owed, str(exc) or type(exc).__name__)
             raise LocalCallFailed(str(exc) or type(exc).__name__, sent=True) from None
         owed.append(_Owed(name, on_answer))
@@ -431,7 +433,7 @@ class AsyncLocalCalls:
                 while owed:
                     status, body = await asyncio.wait_for(_read_frame(reader), timeout)
                     owed.pop(0).answered(status, body)
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+            except (OSError, *_TIMED_OUT, asyncio.IncompleteReadError) as exc:
                 _close(writer, owed, str(exc) or type(exc).__name__)
                 continue
             self._put_back(reader, writer, owed)
@@ -446,7 +448,7 @@ class AsyncLocalCalls:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_unix_connection(self.path), timeout
                 )
-            except (OSError, TimeoutError) as exc:
+            except (OSError, *_TIMED_OUT) as exc:
                 reason = getattr(exc, "strerror", None) or str(exc) or "timed out"
                 raise LocalCallFailed(
                     f"cannot connect to {self.path}: {reason}", sent=False

@@ -26,6 +26,7 @@ from kvclient import (
     KVStoreError,
     LeaseError,
     NamespaceNotFoundError,
+    RequestTimeoutError,
 )
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import local_calls as frames
@@ -305,3 +306,29 @@ def test_a_call_that_waits_holds_back_later_calls_on_its_connection_only(
                 answer = expect.FromString(recv_exactly(waiting, body_len))
                 if expect is pb.LookupResponse:
                     assert answer.ready_blocks == 1  # answered after the commit
+
+
+def test_an_async_call_that_outlives_its_timeout_is_a_request_timeout(daemon: Daemon) -> None:
+    """A Lookup waiting for a pending block longer than the async client's timeout:
+    RequestTimeoutError (DEADLINE_EXCEEDED), as gRPC gives, on every supported Python
+    (asyncio.wait_for raises asyncio.TimeoutError, which is TimeoutError only from 3.11
+    on; on 3.10 the raw asyncio error used to escape), and the client works on."""
+    tokens = list(range(2000, 2004))
+    with KVClient(daemon.addr) as writer:
+        ns = writer.namespace("local-timeout", 4, BLOCK_BYTES)
+        lease = writer._call(
+            writer._stub.Reserve, pb.ReserveRequest(ns_id=ns.ns_id, tokens=tokens)
+        ).lease_id  # the block stays pending until this lease is committed
+
+        async def run() -> None:
+            async with AsyncKVClient(daemon.addr, timeout=0.5) as client:
+                ans = await client.namespace("local-timeout", 4, BLOCK_BYTES)
+                assert (await ans.get(list(range(9000, 9004)))).n_blocks == 0  # maps the arena
+                assert client._local is not None  # the calls go over the local socket
+                with pytest.raises(RequestTimeoutError) as timed_out:
+                    await ans.lookup(tokens, wait_pending_s=5)
+                assert timed_out.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert (await ans.lookup(tokens)).pending_blocks == 1  # and it works on
+
+        asyncio.run(run())
+        writer._call(writer._stub.Abandon, pb.AbandonRequest(lease_id=lease))
