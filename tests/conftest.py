@@ -387,6 +387,27 @@ def store_snapshot(stub: Any) -> dict[str, Any]:
     }
 
 
+def in_forked_child(work: Callable[[], bool], timeout: float = 30) -> int:
+    """Run ``work`` in a forked child -> its exit code (0: it returned True, 2: False,
+    1: it raised); fails the test when the child hangs (killed after ``timeout``)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if work() else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung (a lock or a thread of the parent's)")
+
+
 def damage_in_disk_file(disk_dir: str, payload: bytes) -> None:
     """Overwrite 64 bytes inside ``payload``'s copy in the daemon's ``data.mdb`` (a
     block damaged on disk: its checksum no longer matches)."""

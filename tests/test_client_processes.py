@@ -16,13 +16,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import Daemon
+from conftest import Daemon, in_forked_child
 
 from kvclient import KVClient, arena_path, disk_index
 from kvclient.cli import main as kvctl
@@ -310,27 +310,6 @@ def held_by_another_thread(*locks: contextlib.AbstractContextManager[Any]) -> It
     finally:
         release.set()
         holder.join(10)
-
-
-def in_forked_child(work: Callable[[], bool], timeout: float = 30) -> int:
-    """Run ``work`` in a forked child -> its exit code (0: it returned True, 2: False,
-    1: it raised); fails the test when the child hangs (killed after ``timeout``)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if work() else 2
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child hung (a lock or a thread of the parent's)")
 
 
 def test_a_forked_child_makes_its_own_copy_threads(daemon: Daemon) -> None:

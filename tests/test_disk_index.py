@@ -24,7 +24,7 @@ import lmdb
 import numpy as np
 import pytest
 import xxhash
-from conftest import Daemon, damage_in_disk_file
+from conftest import Daemon, damage_in_disk_file, in_forked_child
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient
 from kvclient.disk_index import DiskFirstReads, DiskIndex
@@ -346,19 +346,15 @@ def test_a_forked_child_never_uses_the_parents_handle(tmp_path: Path) -> None:
     try:
         parent_index = file.index
         assert parent_index is not None
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                index = file.index
-                got = read_first_from_file(
-                    file, DiskFirstReads(), "any", ("key",), np.arange(4), [], None, 8192, 1
-                )
-                code = 0 if index is None and got is None else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+
+        def child() -> bool:
+            index = file.index
+            got = read_first_from_file(
+                file, DiskFirstReads(), "any", ("key",), np.arange(4), [], None, 8192, 1
+            )
+            return index is None and got is None
+
+        assert in_forked_child(child) == 0
         assert file.index is parent_index
         assert parent_index.read([b"a" * 16], np.empty((1, 8192), np.uint8), Reads())
     finally:

@@ -10,7 +10,6 @@ connection, the async client, a forked child, and refused bad input.
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import Daemon, kv_stub, store_snapshot
+from conftest import Daemon, in_forked_child, kv_stub, store_snapshot
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, LeaseError
 from kvclient.local_calls import LocalCallFailed, LocalCalls
@@ -176,19 +175,15 @@ def test_a_forked_child_puts_ahead_with_slots_of_its_own(daemon: Daemon) -> None
         ns = client.namespace("fork-ahead", block_tokens=BT, block_bytes=BB)
         ns.put(tokens(0, 2), blocks(80, 2))
         parent_put = ns.put_nowait(tokens(100, 2), blocks(81, 2))  # owed on the parent's socket
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                rows = blocks(82, 2)
-                results = [ns.put_nowait(tokens(700 + 100 * i, 2), rows) for i in range(3)]
-                stored = [put.result(timeout=10).stored for put in results]
-                got = ns.get(tokens(900, 2))
-                code = 0 if stored == [2, 2, 2] and np.array_equal(got.blocks, rows) else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+
+        def child() -> bool:
+            rows = blocks(82, 2)
+            results = [ns.put_nowait(tokens(700 + 100 * i, 2), rows) for i in range(3)]
+            stored = [put.result(timeout=10).stored for put in results]
+            got = ns.get(tokens(900, 2))
+            return stored == [2, 2, 2] and np.array_equal(got.blocks, rows)
+
+        assert in_forked_child(child) == 0
         assert parent_put.result(timeout=10).stored == 2  # the child did not read it
         assert np.array_equal(ns.get(tokens(100, 2)).blocks, blocks(81, 2))
 

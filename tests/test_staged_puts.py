@@ -9,12 +9,11 @@ clients, the slots coming back on close, a forked child, and refused bad input.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import Daemon, kv_stub, store_snapshot
+from conftest import Daemon, in_forked_child, kv_stub, store_snapshot
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, LeaseError
 from kvclient.staged_slots import SlotStash
@@ -103,18 +102,14 @@ def test_a_forked_child_does_not_write_the_parents_staged_slots(daemon: Daemon) 
         parent_data = blocks(5, 4, 8192)
         ns.put(tokens(0, 4), blocks(6, 4, 8192))  # stages 4
         staged = list(client._stash(ns.ns_id)._offsets)
-        pid = os.fork()
-        if pid == 0:  # child: its puts must take slots of its own
-            code = 1
-            try:
-                child_data = blocks(7, 4, 8192)
-                ns.put(tokens(700, 4), child_data)
-                got = ns.get(tokens(700, 4))
-                code = 0 if np.array_equal(got.blocks, child_data) else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+
+        def child() -> bool:  # its puts must take slots of its own
+            child_data = blocks(7, 4, 8192)
+            ns.put(tokens(700, 4), child_data)
+            got = ns.get(tokens(700, 4))
+            return bool(np.array_equal(got.blocks, child_data))
+
+        assert in_forked_child(child) == 0
         # the parent's staged slots are still its own and untouched by the child
         assert list(client._stash(ns.ns_id)._offsets) == staged
         assert ns.put(tokens(300, 4), parent_data).stored == 4
