@@ -195,9 +195,7 @@ class _Connection:
     def close(self, reason: str) -> None:
         """Close the socket; the calls whose answers are owed learn they are lost."""
         self.sock.close()
-        owed, self.owed = self.owed, []
-        for call in owed:
-            call.lost(reason)
+        _lose(self.owed, reason)
 
     def _has_frame(self) -> bool:
         if len(self.buffer) < frames.HEADER.size:
@@ -478,6 +476,12 @@ class AsyncLocalCalls:
 
 def _close(writer: asyncio.StreamWriter, owed: list[_Owed], reason: str) -> None:
     writer.close()
+    _lose(owed, reason)
+
+
+def _lose(owed: list[_Owed], reason: str) -> None:
+    """Empty ``owed``, the calls sent on a connection now closed: each learns that its
+    answer will not come (see _Owed.lost)."""
     lost, owed[:] = list(owed), []
     for call in lost:
         call.lost(reason)
