@@ -38,6 +38,7 @@ def test_bench_quick_run_writes_every_case(tmp_path: Path) -> None:
     assert ("memcpy", "get", "-", "-") in seen
     assert ("stream", "put", "-", "-") in seen  # the put's floor
     assert ("pread", "get", "-", "disk-warm") in seen  # the warm disk hit's floor
+    assert ("memcpy", "get", "-", "disk-warm") in seen  # measured in turns with it
     assert {("grpc-raw", op, "inline", "-") for op in ("get", "put", "echo")} <= seen
     assert (("redis", "get", "-", "host") in seen) == (not redis_missing)
     if redis_missing:
@@ -87,6 +88,31 @@ def test_targets_show_the_floor_of_the_worst_case() -> None:
     ahead = by_goal[("arena put sent ahead (put_nowait)", ">= 0.7x memcpy")]
     assert ahead.met is True and ahead.measured.startswith("0.80x")
     assert ahead.floor == "stream 0.75x memcpy"
+
+
+def test_the_warm_disk_target_compares_the_memcpy_measured_beside_it() -> None:
+    """The warm disk cases measure their own memcpy, in turns with the gets: the target,
+    its floor and the tables use that one, not the host cases' memcpy of minutes before;
+    a case without one (cold) falls back to the host cases'."""
+
+    def result(system: str, path: str, tier: str, gbps: float) -> bench.Result:
+        r = bench.Result(system, "get", path, tier, "llama3-8b/2", 256 << 10, 16, 1, 16,
+                         int(gbps * 1e9))  # fmt: skip
+        r.seconds = 1.0
+        return r
+
+    results = [
+        result("memcpy", "-", "-", 20.0),  # the host cases', measured earlier
+        result("memcpy", "-", "disk-warm", 10.0),  # beside the warm disk gets
+        result("pread", "-", "disk-warm", 9.0),
+        result("kvstore", "arena", "disk-warm", 6.0),
+        result("kvstore", "arena", "disk-cold", 2.0),
+    ]
+    disk = next(t for t in bench.targets(results) if t.name.startswith("disk warm"))
+    assert disk.met is True and disk.measured.startswith("0.60x")
+    assert disk.floor == "pread 0.90x memcpy"
+    rows = bench.result_rows(results[3:], results)
+    assert [row[11] for row in rows] == ["0.60x", "0.10x"]
 
 
 def test_write_back_targets_name_each_pass_and_the_first_fills_floor() -> None:
