@@ -164,7 +164,7 @@ def settings_for(args: argparse.Namespace) -> Settings:
         disk=not args.no_disk,
         cold=not args.no_cold,
         disk_bytes_per_case=(8 if quick else 64) * MiB,
-        disk_passes=1 if quick else 2,
+        disk_passes=1 if quick else 3,  # timed warm passes, as many as `repeat`
         redis=not args.no_redis,
         # room for the arena puts' and the puts sent ahead's namespaces of one case at
         # once, each with its staged slots, and the inline path's
