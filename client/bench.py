@@ -30,12 +30,15 @@ pass is bounded in calls, blocks and bytes, so the default run takes a few minut
 
 Disk cases need a daemon this program started: it writes their chains, restarts
 the daemon (which persists the host tier and comes back with every block on disk
-only), refills the arena's pages once (a fresh arena costs ~1 ms/MiB to fault in on
-the VMs we use, a one-off that is not the steady state) and reads each chain once per
-pass. Before a warm pass it reads the LMDB file whole, so that the page cache holds it
-(the VMs we use page out memory left idle for 60 s); for the cold pass it drops the
-page cache instead (``/proc/sys/vm/drop_caches`` and ``posix_fadvise(DONTNEED)`` on
-the LMDB file) when allowed. Against ``--addr`` they are skipped.
+only) and refills the arena's pages once (a fresh arena costs ~1 ms/MiB to fault in
+on the VMs we use, a one-off that is not the steady state). A disk hit changes what it
+reads (a prefix read twice is promoted), so each pass reads chains of its own. The
+warm cases take their passes in turns with memcpy and the pread floor, after one
+restart for all of them; the LMDB file is read whole first and again every
+WARM_EVERY_S, so that the page cache holds it (the VMs we use page out memory left
+idle for 60 s). For the cold cases, one pass each, the daemon is restarted again and
+the page cache dropped (``/proc/sys/vm/drop_caches`` and ``posix_fadvise(DONTNEED)``
+on the LMDB file) when allowed. Against ``--addr`` they are skipped.
 
 Outputs: a table on stdout, ``--json PATH`` (every result), ``--report PATH.md``
 (tables with ratios to memcpy, grpc raw and Redis, the targets, a PNG plot beside it;
@@ -420,7 +423,7 @@ def warm_page_cache(path: str, buffer: np.ndarray) -> str:
     finally:
         os.close(fd)
     seconds = time.perf_counter() - started
-    return f"data.mdb read whole before each warm pass ({done / GiB:.1f} GiB in {seconds:.1f} s)"
+    return f"data.mdb read whole before the warm cases ({done / GiB:.1f} GiB in {seconds:.1f} s)"
 
 
 # -- daemons ----------------------------------------------------------------------------
