@@ -720,7 +720,7 @@ class Bench:
         self.pool = aligned_buffer(pool_bytes, fill=None)  # block bytes to put
         self.out = aligned_buffer(settings.max_call_bytes)  # the reused get buffer
         self.fresh = aligned_buffer(settings.bytes_per_pass)  # the stream floor's ring
-        self._warmed_at = 0.0  # when the disk tier's file was last read whole
+        self._warmed_at = -math.inf  # when the disk tier's file was last read whole
 
     # -- set-up
 
@@ -751,12 +751,6 @@ class Bench:
                 self.s.paths.remove("arena")
         server = self.arena_client.server_info()
         self.info.update(daemon=server.version, arena_bytes=server.arena_bytes)
-
-    def _reconnect(self) -> None:
-        for client in (self.arena_client, self.inline_client):
-            if client is not None:
-                client.close()
-        self._connect()
 
     def close(self) -> None:
         for client in (self.arena_client, self.inline_client):
@@ -1119,24 +1113,25 @@ class Bench:
                         ns.put(tokens, source)
             plan.append((layout, batch, sets))
         self.progress.step("disk: chains written")
-        # 3. warm: one restart for all warm cases
-        self.restart(cold=False)
+        # 3. warm: one restart for all warm cases (the first reads the tier's file whole)
+        self.restart()
         for layout, batch, sets in plan:
             warm = {path: cases[: 1 + s.disk_passes] for path, cases in sets.items()}
             self.disk_warm_case(layout, batch, warm)
             self.progress.step(f"disk-warm {layout.name} x{batch}")
         # 4. cold: page cache dropped, one pass per case and path
         if s.cold:
-            self.info["cold"] = self.restart(cold=True)
+            self.restart()
+            # the daemon maps data.mdb but has touched only the metadata pages of it
+            self.info["cold"] = drop_page_cache([self._disk_data_path()])
             for layout, batch, sets in plan:
                 for path in s.paths:
                     self.disk_cold_case(path, layout, batch, sets[path][-1])
                     self.progress.step(f"disk-cold {path} {layout.name} x{batch}")
         self.progress.step("disk: done")
 
-    def restart(self, cold: bool) -> str:
-        """Restart the daemon (every block on disk only) and reconnect; warm or drop
-        the page cache of its disk tier's file -> what was done to the page cache."""
+    def restart(self) -> None:
+        """Restart the daemon (every block on disk only) and reconnect."""
         assert self.daemon is not None
         for client in (self.arena_client, self.inline_client):
             if client is not None:
@@ -1145,23 +1140,18 @@ class Bench:
         self.daemon.start()
         self._connect()
         self.warm_arena()
-        data = str(self.daemon.disk_dir / "data.mdb")
-        if not cold:
-            self._warmed_at = 0.0
-            self._keep_page_cache_warm()
-            return self.info["warm"]
-        # the daemon maps data.mdb but has touched only the metadata pages of it
-        return drop_page_cache([data])
+
+    def _disk_data_path(self) -> str:
+        assert self.daemon is not None
+        return str(self.daemon.disk_dir / "data.mdb")
 
     def _keep_page_cache_warm(self) -> None:
         """Read the disk tier's file whole when it was last read WARM_EVERY_S ago or
         more: some hosts page out what was not touched for a while (see
         :func:`warm_page_cache`), and the warm cases take minutes."""
-        assert self.daemon is not None
         if time.monotonic() - self._warmed_at < WARM_EVERY_S:
             return
-        data = str(self.daemon.disk_dir / "data.mdb")
-        self.info["warm"] = warm_page_cache(data, self.out)
+        self.info["warm"] = warm_page_cache(self._disk_data_path(), self.out)
         self._warmed_at = time.monotonic()
 
     def warm_arena(self) -> None:
