@@ -46,6 +46,7 @@ from kvclient.bench import (  # noqa: E402
     OwnDaemon,
     TokenSource,
     aligned_buffer,
+    layout_batch,
     machine_line,
 )
 
@@ -201,19 +202,10 @@ def render(cases: list[tuple[str, int, dict[str, list[Round]]]], rounds: int, pu
     return "\n".join(lines)
 
 
-def parse_case(text: str) -> tuple[str, int]:
-    name, _, batch = text.partition(":")
-    if name not in LAYOUTS or not batch.isdigit() or int(batch) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected LAYOUT:BATCH with LAYOUT one of {', '.join(LAYOUTS)}, got {text!r}"
-        )
-    return name, int(batch)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--cases", nargs="+", type=parse_case, default=[("llama2", 16), ("tiny", 128)],
+        "--cases", nargs="+", type=layout_batch, default=[("llama2", 16), ("tiny", 128)],
         metavar="LAYOUT:BATCH", help="layouts (as kvctl bench names them) and blocks per put",
     )  # fmt: skip
     parser.add_argument("--puts", type=int, default=200, help="puts per round")

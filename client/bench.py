@@ -131,6 +131,17 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+def layout_batch(text: str) -> tuple[str, int]:
+    """``LAYOUT:BATCH`` (``llama2:16``) -> the layout's name and the blocks per call; an
+    argparse type for the programs in ``benchmarks/``."""
+    name, _, batch = text.partition(":")
+    if name not in LAYOUTS or not batch.isdigit() or int(batch) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected LAYOUT:BATCH with LAYOUT one of {', '.join(LAYOUTS)}, got {text!r}"
+        )
+    return name, int(batch)
+
+
 @dataclass
 class Settings:
     layouts: list[str]

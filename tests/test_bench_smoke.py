@@ -154,3 +154,24 @@ def test_put_cpu_program_measures_every_mode(tmp_path: Path) -> None:
     assert [row.split(" | ")[1] for row in rows] == ["memcpy", "put", "put-nowait"]
     put = rows[1].split(" | ")
     assert float(put[2]) > 0 and float(put[4].split()[0]) > 0 and float(put[5].split()[0]) > 0
+
+
+@pytest.mark.slow
+def test_disk_hit_parts_program_measures_every_part(tmp_path: Path) -> None:
+    """benchmarks/disk_hit_parts.py at a tiny size: it puts chains, restarts its own
+    daemon so that they are on disk only, and writes one row per part with its time."""
+    import subprocess
+    import sys
+
+    program = Path(__file__).resolve().parent.parent / "benchmarks" / "disk_hit_parts.py"
+    out = tmp_path / "parts.md"
+    argv = [sys.executable, str(program), "--cases", "llama2:2", "--calls", "3",
+            "--out", str(out)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = out.read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 2 x 256 KiB")]
+    modes = ["memcpy", "pread", "pread+check", "index read", "chain keys", "get"]
+    assert [row[1] for row in rows] == modes
+    assert all(float(row[2]) > 0 for row in rows)  # p50 ms of every part
+    assert "The 0.5x target allows" in text
