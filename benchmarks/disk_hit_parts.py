@@ -28,7 +28,6 @@ keys and the rest of the get. A row's ratio is memcpy's p50 over its own.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -51,9 +50,10 @@ from kvclient.bench import (  # noqa: E402
     OwnDaemon,
     TokenSource,
     aligned_buffer,
-    layout_batch,
     machine_line,
+    program_parser,
     warm_page_cache,
+    write_program_report,
 )
 from kvclient.disk_index import DiskIndex  # noqa: E402
 from kvclient.disk_reads import DiskFile  # noqa: E402
@@ -248,11 +248,7 @@ def render(cases: list[tuple[str, int, dict[str, list[float]]]], calls: int) -> 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--cases", nargs="+", type=layout_batch, default=[("llama2", 16)],
-        metavar="LAYOUT:BATCH", help="layouts (as kvctl bench names them) and blocks per call",
-    )  # fmt: skip
+    parser = program_parser(__doc__, [("llama2", 16)], "call")
     parser.add_argument("--calls", type=int, default=100, help="timed calls per mode")
     parser.add_argument("--out", default="docs/benchmarks/disk_hit_parts.md")
     args = parser.parse_args()
@@ -269,10 +265,7 @@ def main() -> int:
             p50 = statistics.median(times[mode])
             print(f"  {mode:12s} p50 {p50:.3f} ms  min {min(times[mode]):.3f} ms  "
                   f"x memcpy {memcpy / p50:.2f}", flush=True)  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(cases, args.calls))
-    print(f"wrote {out}")
+    write_program_report(args.out, render(cases, args.calls))
     return 0
 
 

@@ -25,7 +25,6 @@ short measurement made while it runs counts its CPU as the puts'.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -46,8 +45,9 @@ from kvclient.bench import (  # noqa: E402
     OwnDaemon,
     TokenSource,
     aligned_buffer,
-    layout_batch,
     machine_line,
+    program_parser,
+    write_program_report,
 )
 
 MODES = ("memcpy", "put", "put-nowait")
@@ -203,11 +203,7 @@ def render(cases: list[tuple[str, int, dict[str, list[Round]]]], rounds: int, pu
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--cases", nargs="+", type=layout_batch, default=[("llama2", 16), ("tiny", 128)],
-        metavar="LAYOUT:BATCH", help="layouts (as kvctl bench names them) and blocks per put",
-    )  # fmt: skip
+    parser = program_parser(__doc__, [("llama2", 16), ("tiny", 128)], "put")
     parser.add_argument("--puts", type=int, default=200, help="puts per round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per mode")
     parser.add_argument("--out", default="docs/benchmarks/put_cpu.md")
@@ -241,10 +237,7 @@ def main() -> int:
                         )
         finally:
             daemon.cleanup()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(cases, args.rounds, args.puts))
-    print(f"wrote {out}")
+    write_program_report(args.out, render(cases, args.rounds, args.puts))
     return 0
 
 

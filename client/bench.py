@@ -142,6 +142,25 @@ def layout_batch(text: str) -> tuple[str, int]:
     return name, int(batch)
 
 
+def program_parser(doc: str, cases: list[tuple[str, int]], per: str) -> argparse.ArgumentParser:
+    """The argument parser of a program in ``benchmarks/``: its description (the first
+    paragraph of ``doc``) and ``--cases LAYOUT:BATCH ...`` (blocks per ``per``)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(
+        "--cases", nargs="+", type=layout_batch, default=cases, metavar="LAYOUT:BATCH",
+        help=f"layouts (as kvctl bench names them) and blocks per {per}",
+    )  # fmt: skip
+    return parser
+
+
+def write_program_report(path: str, text: str) -> None:
+    """Write a ``benchmarks/`` program's markdown report (and say where)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}")
+
+
 @dataclass
 class Settings:
     layouts: list[str]
