@@ -93,12 +93,11 @@ def pread_blocks(fd: int, out: np.ndarray, extents: list[DiskExtent], check: boo
             raise RuntimeError(f"the block at offset {extent.offset} failed its check")
 
 
-def put_chains(daemon: OwnDaemon, ns_name: str, layout: Layout, chains: list[np.ndarray]) -> None:
-    """Put every chain, then restart the daemon: its host tier starts empty, so every
-    chain is on disk only."""
-    batch = max(len(tokens) for tokens in chains) // layout.block_tokens
-    sources = aligned_buffer(SOURCES * batch * layout.block_bytes, fill=None)
-    sources = sources.reshape(SOURCES, batch, layout.block_bytes)
+def put_chains(
+    daemon: OwnDaemon, ns_name: str, layout: Layout, chains: list[np.ndarray], sources: np.ndarray
+) -> None:
+    """Put every chain (its blocks from ``sources[i % SOURCES]``), then restart the
+    daemon: its host tier starts empty, so every chain is on disk only."""
     with KVClient(daemon.addr) as client:
         ns = client.namespace(ns_name, layout.block_tokens, **layout.spec())
         for i, tokens in enumerate(chains):
@@ -129,8 +128,9 @@ def measure_case(workdir: Path, layout_name: str, batch: int, calls: int) -> dic
     daemon = OwnDaemon(workdir, 256 * MiB, max(GiB, 2 * volume))
     daemon.start()
     try:
-        put_chains(daemon, ns_name, layout, [spare, *(t for m in CHAIN_MODES for t in chains[m])])
         sources = aligned_buffer(SOURCES * call_bytes, fill=None).reshape(SOURCES, batch, size)
+        every_chain = [spare, *(t for m in CHAIN_MODES for t in chains[m])]
+        put_chains(daemon, ns_name, layout, every_chain, sources)
         out = aligned_buffer(call_bytes).reshape(batch, size)
         print(f"  {warm_page_cache(str(daemon.disk_dir / 'data.mdb'), out.reshape(-1))}")
         with KVClient(daemon.addr) as client:

@@ -8,6 +8,8 @@ skipped with a note."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,19 +139,20 @@ def test_write_back_targets_name_each_pass_and_the_first_fills_floor() -> None:
     assert again.measured == "1.50 GB/s" and again.floor == "-"
 
 
+def run_program(name: str, *args: object) -> None:
+    """Run ``benchmarks/<name>`` with ``args``; fail the test unless it exits 0."""
+    program = Path(__file__).resolve().parent.parent / "benchmarks" / name
+    argv = [sys.executable, str(program), *map(str, args)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_put_cpu_program_measures_every_mode(tmp_path: Path) -> None:
     """benchmarks/put_cpu.py at a tiny size: it starts and stops its own daemon and
     writes one row per mode, with CPU figures for both processes."""
-    import subprocess
-    import sys
-
-    program = Path(__file__).resolve().parent.parent / "benchmarks" / "put_cpu.py"
     out = tmp_path / "put_cpu.md"
-    argv = [sys.executable, str(program), "--cases", "tiny:4", "--puts", "5", "--rounds", "1",
-            "--out", str(out)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_program("put_cpu.py", "--cases", "tiny:4", "--puts", "5", "--rounds", "1", "--out", out)
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 4 x 2 KiB")]
     assert [row.split(" | ")[1] for row in rows] == ["memcpy", "put", "put-nowait"]
     put = rows[1].split(" | ")
@@ -160,15 +163,8 @@ def test_put_cpu_program_measures_every_mode(tmp_path: Path) -> None:
 def test_disk_hit_parts_program_measures_every_part(tmp_path: Path) -> None:
     """benchmarks/disk_hit_parts.py at a tiny size: it puts chains, restarts its own
     daemon so that they are on disk only, and writes one row per part with its time."""
-    import subprocess
-    import sys
-
-    program = Path(__file__).resolve().parent.parent / "benchmarks" / "disk_hit_parts.py"
     out = tmp_path / "parts.md"
-    argv = [sys.executable, str(program), "--cases", "llama2:2", "--calls", "3",
-            "--out", str(out)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_program("disk_hit_parts.py", "--cases", "llama2:2", "--calls", "3", "--out", out)
     text = out.read_text()
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 2 x 256 KiB")]
     modes = ["memcpy", "pread", "pread+check", "index read", "chain keys", "get"]
