@@ -7,6 +7,7 @@ skipped with a note."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -171,3 +172,20 @@ def test_disk_hit_parts_program_measures_every_part(tmp_path: Path) -> None:
     assert [row[1] for row in rows] == modes
     assert all(float(row[2]) > 0 for row in rows)  # p50 ms of every part
     assert "The 0.5x target allows" in text
+
+
+def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
+    """A malformed --cases or a --calls below 1 stops the program before it starts a
+    daemon: exit code 2 and a line that names what is wrong."""
+    with pytest.raises(argparse.ArgumentTypeError, match="expected LAYOUT:BATCH"):
+        bench.layout_batch("llama2:0")
+    assert bench.layout_batch("llama8:16") == ("llama8", 16)
+    program = Path(__file__).resolve().parent.parent / "benchmarks" / "disk_hit_parts.py"
+    for args, why in (
+        (["--calls", "0"], "--calls must be at least 1"),
+        (["--cases", "huge:16"], "expected LAYOUT:BATCH with LAYOUT one of tiny"),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(program), *args], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2 and why in done.stderr, done.stderr
