@@ -14,7 +14,7 @@ Results are frozen dataclasses (numpy arrays for block bytes); errors are
 """
 
 from kvclient.async_client import AsyncKVClient, AsyncNamespace
-from kvclient.claims import AsyncClaim, Claim
+from kvclient.claims import AsyncClaim, Claim, ClaimTicket
 from kvclient.errors import (
     ArenaUnavailableError,
     DaemonUnavailableError,
@@ -42,6 +42,7 @@ from kvclient.sync_client import KVClient, Namespace
 __all__ = [
     "AsyncClaim",
     "Claim",
+    "ClaimTicket",
     "ArenaUnavailableError",
     "AsyncKVClient",
     "AsyncNamespace",

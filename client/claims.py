@@ -18,12 +18,18 @@ Protocol of a :class:`Claim` (from :meth:`kvclient.Namespace.claim`):
 3. Leaving the ``with`` block (or ``claim.abandon()``) drops what was not delivered, so
    waiters compute for themselves. A claim that is never finished also ends by itself
    when its lease runs out.
+
+A claim may be made by one client and filled by another (vLLM's scheduler claims, its
+worker computes): ``claim.ticket()`` is a small picklable :class:`ClaimTicket`, and
+``Namespace.resume_claim(ticket)`` on the other client is a :class:`Claim` over the same
+lease, delivering the blocks not delivered yet. One of them delivers at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -38,6 +44,16 @@ from kvproto.v1 import kvstore_pb2 as pb
 if TYPE_CHECKING:
     from kvclient.async_client import AsyncNamespace
     from kvclient.sync_client import Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimTicket:
+    """A claim handed to another client: the Reserve's answer and where it started."""
+
+    ns_id: str
+    start: int
+    response: bytes  # the serialized ReserveResponse
+    delivered: int = 0  # blocks delivered before the hand-over
 
 
 class _ClaimState:
@@ -61,6 +77,14 @@ class _ClaimState:
         self.arena = arena
         self.delivered = 0
         self._slots = wire.slot_table(response)
+        self._response = response
+        self._start = start
+
+    def ticket(self) -> ClaimTicket:
+        """What another client needs to deliver the rest (see the module docstring)."""
+        return ClaimTicket(
+            self.ns_id, self._start, self._response.SerializeToString(), self.delivered
+        )
 
     @property
     def remaining(self) -> int:

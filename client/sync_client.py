@@ -42,7 +42,7 @@ import numpy as np
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
 from kvclient.arena_path import BlockViews, ClientArena, SlotTable, write_slots
-from kvclient.claims import Claim, reserve_request
+from kvclient.claims import Claim, ClaimTicket, reserve_request
 from kvclient.disk_index import DiskFirstReads
 from kvclient.disk_reads import DiskFile, read_answer, read_first_from_file
 from kvclient.errors import (
@@ -976,6 +976,21 @@ class Namespace:
             self.client._info = None  # the daemon restarted: deliver inline this time
             arena = None
         return Claim(self, response, start, arena)
+
+    def resume_claim(self, ticket: ClaimTicket) -> Claim:
+        """The claim of ``ticket`` (made by another client, :meth:`Claim.ticket`), to
+        deliver its remaining blocks from this client. No call is made."""
+        if ticket.ns_id != self.ns_id:
+            raise InvalidArgumentError(
+                f"the claim is of namespace {ticket.ns_id}, not of {self.ns_id}"
+            )
+        response = pb.ReserveResponse.FromString(ticket.response)
+        _, arena = self.client._arena_for_data()
+        if arena is not None and arena.names_another_arena(response.arena_path):
+            arena = None  # made before the daemon restarted: its lease is gone anyway
+        claim = Claim(self, response, ticket.start, arena)
+        claim.delivered = ticket.delivered
+        return claim
 
     # -- management -----------------------------------------------------------------
 

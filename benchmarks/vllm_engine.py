@@ -1,0 +1,171 @@
+"""One vLLM engine run in this process, for the connector's tests and benchmark.
+
+    python benchmarks/vllm_engine.py make-model DIR        # a tiny random Llama, offline
+    python benchmarks/vllm_engine.py run --model DIR --prompts P.json --out R.json \\
+        [--connector none|kvstore|example] [--extra '{"addr": ...}'] [--warmup] ...
+
+``P.json`` is a list of ``{"tokens": [...], "cache_salt": "..."}`` (salt optional);
+the prompts run one after another, each alone. ``R.json`` gets, per prompt, the tokens
+vLLM reported cached (``cached``: its own prefix cache plus the connector's), the greedy
+output tokens, the log-probability of each, and the seconds ``generate`` took (with
+``--max-tokens 1``: the time to first token). ``--barrier FILE`` waits after start-up
+until FILE exists, so that engines started together send their prompts together.
+
+Settings that make runs comparable on a small CPU machine: vLLM in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a 1 GiB KV cache, eager mode, and one reserved
+core whatever the connector (vLLM reserves one more core whenever a KV connector is
+set, which would change the prefill's thread count between the runs compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+TINY_LLAMA = {  # 2 KiB of KV per token in bfloat16: 256 KiB per 128-token block
+    "vocab_size": 32000,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 32768,
+}
+
+
+def make_model(directory: Path, seed: int = 0) -> Path:
+    """Save a tiny random Llama (bfloat16) and a word-level tokenizer to ``directory``
+    (no hub access); idempotent."""
+    if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
+        return directory
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**TINY_LLAMA, dtype="bfloat16")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(TINY_LLAMA["vocab_size"])}
+    vocab["<unk>"] = 0
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(directory)
+    return directory
+
+
+def transfer_config(connector: str, extra: dict[str, object]) -> dict[str, object] | None:
+    """vLLM's ``kv_transfer_config`` for ``connector`` (None: no connector)."""
+    if connector == "none":
+        return None
+    if connector == "kvstore":
+        return {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvclient.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    if connector == "example":
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
+    raise ValueError(f"unknown connector {connector!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    llm = LLM(
+        model=str(args.model),
+        enforce_eager=True,
+        dtype="bfloat16",
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        seed=0,
+        kv_transfer_config=transfer_config(args.connector, json.loads(args.extra)),
+    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=1)
+    if args.warmup:  # first-call costs of the engine (not of the connector's cache)
+        warm = TokensPrompt(prompt_token_ids=[31000 + i % 900 for i in range(200)])
+        llm.generate([warm], SamplingParams(max_tokens=1), use_tqdm=False)
+    if args.barrier:
+        while not Path(args.barrier).exists():
+            time.sleep(0.005)
+    results = []
+    for prompt in prompts:
+        request = TokensPrompt(prompt_token_ids=list(prompt["tokens"]))
+        if prompt.get("cache_salt"):
+            request["cache_salt"] = prompt["cache_salt"]
+        started = time.perf_counter()
+        (output,) = llm.generate([request], params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        completion = output.outputs[0]
+        logprobs = [
+            float(step[token].logprob)
+            for step, token in zip(completion.logprobs or [], completion.token_ids, strict=True)
+        ]
+        results.append(
+            {
+                "cached": int(output.num_cached_tokens or 0),
+                "tokens": list(completion.token_ids),
+                "logprobs": logprobs,
+                "seconds": seconds,
+            }
+        )
+    text = json.dumps(results)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    make = commands.add_parser("make-model", help="save a tiny random Llama to DIR")
+    make.add_argument("directory", type=Path)
+    go = commands.add_parser("run", help="run prompts through one engine")
+    go.add_argument("--model", type=Path, required=True)
+    go.add_argument("--prompts", type=Path, required=True)
+    go.add_argument("--out", type=Path)
+    go.add_argument("--connector", choices=("none", "kvstore", "example"), default="none")
+    go.add_argument("--extra", default="{}", help="kv_connector_extra_config, as JSON")
+    go.add_argument("--max-tokens", type=int, default=1)
+    go.add_argument("--max-model-len", type=int, default=20000)
+    go.add_argument("--max-num-batched-tokens", type=int, default=20000)
+    go.add_argument("--no-prefix-caching", action="store_true")
+    go.add_argument("--warmup", action="store_true", help="one short unrelated prompt first")
+    go.add_argument("--barrier", help="wait after start-up until this file exists")
+    args = parser.parse_args(argv)
+    if args.command == "make-model":
+        print(make_model(args.directory))
+        return 0
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

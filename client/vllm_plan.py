@@ -1,0 +1,134 @@
+"""What vLLM's scheduler tells its workers to load and store, step by step (no I/O).
+
+The scheduler side of :class:`kvclient.vllm.KVStoreConnector` keeps one
+:class:`RequestState` per request it has seen and turns each scheduler step into a
+:class:`StepPlan`: which kvstore blocks each worker copies into which of vLLM's blocks
+before the forward pass (:class:`LoadSpec`), and which freshly computed full blocks it
+stores after it (:class:`SaveSpec`). Everything here is plain data, picklable, so the
+plan crosses to worker processes as vLLM's connector metadata.
+
+Block numbers: kvstore block ``i`` of a prompt is vLLM block ``i`` of the request
+(``block_ids[i]``): the namespace's ``block_tokens`` is vLLM's block size. Rules:
+
+1. Only the prompt's full blocks are stored, and at most ``(len(prompt) - 1) //
+   block_size`` are loaded: the engine computes at least the last prompt token.
+2. A request loads blocks ``local .. hit`` (``local``: blocks vLLM's own prefix cache
+   already holds) once, in the step that first schedules it (or resumes it after a
+   preemption, when vLLM asks for matches again).
+3. After each step, the blocks the step completed (``computed + scheduled`` tokens,
+   capped at the prompt) and not yet in kvstore are stored, in chain order, each after
+   its parent: ``saved`` starts at the blocks kvstore already held at lookup time.
+4. With early reuse the scheduler claims the blocks it is about to compute; the plan
+   carries the claim's ticket so the worker delivers into it (other engines wait for
+   those blocks instead of computing them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvclient.claims import ClaimTicket
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Copy kvstore blocks ``start .. start + len(block_ids)`` of ``tokens`` into
+    vLLM's blocks ``block_ids`` before this step's forward pass."""
+
+    req_id: str
+    salt: str
+    tokens: list[int]  # the prompt up to the end of the last block loaded
+    start: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store vLLM's blocks ``block_ids`` as kvstore blocks ``start ..`` of ``tokens``
+    after this step's forward pass (into ``claim`` where it covers them)."""
+
+    req_id: str
+    salt: str
+    tokens: list[int]  # the prompt up to the end of the last block stored
+    start: int
+    block_ids: list[int]
+    claim: ClaimTicket | None = None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.saves)
+
+
+@dataclass(slots=True)
+class RequestState:
+    """The scheduler's view of one request."""
+
+    salt: str
+    prompt: list[int]
+    block_size: int
+    saved: int = 0  # leading prompt blocks kvstore holds (or this request has stored)
+    local: int = 0  # leading blocks vLLM's own cache held when the request was admitted
+    load_end: int = 0  # load blocks local .. load_end in the next step that schedules it
+    block_ids: list[int] = field(default_factory=list)
+    claim: ClaimTicket | None = None
+    waiting_since: float | None = None  # early reuse: first "ask again later"
+    last_lookup: float = 0.0
+
+    @property
+    def full_blocks(self) -> int:
+        return len(self.prompt) // self.block_size
+
+    @property
+    def loadable_blocks(self) -> int:
+        return max(len(self.prompt) - 1, 0) // self.block_size
+
+    def matched(self, local_tokens: int, stored_blocks: int) -> int:
+        """Record a lookup (kvstore holds ``stored_blocks`` of the prompt; vLLM's cache
+        ``local_tokens``) -> the tokens to load beyond the local hit."""
+        self.local = local_tokens // self.block_size
+        self.saved = min(stored_blocks, self.full_blocks)
+        hit = min(stored_blocks, self.loadable_blocks)
+        self.load_end = max(hit, self.local)
+        return (self.load_end - self.local) * self.block_size
+
+    def allocated(self, external_tokens: int) -> None:
+        """vLLM allocated the request's blocks and will load ``external_tokens``."""
+        if external_tokens <= 0:
+            self.load_end = self.local
+
+    def take_load(self, req_id: str) -> LoadSpec | None:
+        """The load planned for the step that schedules the request (once)."""
+        start, end = self.local, self.load_end
+        self.load_end = start
+        if end <= start:
+            return None
+        return LoadSpec(
+            req_id,
+            self.salt,
+            self.prompt[: end * self.block_size],
+            start,
+            self.block_ids[start:end],
+        )
+
+    def take_save(self, req_id: str, computed_tokens: int) -> SaveSpec | None:
+        """The blocks completed once ``computed_tokens`` tokens are computed and not
+        stored yet (once each)."""
+        done = min(computed_tokens, len(self.prompt)) // self.block_size
+        done = min(done, len(self.block_ids))
+        if done <= self.saved:
+            return None
+        spec = SaveSpec(
+            req_id,
+            self.salt,
+            self.prompt[: done * self.block_size],
+            self.saved,
+            self.block_ids[self.saved : done],
+            self.claim,
+        )
+        self.saved = done
+        return spec
