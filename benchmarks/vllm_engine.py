@@ -35,40 +35,14 @@ ENGINE_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-TINY_LLAMA = {  # 2 KiB of KV per token in bfloat16: 256 KiB per 128-token block
-    "vocab_size": 32000,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "max_position_embeddings": 32768,
-}
 
 
-def make_model(directory: Path, seed: int = 0) -> Path:
-    """Save a tiny random Llama (bfloat16) and a word-level tokenizer to ``directory``
-    (no hub access); idempotent."""
-    if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
-        return directory
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+def make_model(directory: Path) -> Path:
+    """A tiny random Llama with a word-level tokenizer in ``directory`` (offline): 4
+    layers, 2 KV heads of 64, bfloat16, so 2 KiB of KV a token (kvclient.hf)."""
+    from kvclient.hf import save_random_llama
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(**TINY_LLAMA, dtype="bfloat16")
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(TINY_LLAMA["vocab_size"])}
-    vocab["<unk>"] = 0
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="t1", eos_token="t2"
-    )
-    fast.save_pretrained(directory)
-    return directory
+    return save_random_llama(directory, "vllm-tiny")
 
 
 def transfer_config(connector: str, extra: dict[str, object]) -> dict[str, object] | None:
@@ -107,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         kv_transfer_config=transfer_config(args.connector, json.loads(args.extra)),
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=1)
-    if args.warmup:  # first-call costs of the engine (not of the connector's cache)
-        warm = TokensPrompt(prompt_token_ids=[31000 + i % 900 for i in range(200)])
+    if args.warmup:  # the engine's first-call costs, for the longest prompt's shapes
+        longest = max(len(p["tokens"]) for p in prompts)
+        warm = TokensPrompt(prompt_token_ids=[31000 + i % 997 for i in range(longest)])
         llm.generate([warm], SamplingParams(max_tokens=1), use_tqdm=False)
     if args.ready:
         Path(args.ready).write_text("ready")
@@ -159,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--max-model-len", type=int, default=20000)
     go.add_argument("--max-num-batched-tokens", type=int, default=20000)
     go.add_argument("--no-prefix-caching", action="store_true")
-    go.add_argument("--warmup", action="store_true", help="one short unrelated prompt first")
+    go.add_argument(
+        "--warmup", action="store_true", help="first, one unrelated prompt as long as the longest"
+    )
     go.add_argument("--barrier", help="wait after start-up until this file exists")
     go.add_argument("--ready", help="write this file once started (before the barrier)")
     args = parser.parse_args(argv)

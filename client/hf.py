@@ -67,6 +67,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,7 @@ __all__ = [
     "cache_from_blocks",
     "config_fingerprint",
     "random_llama",
+    "save_random_llama",
 ]
 
 
@@ -742,6 +744,17 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         max_position_embeddings=16384,
     ),
+    # vLLM tests and benchmark (save_random_llama): 2 KiB of KV a token in bfloat16
+    "vllm-tiny": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+    ),
     # Llama-3-8B's shape (random weights): the GPU benchmark
     "llama3-8b": dict(
         hidden_size=4096,
@@ -778,3 +791,26 @@ def random_llama(
     finally:
         torch.set_default_dtype(default_dtype)
     return model.eval()
+
+
+def save_random_llama(directory: str | Path, preset: str = "vllm-tiny", *, seed: int = 0) -> Path:
+    """Save a seeded random Llama (bfloat16) and a word-level tokenizer (token ``i`` is
+    the word ``t<i>``) to ``directory``, as a model directory that vLLM and
+    transformers load offline; idempotent."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(directory)
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    model = random_llama(preset, seed=seed, dtype=torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    vocab["<unk>"] = 0
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="t1", eos_token="t2"
+    ).save_pretrained(path)
+    return path

@@ -348,7 +348,10 @@ class _SchedulerSide:
                     state.claim = claim.ticket()
                 return claim.existing, claim.pending_elsewhere and not claim.blocks
         hit = ns.lookup(prefix)
-        return hit.blocks, self.settings.early_reuse and hit.pending_blocks > 0
+        # blocks pending under this request's own claim (resumed after a preemption)
+        # are not worth waiting for: nobody else computes them
+        waiting = self.settings.early_reuse and req_id not in self.claims
+        return hit.blocks, waiting and hit.pending_blocks > 0
 
     def allocated(self, request: Request, external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
@@ -431,7 +434,16 @@ class _WorkerSide:
                 f"KVStoreConnector: the KV cache tensors hold {self.layers.block_bytes} bytes "
                 f"per block, the KV cache spec says {self.layout.block_bytes}"
             )
-        self._rows_for(0)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Connect, map the arena and open the namespace now, at start-up: else the
+        first request to load pays for them (a cost of the process, not of the load)."""
+        try:
+            if self.client.arena_in_use:
+                self.namespaces.get("")
+        except KVStoreError as exc:  # the daemon is not there yet: first use connects
+            log.debug("kvstore not reachable at start-up: %s", exc)
 
     def _rows_for(self, n: int) -> torch.Tensor:
         """A reused host buffer of at least n block rows (pinned where CUDA runs)."""
@@ -447,9 +459,14 @@ class _WorkerSide:
 
     def load(self, plan: StepPlan) -> None:
         for spec in plan.loads:
+            started = time.perf_counter()
             loaded = self._load(spec)
             if loaded < len(spec.block_ids):
                 self.failed_blocks.update(spec.block_ids[loaded:])
+            log.debug(
+                "request %s: loaded %d of %d blocks in %.2f ms",
+                spec.req_id, loaded, len(spec.block_ids), (time.perf_counter() - started) * 1e3,
+            )  # fmt: skip
 
     def _load(self, spec: LoadSpec) -> int:
         """Load one request's blocks -> how many of ``spec.block_ids`` were loaded."""
@@ -499,11 +516,17 @@ class _WorkerSide:
     def save(self, plan: StepPlan) -> None:
         self._reap()
         for spec in plan.saves:
+            started = time.perf_counter()
             try:
                 self._save(spec)
             except KVStoreError as exc:
                 self._drop_claim(spec.req_id)
                 self.warnings.warn("save", "kvstore did not take blocks (%s)", exc)
+            log.debug(
+                "request %s: stored blocks %d..%d in %.2f ms",
+                spec.req_id, spec.start, spec.start + len(spec.block_ids),
+                (time.perf_counter() - started) * 1e3,
+            )  # fmt: skip
 
     def _save(self, spec: SaveSpec) -> None:
         assert self.layers is not None

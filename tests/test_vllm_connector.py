@@ -59,6 +59,7 @@ def run_engine(
     max_tokens: int = 4,
     name: str = "run",
     barrier: Path | None = None,
+    chunk_tokens: int | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """One engine process over ``prompts`` -> (its results, its log). ``addr`` None:
     no connector (and vLLM's own prefix cache on); else the kvstore connector with
@@ -83,6 +84,8 @@ def run_engine(
         settings = {"addr": addr, **(extra or {})}
         command += ["--connector", "kvstore", "--extra", json.dumps(settings)]
         command += ["--no-prefix-caching"]
+    if chunk_tokens is not None:  # chunked prefill: a long prompt over several steps
+        command += ["--max-num-batched-tokens", str(chunk_tokens)]
     if barrier is not None:
         command += ["--barrier", str(barrier), "--ready", str(tmp_path / f"{name}.ready")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
@@ -188,6 +191,26 @@ def test_the_loaded_kv_is_what_the_engine_uses(
         poisoned["logprobs"], reference[0]["logprobs"], atol=1e-3, rtol=0
     )
     assert differs, "the output did not change with other KV bytes: the load was not used"
+
+
+def test_a_chunked_prefill_stores_each_block_as_its_chunk_completes(
+    kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    # 300-token chunks: blocks complete in the middle of chunks, a few per step
+    (chunked,), _ = run_engine(
+        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, chunk_tokens=300
+    )
+    assert chunked["cached"] == 0
+    assert chunked["tokens"] == reference[0]["tokens"]
+    with KVClient(kvstored.addr) as client:
+        assert vllm_namespace(client).lookup(PROMPT_A).blocks == 7
+    # what the chunks stored is A's KV: a fresh engine's output from it is A's
+    (warm,), _ = run_engine(
+        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="warm"
+    )
+    assert warm["cached"] == 896
+    assert warm["tokens"] == reference[0]["tokens"]
+    assert np.allclose(warm["logprobs"], reference[0]["logprobs"], atol=2e-2, rtol=0)
 
 
 def test_after_a_daemon_restart_the_hit_comes_from_disk(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import Daemon
 
 from kvclient.claims import ClaimTicket
 from kvclient.vllm_blocks import PagedLayers
@@ -145,3 +146,46 @@ def test_an_untested_vllm_is_one_clear_error() -> None:
     check_vllm_version("0.32.3rc1")
     with pytest.raises(RuntimeError, match=r"supports vLLM >= 0.32, < 0.33; this is vLLM 0.40.1"):
         check_vllm_version("0.40.1")
+
+
+# -- namespaces -------------------------------------------------------------------------
+
+
+def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields(
+    kvstored: Daemon,
+) -> None:
+    from kvclient import KVClient, LayoutMismatchError
+    from kvclient.vllm import EngineLayout, _Namespaces
+
+    layout = EngineLayout(
+        model="m:vllm-cpu-LBHNC",
+        block_tokens=16,
+        block_bytes=2 * 4 * 2 * 64 * 2 * 16,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="bfloat16",
+        world_size=1,
+        layer_names=("l0", "l1", "l2", "l3"),
+    )
+    with KVClient(kvstored.addr) as client:
+        # the name is first bound by an engine of another dtype
+        client.namespace(
+            "m:vllm-cpu-LBHNC", 16, 0, name="prod", num_layers=4, num_kv_heads=2,
+            head_dim=64, dtype="float16",
+        )  # fmt: skip
+        with pytest.raises(LayoutMismatchError) as raised:
+            _Namespaces(client, layout, rank=0, name="prod").get("")
+        message = str(raised.value)
+        for field in (
+            "model=m:vllm-cpu-LBHNC",
+            "block_tokens=16",
+            "num_layers=4",
+            "dtype=bfloat16",
+        ):
+            assert field in message
+        # unnamed, each layout is a namespace of its own: no clash
+        ns = _Namespaces(client, layout, rank=0).get("")
+        assert ns.block_bytes == layout.block_bytes
+        salted = _Namespaces(client, layout, rank=0).get("tenant-b")
+        assert salted.ns_id != ns.ns_id
