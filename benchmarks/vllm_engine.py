@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup:  # the engine's first-call costs, for the longest prompt's shapes
         longest = max(len(p["tokens"]) for p in prompts)
         warm = TokensPrompt(prompt_token_ids=[31000 + i % 997 for i in range(longest)])
-        llm.generate([warm], SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate([warm], params, use_tqdm=False)  # the same sampling: logprobs too
     if args.ready:
         Path(args.ready).write_text("ready")
     if args.barrier:
