@@ -23,6 +23,8 @@ Scheduler side (one per engine, in the scheduler's process):
 - ``update_state_after_alloc``: what vLLM decided to load.
 - ``build_connector_meta``: the step's plan (:mod:`kvclient.vllm_plan`): loads for the
   requests scheduled for the first time, saves of the full blocks each step completes.
+- ``update_connector_output``: blocks a worker could not load are stored again once
+  vLLM has recomputed them.
 - ``request_finished``: drop what a claim did not deliver (preempted, aborted or
   finished early); blocks are never held for a save: saves finish within the step.
 
@@ -75,6 +77,7 @@ from kvclient.errors import (
     ArenaUnavailableError,
     KVStoreError,
     LayoutMismatchError,
+    LeaseError,
     OutOfSpaceError,
 )
 from kvclient.puts_ahead import PendingPut
@@ -89,6 +92,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -360,6 +364,7 @@ class _SchedulerSide:
 
     def plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan = StepPlan()
+        down = not self._usable()  # no saves for a daemon that just failed a call
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
@@ -389,9 +394,18 @@ class _SchedulerSide:
             if state is None or req_id not in computed:
                 continue
             save = state.take_save(req_id, computed[req_id] + scheduled)
-            if save is not None:
+            if save is not None and not down:
                 plan.saves.append(save)
         return plan
+
+    def failed(self, block_ids: set[int]) -> None:
+        """Blocks a worker could not load: vLLM recomputes them, and the steps that do
+        store them again (they were missing or damaged in kvstore)."""
+        for state in self.requests.values():
+            for i, block_id in enumerate(state.block_ids[: state.saved]):
+                if block_id in block_ids:
+                    state.saved = i
+                    break
 
     def finished(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
@@ -419,7 +433,8 @@ class _WorkerSide:
         self.layers: PagedLayers | None = None
         self.warnings = _Warnings()
         self.failed_blocks: set[int] = set()
-        self.claims: dict[str, Claim] = {}
+        self.claims: dict[str, Claim | None] = {}  # None: the claim was lost, plain puts
+        self._down_until = 0.0  # after a failed call, no saves until then
         self.pending: deque[PendingPut] = deque()
         self._rows = torch.empty((0, layout.block_bytes), dtype=torch.uint8)
 
@@ -516,11 +531,14 @@ class _WorkerSide:
     def save(self, plan: StepPlan) -> None:
         self._reap()
         for spec in plan.saves:
+            if time.monotonic() < self._down_until:
+                return  # a daemon that just failed: do not stall steps on it
             started = time.perf_counter()
             try:
                 self._save(spec)
             except KVStoreError as exc:
                 self._drop_claim(spec.req_id)
+                self._down_until = time.monotonic() + self.settings.retry_after_s
                 self.warnings.warn("save", "kvstore did not take blocks (%s)", exc)
             log.debug(
                 "request %s: stored blocks %d..%d in %.2f ms",
@@ -542,7 +560,11 @@ class _WorkerSide:
                 self._drop_claim(spec.req_id)
             elif first < end:
                 upto = min(end, last)
-                claim.fill(rows[first - start : upto - start])
+                try:
+                    claim.fill(rows[first - start : upto - start])
+                except LeaseError:  # its lease ran out (a long prefill): plain puts now
+                    self.claims[spec.req_id] = None
+                    upto = first
                 start_after = upto
                 if start_after >= end:
                     return
@@ -558,14 +580,14 @@ class _WorkerSide:
     def _claim(self, spec: SaveSpec, ns: Namespace) -> Claim | None:
         if spec.claim is None:
             return None
-        claim = self.claims.get(spec.req_id)
-        if claim is None:
-            claim = ns.resume_claim(spec.claim)
-            self.claims[spec.req_id] = claim
-        return claim if claim.remaining or claim.delivered else None
+        if spec.req_id not in self.claims:
+            self.claims[spec.req_id] = ns.resume_claim(spec.claim)
+        claim = self.claims[spec.req_id]
+        return claim if claim is not None and (claim.remaining or claim.delivered) else None
 
     def _drop_claim(self, req_id: str) -> None:
-        claim = self.claims.pop(req_id, None)
+        claim = self.claims.get(req_id)
+        self.claims[req_id] = None  # this request stores with plain puts from now on
         if claim is not None:
             with contextlib.suppress(KVStoreError):  # else its lease runs out on its own
                 claim.abandon()
@@ -682,6 +704,11 @@ class KVStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return KVStoreConnectorMetadata(self._scheduler.plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        if connector_output.invalid_block_ids:
+            self._scheduler.failed(set(connector_output.invalid_block_ids))
 
     def request_finished(
         self, request: Request, block_ids: list[int]

