@@ -408,8 +408,10 @@ class _SchedulerSide:
                     break
 
     def finished(self, req_id: str) -> None:
-        self.requests.pop(req_id, None)
+        state = self.requests.pop(req_id, None)
         claim = self.claims.pop(req_id, None)
+        if state is not None and claim is not None and state.saved >= claim.first + claim.blocks:
+            return  # the worker was told to deliver all of it: nothing left to drop
         if claim is not None:
             try:
                 claim.abandon()  # what the worker did not deliver: waiters compute it
