@@ -26,7 +26,9 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -539,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Ctrl-C stops any command, even when kvctl was started with SIGINT ignored (a
+    # background job of a shell, nohup): Python then raises no KeyboardInterrupt
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -166,7 +166,12 @@ def test_top_prints_once_when_not_a_tty(daemon: Daemon, ns_id: str, capsys) -> N
     assert code == 0 and {t["name"] for t in json.loads(out)["tiers"]} == {"host", "disk"}
 
 
-def test_top_redraws_on_a_tty_and_restores_it_on_ctrl_c(daemon: Daemon, ns_id: str) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_top_redraws_on_a_tty_and_restores_it_on_ctrl_c(
+    daemon: Daemon, ns_id: str, sigint: str
+) -> None:
+    # "ignored": started as a background job is, with SIGINT ignored (nohup, `cmd &`)
+    ignore = sigint == "ignored"
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": "120", "LINES": "30"}
     proc = subprocess.Popen(
@@ -176,6 +181,7 @@ def test_top_redraws_on_a_tty_and_restores_it_on_ctrl_c(daemon: Daemon, ns_id: s
         stderr=slave,
         env=env,
         start_new_session=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore else None,
     )
     os.close(slave)
     try:
