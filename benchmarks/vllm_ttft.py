@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 from kvclient.bench import OwnDaemon  # noqa: E402
 
 ENGINE = REPO / "benchmarks" / "vllm_engine.py"
+NOTES_MARK = "<!-- notes: kept when the report is generated again -->"
 CASES = ("cold", "vllm_hit", "example", "kv_unseen", "kv_host", "kv_disk")
 LABELS = {
     "cold": "cold (no connector)",
@@ -223,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device_note = _device_note()
         times = measure(args, workdir)
     text = report(args, times)
+    if args.out.exists() and NOTES_MARK in args.out.read_text():  # keep the notes
+        text += "\n" + NOTES_MARK + args.out.read_text().split(NOTES_MARK, 1)[1]
     args.out.write_text(text)
     print(text)
     return 0
