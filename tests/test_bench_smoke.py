@@ -189,3 +189,15 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
             [sys.executable, str(program), *args], capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 2 and why in done.stderr, done.stderr
+
+
+def test_vllm_ttft_refuses_bad_arguments_before_starting_anything() -> None:
+    program = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_ttft.py"
+    for args, why in (
+        (["--lengths", "2k"], "--lengths must be comma-separated integers"),
+        (["--rounds", "0"], "--rounds and --prompts must be >= 1"),
+    ):
+        done = subprocess.run(
+            [sys.executable, str(program), *args], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2 and why in done.stderr, done.stderr
