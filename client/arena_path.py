@@ -390,16 +390,26 @@ class BlockViews:
             self._views = slot_views(self._mapping, self._table, self.block_bytes)
         return self._views[1]
 
-    def copy_to(self, out: np.ndarray) -> np.ndarray:
-        """Copy the blocks into ``out`` (``uint8[>= n_blocks, block_bytes]``) -> the rows
-        written."""
+    def copy_to(self, out: np.ndarray, first: int = 0, count: int | None = None) -> np.ndarray:
+        """Copy blocks ``first .. first + count`` (default: to the last) into ``out``
+        (``uint8[>= count, block_bytes]``) -> the rows written."""
         self._check()
+        if count is None:
+            count = self.n_blocks - first
+        if first < 0 or count < 0 or first + count > self.n_blocks:
+            raise ValueError(
+                f"blocks {first}..{first + count} are outside the lease's {self.n_blocks}"
+            )
         if out.dtype != np.uint8 or out.ndim != 2 or out.shape[1] != self.block_bytes:
             raise ValueError(f"out must be uint8 [k, {self.block_bytes}]")
-        if out.shape[0] < self.n_blocks:
-            raise ValueError(f"out holds {out.shape[0]} blocks, the lease has {self.n_blocks}")
-        read_slots(self._mapping, self._table, out, self.block_bytes)
-        return out[: self.n_blocks]
+        if out.shape[0] < count:
+            raise ValueError(f"out holds {out.shape[0]} blocks, {count} are copied")
+        table = self._table
+        if first or count != self.n_blocks:
+            end = first + count
+            table = SlotTable(table.indices[first:end], table.offsets[first:end])
+        read_slots(self._mapping, table, out, self.block_bytes, first_index=first)
+        return out[:count]
 
     def _forget(self) -> None:
         self.released = True

@@ -519,9 +519,7 @@ class _WorkerSide:
             if run is not None:
                 return torch.from_numpy(run[first : first + n])
             rows = self._rows_for(n)
-            out = rows.numpy()
-            for i, view in enumerate(lease.views[first : first + n]):
-                out[i] = view
+            lease.copy_to(rows.numpy(), first, n)
             return rows[:n]
 
     def take_failed_blocks(self) -> set[int]:
@@ -567,16 +565,12 @@ class _WorkerSide:
                 except LeaseError:  # its lease ran out (a long prefill): plain puts now
                     self.claims[spec.req_id] = None
                     upto = first
-                start_after = upto
-                if start_after >= end:
+                if upto >= end:
                     return
-                rows, start = rows[start_after - start :], start_after
-            elif end <= first:
+                rows, start = rows[upto - start :], upto
+            else:
                 return  # delivered already, or ready before the claim was made
-        pending = ns.put_nowait(
-            spec.tokens[: end * self.layout.block_tokens], rows, start,
-            priority=self.settings.priority,
-        )  # fmt: skip
+        pending = ns.put_nowait(spec.tokens, rows, start, priority=self.settings.priority)
         self.pending.append(pending)
 
     def _claim(self, spec: SaveSpec, ns: Namespace) -> Claim | None:

@@ -60,9 +60,6 @@ class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
-
 
 @dataclass(slots=True)
 class RequestState:

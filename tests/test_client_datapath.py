@@ -246,6 +246,13 @@ def test_acquire_gives_read_only_views_of_the_arena_under_a_lease(daemon: Daemon
             assert lease.blocks is not None and np.array_equal(lease.blocks, blocks)
             out = np.zeros((8, BB), np.uint8)
             assert np.array_equal(lease.copy_to(out), blocks)
+            # a part of the lease: blocks 2..5 land in rows 0..3
+            part = np.zeros((3, BB), np.uint8)
+            assert np.array_equal(lease.copy_to(part, 2, 3), blocks[2:5])
+            with pytest.raises(ValueError, match=r"blocks 4\.\.7 are outside the lease's 6"):
+                lease.copy_to(out, 4, 3)
+            with pytest.raises(ValueError, match="out holds 3 blocks, 4 are copied"):
+                lease.copy_to(part, 2)
             assert leases(client) == 1
         assert lease.released
         with pytest.raises(RuntimeError, match="released"):
