@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, dict[int, list
             seconds = engine(args.model, workdir, f"kv-disk-{r}", kv, "kvstore", kv_extra)
             _record(times["kv_disk"], args.lengths, k, seconds)
     finally:
-        daemon.stop()
+        daemon.cleanup()  # stopped, its socket directory removed
     return times
 
 

@@ -175,29 +175,27 @@ def test_disk_hit_parts_program_measures_every_part(tmp_path: Path) -> None:
 
 
 def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
-    """A malformed --cases or a --calls below 1 stops the program before it starts a
-    daemon: exit code 2 and a line that names what is wrong."""
+    """A malformed argument stops the program before it starts a daemon or an engine:
+    exit code 2 and a line that names what is wrong."""
     with pytest.raises(argparse.ArgumentTypeError, match="expected LAYOUT:BATCH"):
         bench.layout_batch("llama2:0")
     assert bench.layout_batch("llama8:16") == ("llama8", 16)
-    program = Path(__file__).resolve().parent.parent / "benchmarks" / "disk_hit_parts.py"
-    for args, why in (
-        (["--calls", "0"], "--calls must be at least 1"),
-        (["--cases", "huge:16"], "expected LAYOUT:BATCH with LAYOUT one of tiny"),
+    programs = Path(__file__).resolve().parent.parent / "benchmarks"
+    for name, args, why, timeout in (
+        ("disk_hit_parts.py", ["--calls", "0"], "--calls must be at least 1", 60),
+        (
+            "disk_hit_parts.py",
+            ["--cases", "huge:16"],
+            "expected LAYOUT:BATCH with LAYOUT one of tiny",
+            60,
+        ),
+        ("vllm_ttft.py", ["--lengths", "2k"], "--lengths must be comma-separated integers", 120),
+        ("vllm_ttft.py", ["--rounds", "0"], "--rounds and --prompts must be >= 1", 120),
     ):
         done = subprocess.run(
-            [sys.executable, str(program), *args], capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 2 and why in done.stderr, done.stderr
-
-
-def test_vllm_ttft_refuses_bad_arguments_before_starting_anything() -> None:
-    program = Path(__file__).resolve().parent.parent / "benchmarks" / "vllm_ttft.py"
-    for args, why in (
-        (["--lengths", "2k"], "--lengths must be comma-separated integers"),
-        (["--rounds", "0"], "--rounds and --prompts must be >= 1"),
-    ):
-        done = subprocess.run(
-            [sys.executable, str(program), *args], capture_output=True, text=True, timeout=120
+            [sys.executable, str(programs / name), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         assert done.returncode == 2 and why in done.stderr, done.stderr
