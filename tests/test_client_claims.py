@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import Daemon
 
-from kvclient import KVClient, OutOfSpaceError
+from kvclient import InvalidArgumentError, KVClient, OutOfSpaceError
 
 TOKENS = 4
 BLOCK = 4096
@@ -46,6 +46,28 @@ def test_claim_delivers_chunks_that_become_ready_one_by_one(
             assert claim.fill(np.stack([content(i) for i in range(3, 8)])) == 5
         got = seen.get(PROMPT)
         assert np.array_equal(got.blocks, np.stack([content(i) for i in range(8)]))
+
+
+@pytest.mark.parametrize("use_arena", [True, False])
+def test_a_claim_made_by_one_client_is_delivered_by_another(
+    kvstored: Daemon, use_arena: bool
+) -> None:
+    # a scheduler claims, a worker (its own client) computes and delivers
+    with (
+        KVClient(kvstored.addr) as scheduler,
+        KVClient(kvstored.addr, use_arena=use_arena) as worker,
+    ):
+        claim = scheduler.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK).claim(PROMPT)
+        ns = worker.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
+        resumed = ns.resume_claim(claim.ticket())
+        assert (resumed.first, resumed.blocks, resumed.delivered) == (0, 8, 0)
+        assert resumed.fill(np.stack([content(i) for i in range(8)])) == 8
+        got = scheduler.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK).get(PROMPT)
+        assert np.array_equal(got.blocks, np.stack([content(i) for i in range(8)]))
+        # a ticket is for its own namespace only
+        other = worker.namespace("other", block_tokens=TOKENS, block_bytes=BLOCK)
+        with pytest.raises(InvalidArgumentError, match="the claim is of namespace claims@"):
+            other.resume_claim(claim.ticket())
 
 
 def test_second_claimant_gets_nothing_and_waits(kvstored: Daemon) -> None:
