@@ -6,9 +6,12 @@ Every key in :data:`KEYS` is at once a TOML key (file given by ``--config`` or
 
     embedded defaults < TOML file < environment < command-line flags
 
-Defaults are chosen so that ``kvstored`` runs with no arguments: a unix socket in the
-user's runtime dir, a host arena of 25% of MemAvailable (64 MiB .. 16 GiB), an LMDB
-disk tier under the user's data dir bounded to min(25% of free disk, 64 GiB).
+Defaults are chosen so that ``kvstored`` runs with no arguments and stays a modest
+sidecar: a unix socket in the user's runtime dir, a host arena of 25% of MemAvailable
+(64 MiB .. 4 GiB) in ``/dev/shm``, an LMDB disk tier under the user's data dir of
+min(25% of free disk, 64 GiB). The automatic disk size is computed once, at the first
+start on a directory, and kept in that directory (``DISK_SIZE_FILE``), so the tier's
+capacity does not move with the free space from one start to the next.
 
 Values are parsed and checked here, before anything is started: a bad value raises
 :class:`ConfigError` naming the key and where the value came from, which ``main``
@@ -219,17 +222,45 @@ class Key:
         return "--" + self.name.replace("_", "-")
 
 
+AUTO_HOST_MAX = 4 << 30
+AUTO_DISK_MAX = 64 << 30
+DISK_SIZE_FILE = "kvstored-disk-bytes"  # in disk_dir: the size chosen at the first start
+
+
 def _auto_host_bytes(_: Mapping[str, Any]) -> int:
     quarter = hostinfo.mem_available_bytes() // 4
-    return max(64 << 20, min(16 << 30, quarter)) >> 20 << 20
+    return max(64 << 20, min(AUTO_HOST_MAX, quarter)) >> 20 << 20
+
+
+def kept_disk_bytes(disk_dir: str) -> int | None:
+    """The automatic disk size kept in ``disk_dir`` at its first start (None: none kept)."""
+    try:
+        text = (Path(disk_dir) / DISK_SIZE_FILE).read_text()
+        return parse_size(tomllib.loads(text)["disk_bytes"])
+    except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError):
+        return None
+
+
+def keep_disk_bytes(disk_dir: str, value: int) -> None:
+    """Write the automatic disk size into ``disk_dir`` so later starts keep it."""
+    path = Path(disk_dir) / DISK_SIZE_FILE
+    path.write_text(
+        "# Chosen by kvstored at the first start on this directory: 25% of the free disk,\n"
+        f"# at most {format_size(AUTO_DISK_MAX)}. Set disk_bytes to change it, or delete this\n"
+        "# file to choose again from the free space.\n"
+        f"disk_bytes = {value}  # {format_size(value)}\n"
+    )
 
 
 def _auto_disk_bytes(resolved: Mapping[str, Any]) -> int:
     disk_dir = resolved["disk_dir"]
     if not disk_dir:
         return 0
+    kept = kept_disk_bytes(disk_dir)
+    if kept is not None:
+        return kept
     quarter = hostinfo.disk_free_bytes(disk_dir) // 4
-    return min(64 << 30, quarter) >> 20 << 20
+    return min(AUTO_DISK_MAX, quarter) >> 20 << 20
 
 
 def _at_least(low: float, unit: str = "") -> Callable[[Any], str | None]:
@@ -249,12 +280,13 @@ KEYS: tuple[Key, ...] = (
         "unix:///path or host:port (TCP only when given; port 0 picks a free one); "
         "default $XDG_RUNTIME_DIR/kvstore/kvstored.sock"),
     Key("host_bytes", "size", parse_size, _auto_host_bytes,
-        "host arena size; default 25% of MemAvailable, 64 MiB .. 16 GiB",
+        "host arena size; default 25% of MemAvailable, 64 MiB .. 4 GiB",
         _at_least(1 << 20, "size")),
     Key("disk_dir", "path", parse_path, lambda _: str(paths.default_data_dir()),
         "LMDB directory of the disk tier; default $XDG_DATA_HOME/kvstore"),
     Key("disk_bytes", "size", parse_size, _auto_disk_bytes,
-        "disk tier capacity, 0 disables it; default min(25% of free disk, 64 GiB)"),
+        "disk tier capacity, 0 disables it; default min(25% of free disk, 64 GiB), "
+        f"chosen at the first start and kept in disk_dir/{DISK_SIZE_FILE}"),
     Key("admission", "choice", _choice(ADMISSION_POLICIES), "write-back",
         "disk admission: " + " | ".join(ADMISSION_POLICIES)),
     Key("selective_hits", "int", parse_int, 2,
@@ -278,8 +310,8 @@ KEYS: tuple[Key, ...] = (
     Key("max_transfer_bytes", "size", parse_size, 1 << 30,
         "most block bytes one Put or Get moves (bounds daemon memory per call)",
         _at_least(1 << 20, "size")),
-    Key("arena_dir", "path", parse_path, "",
-        "directory of the shared arena file; default /dev/shm"),
+    Key("arena_dir", "path", parse_path, "/dev/shm",
+        "directory of the shared arena file (a tmpfs: its pages are the host tier)"),
     Key("shared_arena", "bool", parse_bool, True,
         "false: anonymous arena memory (no zero-copy clients)"),
     Key("prefault_arena", "bool", parse_bool, True,
@@ -465,6 +497,8 @@ def load_config(
             value = key.default(values) if callable(key.default) else key.default
             if callable(key.default):
                 source = "default (auto)"
+                if key.name == "disk_bytes" and kept_disk_bytes(values["disk_dir"]) is not None:
+                    source = f"default (auto, kept in disk_dir/{DISK_SIZE_FILE})"
         else:
             try:
                 value = key.parse(raw)

@@ -2,9 +2,11 @@
 
 ``kvstored`` with no arguments serves on ``unix://$XDG_RUNTIME_DIR/kvstore/kvstored.sock``
 with a host arena and a disk tier sized from the machine (see ``config``). Exit codes:
-0 after a clean SIGTERM/SIGINT shutdown (or --print-config / --version), 2 for an
-invalid configuration (one line naming the key), 1 when the daemon cannot start
-(socket in use, store cannot open) or fails.
+0 after a clean SIGTERM/SIGINT shutdown (or --print-config / --version), 2 for a
+configuration that is invalid or that this machine cannot use (a path that cannot be
+written, a port or socket in use, an arena larger than its file system: one line
+naming the key, found by ``preflight.check`` before anything is allocated), 1 when the
+daemon fails after that.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvstored import paths
+from kvstored import paths, preflight
 from kvstored.config import ConfigError, load_config
 from kvstored.logs import setup_logging
 
@@ -44,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvstored {daemon_version()}")
         return 0
     setup_logging(config.log_level, config.log_format)
+    try:
+        preflight.check(config)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
     try:
         return asyncio.run(serve(config))
     except StartupError as exc:

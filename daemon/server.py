@@ -4,7 +4,7 @@ Life of a daemon::
 
     store = Store(...)                   # arena + LMDB opened, disk index rebuilt
     server: KVStore + grpc.health.v1 + reflection, message limits from config
-    bind (unix socket: dir 0700, socket 0600; refuses a live socket, removes a stale one)
+    bind (unix socket 0600, in the directory preflight.check made ready)
     health "" and "kvstore.v1.KVStore" -> SERVING; one start-up log line
     ... SIGTERM / SIGINT ...
     health -> NOT_SERVING; WatchEvents streams end
@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import signal
-import socket
-import stat
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -39,11 +36,18 @@ from kvstore import pinning
 from kvstore import platform as kv_platform
 from kvstore.store import Store
 from kvstored import paths
-from kvstored.config import UNIX_PATH_MAX, DaemonConfig, human_size
+from kvstored.config import (
+    AUTO_HOST_MAX,
+    DISK_SIZE_FILE,
+    UNIX_PATH_MAX,
+    DaemonConfig,
+    human_size,
+)
 from kvstored.gpu_service import KVGpuService
 from kvstored.local_calls import LocalCallServer
 from kvstored.metrics import DaemonMetrics, MetricsBindError
 from kvstored.names import NamespaceNames
+from kvstored.preflight import prepare_unix_socket
 from kvstored.service import KVStoreService, add_to_server
 
 log = logging.getLogger("kvstored")
@@ -72,35 +76,6 @@ def grpc_options(config: DaemonConfig) -> list[tuple[str, int]]:
     ]
 
 
-def prepare_socket(sock_path: Path) -> None:
-    """Create the socket's directory (0700) and clear a stale socket file.
-
-    A socket that still answers belongs to a running daemon: refuse to steal it. A
-    path that is not a socket is never removed.
-    """
-    parent = sock_path.parent
-    if not parent.exists():
-        parent.mkdir(mode=0o700, parents=True)
-    elif sock_path == paths.default_socket_path() and parent.stat().st_uid == os.getuid():
-        parent.chmod(0o700)
-    if not sock_path.exists() and not sock_path.is_symlink():
-        return
-    if not stat.S_ISSOCK(sock_path.lstat().st_mode):
-        raise StartupError(f"{sock_path} exists and is not a socket; not removing it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(sock_path))
-    except OSError as exc:
-        if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
-            raise StartupError(f"cannot probe {sock_path}: {exc.strerror}") from None
-        log.info("removing stale socket %s", sock_path, extra={"event": "stale_socket"})
-        sock_path.unlink(missing_ok=True)
-    else:
-        raise StartupError(f"another daemon is listening on {sock_path}")
-    finally:
-        probe.close()
-
-
 def describe(config: DaemonConfig, store: Store, listening: str) -> str:
     """The one start-up line: where, tiers with capacities, admission, platform."""
     host = f"host {human_size(store.arena_bytes)}"
@@ -116,6 +91,32 @@ def describe(config: DaemonConfig, store: Store, listening: str) -> str:
     )
 
 
+def chosen_defaults(config: DaemonConfig) -> str:
+    """One line naming the sizes the daemon chose itself, and the keys that change them
+    ("" when the operator set them all)."""
+    parts = []
+    if config.sources["host_bytes"].startswith("default"):
+        parts.append(
+            f"host_bytes {human_size(config.host_bytes)} (25% of available memory, at most "
+            f"{human_size(AUTO_HOST_MAX)})"
+        )
+    if config.disk_bytes and config.sources["disk_bytes"].startswith("default"):
+        parts.append(
+            f"disk_bytes {human_size(config.disk_bytes)} (25% of free disk at the first "
+            f"start, kept in {Path(config.disk_dir) / DISK_SIZE_FILE})"
+        )
+    if config.shared_arena and config.prefault_arena and config.sources[
+        "prefault_arena"
+    ].startswith("default"):
+        parts.append("the arena's memory is committed at start-up (prefault_arena)")
+    if not parts:
+        return ""
+    return (
+        "defaults in use: " + "; ".join(parts) + ". Change any with --KEY, KVSTORED_KEY or "
+        "the config file; kvstored --print-config shows every value"
+    )
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     """Run until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     stop = stop or asyncio.Event()
@@ -123,15 +124,13 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
 
-    sock_path = config.socket_path
-    if sock_path is not None:
-        prepare_socket(sock_path)
+    sock_path = config.socket_path  # made ready by preflight.check
     gpu = await asyncio.to_thread(kv_platform.detect)  # no torch/CUDA context on cpu-only
     pin = pinning.arena_pin_hook(gpu)  # cudaHostRegister of the arena when CUDA is there
     try:
         store = await asyncio.to_thread(Store, config.store_config(), pin=pin)
     except Exception as exc:
-        raise StartupError(f"cannot open the store: {type(exc).__name__}: {exc}") from exc
+        raise StartupError(f"cannot open the store: {_reason(exc)}") from exc
     store.set_platform(gpu.profile.value)
 
     names = NamespaceNames(config.disk_dir if config.disk_bytes else None)
@@ -177,6 +176,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("platform %s", gpu.describe(), extra={"event": "platform"})
     log.info("%s", describe(config, store, listening), extra={"event": "serving"})
+    if defaults := chosen_defaults(config):
+        log.info("%s", defaults, extra={"event": "defaults"})
 
     try:
         await stop.wait()
@@ -219,7 +220,8 @@ async def start_local_calls(
     try:
         if len(str(path).encode()) > UNIX_PATH_MAX:
             raise StartupError(f"the path {path} is longer than a unix socket path may be")
-        prepare_socket(path)
+        if problem := prepare_unix_socket(path):
+            raise StartupError(problem)
         await local.start(path)
     except (StartupError, OSError) as exc:
         log.warning(
@@ -229,6 +231,13 @@ async def start_local_calls(
         return None
     service.local_socket = str(path)
     return local
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception as a reader wants it: the OS's words and the path, no class names."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc) or type(exc).__name__
 
 
 def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:

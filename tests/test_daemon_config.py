@@ -145,7 +145,8 @@ def test_defaults_follow_xdg_dirs_and_machine_size(
     values, sources = printed(run_main(monkeypatch, capsys, "--print-config", env=env))
     assert values["listen"] == f"unix://{tmp_path}/kvstore/kvstored.sock"
     assert values["disk_dir"] == str(tmp_path / "data" / "kvstore")
-    assert 64 << 20 <= values["host_bytes"] <= 16 << 30  # type: ignore[operator]
+    assert 64 << 20 <= values["host_bytes"] <= 4 << 30  # type: ignore[operator]
+    assert values["arena_dir"] == "/dev/shm"  # what the README says, not ""
     assert 0 <= values["disk_bytes"] <= 64 << 30  # type: ignore[operator]
     assert sources["host_bytes"] == "default (auto)"
     # without XDG_RUNTIME_DIR: /tmp/kvstore-<uid>

@@ -125,7 +125,7 @@ def test_sigterm_drains_health_not_serving_inflight_put_finishes_watchers_end(
     assert header.n_blocks == 8 and got == data
 
 
-def test_a_second_daemon_on_a_live_socket_exits_1(kvstored: Daemon) -> None:
+def test_a_second_daemon_on_a_live_socket_exits_2_naming_listen(kvstored: Daemon) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvstored", "--listen", kvstored.addr, "--host-bytes", "8MiB",
          "--disk-bytes", "0"],
@@ -133,8 +133,9 @@ def test_a_second_daemon_on_a_live_socket_exits_1(kvstored: Daemon) -> None:
         text=True,
         timeout=30,
     )
-    assert proc.returncode == 1
-    assert "another daemon is listening" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("kvstored: error: listen: another daemon is listening on ")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
     # the first daemon is unharmed
     stub = health_pb2_grpc.HealthStub(kvstored.channel())
     assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
