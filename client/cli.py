@@ -1,12 +1,19 @@
 """kvctl: look at and manage a running kvstored.
 
-    kvctl [--addr ADDR] [--timeout S] status [--json]
+    kvctl status [--json]
     kvctl top [--interval S] [--once] [--json]
     kvctl ls [--json]
-    kvctl lookup NS_ID (TOKENS... | --file F) [--json]
-    kvctl clear [--ns NS_ID] --yes
-    kvctl events [--from SEQ] [--count N] [--duration S] [--ns NS_ID] [--kind K] [--json]
-    kvctl [--addr ADDR] bench [--quick] [--report FILE.md] [--json FILE] ...
+    kvctl lookup NAMESPACE (TOKENS... | --file F) [--json]
+    kvctl clear [--ns NAMESPACE] --yes
+    kvctl events [--count N [--follow]] [--from SEQ] [--duration S] [--ns NAMESPACE]
+                 [--kind K] [--json]
+    kvctl bench [--quick] [--report FILE.md] [--json FILE] ...
+
+``--addr ADDR`` and ``--timeout S`` go before or after the command. A NAMESPACE is
+what ``kvctl ls`` shows: its id, its bound name, or its model when only one namespace
+has that model (a unique prefix of an id works too); anything else is one line listing
+the namespaces there are. ``events --count N`` is a tail: the last N buffered events,
+then exit (``--follow``: keep printing new ones).
 
 Each command is two steps kept apart: *collect* asks the daemon and returns plain
 JSON-ready dicts (exactly what ``--json`` prints), *render* turns those dicts into
@@ -30,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any, TextIO
@@ -180,8 +188,32 @@ def collect_namespaces(client: KVClient) -> list[JSONDict]:
     return [namespace_dict(ns) for ns in client.stats().namespaces]
 
 
+def resolve_namespace(client: KVClient, text: str) -> str:
+    """What a user typed (an id, a bound name, a model, a unique id prefix) -> an ns_id.
+
+    Raises UsageError naming the candidates when nothing or more than one matches.
+    """
+    namespaces = client.stats().namespaces
+    for matches in (
+        [ns for ns in namespaces if text in (ns.ns_id, ns.name)],
+        [ns for ns in namespaces if ns.model == text],
+        [ns for ns in namespaces if ns.ns_id.startswith(text)],
+    ):
+        if len(matches) == 1:
+            return matches[0].ns_id
+        if matches:
+            listed = ", ".join(f"{ns.ns_id} ({ns.name or ns.model})" for ns in matches)
+            raise UsageError(f"{text!r} matches {len(matches)} namespaces: {listed}; give one id")
+    if not namespaces:
+        raise UsageError(f"no namespace {text!r}: the daemon holds no namespaces yet")
+    listed = ", ".join(
+        f"{ns.ns_id} ({', '.join(filter(None, (ns.name, ns.model)))})" for ns in namespaces
+    )
+    raise UsageError(f"no namespace {text!r}; there are: {listed} (see kvctl ls)")
+
+
 def collect_lookup(client: KVClient, ns_id: str, tokens: list[int]) -> JSONDict:
-    ns = client.open_namespace(ns_id)
+    ns = client.open_namespace(resolve_namespace(client, ns_id))
     hit = ns.lookup(tokens)
     return {
         "ns_id": ns.ns_id,
@@ -232,6 +264,7 @@ def render_namespaces(namespaces: Sequence[JSONDict], limit: int | None = None) 
         [
             ns["ns_id"],
             ns["name"] or "-",
+            ns["model"] or "-",
             str(ns["block_tokens"]),
             human_bytes(ns["block_bytes"]),
             str(ns["blocks"]),
@@ -241,7 +274,9 @@ def render_namespaces(namespaces: Sequence[JSONDict], limit: int | None = None) 
         for ns in shown
     ]
     table = format_table(
-        ["NAMESPACE", "NAME", "TOKENS/BLOCK", "BLOCK", "BLOCKS", "BYTES", "HIT RATE"], rows, left=2
+        ["NAMESPACE", "NAME", "MODEL", "TOKENS/BLOCK", "BLOCK", "BLOCKS", "BYTES", "HIT RATE"],
+        rows,
+        left=3,
     )
     if len(shown) < len(ordered):
         table += f"\n... {len(ordered) - len(shown)} more"
@@ -437,29 +472,70 @@ def cmd_clear(client: KVClient, args: argparse.Namespace) -> int:
     if not args.yes:
         what = f"namespace {args.ns}" if args.ns else "every namespace"
         raise UsageError(f"clear removes every block of {what}; pass --yes to confirm")
-    removed = client.clear(args.ns)
+    removed = client.clear(resolve_namespace(client, args.ns) if args.ns else None)
     print(f"removed {removed} blocks")
     return EXIT_OK
+
+
+def _wanted(data: JSONDict, ns_id: str, kinds: Sequence[str]) -> bool:
+    return (not ns_id or data["ns_id"] == ns_id) and (not kinds or data["kind"] in kinds)
+
+
+def _print_event(data: JSONDict, as_json: bool) -> None:
+    print(json.dumps(data) if as_json else render_event(data), flush=True)
+
+
+def tail_events(client: KVClient, from_seq: int, count: int, newest: int,
+                ns_id: str, kinds: Sequence[str], timeout: float) -> tuple[list[JSONDict], int]:
+    """The last ``count`` buffered events after ``from_seq`` up to seq ``newest`` (the
+    newest when asked) that pass the filters -> (events, seq of the last one read).
+
+    Filters apply here, not in the daemon: the stream must reach ``newest`` to know the
+    buffer was read to its end, and filtered-out events would never arrive."""
+    kept: deque[JSONDict] = deque(maxlen=count)
+    last = from_seq
+    if newest <= from_seq:
+        return [], last
+    stream = client.events(from_seq, duration_s=timeout)
+    try:
+        for event in stream:
+            last = event.seq
+            data = event_dict(event)
+            if _wanted(data, ns_id, kinds):
+                kept.append(data)
+            if event.seq >= newest:
+                break
+    finally:
+        stream.close()
+    return list(kept), last
 
 
 def cmd_events(client: KVClient, args: argparse.Namespace) -> int:
     if args.count is not None and args.count <= 0:
         raise UsageError("--count must be > 0")
-    shown = 0
-    stream = client.events(
-        args.from_seq, ns_id=args.ns or "", kinds=args.kind or (), duration_s=args.duration
-    )
+    if args.follow and args.count is None:
+        raise UsageError("--follow goes with --count (without --count, events are followed)")
+    ns_id = resolve_namespace(client, args.ns) if args.ns else ""
+    kinds = tuple(args.kind or ())
+    from_seq = args.from_seq
     try:
-        for event in stream:
-            data = event_dict(event)
-            print(json.dumps(data) if args.json else render_event(data), flush=True)
-            shown += 1
-            if args.count is not None and shown >= args.count:
-                break
+        if args.count is not None:  # a tail: the last N buffered, then exit or follow
+            newest = int(client.stats().counters.get("event_seq", 0))
+            shown, from_seq = tail_events(
+                client, from_seq, args.count, newest, ns_id, kinds, args.timeout
+            )
+            for data in shown:
+                _print_event(data, args.json)
+            if not args.follow:
+                return EXIT_OK
+        stream = client.events(from_seq, ns_id=ns_id, kinds=kinds, duration_s=args.duration)
+        try:
+            for event in stream:
+                _print_event(event_dict(event), args.json)
+        finally:
+            stream.close()
     except KeyboardInterrupt:
         pass
-    finally:
-        stream.close()
     return EXIT_OK
 
 
@@ -468,45 +544,49 @@ def cmd_events(client: KVClient, args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Look at and manage a running kvstored."
+        prog=PROG, description="Look at and manage a running kvstored.",
+        epilog="--addr and --timeout go before or after the command.",
     )
-    parser.add_argument(
-        "--addr",
-        help=f"daemon address: unix:///path, /path or host:port (default ${ADDR_ENV}, "
-        "else the default socket)",
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=10.0, help="seconds per request (default 10)"
-    )
+    _add_connection_arguments(parser, argparse.SUPPRESS)
+    parser.set_defaults(addr=None, timeout=10.0)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_connection_arguments(common, argparse.SUPPRESS)  # after the command: wins
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("status", help="tier occupancy, hit rates, platform")
+    p = sub.add_parser("status", parents=[common], help="tier occupancy, hit rates, platform")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_status)
 
-    p = sub.add_parser("top", help="live status view")
+    p = sub.add_parser("top", parents=[common], help="live status view")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
     p.set_defaults(handler=cmd_top)
 
-    p = sub.add_parser("ls", help="namespaces with blocks and bytes")
+    p = sub.add_parser("ls", parents=[common], help="namespaces with blocks and bytes")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_ls)
 
-    p = sub.add_parser("lookup", help="how much of a token sequence is cached")
-    p.add_argument("ns_id", metavar="NS_ID", help="namespace id or bound name")
+    p = sub.add_parser("lookup", parents=[common], help="how much of a token sequence is cached")
+    p.add_argument(
+        "ns_id", metavar="NAMESPACE",
+        help="what kvctl ls shows: namespace id, bound name, or model (when unique)",
+    )
     p.add_argument("tokens", metavar="TOKENS", nargs="*", help="token ids")
     p.add_argument("--file", "-f", help="file of whitespace-separated token ids ('-': stdin)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_lookup)
 
-    p = sub.add_parser("clear", help="remove every block (of one namespace)")
-    p.add_argument("--ns", metavar="NS_ID", help="only this namespace")
+    p = sub.add_parser("clear", parents=[common], help="remove every block (of one namespace)")
+    p.add_argument("--ns", metavar="NAMESPACE", help="only this namespace (as kvctl ls shows)")
     p.add_argument("--yes", action="store_true", help="confirm")
     p.set_defaults(handler=cmd_clear)
 
-    p = sub.add_parser("events", help="tail the event stream")
+    p = sub.add_parser(
+        "events", parents=[common], help="follow the event stream, or tail it (--count)",
+        description="Without --count: every buffered event (after --from), then new ones "
+        "as they come. With --count N: the last N buffered events, then exit.",
+    )
     p.add_argument(
         "--from",
         dest="from_seq",
@@ -515,9 +595,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SEQ",
         help="start after this sequence number (default: every buffered event)",
     )
-    p.add_argument("--count", type=int, metavar="N", help="stop after N events")
-    p.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
-    p.add_argument("--ns", metavar="NS_ID", help="only this namespace")
+    p.add_argument("--count", type=int, metavar="N", help="the last N buffered events")
+    p.add_argument(
+        "--follow", "-f", action="store_true", help="with --count: then keep printing new ones"
+    )
+    p.add_argument("--duration", type=float, metavar="S", help="stop following after S seconds")
+    p.add_argument("--ns", metavar="NAMESPACE", help="only this namespace (as kvctl ls shows)")
     p.add_argument(
         "--kind",
         action="append",
@@ -531,6 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "bench",
+        parents=[common],
         help="data-path speed beside memcpy, raw gRPC and Redis",
         description="Measure put/get/lookup against --addr, or against a daemon started "
         "in a temp dir when no --addr is given.",
@@ -538,6 +622,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(handler=None)
     return parser
+
+
+def _add_connection_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument(
+        "--addr", default=default,
+        help=f"daemon address: unix:///path, /path or host:port (default ${ADDR_ENV}, "
+        "else the default socket)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=default, help="seconds per request (default 10)"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

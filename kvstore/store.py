@@ -1052,6 +1052,7 @@ class Store:
                     "lost_on_disk": c.lost_on_disk,
                     "known_slot_gets": c.known_slot_gets,
                     "disk_file_gets": c.disk_file_gets,
+                    "event_seq": self._seq,  # the newest event's seq (kvctl events --count)
                 },
                 staged_bytes=sum(
                     len(lease.staged) * self._arena.slot_size(next(iter(lease.staged)))

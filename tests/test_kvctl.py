@@ -122,10 +122,30 @@ def test_lookup(daemon: Daemon, ns_id: str, tmp_path: Path, capsys) -> None:
     assert (result["host_blocks"], result["disk_blocks"], result["pending_blocks"]) == (4, 0, 0)
 
 
+def test_lookup_takes_what_ls_shows_and_lists_the_candidates(
+    daemon: Daemon, ns_id: str, capsys
+) -> None:
+    tokens = [str(t) for t in TOKENS[:8]]
+    for given in (ns_id, NAME, "ctl-model", ns_id[:12]):  # id, name, model, id prefix
+        code, out, err = run(capsys, "lookup", given, *tokens, "--addr", daemon.addr)
+        assert (code, err) == (0, ""), given
+        assert out.startswith(f"{ns_id}: 8 of 8 tokens cached"), out
+
+    code, out, err = run(capsys, "--addr", daemon.addr, "lookup", "no-such-model", "1")
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        f"kvctl: error: no namespace 'no-such-model'; there are: {ns_id} ({NAME}, ctl-model) "
+        "(see kvctl ls)"
+    ]
+    # two namespaces of one model: the model alone is ambiguous, and says which to pick
+    with KVClient(daemon.addr) as client:
+        twin = client.namespace("ctl-model", BLOCK_TOKENS * 2, BLOCK_BYTES * 2)
+    code, _, err = run(capsys, "--addr", daemon.addr, "lookup", "ctl-model", "1")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "matches 2 namespaces" in err and ns_id in err and twin.ns_id in err
+
+
 def test_lookup_failures(daemon: Daemon, ns_id: str, capsys) -> None:
-    code, out, err = run(capsys, "--addr", daemon.addr, "lookup", "no-such@000000000000", "1")
-    assert code == 1 and out == ""
-    assert len(err.splitlines()) == 1 and "unknown namespace" in err
 
     code, _, err = run(capsys, "--addr", daemon.addr, "lookup", ns_id)  # no tokens
     assert code == 2 and "no tokens" in err
@@ -135,19 +155,44 @@ def test_lookup_failures(daemon: Daemon, ns_id: str, capsys) -> None:
     assert code == 2 and "cannot read" in err
 
 
-def test_events(daemon: Daemon, ns_id: str, capsys) -> None:
-    code, out, _ = run(capsys, "--addr", daemon.addr, "events", "--count", "3")
-    assert code == 0
-    lines = out.splitlines()
-    assert len(lines) == 3 and all(" stored " in line and ns_id in line for line in lines)
+def test_events_count_is_a_tail_of_the_newest(daemon: Daemon, ns_id: str, capsys) -> None:
+    # without --count the stream follows: --duration ends it after the buffered events
+    code, out, _ = run(capsys, "--addr", daemon.addr, "events", "--duration", "0.5", "--json")
+    buffered = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and len(buffered) >= 5
 
-    code, out, _ = run(
-        capsys, "--addr", daemon.addr, "events", "--from", "2", "--count", "2", "--json"
-    )
+    code, out, _ = run(capsys, "--addr", daemon.addr, "events", "--count", "3", "--json")
     assert code == 0
-    events = [json.loads(line) for line in out.splitlines()]
-    assert [e["seq"] for e in events] == [3, 4]
-    assert {e["kind"] for e in events} == {"stored"} and events[0]["tier"] == "host"
+    assert [json.loads(line) for line in out.splitlines()] == buffered[-3:]
+
+    # two more blocks: the tail moves to them, and text lines name the namespace
+    with KVClient(daemon.addr) as client:
+        more = client.namespace("ctl-events", BLOCK_TOKENS, BLOCK_BYTES)
+        more.put(TOKENS[:8], np.ones((2, BLOCK_BYTES), np.uint8))
+    code, out, _ = run(capsys, "events", "--count", "2", "--addr", daemon.addr)
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 2
+    assert all(" stored " in line and more.ns_id in line for line in lines)
+    assert int(lines[0].split()[0]) == buffered[-1]["seq"] + 1
+
+    # filters pick the last N of what matches, however old
+    code, out, _ = run(
+        capsys, "--addr", daemon.addr, "events", "--count", "2", "--ns", ns_id, "--json"
+    )
+    assert [json.loads(line) for line in out.splitlines()] == [
+        e for e in buffered if e["ns_id"] == ns_id
+    ][-2:]
+    # --from bounds the tail from below
+    code, out, _ = run(
+        capsys, "--addr", daemon.addr, "events", "--from", "2", "--count", "50", "--json"
+    )
+    assert [json.loads(line)["seq"] for line in out.splitlines()][0] == 3
+    # --follow prints the tail, then what comes after it
+    code, out, _ = run(
+        capsys, "--addr", daemon.addr, "events", "--count", "1", "--follow", "--duration", "0.3"
+    )
+    assert code == 0 and len(out.splitlines()) == 1
+    assert main(["--addr", daemon.addr, "events", "--follow"]) == 2  # needs --count
 
     # --duration ends a stream that has nothing more to say
     code, out, _ = run(
@@ -234,7 +279,9 @@ def test_clear(daemon: Daemon, ns_id: str, capsys) -> None:
     assert blocks[ns_id] == 0 and blocks[other.ns_id] == 1
 
     code, out, _ = run(capsys, "--addr", daemon.addr, "clear", "--yes")
-    assert (code, out) == (0, "removed 1 blocks\n")
+    assert (code, out) == (0, f"removed {sum(blocks.values())} blocks\n")
+    code, out, _ = run(capsys, "--addr", daemon.addr, "ls", "--json")
+    assert all(ns["blocks"] == 0 for ns in json.loads(out)["namespaces"])
 
 
 @pytest.mark.parametrize(
@@ -267,6 +314,22 @@ def test_kvctl_as_a_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert proc.stderr.splitlines() == [
         f"kvctl: cannot reach kvstored at unix://{tmp_path}/nobody.sock: No such file or directory"
     ]
+
+
+def test_addr_and_timeout_go_before_or_after_the_command(
+    daemon: Daemon, tmp_path: Path, capsys
+) -> None:
+    for argv in (
+        ["--addr", daemon.addr, "status", "--json"],
+        ["status", "--json", "--addr", daemon.addr],
+        ["status", "--addr", daemon.addr, "--timeout", "5", "--json"],
+        ["--addr", str(tmp_path / "nobody.sock"), "status", "--addr", daemon.addr, "--json"],
+    ):
+        code, out, err = run(capsys, *argv)
+        assert (code, err) == (0, ""), argv
+        assert json.loads(out)["addr"] == daemon.addr
+    code, _, err = run(capsys, "ls", "--addr", str(tmp_path / "nobody.sock"))
+    assert code == 1 and "nobody.sock" in err
 
 
 def test_usage_errors(capsys) -> None:
