@@ -219,6 +219,12 @@ def copy_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def start_copy_threads() -> None:
+    """Start the copy helper threads now (at connect) rather than in a first copy."""
+    if COPY_THREADS >= 2:
+        copy_pool().submit(int).result()
+
+
 def parallel_copy(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]],
     copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
@@ -258,6 +264,21 @@ def parallel_copy(
             future.result()
 
 
+MAP_IN_MIN_BYTES = 64 << 10  # smaller slots: one call each would cost more than it saves
+
+
+def map_in_run(mapping: ArenaMapping, run: Run, block_bytes: int) -> None:
+    """Map a run's slots into this process's page table before writing them: one call
+    per contiguous range (or per slot of 64 KiB and more) instead of a page fault per
+    page (see ArenaMapping.map_in)."""
+    if run.count == 1 or abs(run.stride) == block_bytes:
+        low = min(run.offset, run.offset + (run.count - 1) * run.stride)
+        mapping.map_in(low, run.count * block_bytes, write=False)
+    elif block_bytes >= MAP_IN_MIN_BYTES:
+        for k in range(run.count):
+            mapping.map_in(run.offset + k * run.stride, block_bytes, write=False)
+
+
 def write_slots(
     mapping: ArenaMapping,
     slots: SlotTable | Sequence[Slot],
@@ -279,6 +300,7 @@ def write_slots(
     for run in slot_runs(table, block_bytes):
         row = int(table.indices[run.pos]) - first_index
         dst = run_view(arena, run, block_bytes, writable=True)
+        map_in_run(mapping, run, block_bytes)
         if isinstance(blocks, np.ndarray):
             pairs.append((dst, blocks[row : row + run.count]))
         else:

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
-from kvclient.arena_path import BlockViews, ClientArena, SlotTable, write_slots
+from kvclient.arena_path import BlockViews, ClientArena, SlotTable, start_copy_threads, write_slots
 from kvclient.claims import AsyncClaim, reserve_request
 from kvclient.disk_index import DiskFirstReads
 from kvclient.disk_reads import DiskFile, read_answer, read_first_from_file
@@ -321,8 +321,6 @@ class AsyncKVClient:
             old, arena = self._arena, None
             if self.use_arena is not False:
                 arena = ClientArena.open(info.arena_path, info.host_id, host_id())
-                if arena is not None and info.arena_prefaulted:
-                    arena.mapping.map_in_background()
             old_local, local = self._local, None
             if arena is not None and info.local_socket:
                 local = AsyncLocalCalls(info.local_socket)
@@ -331,6 +329,10 @@ class AsyncKVClient:
             self._last_slots = LastSlots()
             old_disk = self._disk
             self._disk = DiskFile.open(info.disk_path) if arena is not None else None
+            if arena is not None:  # what a first get would pay, paid at connect
+                start_copy_threads()
+            if self._disk is not None:
+                self._disk.open_index_now()
         if old is not None:
             old.close()
         if old_disk is not None:
@@ -422,12 +424,14 @@ class AsyncKVClient:
         """Open (or re-open) a namespace; ``layout`` as in :meth:`KVClient.namespace`."""
         request = wire.namespace_request(model, block_tokens, block_bytes, name, layout)
         info = await self._call(self._stub.OpenNamespace, request)
+        await self._refresh()  # map the arena now: opening is a connect step
         return AsyncNamespace(self, wire.namespace_info(info))
 
     async def open_namespace(self, ns_id: str) -> AsyncNamespace:
         """A handle on an existing namespace, by ns_id or bound name (NOT_FOUND if none)."""
         request = pb.DescribeNamespaceRequest(ns_id=ns_id)
         info = await self._call(self._stub.DescribeNamespace, request)
+        await self._refresh()
         return AsyncNamespace(self, wire.namespace_info(info))
 
 

@@ -92,6 +92,10 @@ class DiskFile:
             self._index = None if off or self._fd < 0 else DiskIndex.open(self.path)
         return self._index
 
+    def open_index_now(self) -> None:
+        """Open this process's index at connect rather than in its first read."""
+        _ = self.index
+
     def read(self, blocks: np.ndarray, extents: DiskExtents) -> bool:
         """Read every extent into ``blocks[position]`` (uint8 ``[n, block_bytes]``, C
         order) and check it; False when any block came back short or failed its

@@ -132,7 +132,7 @@ class ServerInfo:
     local_socket: str = ""  # unix socket of local calls (same host); "" when not offered
     slot_epochs_offset: int = 0  # where the slot epoch table is in the arena file
     slot_epochs_count: int = 0  # its counters; 0: no unpinned reads
-    arena_prefaulted: bool = False  # the daemon faults its arena in: clients map theirs in too
+    arena_prefaulted: bool = False  # the daemon faulted its arena's pages in at start-up
     disk_path: str = ""  # the disk tier's data file (disk_direct reads); "" without one
 
 

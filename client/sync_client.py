@@ -41,7 +41,7 @@ import numpy as np
 
 from kvclient import wire
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
-from kvclient.arena_path import BlockViews, ClientArena, SlotTable, write_slots
+from kvclient.arena_path import BlockViews, ClientArena, SlotTable, start_copy_threads, write_slots
 from kvclient.claims import Claim, ClaimTicket, reserve_request
 from kvclient.disk_index import DiskFirstReads
 from kvclient.disk_reads import DiskFile, read_answer, read_first_from_file
@@ -388,8 +388,6 @@ class KVClient:
             old, arena = self._arena, None
             if self.use_arena is not False:
                 arena = ClientArena.open(info.arena_path, info.host_id, host_id())
-                if arena is not None and info.arena_prefaulted:
-                    arena.mapping.map_in_background()
             old_local, local = self._local, None
             if arena is not None and info.local_socket:
                 local = LocalCalls(info.local_socket)
@@ -398,6 +396,10 @@ class KVClient:
             self._last_slots = LastSlots()
             old_disk = self._disk
             self._disk = DiskFile.open(info.disk_path) if arena is not None else None
+            if arena is not None:  # what a first get would pay, paid at connect
+                start_copy_threads()
+            if self._disk is not None:
+                self._disk.open_index_now()
         if old is not None:
             old.close()
         if old_disk is not None:
@@ -488,14 +490,16 @@ class KVClient:
         """Open (or re-open) a namespace; ``layout``: num_layers, num_kv_heads, head_dim,
         dtype, rank, world_size, tenant_salt, hash_algorithm, vocab_size."""
         request = wire.namespace_request(model, block_tokens, block_bytes, name, layout)
-        return Namespace(self, wire.namespace_info(self._call(self._stub.OpenNamespace, request)))
+        info = wire.namespace_info(self._call(self._stub.OpenNamespace, request))
+        self._refresh()  # map the arena now: opening is a connect step, not a first get
+        return Namespace(self, info)
 
     def open_namespace(self, ns_id: str) -> Namespace:
         """A handle on an existing namespace, by ns_id or bound name (NOT_FOUND if none)."""
         request = pb.DescribeNamespaceRequest(ns_id=ns_id)
-        return Namespace(
-            self, wire.namespace_info(self._call(self._stub.DescribeNamespace, request))
-        )
+        info = wire.namespace_info(self._call(self._stub.DescribeNamespace, request))
+        self._refresh()
+        return Namespace(self, info)
 
 
 class Namespace:

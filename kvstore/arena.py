@@ -250,14 +250,28 @@ class ArenaMapping:
     def map_in_background(self, *, write: bool = False) -> None:
         """Fill this process's page table for the whole mapping on a background thread
         (``MADV_POPULATE_READ``). Each process that maps the arena pays a page fault on
-        its first touch of every page (here ~0.5 ms per MiB: a first 4 MiB copy took
-        3 ms instead of 0.8); a client does this once after mapping, off the hot path.
-        The pages themselves are the daemon's: its arena maps them with ``write``
-        (``MADV_POPULATE_WRITE``, which allocates them). :meth:`stop_mapping_in` or
+        its first touch of every page. The daemon's arena does this with ``write``
+        (``MADV_POPULATE_WRITE``, which allocates the pages). Clients do not: a whole
+        arena mapped in while a new process makes its first calls slowed those calls
+        several times over (docs/benchmarks/first-call.md); they map in the ranges
+        they write (:meth:`map_in`). :meth:`stop_mapping_in` or
         :meth:`close` stops the thread."""
         if self._prefaulter is None and self._region is not None:
             advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
             self._prefaulter = _Prefaulter(self.array(), self.path or "(anonymous)", advice)
+
+    def map_in(self, offset: int, size: int, *, write: bool) -> None:
+        """Fill this process's page table for ``[offset, offset + size)`` now, in one
+        call (``MADV_POPULATE_WRITE`` / ``_READ``) instead of a page fault per page: a
+        write to pages this process has not touched yet faults on every page (no
+        fault-around for writes to a shared file). Best effort: a no-op where the
+        kernel lacks it."""
+        if _madvise is None or self._region is None or size <= 0:
+            return
+        start = offset & ~_PAGE_MASK
+        base = self.array().ctypes.data
+        _madvise(base + start, offset + size - start, MADV_POPULATE_WRITE if write else
+                 MADV_POPULATE_READ)
 
     def stop_mapping_in(self) -> None:
         """Stop :meth:`map_in_background`'s thread (within one chunk); idempotent."""

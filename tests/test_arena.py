@@ -587,3 +587,23 @@ def test_a_client_mapping_fills_its_page_table_in_the_background(tmp_path: Path)
     assert time.monotonic() - started < 5  # closed within a chunk
     big.close()
     arena.close()
+
+
+def test_map_in_fills_the_page_table_of_one_range_only(tmp_path: Path) -> None:
+    """A client maps in the slots it is about to write (kvclient.arena_path.map_in_run)
+    rather than the whole arena in the background (which slowed its first gets)."""
+    arena = HostArena(32 << 20, directory=str(tmp_path))
+    assert arena.path is not None
+    arena.array()[:] = 7
+    mapping = map_arena(arena.path)
+    address = mapping.array().ctypes.data
+    before = _resident_bytes(address)
+    mapping.map_in(5 << 20, 4 << 20, write=False)
+    after = _resident_bytes(address)
+    if after == before:
+        pytest.skip("MADV_POPULATE_READ unsupported here: the mapping stays lazy")
+    assert 4 << 20 <= after - before < 8 << 20  # that range, not the arena
+    assert int(mapping.array()[(5 << 20) + 1]) == 7
+    mapping.close()
+    mapping.map_in(0, 4096, write=False)  # closed: a no-op, never a crash
+    arena.close()

@@ -322,7 +322,7 @@ def test_unpinned_acquire_answers_epochs_and_no_lease(kvstored: Daemon) -> None:
     stub = kv_stub(kvstored)
     info = stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
     assert info.slot_epochs_count > 0 and info.slot_epochs_offset >= info.arena_bytes
-    assert info.arena_prefaulted  # the default: clients map their pages in as well
+    assert info.arena_prefaulted  # the default: the daemon faults its pages in
     with KVClient(kvstored.addr) as client:
         ns = client.namespace("raw", block_tokens=TOKENS, block_bytes=BLOCK)
         ns.put(np.arange(2 * TOKENS), np.stack([block_of(3, i, BLOCK) for i in range(2)]))
