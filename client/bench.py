@@ -1756,11 +1756,44 @@ def print_table(results: Sequence[Result], stream: Any = None) -> None:
     print("  ".join(h.ljust(w) for h, w in zip(HEADERS, widths, strict=True)), file=stream)
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)), file=stream)
-    print(file=stream)
-    for t in targets(results):
-        state = "-" if t.met is None else ("met" if t.met else "MISSED")
-        floor = "" if t.floor == "-" else f"; floor {t.floor}"
-        print(f"{state:7} {t.name}: {t.measured} (goal {t.goal}{floor})", file=stream)
+
+
+def unmeasured_reason(target: Target, notes: Sequence[str], quick: bool) -> str:
+    """Why a goal has no figure in this run, in words a reader acts on."""
+    if "Redis" in target.name:
+        skipped = [n for n in notes if n.startswith("Redis baseline skipped")]
+        if skipped:
+            return skipped[0].rstrip(".")
+    if quick:
+        return "a quick run has no case of that size (run without --quick)"
+    return "no case of that size ran (see --layouts / --batches)"
+
+
+def print_summary(bench: Bench, elapsed: float, quick: bool, stream: Any = None) -> None:
+    """What a reader needs first: what ran, the goals, and why anything was skipped."""
+    stream = stream or sys.stdout
+    where = "its own daemon (a temp dir)" if bench.daemon is not None else bench.addr
+    print(f"kvctl bench: {len(bench.results)} cases in {elapsed:.0f} s against {where}",
+          file=stream)
+    goals = targets(bench.results)
+    if quick:
+        print("quick run: a smoke check at small sizes; goals are judged by a full run "
+              "(kvctl bench, ~10 minutes; docs/benchmarks/datapath.md)", file=stream)
+    else:
+        met = sum(t.met is True for t in goals)
+        missed = sum(t.met is False for t in goals)
+        print(f"goals: {met} met, {missed} missed, {len(goals) - met - missed} not measured",
+              file=stream)
+    for t in goals:
+        if t.met is None:
+            state, figure = "-", f"not measured: {unmeasured_reason(t, bench.notes, quick)}"
+        else:
+            state = "ran" if quick else ("met" if t.met else "MISSED")
+            floor = "" if t.floor == "-" else f"; floor {t.floor}"
+            figure = f"{t.measured} (goal {t.goal}{floor})"
+        print(f"  {state:7} {t.name}: {figure}", file=stream)
+    for note in bench.notes:
+        print(f"note: {note}", file=stream)
 
 
 # -- entry points -----------------------------------------------------------------------
@@ -1779,6 +1812,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-redis", action="store_true", help="skip the Redis baseline")
     p.add_argument("--report", metavar="FILE.md", help="write the markdown report (and a PNG)")
     p.add_argument("--json", metavar="FILE", help="write every result as JSON")
+    p.add_argument("--table", action="store_true", help="print every case, after the summary")
     p.add_argument("--workdir", help="where an own daemon keeps its files (default: a temp dir)")
 
 
@@ -1803,7 +1837,12 @@ def run_bench(args: argparse.Namespace, addr: str | None, argv: Sequence[str]) -
         finally:
             bench.close()
     elapsed = time.monotonic() - started
-    print_table(bench.results)
+    print_summary(bench, elapsed, args.quick)
+    if args.table:
+        print(file=sys.stdout)
+        print_table(bench.results)
+    elif not args.report and not args.json:
+        print("every case: add --table, or --report FILE.md / --json FILE")
     if args.json:
         data = {
             "argv": list(argv),

@@ -11,8 +11,8 @@ The model is a Llama with seeded random weights (nothing is downloaded), so answ
 noise; text is tokenized as bytes. Start a daemon first (``kvstored``), then:
 
     python examples/cag.py                                  # demo
-    python examples/cag.py store --doc manual.txt
-    python examples/cag.py ask --doc manual.txt "How are blocks evicted?" "What is a lease?"
+    python examples/cag.py store --doc README.md
+    python examples/cag.py ask --doc README.md "How are blocks evicted?" "What is a lease?"
     python examples/cag.py --addr unix:///tmp/kv.sock --small demo
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvclient import KVClient
+from kvclient import KVClient, KVStoreError
 from kvclient.hf import HFPrefixCache, random_llama
 
 DOC_PRIORITY = 90  # 0..100; ordinary prompts get the daemon's default (35)
@@ -143,23 +143,47 @@ def common_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def add_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """The options, accepted before and after the command (``store --doc FILE``)."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    parser.add_argument(
+        "--addr", default=default(None),
+        help="daemon address (default: KVSTORE_ADDR or the default socket)",
+    )
+    parser.add_argument(
+        "--small", action="store_true", default=default(False),
+        help="tiny model, short document (CI)",
+    )
+    parser.add_argument("--doc", default=default(None), help="document file (default: synthetic)")
+    parser.add_argument("--doc-tokens", type=int, default=default(None))
+    parser.add_argument("--answer-tokens", type=int, default=default(8))
+    parser.add_argument("--block-tokens", type=int, default=default(16))
+    parser.add_argument("--device", default=default("cpu"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--addr", default=None, help="daemon address (default: KVSTORE_ADDR or the default socket)"
-    )
-    parser.add_argument("--small", action="store_true", help="tiny model, short document (CI)")
-    parser.add_argument("--doc", default=None, help="document file (default: synthetic)")
-    parser.add_argument("--doc-tokens", type=int, default=None)
-    parser.add_argument("--answer-tokens", type=int, default=8)
-    parser.add_argument("--block-tokens", type=int, default=16)
-    parser.add_argument("--device", default="cpu")
+    add_options(parser, suppress=False)
+    after = argparse.ArgumentParser(add_help=False)
+    add_options(after, suppress=True)
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("store", help="prefill the document once and store its KV")
-    ask_parser = sub.add_parser("ask", help="answer questions with the document from kvstore")
+    sub.add_parser("store", parents=[after], help="prefill the document once and store its KV")
+    ask_parser = sub.add_parser(
+        "ask", parents=[after], help="answer questions with the document from kvstore"
+    )
     ask_parser.add_argument("questions", nargs="*")
-    sub.add_parser("demo", help="store, then ask from a second process (default)")
+    sub.add_parser("demo", parents=[after], help="store, then ask from a second process (default)")
     args = parser.parse_args(argv)
+    try:  # one line, before loading a model, when there is no daemon to talk to
+        with KVClient(args.addr, timeout=2.0) as client:
+            client.server_info()
+    except KVStoreError as exc:
+        print(f"cag.py: no kvstored to talk to ({exc}); start one with `kvstored`",
+              file=sys.stderr)
+        return 1
     command = args.command or "demo"
     return {"store": store, "ask": ask, "demo": demo}[command](args)
 

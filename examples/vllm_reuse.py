@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             client.server_info()
             addr = client.addr
     except KVStoreError as exc:
-        print(f"vllm_reuse: no kvstored to talk to ({exc}); start one with `kvstored`")
+        print(f"vllm_reuse.py: no kvstored to talk to ({exc}); start one with `kvstored`",
+              file=sys.stderr)
         return 1
 
     from vllm import LLM, SamplingParams

@@ -20,12 +20,24 @@ from kvclient.cli import main
 
 
 @pytest.mark.slow
-def test_bench_quick_run_writes_every_case(tmp_path: Path) -> None:
+def test_bench_quick_run_writes_every_case(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     report, data = tmp_path / "datapath.md", tmp_path / "results.json"
     redis_missing = bench.redis_unavailable()
     argv = ["bench", "--quick", "--no-cold", "--layouts", "tiny", "llama2", "--batches", "1", "4",
             "--repeat", "1", "--json", str(data), "--report", str(report)]  # fmt: skip
+    capsys.readouterr()
     assert main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    # a short summary leads: what ran, that a quick run judges no goal, why a baseline
+    # was skipped; the full table only when asked (--table)
+    assert printed[0].startswith("kvctl bench: ") and " cases in " in printed[0]
+    assert printed[1].startswith("quick run: ")
+    assert not any(line.startswith(("MISSED", "  MISSED")) for line in printed)
+    assert len(printed) < 25 and not any(line.startswith("system ") for line in printed)
+    if redis_missing:
+        assert f"note: Redis baseline skipped: {redis_missing}." in printed
+        redis_goal = next(line for line in printed if "vs Redis MGET" in line)
+        assert "not measured: Redis baseline skipped" in redis_goal
 
     out = json.loads(data.read_text())
     seen = {(r["system"], r["op"], r["path"], r["tier"]) for r in out["results"]}
