@@ -1,0 +1,234 @@
+"""Every command in README.md and in the examples' docstrings runs as written.
+
+The commands are extracted from the documents, not copied here, so a README that gains
+a command this test does not know how to run fails it. Each runs the way a new user
+would run it after the quick start: ``kvstored`` with no arguments (its default socket
+under a temporary ``XDG_RUNTIME_DIR``), then the kvctl commands, the README's Python
+snippet and the examples against it. Two kinds are checked by an equivalent instead of
+being run: installs (pip's resolver in a fresh venv, ``--dry-run``: that the examples'
+install step picks the CPU build of torch) and ``vllm serve`` (its connector config is
+the one the vLLM connector's tests run); ``kvctl bench --quick`` runs in
+test_bench_smoke.py. Placeholders (``NAMESPACE``, ``MODEL``) are filled in.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = REPO / "README.md"
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+BIN = Path(sys.executable).parent
+NOT_RUN = {  # command prefix -> why it is not run here
+    "python examples/vllm_reuse.py --model meta-llama/": "downloads an 8B model",
+}
+
+
+def readme_commands() -> list[str]:
+    """Lines of the README's ```bash blocks, comments stripped."""
+    text = README.read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            line = re.sub(r"\s+#\s.*$", "", line).strip()
+            if line:
+                commands.append(line)
+    return commands
+
+
+def readme_python_snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def docstring_commands() -> list[str]:
+    commands = []
+    for script in EXAMPLES:
+        for line in script.read_text().split('"""')[1].splitlines():
+            line = re.sub(r"\s+#\s.*$", "", line).strip()
+            if line.startswith("python examples/"):
+                commands.append(line)
+    return commands
+
+
+def test_the_documents_have_the_commands_this_test_runs() -> None:
+    commands = readme_commands()
+    assert any(c.endswith(".venv/bin/kvstored") for c in commands)
+    assert any(c.startswith("kvctl ") for c in commands)
+    assert any("examples/" in c for c in commands)
+    assert len(docstring_commands()) >= 3 * len(EXAMPLES) - 1
+
+
+def test_the_readme_test_command_is_what_ci_runs() -> None:
+    test_command = next(c for c in readme_commands() if "pytest" in c)
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert ci == test_command
+
+
+def test_the_examples_install_step_picks_the_cpu_build_of_torch(tmp_path: Path) -> None:
+    """pip's own resolver, in a fresh venv, on the README's install line (dry run)."""
+    steps = [c for c in readme_commands() if "'.[hf]'" in c and "pip install" in c]
+    assert len(steps) == 1, steps
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    report = tmp_path / "report.json"
+    args = shlex.split(steps[0])
+    assert args[:2] == [".venv/bin/pip", "install"]
+    proc = subprocess.run(
+        [str(BIN / "pip"), "--python", str(venv / "bin" / "python"), "install", "--dry-run",
+         "-q", "--report", str(report), *args[2:]],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    chosen = {p["metadata"]["name"]: p["metadata"]["version"]
+              for p in json.loads(report.read_text())["install"]}
+    assert chosen["torch"].startswith("2.13.0"), chosen["torch"]
+    assert "transformers" in chosen
+    cuda = sorted(name for name in chosen if name.startswith("nvidia-"))
+    assert not cuda, f"the CPU install step pulls CUDA libraries: {cuda}"
+
+
+# -- a user's session: the daemon on its defaults, then every command -------------------
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """``kvstored`` as the quick start runs it, in a sandboxed home; -> the env to use."""
+    home = tmp_path_factory.mktemp("home")
+    run_dir = Path(os.path.realpath("/tmp")) / f"kvrc{os.getpid()}"  # socket path limit
+    run_dir.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KVSTORED_", "KVSTORE_ADDR"))}
+    env.update(XDG_RUNTIME_DIR=str(run_dir), XDG_DATA_HOME=str(home / "data"),
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
+    quick_start = next(c for c in readme_commands() if c.endswith("kvstored"))
+    daemon_cmd = quick_start.rsplit("&&", 1)[1].split()  # after the install steps
+    assert daemon_cmd == [".venv/bin/kvstored"]
+    log = open(home / "kvstored.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([str(BIN / "kvstored")], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    sock = run_dir / "kvstore" / "kvstored.sock"
+    deadline = time.monotonic() + 60
+    while not sock.exists():
+        assert proc.poll() is None, (home / "kvstored.log").read_text()
+        assert time.monotonic() < deadline, "kvstored did not start"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    try:
+        yield env
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run(command: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    args = shlex.split(command)
+    if args[0].startswith(".venv/bin/"):
+        args[0] = str(BIN / args[0][len(".venv/bin/") :])
+    elif args[0] in ("python", "python3"):
+        args[0] = sys.executable
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_readme_python_snippet_and_kvctl_commands_run_as_written(
+    session: dict[str, str],
+) -> None:
+    snippets = [s for s in readme_python_snippets() if "..." not in s]  # not sketches
+    assert snippets, "the README's client example is gone"
+    for snippet in snippets:
+        proc = subprocess.run([sys.executable, "-c", snippet], cwd=REPO, env=session,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{snippet}\n{proc.stderr[-3000:]}"
+
+    ran = 0
+    for command in readme_commands():
+        if command == "source .venv/bin/activate":
+            assert (BIN / "activate").exists()
+            continue
+        if not command.startswith("kvctl ") or command.startswith("kvctl bench"):
+            continue
+        command = command.replace("NAMESPACE", "llama-3-8b")  # the snippet's model
+        proc = run(command, session)
+        assert proc.returncode == 0, f"{command}: {proc.stderr}"
+        assert proc.stdout.strip(), command
+        ran += 1
+    assert ran >= 7
+
+
+def test_vllm_serve_line_names_the_connector_the_tests_run() -> None:
+    lines = [c for c in readme_commands() if c.startswith("vllm serve")]
+    assert len(lines) == 1
+    args = shlex.split(lines[0])
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert config == {"kv_connector": "KVStoreConnector",
+                      "kv_connector_module_path": "kvclient.vllm", "kv_role": "kv_both"}
+    # the engines of tests/test_vllm_connector.py run with this config (and extras)
+    spec = importlib.util.spec_from_file_location("vllm_engine", REPO / "benchmarks" /
+                                                  "vllm_engine.py")
+    assert spec is not None and spec.loader is not None
+    engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine)
+    tested = engine.transfer_config("kvstore", {})
+    assert {k: v for k, v in tested.items() if k != "kv_connector_extra_config"} == config
+
+
+def example_commands() -> list[str]:
+    readme = [c for c in readme_commands() if "examples/" in c and "pip" not in c]
+    return readme + docstring_commands()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", example_commands())
+def test_example_commands_run_as_written(command: str, session: dict[str, str]) -> None:
+    pytest.importorskip("torch")
+    for prefix, why in NOT_RUN.items():
+        if command.startswith(prefix):
+            pytest.skip(f"not run here: {why}")
+    if "vllm_reuse" in command:
+        pytest.importorskip("vllm")
+    addr = f"unix://{session['XDG_RUNTIME_DIR']}/kvstore/kvstored.sock"
+    command = command.replace("unix:///tmp/kv.sock", addr)  # the docstrings' example path
+    proc = run(command, session, timeout=600)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip()
+
+
+def test_an_example_without_a_daemon_says_so_in_one_line(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    env = {**os.environ, "KVSTORE_ADDR": f"unix://{tmp_path}/nobody.sock"}
+    for script in ("chat_reuse.py", "cag.py"):
+        proc = subprocess.run([sys.executable, str(REPO / "examples" / script), "--small"],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+        assert proc.stderr.startswith(f"{script}: no kvstored to talk to (")
+        assert "start one with `kvstored`" in proc.stderr
+
+
+def test_the_docs_stand_on_their_own() -> None:
+    """Every relative link in the docs points into this repository; the design notes
+    send the reader to no file outside it; the license and type marker ship."""
+    docs = [README, REPO / "deploy" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            if "://" in target:
+                continue
+            assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+    design = (REPO / "docs" / "design.md").read_text()
+    assert "shared/DESIGN.md" not in design and "the seed" not in design
+    assert "Apache License" in (REPO / "LICENSE").read_text()
+    assert (REPO / "proto" / "kvproto" / "py.typed").exists()
