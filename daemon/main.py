@@ -30,6 +30,13 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+def _start_failed(log_format: str, message: str, code: int) -> int:
+    if log_format == "json":  # keep stderr all JSON lines
+        log.error("cannot start: %s", message, extra={"event": "start_failed"})
+        return code
+    return _fail(message, code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, args = load_config(argv)
@@ -49,14 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         preflight.check(config)
     except ConfigError as exc:
-        return _fail(str(exc), 2)
+        return _start_failed(config.log_format, str(exc), 2)
     try:
         return asyncio.run(serve(config))
     except StartupError as exc:
-        if config.log_format == "json":  # keep stderr all JSON lines
-            log.error("cannot start: %s", exc, extra={"event": "start_failed"})
-            return 1
-        return _fail(str(exc), 1)
+        return _start_failed(config.log_format, str(exc), 1)
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 130
     except Exception:

@@ -72,13 +72,13 @@ def test_json_logs_one_line_per_lifecycle_event_never_per_block(kvstored_factory
 
 
 def test_json_start_failure_is_one_json_error_line(kvstored: Daemon) -> None:
-    # a second daemon on a live socket: exit 1, and its stderr is still JSON
+    # a second daemon on a live socket: exit 2 (found before start-up), stderr still JSON
     proc = subprocess.run(
         [sys.executable, "-m", "kvstored", "--listen", kvstored.addr, "--host-bytes", "4MiB",
          "--disk-bytes", "0", "--metrics-listen", "off", "--log-format", "json"],
         capture_output=True, text=True, timeout=60,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     errors = [e for e in json_lines(proc.stderr) if e["level"] == "error"]
     assert len(errors) == 1
     assert errors[0]["event"] == "start_failed"

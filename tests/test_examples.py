@@ -110,5 +110,5 @@ def test_vllm_reuse_says_in_one_line_that_no_daemon_runs(tmp_path: Path) -> None
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 1
-    assert proc.stdout.count("\n") == 1 and "start one with `kvstored`" in proc.stdout
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "start one with `kvstored`" in proc.stderr

@@ -235,7 +235,7 @@ def test_metrics_listen_values_and_bind_failures(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        # asked for explicitly and taken: start-up fails (exit 1), naming the key
+        # asked for explicitly and taken: start-up fails (exit 2), naming the key
         sock_dir = tempfile.mkdtemp(prefix="kv", dir="/tmp")
         proc = subprocess.run(
             [sys.executable, "-m", "kvstored", "--listen", f"unix://{sock_dir}/k.sock",
@@ -243,8 +243,8 @@ def test_metrics_listen_values_and_bind_failures(
              "--metrics-listen", f"127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=60,
         )
-        assert proc.returncode == 1, proc.stderr
-        assert f"127.0.0.1:{port} (metrics_listen)" in proc.stderr
+        assert proc.returncode == 2, proc.stderr
+        assert f"metrics_listen: 127.0.0.1:{port} is in use" in proc.stderr
         assert not Path(sock_dir, "k.sock").exists()
 
     # "off": no endpoint, no line
