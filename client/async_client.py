@@ -70,7 +70,9 @@ from kvclient.results import (
     PutResult,
     ServerInfo,
     Stats,
+    write_through,
 )
+from kvclient.session import GrpcSession
 from kvclient.staged_slots import SlotStash, put_reserve
 from kvclient.sync_client import DEFAULT_TIMEOUT_S, RELEASE_DELAY_S
 from kvclient.unpinned_reads import (
@@ -132,6 +134,9 @@ class AsyncKVClient:
         # calls whose answer neither a block still pinned by this client nor a read it
         # has not reported can change
         self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
+        # calls over gRPC whose leases end with this client's session (kvclient.session)
+        self._session = GrpcSession(self.addr, CHANNEL_OPTIONS)
+        self._leasing = (self._stub.Acquire, self._stub.Reserve)
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: AsyncLocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}
@@ -159,6 +164,7 @@ class AsyncKVClient:
         await self._settle()
         if self._local is not None:  # the answers of puts sent ahead resolve their results
             await self._local.read_owed(self.timeout)
+        self._session.close()
         await self._channel.close()
         arena, self._arena = self._arena, None
         if arena is not None:
@@ -236,6 +242,9 @@ class AsyncKVClient:
         self, method: Callable[..., Awaitable[_Response]], request: Any
     ) -> _Response:
         try:
+            if method in self._leasing:
+                metadata = self._session.metadata(wait=False)
+                return await method(request, timeout=self.timeout, metadata=metadata)
             return await method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
@@ -801,8 +810,12 @@ class AsyncNamespace:
             except BaseException:
                 await _abandon_quietly(client, reserved.lease_id)
                 raise
-            # nothing on the put's path needs the answer (see the sync client)
             commit = pb.CommitRequest(lease_id=reserved.lease_id)
+            if write_through(client._info):  # wait: the answer says what is durable
+                answer = await client._call(client._stub.Commit, commit)
+                refused = reserved.refused + len(slots) - answer.committed
+                return PutResult(answer.committed, reserved.existing, refused, answer.durable)
+            # nothing on the put's path needs the answer (see the sync client)
             await client._send(client._stub.Commit, commit)
         return PutResult(stored=len(slots), existing=reserved.existing, refused=reserved.refused)
 
@@ -848,7 +861,7 @@ class AsyncNamespace:
         per_call = blocks_per_call(
             info.max_transfer_bytes, info.max_blocks_per_request, self.block_bytes
         )
-        stored = existing = refused = 0
+        stored = existing = refused = durable = 0
         done = 0
         while done < len(rows):
             n = min(per_call, len(rows) - done)
@@ -869,11 +882,12 @@ class AsyncNamespace:
             stored += result.stored
             existing += result.existing
             refused += result.refused
+            durable += result.durable
             done += n
             if result.refused:  # the chain is broken: later blocks have no parent
                 refused += len(rows) - done
                 break
-        return PutResult(stored=stored, existing=existing, refused=refused)
+        return PutResult(stored=stored, existing=existing, refused=refused, durable=durable)
 
     # -- early reuse ----------------------------------------------------------------
 

@@ -179,6 +179,7 @@ def collect_status(client: KVClient) -> JSONDict:
         "promotions": stats.promotions,
         "corrupt_reads": stats.corrupt_reads,
         "disk_queue_bytes": stats.disk_queue_bytes,
+        "disk_fault": stats.disk_fault,
         "counters": dict(stats.counters),
         "time": time.time(),
     }
@@ -294,7 +295,10 @@ def render_status(data: JSONDict) -> str:
         f"promotions {data['promotions']}  corrupt reads {data['corrupt_reads']}  "
         f"disk queue {human_bytes(data['disk_queue_bytes'])}"
     )
-    return "\n".join([head, "", render_tiers(data["tiers"], None), "", summary])
+    lines = [head, "", render_tiers(data["tiers"], None), "", summary]
+    if data.get("disk_fault"):
+        lines.append(f"disk tier NOT TAKING WRITES: {data['disk_fault']} (retrying)")
+    return "\n".join(lines)
 
 
 def tier_rates(now: JSONDict, before: JSONDict | None) -> dict[str, tuple[float, float]]:

@@ -151,7 +151,8 @@ def answer_handler(
     def on_answer(reply: Any, failure: Exception | None) -> None:
         if failure is None:
             stash.answered(sent_at, request, reply)
-            pending.resolve(PutResult(len(reply.slot_offsets), reply.existing, reply.refused), None)
+            stored = len(reply.slot_offsets)
+            pending.resolve(PutResult(stored, reply.existing, reply.refused, reply.durable), None)
             return
         stash.drop(request, release)
         error = to_error(_client_error(failure, pending.addr))

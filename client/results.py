@@ -18,10 +18,19 @@ class PutResult:
     stored: int  # newly stored and ready
     existing: int  # already stored (or being computed by another owner): nothing written
     refused: int  # not admitted: no room, or an ancestor is missing
+    # of the stored, committed to the daemon's disk before it answered: only with its
+    # write-through admission (ServerInfo.admission); these survive a crash of the daemon
+    durable: int = 0
 
     @property
     def offered(self) -> int:
         return self.stored + self.existing + self.refused
+
+
+def write_through(info: ServerInfo | None) -> bool:
+    """Whether the daemon answers commits once they are on disk (a put then waits for
+    its Commit's answer, which says how many blocks are durable)."""
+    return info is not None and info.admission == "write-through"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +114,7 @@ class Stats:
     disk_queue_bytes: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     staged_bytes: int = 0  # host slots set aside for writers' next puts
+    disk_fault: str = ""  # why the disk tier takes no writes now ("" when it does)
 
     def tier(self, name: str) -> TierStats | None:
         for tier in self.tiers:
@@ -134,6 +144,7 @@ class ServerInfo:
     slot_epochs_count: int = 0  # its counters; 0: no unpinned reads
     arena_prefaulted: bool = False  # the daemon faulted its arena's pages in at start-up
     disk_path: str = ""  # the disk tier's data file (disk_direct reads); "" without one
+    admission: str = ""  # the daemon's disk admission: write-back | write-through | selective
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,7 +79,9 @@ from kvclient.results import (
     PutResult,
     ServerInfo,
     Stats,
+    write_through,
 )
+from kvclient.session import GrpcSession
 from kvclient.staged_slots import SlotStash, put_reserve
 from kvclient.unpinned_reads import (
     LastSlots,
@@ -137,6 +139,9 @@ class KVClient:
         # calls whose answer neither a block still pinned by this client nor a read it
         # has not reported can change
         self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
+        # calls over gRPC whose leases end with this client's session (kvclient.session)
+        self._session = GrpcSession(self.addr, CHANNEL_OPTIONS)
+        self._leasing = (self._stub.Acquire, self._stub.Reserve)
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: LocalCalls | None = None
         self._local_names = {getattr(self._stub, name): name for name in UNARY_METHODS}
@@ -184,6 +189,7 @@ class KVClient:
             staging = (stash.detach() for stash in self._stashes.values())
             self._done.extend(lease_id for lease_id in staging if lease_id)
         self._settle()
+        self._session.close()
         self._channel.close()
         if arena is not None:
             arena.close()
@@ -259,6 +265,9 @@ class KVClient:
 
     def _call_grpc(self, method: Callable[..., _Response], request: Any) -> _Response:
         try:
+            if method in self._leasing:
+                metadata = self._session.metadata(wait=True)
+                return method(request, timeout=self.timeout, metadata=metadata)
             return method(request, timeout=self.timeout)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
@@ -873,9 +882,14 @@ class Namespace:
             except BaseException:
                 _abandon_quietly(client, reserved.lease_id)
                 raise
+            commit = pb.CommitRequest(lease_id=reserved.lease_id)
+            if write_through(client._info):  # wait: the answer says what is durable
+                answer = client._call(client._stub.Commit, commit)
+                refused = reserved.refused + len(slots) - answer.committed
+                return PutResult(answer.committed, reserved.existing, refused, answer.durable)
             # nothing on the put's path needs the answer: this client's next call on
             # the connection reads it, and runs after the commit
-            client._send(client._stub.Commit, pb.CommitRequest(lease_id=reserved.lease_id))
+            client._send(client._stub.Commit, commit)
         return PutResult(stored=len(slots), existing=reserved.existing, refused=reserved.refused)
 
     def _send_ahead(
@@ -920,7 +934,7 @@ class Namespace:
         per_call = blocks_per_call(
             info.max_transfer_bytes, info.max_blocks_per_request, self.block_bytes
         )
-        stored = existing = refused = 0
+        stored = existing = refused = durable = 0
         done = 0
         while done < len(rows):
             n = min(per_call, len(rows) - done)
@@ -941,11 +955,12 @@ class Namespace:
             stored += result.stored
             existing += result.existing
             refused += result.refused
+            durable += result.durable
             done += n
             if result.refused:  # the chain is broken: later blocks have no parent
                 refused += len(rows) - done
                 break
-        return PutResult(stored=stored, existing=existing, refused=refused)
+        return PutResult(stored=stored, existing=existing, refused=refused, durable=durable)
 
     # -- early reuse ----------------------------------------------------------------
 
@@ -1071,12 +1086,13 @@ def commit_filled(
 ) -> PutResult:
     """The end of an arena put: ``fill`` the ``n_slots`` slots a Reserve answered, then
     Commit them; Abandon if anything raises (the pending blocks are dropped)."""
-    committed = 0
+    committed = durable = 0
     if reserved.lease_id:
         try:
             fill()
             commit = pb.CommitRequest(lease_id=reserved.lease_id)
-            committed = client._call(client._stub.Commit, commit).committed
+            answer = client._call(client._stub.Commit, commit)
+            committed, durable = answer.committed, answer.durable
         except BaseException:
             _abandon_quietly(client, reserved.lease_id)
             raise
@@ -1084,6 +1100,7 @@ def commit_filled(
         stored=committed,
         existing=reserved.existing,
         refused=reserved.refused + n_slots - committed,
+        durable=durable,
     )
 
 

@@ -42,6 +42,7 @@ from kvclient.arena_path import ClientArena, Run, SlotTable, read_runs, slot_run
 from kvclient.payloads import output_array
 from kvclient.results import ServerInfo
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
 from kvstore.slot_epochs import READS_IN_ORDER, SlotEpochs
 
 LAST_SLOTS_ENTRIES = 4096  # prefixes remembered per client (a few KiB each at most)
@@ -232,9 +233,10 @@ class ReadReports:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[tuple[ReadKey, bool], pb.PrefixReads] = {}
+        self._full: list[pb.PrefixReads] = []  # counts that reached MAX_READS_PER_PREFIX
 
     def __bool__(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending or self._full)
 
     def add(self, key: ReadKey, tokens: list[int], n_blocks: int, from_disk: bool = False) -> bool:
         """Count one read of the first ``n_blocks`` blocks of ``key``'s request; True
@@ -252,13 +254,19 @@ class ReadReports:
                 )
                 self._pending[key, from_disk] = pending
             pending.reads += 1
-            return len(self._pending) >= REPORTED_PREFIXES
+            if pending.reads >= MAX_READS_PER_PREFIX:  # the most one report may claim
+                self._full.append(self._pending.pop((key, from_disk)))
+            return len(self._pending) + len(self._full) >= REPORTED_PREFIXES or bool(self._full)
 
     def take(self) -> pb.ReportReadsRequest | None:
         """The request that reports every pending read (which are then no longer
         pending); None when there are none."""
-        if not self._pending:
+        if not self:
             return None
         with self._lock:
-            pending, self._pending = self._pending, {}
-        return pb.ReportReadsRequest(prefixes=list(pending.values())) if pending else None
+            prefixes = self._full + list(self._pending.values())
+            self._pending = {}
+            # the rest (a flusher far behind) goes with the next report
+            self._full = prefixes[MAX_REPORTED_PREFIXES:]
+        prefixes = prefixes[:MAX_REPORTED_PREFIXES]
+        return pb.ReportReadsRequest(prefixes=prefixes) if prefixes else None

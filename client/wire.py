@@ -152,6 +152,7 @@ def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         slot_epochs_count=msg.slot_epochs_count,
         arena_prefaulted=msg.arena_prefaulted,
         disk_path=msg.disk_path,
+        admission=msg.admission,
     )
 
 
@@ -166,7 +167,9 @@ def lookup_result(msg: pb.LookupResponse) -> LookupResult:
 
 
 def put_result(msg: pb.PutResponse) -> PutResult:
-    return PutResult(stored=msg.stored, existing=msg.existing, refused=msg.refused)
+    return PutResult(
+        stored=msg.stored, existing=msg.existing, refused=msg.refused, durable=msg.durable
+    )
 
 
 def slots(msgs: Sequence[pb.Slot]) -> list[Slot]:
@@ -249,6 +252,7 @@ def stats(msg: pb.StatsResponse) -> Stats:
         disk_queue_bytes=msg.disk_queue_bytes,
         counters=dict(msg.counters),
         staged_bytes=msg.staged_bytes,
+        disk_fault="" if msg.disk_writable else msg.disk_fault,
     )
 
 

@@ -304,6 +304,14 @@ KEYS: tuple[Key, ...] = (
     Key("max_staged_bytes", "size", parse_size, 0,
         "host arena bytes one writer may hold set aside (staged) for its next puts; "
         "0: a quarter of host_bytes", _at_least(0, "size")),
+    Key("disk_queue_bytes", "size", parse_size, 256 << 20,
+        "block bytes waiting for the disk writer, at most; when full, blocks are not "
+        "written to disk (never waited for); with write-back also the most a crash "
+        "loses beyond the host tier", _at_least(1 << 20, "size")),
+    Key("write_through_wait_s", "float", parse_float, 30.0,
+        "write-through: how long a commit waits for its disk commit before answering "
+        "(the blocks it did not see committed are not counted durable)",
+        lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
     Key("max_message_bytes", "size", parse_size, 64 << 20,
         "largest gRPC message received or sent; bigger ones get RESOURCE_EXHAUSTED",
         _between(MAX_CHUNK_BYTES + MESSAGE_OVERHEAD, (1 << 31) - 1)),
@@ -354,6 +362,8 @@ class DaemonConfig:
     max_lease_ttl_s: float
     max_blocks_per_request: int
     max_staged_bytes: int
+    disk_queue_bytes: int
+    write_through_wait_s: float
     max_message_bytes: int
     max_transfer_bytes: int
     arena_dir: str
@@ -387,6 +397,9 @@ class DaemonConfig:
             max_lease_ttl_s=self.max_lease_ttl_s,
             max_blocks_per_request=self.max_blocks_per_request,
             max_staged_bytes=self.max_staged_bytes,
+            disk_queue_bytes=self.disk_queue_bytes,
+            write_through_wait_s=self.write_through_wait_s,
+            check_disk_in_child=True,  # a damaged file costs its blocks, never the start
             arena_dir=self.arena_dir or None,
             shared_arena=self.shared_arena,
             prefault_arena=self.prefault_arena,

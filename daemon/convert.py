@@ -286,6 +286,8 @@ def stats_response(
         leases=stats.leases,
         corrupt_reads=stats.corrupt_reads,
         disk_queue_bytes=stats.disk_queue_bytes,
+        disk_writable=not stats.disk_fault,
+        disk_fault=stats.disk_fault,
         platform=platform,
         uptime_s=uptime_s,
         counters=stats.counters,

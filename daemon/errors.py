@@ -5,6 +5,12 @@ becomes its status code with the error's own message (the core and the edge
 validation name the field and the value); anything else is a bug: it is logged with
 its traceback and answered INTERNAL without internals in the message. The client maps
 the codes back to its own exception classes.
+
+A request whose bytes do not decode is not a bug but bad input: the method handlers
+are registered with :func:`tolerant` deserializers, which hand the method an
+:class:`Undecodable` in place of the message, and :func:`grpc_errors` answers it
+INVALID_ARGUMENT before the method runs (grpc's own handling would log a traceback and
+answer a status that says nothing about the request).
 """
 
 from __future__ import annotations
@@ -64,6 +70,30 @@ async def abort_with(context: grpc.aio.ServicerContext, rpc: str, exc: Exception
     raise AssertionError("context.abort() returned")  # it always raises
 
 
+class Undecodable:
+    """A request whose bytes are not a valid message of its method's request type."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+
+
+def tolerant(deserialize: Callable[[bytes], Any], type_name: str) -> Callable[[bytes], Any]:
+    """``deserialize``, answering :class:`Undecodable` where it raises."""
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception:  # DecodeError, or whatever a malformed message makes it raise
+            return Undecodable(type_name)
+
+    return decode
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, Undecodable):
+        raise InvalidArgument(f"the request is not a valid {request.type_name}")
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -77,6 +107,7 @@ def grpc_errors(method: F) -> F:
             self: Any, request: Any, context: grpc.aio.ServicerContext
         ) -> AsyncIterator[Any]:
             try:
+                _check_decoded(request)
                 async for item in method(self, request, context):
                     yield item
             except Exception as exc:
@@ -87,6 +118,7 @@ def grpc_errors(method: F) -> F:
     @functools.wraps(method)
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            _check_decoded(request)
             return await method(self, request, context)
         except Exception as exc:
             await abort_with(context, rpc, exc)

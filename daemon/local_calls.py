@@ -7,6 +7,11 @@ validation, same quick path on the event loop, same error mapping
 (:mod:`kvstored.errors`), whose ``context.abort`` is captured here by a small stand-in
 for grpc's ServicerContext. A call answered on the event loop costs no thread hop.
 
+A connection's calls make leases owned by its client's process (``local:<pid>``, the
+peer's pid from SO_PEERCRED): when the last connection of that process closes (the
+client closed, or its process died), :meth:`KVStoreService.release_owner` ends them,
+so a killed client holds no slots for its leases' TTL.
+
 Life: :meth:`LocalCallServer.start` binds the socket (mode 0600, born so under a
 umask: only the daemon's user may connect, as on the gRPC socket), :meth:`stop` stops
 accepting connections and answers further calls UNAVAILABLE while in-flight ones
@@ -19,6 +24,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
+import struct
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -47,7 +54,11 @@ class _Aborted(Exception):
 
 
 class _CallContext:
-    """What the servicer's unary methods use of grpc.aio.ServicerContext: ``abort``."""
+    """What the servicer's unary methods use of grpc.aio.ServicerContext: ``abort``,
+    and ``owner``: whose leases the call makes (see KVStoreService.owner_of)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
 
     async def abort(
         self,
@@ -71,8 +82,10 @@ class LocalCallServer:
         }
         self.max_frame_bytes = max_frame_bytes
         self._observe = observe
+        self._service = service
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
+        self._owners: dict[str, int] = {}  # open connections per owning process
         self._stopping = False
         self.path: Path | None = None
 
@@ -103,7 +116,21 @@ class LocalCallServer:
             with contextlib.suppress(OSError):
                 self.path.unlink()
 
-    async def call(self, name: bytes, body: bytes) -> bytes:
+    def opened(self, connection: _Connection) -> None:
+        self._connections.add(connection)
+        self._owners[connection.owner] = self._owners.get(connection.owner, 0) + 1
+
+    def lost(self, connection: _Connection) -> None:
+        """A connection closed: the last one of its process ends that process's leases."""
+        self._connections.discard(connection)
+        left = self._owners.get(connection.owner, 1) - 1
+        if left:
+            self._owners[connection.owner] = left
+        else:
+            self._owners.pop(connection.owner, None)
+            self._service.release_owner(connection.owner)
+
+    async def call(self, name: bytes, body: bytes, owner: str = "") -> bytes:
         """Run one call; the response frame."""
         entry = self._methods.get(name)
         if entry is None:
@@ -121,7 +148,7 @@ class LocalCallServer:
             frame = _error(code, "InvalidArgument", f"the body is not a valid {full_name} request")
         else:
             try:
-                response = await method(request, _CallContext())
+                response = await method(request, _CallContext(owner))
                 frame = frames.response_frame(frames.OK, response.SerializeToString())
             except _Aborted as aborted:
                 code = aborted.code
@@ -156,14 +183,16 @@ class _Connection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None  # the call being handled
         self._reading = True
         self._writable = True
+        self.owner = ""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        self._server._connections.add(self)
+        self.owner = f"local:{_peer_pid(transport)}"
+        self._server.opened(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server._connections.discard(self)
+        self._server.lost(self)
         self._transport = None
 
     def close(self) -> None:
@@ -221,7 +250,7 @@ class _Connection(asyncio.Protocol):
         del buffer[:end]
         # Run the call right here: most finish without awaiting anything (the quick path
         # on the loop), and a task per call cost 20-25% of a short call's daemon CPU.
-        call = self._server.call(name, body)
+        call = self._server.call(name, body, self.owner)
         try:
             waiting_on = call.send(None)
         except StopIteration as done:
@@ -237,6 +266,16 @@ class _Connection(asyncio.Protocol):
             self._transport.write(frame)
         self._task = None
         self._next()
+
+
+def _peer_pid(transport: asyncio.Transport) -> int:
+    """The pid of the process at the other end of a unix socket (0 if unknown)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (OSError, AttributeError, struct.error):
+        return 0
+    return int(pid)
 
 
 async def _resume(call: Coroutine[Any, Any, bytes], waiting_on: Any) -> bytes:

@@ -5,8 +5,10 @@ with a host arena and a disk tier sized from the machine (see ``config``). Exit 
 0 after a clean SIGTERM/SIGINT shutdown (or --print-config / --version), 2 for a
 configuration that is invalid or that this machine cannot use (a path that cannot be
 written, a port or socket in use, an arena larger than its file system: one line
-naming the key, found by ``preflight.check`` before anything is allocated), 1 when the
-daemon fails after that.
+naming the key, found by ``preflight.check`` before anything is allocated, or a
+disk_dir another daemon holds), 1 when the daemon fails after that, 3 after a shutdown
+that could not persist every block due on disk (the disk tier was failing: the log
+says how many).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(serve(config))
     except StartupError as exc:
-        return _start_failed(config.log_format, str(exc), 1)
+        return _start_failed(config.log_format, str(exc), exc.exit_code)
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 130
     except Exception:

@@ -43,7 +43,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from kvstore.results import StoreStats
+from kvstore.results import StoreStats, Tier
 
 log = logging.getLogger("kvstored.metrics")
 
@@ -56,6 +56,16 @@ RPC_BUCKETS = (
 
 # Store counters that StoreStats carries in its ``counters`` dict, by metric name.
 STORE_COUNTERS = {
+    "disk_refused_writes": (
+        "kvstore_disk_refused_writes",
+        "Blocks the disk tier did not take: it was not writable (a disk fault) or its write "
+        "queue (disk_queue_bytes) was full. Not an error by itself: those blocks stay in "
+        "host or are evicted as if the disk had no room.",
+    ),
+    "disk_dropped_writes": (
+        "kvstore_disk_dropped_writes",
+        "Queued disk writes dropped because they did not fit the LMDB map.",
+    ),
     "dropped": (
         "kvstore_blocks_removed",
         "Blocks removed from the store entirely (evicted from the last tier, deleted, "
@@ -205,6 +215,13 @@ def _store_families(stats: StoreStats) -> Iterator[Metric]:
         "kvstore_disk_queue_bytes", "Block bytes queued for the disk writer, not yet in LMDB.",
         value=stats.disk_queue_bytes,
     )
+    if any(tier.name is Tier.DISK for tier in stats.tiers):
+        yield GaugeMetricFamily(
+            "kvstore_disk_writable",
+            "1 while the disk tier takes writes, 0 while its commits fail (disk full, I/O "
+            "errors; the daemon log says why and when it recovers).",
+            value=0 if stats.disk_fault else 1,
+        )
     for key, (name, doc) in STORE_COUNTERS.items():
         if key in stats.counters:
             yield CounterMetricFamily(name, doc, value=stats.counters[key])

@@ -34,6 +34,7 @@ from kvproto.v1 import gpu_pb2, gpu_pb2_grpc
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore import pinning
 from kvstore import platform as kv_platform
+from kvstore.disk_files import DiskDirInUse
 from kvstore.store import Store
 from kvstored import paths
 from kvstored.config import (
@@ -57,7 +58,15 @@ GPU_SERVICE_NAME = gpu_pb2.DESCRIPTOR.services_by_name["KVGpu"].full_name  # "kv
 
 
 class StartupError(RuntimeError):
-    """The daemon cannot start (socket in use, store cannot open ...); exit code 1."""
+    """The daemon cannot start (socket in use, store cannot open ...); ``exit_code``
+    1, or 2 for a setting this machine cannot use (a disk_dir another daemon holds)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+EXIT_UNPERSISTED = 3  # stopped, but blocks due on disk were never committed (disk fault)
 
 
 def daemon_version() -> str:
@@ -129,6 +138,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     pin = pinning.arena_pin_hook(gpu)  # cudaHostRegister of the arena when CUDA is there
     try:
         store = await asyncio.to_thread(Store, config.store_config(), pin=pin)
+    except DiskDirInUse as exc:
+        raise StartupError(str(exc), exit_code=2) from exc
     except Exception as exc:
         raise StartupError(f"cannot open the store: {_reason(exc)}") from exc
     store.set_platform(gpu.profile.value)
@@ -197,15 +208,23 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
             "closing the store (persisting and flushing the disk tier)",
             extra={"event": "closing"},
         )
-        await asyncio.to_thread(store.close)
+        unpersisted = await asyncio.to_thread(store.close)
         service.close()
         if local is not None:
             local.close()
         if sock_path is not None:
             with contextlib.suppress(OSError):
                 sock_path.unlink()
-        log.info("stopped", extra={"event": "stopped"})
-    return 0
+        if unpersisted:
+            log.error(
+                "stopped uncleanly: %d blocks due on disk could not be persisted (the "
+                "disk tier was failing; see its log lines); exit %d",
+                unpersisted, EXIT_UNPERSISTED,
+                extra={"event": "stopped_unclean", "unpersisted": unpersisted},
+            )
+        else:
+            log.info("stopped", extra={"event": "stopped"})
+    return EXIT_UNPERSISTED if unpersisted else 0
 
 
 async def start_local_calls(

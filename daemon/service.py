@@ -62,13 +62,14 @@ from google.protobuf.message import DecodeError
 
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
+from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
 from kvstore.errors import InvalidArgument, LeaseError, OutOfSpace, StoreError, UnknownNamespace
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.results import Event, Reservation, SlotRef
 from kvstore.store import Store
 from kvstored import convert, hostinfo
 from kvstored.config import GET_CHUNK_BYTES, MAX_CHUNK_BYTES, DaemonConfig
-from kvstored.errors import grpc_errors
+from kvstored.errors import grpc_errors, tolerant
 from kvstored.names import NamespaceNames
 
 log = logging.getLogger("kvstored.service")
@@ -78,9 +79,11 @@ T = TypeVar("T")
 EVENT_POLL_S = 0.25  # how long one event poll waits in the store before re-checking shutdown
 EVENT_BATCH = 1024
 MAX_WAIT_PENDING_S = 300.0
+SESSION_METADATA = "kvstore-session"  # the call metadata naming a client's Session
+SESSION_OWNER = "session:"  # owner names of gRPC sessions (local calls: "local:<pid>")
+SESSION_ID_MIN, SESSION_ID_MAX = 16, 64
 CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
 QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool
-MAX_REPORTED_PREFIXES = 4096  # prefixes in one ReportReads (a client sends far fewer)
 
 
 class _NeedsPool(Exception):
@@ -109,6 +112,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.framed = False
         # the local-call socket once kvstored.local_calls serves it (ServerInfo names it)
         self.local_socket = ""
+        self._sessions: dict[str, int] = {}  # open Session streams per owner name
 
     def begin_shutdown(self) -> None:
         """End the open WatchEvents streams so a graceful stop does not wait for them."""
@@ -250,7 +254,55 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             slot_epochs_count=arena.epochs.count if arena.path else 0,
             arena_prefaulted=self._store.config.prefault_arena,
             disk_path=self._store.disk_path or "",
+            admission=self._store.config.admission,
         )
+
+    async def Session(
+        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """Hold a client's session open; end its leases when the stream ends (see the
+        proto). One message says the session is registered; then nothing until the
+        client goes or the daemon stops."""
+        if not SESSION_ID_MIN <= len(request.session_id) <= SESSION_ID_MAX:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"session_id must be {SESSION_ID_MIN} to {SESSION_ID_MAX} characters, "
+                f"got {len(request.session_id)}",
+            )
+        owner = SESSION_OWNER + request.session_id
+        self._sessions[owner] = self._sessions.get(owner, 0) + 1
+        try:
+            yield pb.SessionResponse()
+            await self._stopping.wait()
+        finally:
+            self._sessions[owner] -= 1
+            if not self._sessions[owner]:
+                del self._sessions[owner]
+                self.release_owner(owner)
+
+    def owner_of(self, context: Any) -> str:
+        """Whose leases a call makes: the local-call connection's process, or the open
+        Session named in the call's metadata; "" for none (the leases' TTL applies)."""
+        owner = getattr(context, "owner", None)
+        if owner is not None:
+            return str(owner)
+        for key, value in context.invocation_metadata() or ():
+            if key == SESSION_METADATA:
+                named = SESSION_OWNER + str(value)
+                return named if named in self._sessions else ""
+        return ""
+
+    def release_owner(self, owner: str) -> None:
+        """End the leases of a client that went away (its connection or session)."""
+        try:
+            ended = self._store.release_owner(owner)
+        except StoreError:  # closed: its leases ended with it
+            return
+        if ended:
+            log.info(
+                "released %d leases of a client that went away (%s)", ended, owner,
+                extra={"event": "client_gone"},
+            )
 
     # --- read side --------------------------------------------------------------------
 
@@ -389,6 +441,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             )
         ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
         self._release_done(request.release_lease_ids)
+        owner = self.owner_of(context)
 
         def acquire(quick: bool = False) -> pb.AcquireResponse:
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
@@ -412,6 +465,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             )
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise _NeedsPool
+            if owner and got.lease_id:
+                self._store.own(owner, (got.lease_id,))
             return convert.acquire_response(
                 got, spec.block_tokens, self._store.arena_path or "", request.compact_slots
             )
@@ -447,6 +502,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     raise InvalidArgument(
                         f"prefixes[{i}]: n_blocks={prefix.n_blocks}, but its tokens make "
                         f"{len(keys)} full blocks (max_blocks_per_request={limit})"
+                    )
+                if prefix.reads > MAX_READS_PER_PREFIX:
+                    raise InvalidArgument(
+                        f"prefixes[{i}]: reads={prefix.reads}, more than one report may "
+                        f"claim ({MAX_READS_PER_PREFIX}); report more often"
                     )
                 checked.append(
                     (spec.ns_id, keys[: prefix.n_blocks], prefix.reads, prefix.from_disk)
@@ -505,11 +565,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         reservation = await self._run_quick(reserve)
         lease = reservation.lease_id
         sink = _SlotSink(self._store.arena.array(), reservation.slots, head.start_block, bb)
-        committed = 0
+        committed = durable = 0
         try:
             await self._receive(messages, sink, head.n_blocks, bb)
             if lease:
-                committed = await self._commit(lease, None)
+                committed, durable = await self._commit(lease, None)
         except BaseException:
             if lease and not committed:
                 with contextlib.suppress(StoreError):
@@ -526,6 +586,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             stored=committed,
             existing=reservation.existing,
             refused=reservation.refused + len(reservation.offsets) - committed,
+            durable=durable,
         )
 
     async def _put_into_claim(
@@ -548,14 +609,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         sink = _SlotSink(self._store.arena.array(), slots, slots[0].index, bb)
         try:
             await self._receive(messages, sink, head.n_blocks, bb)
-            committed = await self._commit(lease, head.n_blocks)
+            committed, durable = await self._commit(lease, head.n_blocks)
         except InvalidArgument:
             raise  # a malformed delivery changes nothing: the claim stays, pending
         except BaseException:
             with contextlib.suppress(StoreError):
                 self._store.abandon(lease)
             raise
-        return pb.PutResponse(stored=committed)
+        return pb.PutResponse(stored=committed, durable=durable)
 
     async def _receive(
         self,
@@ -626,6 +687,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 "staged slots can be committed on arrival"
             )
 
+        owner = self.owner_of(context)
+
         def reserve(quick: bool = False) -> pb.ReserveResponse:
             spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
             end = convert.block_range(request.start_block, request.n_blocks, len(keys))
@@ -649,11 +712,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                     f"no room to reserve any of the {end - request.start_block} blocks: the "
                     "store is full of leased or pending blocks"
                 )
+            durable = 0
             if request.commit and res.lease_id:
-                self._store.commit(res.lease_id)
-            return convert.reserve_response(
+                durable = self._store.commit_durably(res.lease_id)[1]
+            elif owner and res.lease_id:
+                self._store.own(owner, (res.lease_id,))
+            if owner and res.stage_lease_id:
+                self._store.own(owner, (res.stage_lease_id,))
+            response = convert.reserve_response(
                 res, self._store.arena_path or "", request.compact_slots
             )
+            response.durable = durable
+            return response
 
         return await self._run_quick(reserve)
 
@@ -663,12 +733,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     ) -> pb.CommitResponse:
         lease = convert.lease_id(request.lease_id)
         count = request.count if request.HasField("count") else None
-        return pb.CommitResponse(committed=await self._commit(lease, count))
+        committed, durable = await self._commit(lease, count)
+        return pb.CommitResponse(committed=committed, durable=durable)
 
-    async def _commit(self, lease: int, count: int | None) -> int:
-        if self._write_through():  # commit queues disk writes, which may wait
-            return await self._run(self._store.commit, lease, count)
-        return self._store.commit(lease, count)
+    async def _commit(self, lease: int, count: int | None) -> tuple[int, int]:
+        """(committed, durable): see Store.commit_durably."""
+        if self._write_through():  # commit waits for the disk
+            return await self._run(self._store.commit_durably, lease, count)
+        return self._store.commit_durably(lease, count)
 
     @grpc_errors
     async def Abandon(
@@ -798,9 +870,16 @@ def add_to_server(service: KVStoreService, server: Any) -> None:
     wire, so every client works unchanged."""
     registry = _Registry()
     pb_grpc.add_KVStoreServicer_to_server(service, registry)
-    methods = dict(registry.methods)
+    methods = {
+        name: handler._replace(
+            request_deserializer=tolerant(handler.request_deserializer, f"{name} request")
+        )
+        for name, handler in registry.methods.items()
+    }
     methods["Get"] = grpc.unary_stream_rpc_method_handler(
-        service.Get, request_deserializer=pb.GetRequest.FromString, response_serializer=None
+        service.Get,
+        request_deserializer=tolerant(pb.GetRequest.FromString, "Get request"),
+        response_serializer=None,
     )
     methods["Put"] = grpc.stream_unary_rpc_method_handler(
         service.Put, request_deserializer=None, response_serializer=pb.PutResponse.SerializeToString

@@ -97,6 +97,8 @@ import lmdb
 import numpy as np
 import xxhash
 
+from kvstore.disk_files import find_damage, lock_directory, move_aside, scan_in_child
+
 log = logging.getLogger(__name__)
 
 _META = struct.Struct("<B32sB32sQQBdQ")  # version 2: + the payload's offset in data.mdb
@@ -118,6 +120,7 @@ _CAPACITY_CUT = 0.9  # on map full: effective capacity <= this fraction of what 
 _NS_PREFIX = b"ns:"  # queue keys of namespace saves: prefix + digest + seq (43 bytes)
 _SCAN_CHUNK = 1024  # records() reads this many records per read transaction
 _CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
+_FAULT_RETRY_S = 1.0  # while commits fail: the writer retries the queue this often
 META_DB = b"meta"  # the named databases a reader in another process opens ...
 NAMESPACES_DB = b"namespaces"
 DB_NAMES = (META_DB, b"payload", NAMESPACES_DB, b"info")  # ... and all of them
@@ -131,6 +134,15 @@ _M_MMAP_THRESHOLD = -3
 _MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bit)
 _MALLOC_TRIM_THRESHOLD = 128 << 20  # above a thread arena's 64 MiB heap: never shrunk
 _FORMAT_KEY = b"format"
+# what LMDB raises for an environment that is damaged (as opposed to I/O failing)
+_DAMAGE_ERRORS = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.BadValsizeError,
+)
 _FORMAT = b"kvstore.disk.v1"
 
 # Directories of the DiskTiers open in this process. LMDB must not be opened twice in
@@ -178,6 +190,10 @@ class DiskStats:
     dropped_writes: int = 0  # queued writes that could not fit even after growing the map
     map_size_bytes: int = 0
     revoked_snapshots: int = 0  # open snapshots a map resize ended (see DiskSnapshot)
+    writable: bool = True  # False while commits fail (disk full, I/O errors): see health
+    fault: str = ""  # why it is not writable ("" when it is)
+    refused_writes: int = 0  # writes refused: not writable, or no room in the queue
+    lost_writes: int = 0  # queued writes given up at close (never committed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,8 +272,6 @@ class _SaveNamespace:
     digest: bytes
     blob: bytes
     inflight: bool = False
-    committed: bool = False
-    abandoned: bool = False
 
 
 _Op = _Write | _Delete | _Touch | _SaveNamespace
@@ -509,6 +523,8 @@ class DiskTier:
         queue_bytes: int = 256 << 20,
         batch_bytes: int = 64 << 20,
         readahead: bool = True,
+        metasync: bool = False,
+        deep_check: bool = False,
         _map_size_override: int | None = None,
     ) -> None:
         if capacity_bytes <= 0:
@@ -528,31 +544,9 @@ class DiskTier:
             requested = _round_up(int(capacity_bytes * _MAP_FACTOR) + _MAP_HEADROOM, os_page)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         _tune_malloc()
-        self._env = lmdb.open(
-            directory,
-            map_size=requested,
-            subdir=True,
-            mode=0o600,  # data.mdb and lock.mdb; the directory itself is 0o700
-            max_dbs=len(DB_NAMES),
-            max_spare_txns=8,  # readers from several threads reuse reset txns
-            readahead=readahead,
-            sync=True,
-            metasync=False,
-            writemap=False,
-            lock=True,
-        )
-        self._clear_stale_readers()  # reader slots left by a crashed process
-        self._meta = self._env.open_db(META_DB)
-        self._payload = self._env.open_db(b"payload")
-        self._ns = self._env.open_db(NAMESPACES_DB)
-        self._info = self._env.open_db(b"info")
-        self._check_format()
-        self._psize = self._env.stat()["psize"]
-        # LMDB keeps an existing file's size if it is larger than what we asked for.
-        self._map_size = self._env.info()["map_size"]
-        self._max_map_size = max(self._map_size, requested + int(requested * _MAX_GROWTH))
-        self._capacity_floor = min(capacity_bytes, self._max_map_size // 8)
-        self._capacity = capacity_bytes
+        self._metasync = metasync
+        self._readahead = readahead
+        self._owner_fd = lock_directory(directory)  # one owner at a time (disk_files)
 
         self._resize = _ResizeGuard()
         self._snapshots: set[DiskSnapshot] = set()  # open ones (see extents())
@@ -566,15 +560,29 @@ class DiskTier:
         self._pool: dict[int, list[bytearray]] = {}  # recycled payload buffers by size
         self._pool_bytes = 0
         self._seq = 0
-        self._map_full_pending = False
+        self._shrunk_pending = False
         self._stopping = False
         self._closed = False
         self._close_lock = threading.Lock()
         self._writes = self._bytes_written = 0
         self._reads = self._bytes_read = self._read_misses = 0
         self._corrupt_reads = self._map_full_events = self._dropped_writes = 0
+        self._fault = ""  # see the fault property
+        self._refused_writes = self._lost_writes = 0
+        try:
+            self._open_sound(requested, deep_check)
+        except BaseException:
+            os.close(self._owner_fd)
+            raise
+        # LMDB keeps an existing file's size if it is larger than what we asked for.
+        self._map_size = self._env.info()["map_size"]
+        self._max_map_size = max(self._map_size, requested + int(requested * _MAX_GROWTH))
+        self._capacity_floor = min(capacity_bytes, self._max_map_size // 8)
+        self._capacity = capacity_bytes
+        # the most the capacity may be: configured, lowered for good by map-full events;
+        # a fault lowers the capacity below it until space comes back (_regain_capacity)
+        self._ceiling = capacity_bytes
 
-        self._load_sizes()
         # Committed payloads are read with pread() from here into the caller's buffer:
         # no page faults on the map (a fresh process has mapped none of it), GIL released.
         self._read_fd = os.open(self.data_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -617,10 +625,11 @@ class DiskTier:
         with self._cond:
             return len(self._snapshots)
 
-    def drain_map_full(self) -> bool:
-        """True once after each map-full event: evict until used_bytes <= capacity_bytes."""
+    def drain_shrunk(self) -> bool:
+        """True once after the effective capacity went down (a map-full event, a disk
+        fault): the store evicts until used_bytes <= capacity_bytes."""
         with self._cond:
-            pending, self._map_full_pending = self._map_full_pending, False
+            pending, self._shrunk_pending = self._shrunk_pending, False
             return pending
 
     def stats(self) -> DiskStats:
@@ -640,27 +649,49 @@ class DiskTier:
                 dropped_writes=self._dropped_writes,
                 map_size_bytes=self._map_size,
                 revoked_snapshots=self._revoked_snapshots,
+                writable=not self._fault,
+                fault=self._fault,
+                refused_writes=self._refused_writes,
+                lost_writes=self._lost_writes,
             )
 
     # --- write side -------------------------------------------------------------
-    def write(self, record: DiskRecord, payload: bytes | bytearray | memoryview) -> None:
+    def write(
+        self,
+        record: DiskRecord,
+        payload: bytes | bytearray | memoryview,
+        *,
+        wait_s: float = 0.0,
+    ) -> int:
         """Queue ``payload`` as the block ``record.key`` (replacing any earlier version).
 
+        Returns the write's sequence number (for :meth:`wait_committed`), or 0 when the
+        write is refused: the tier is not writable (:attr:`fault`), or the queue has no
+        room for it (more than ``queue_bytes`` held; a single payload larger than that
+        is taken when the queue is empty). A refused write changes nothing. By default
+        this never waits, so a caller holding a lock (the store) is never stalled by
+        the disk; ``wait_s`` waits that long for room (callers that hold nothing).
+
         The payload is copied before this returns, so the caller may reuse its buffer;
-        the block is readable at once. Blocks while the queue holds more than
-        ``queue_bytes`` (a single payload larger than that is taken when the queue is
-        empty). ``record.checksum`` must be ``xxh3_64_intdigest(payload)``: it is what
-        every read verifies against.
+        the block is readable at once. ``record.checksum`` must be
+        ``xxh3_64_intdigest(payload)``: it is what every read verifies against.
         """
         _check_record(record)
         src = _byte_view(payload)
         size = src.nbytes
         if size != record.size:
             raise ValueError(f"record.size is {record.size} but the payload has {size} bytes")
+        deadline = time.monotonic() + wait_s
         with self._cond:
             self._check_accepting()
-            while self._queued_bytes and self._queued_bytes + size > self._queue_limit:
-                self._cond.wait()
+            while self._fault or (
+                self._queued_bytes and self._queued_bytes + size > self._queue_limit
+            ):
+                remaining = deadline - time.monotonic()
+                if self._fault or remaining <= 0:
+                    self._refused_writes += 1
+                    return 0
+                self._cond.wait(remaining)
                 self._check_accepting()
             self._queued_bytes += size  # reserve before copying, outside the lock
             buf: bytes | bytearray = payload if type(payload) is bytes else self._pool_take(size)
@@ -691,6 +722,33 @@ class DiskTier:
             self._sizes[key] = size
             self._used += self.footprint(size)
             self._set_op(key, op)
+            return op.seq
+
+    def wait_committed(self, seq: int, keys: Sequence[bytes], timeout: float) -> int:
+        """Wait (up to ``timeout`` seconds, never past a fault) until every operation
+        queued up to ``seq`` is committed; how many of ``keys`` are then committed and
+        live (on disk, in the file, not deleted or dropped since)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._min_pending_seq() <= seq and not self._fault and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return sum(
+                1 for key in keys if key in self._sizes and key not in self._unflushed
+            )
+
+    @property
+    def fault(self) -> str:
+        """Why the tier takes no writes now ("" when it does): the error of the last
+        failed commit. Set by the writer when a commit fails for a reason other than
+        map space (ENOSPC, EIO, ...): from then on :meth:`write` refuses, the effective
+        capacity is lowered to what is committed (the store evicts down to it: see
+        :meth:`drain_shrunk`), and the writer retries the queue every
+        ``_FAULT_RETRY_S``. The first commit that succeeds clears it and gives the
+        capacity back. Each change is one log line."""
+        return self._fault
 
     def delete(self, key: bytes) -> None:
         """Queue the removal of ``key`` (a no-op if it is not live).
@@ -727,26 +785,25 @@ class DiskTier:
             self._set_op(key, _Touch(self._seq, key, priority, last_access))
 
     def save_namespace(self, ns_digest: bytes, spec: dict[str, Any]) -> None:
-        """Persist a namespace's declared fields; returns once committed."""
+        """Queue a namespace's declared fields for the next commit (does not wait: the
+        queue commits in order, so it lands no later than the first block written after
+        it, which is all a restart needs)."""
         if len(ns_digest) != _DIGEST_SIZE:
             raise ValueError(f"ns_digest must be {_DIGEST_SIZE} bytes, got {len(ns_digest)}")
         blob = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
         with self._cond:
             self._check_accepting()
             self._seq += 1
-            # One queue entry per call (never coalesced), so each caller waits for its own.
+            # One queue entry per call (never coalesced): an earlier save may be in flight.
             key = _NS_PREFIX + bytes(ns_digest) + self._seq.to_bytes(8, "little")
-            op = _SaveNamespace(self._seq, key, bytes(ns_digest), blob)
-            self._set_op(key, op)
-            while not op.committed:
-                if op.abandoned:
-                    raise RuntimeError("the disk tier closed before the namespace was saved")
-                self._cond.wait()
+            self._set_op(key, _SaveNamespace(self._seq, key, bytes(ns_digest), blob))
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything queued before this call is committed, then sync.
 
-        Raises TimeoutError if that takes longer than ``timeout`` seconds.
+        Raises TimeoutError if that takes longer than ``timeout`` seconds, and
+        RuntimeError at once while the tier is not writable (:attr:`fault`): a flush
+        never waits on a failing disk.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -754,6 +811,8 @@ class DiskTier:
             while self._min_pending_seq() <= target:
                 if not self._writer.is_alive():
                     raise RuntimeError("the disk writer thread has stopped")
+                if self._fault:
+                    raise RuntimeError(f"the disk tier is not writable: {self._fault}")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"disk tier flush did not finish in {timeout} s")
@@ -799,7 +858,11 @@ class DiskTier:
                     self._maybe_release(queued)
             checksum = queued.record.checksum
         else:
-            found = self._read_committed(key, dst)
+            try:
+                found = self._read_committed(key, dst)
+            except lmdb.Error:  # a damaged page: the block is lost, not the call
+                self._discard_corrupt(key, None)
+                return None
             if found is None:
                 with self._cond:
                     self._read_misses += 1
@@ -889,7 +952,10 @@ class DiskTier:
         txn = None
         try:
             txn = self._env.begin(buffers=True)
-            found = [self._extent(txn, key) for key in wanted]
+            try:
+                found = [self._extent(txn, key) for key in wanted]
+            except lmdb.Error:  # a damaged page: read() finds out which block and drops it
+                return None
             if any(extent is None for extent in found):
                 return None
             extents = [extent for extent in found if extent is not None]
@@ -965,7 +1031,7 @@ class DiskTier:
                 current = key not in self._unflushed
             if current:
                 self._delete_locked(key)
-        log.warning("disk record %s failed its checksum; dropped", key.hex())
+        log.warning("disk record %s is damaged (checksum or page); dropped", key.hex())
 
     def records(self) -> Iterator[DiskRecord]:
         """Every live record: the committed ones (queued touches applied, queued deletes
@@ -1034,6 +1100,7 @@ class DiskTier:
                 finally:
                     self._env.close()
                     os.close(self._read_fd)
+                    os.close(self._owner_fd)
                     with _open_here_lock:
                         _open_here.discard(os.path.realpath(self.directory))
                     with self._cond:
@@ -1125,6 +1192,8 @@ class DiskTier:
                 if time.monotonic() - checked_readers > _READER_CHECK_S:
                     checked_readers = time.monotonic()
                     self._clear_stale_readers()
+                    if not self._fault:
+                        self._regain_capacity()
                 with self._cond:
                     while not self._ops and not self._stopping:
                         self._cond.wait()
@@ -1134,24 +1203,73 @@ class DiskTier:
                         self._abandon_locked()
                         return
                     batch = self._take_batch_locked()
+                if failures:  # retrying after a fault: what frees space goes first
+                    self._commit_piecewise(batch, raise_full=True)
+                    self._end_fault()
+                    failures = 0
+                    continue
                 try:
                     self._commit_early(batch)
                 except lmdb.MapFullError:
                     self._on_map_full(batch)
                     continue
                 self._retire(batch)
-                failures = 0
-            except Exception:
+            except Exception as exc:
                 failures += 1
-                log.error(
-                    "disk writer: a batch of %d operations failed (attempt %d); "
-                    "the items stay queued and readable, retrying",
-                    len(batch),
-                    failures,
-                    exc_info=True,
-                )
                 self._untake(batch)
-                time.sleep(min(0.05 * 2 ** (failures - 1), 2.0))
+                self._on_fault(exc, failures)
+                with self._cond:  # woken early by close()
+                    if not self._stopping:
+                        self._cond.wait(min(0.05 * 2 ** (failures - 1), _FAULT_RETRY_S))
+
+    def _on_fault(self, exc: Exception, failures: int) -> None:
+        """A commit failed for a reason other than map space: stop taking writes and
+        lower the effective capacity to what is committed (see :attr:`fault`)."""
+        reason = f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            first = not self._fault
+            self._fault = reason
+            if first:
+                queued = sum(self.footprint(w.record.size) for w in self._unflushed.values())
+                self._capacity = max(0, min(self._capacity, self._used - queued))
+                self._shrunk_pending = True
+                self._cond.notify_all()  # wake wait_committed: a fault ends the wait
+            held = len(self._ops)
+        if first:
+            log.error(
+                "disk tier stopped taking writes: a commit failed (%s); %d operations stay "
+                "queued and are retried every %.0f s; effective disk capacity is now %.1f MiB",
+                reason, held, _FAULT_RETRY_S, self._capacity / 2**20,
+                extra={"event": "disk_fault"},
+            )
+        else:
+            log.debug("disk commit failed again (attempt %d): %s", failures, reason)
+
+    def _end_fault(self) -> None:
+        with self._cond:
+            if not self._fault:
+                return
+            self._fault = ""
+            self._cond.notify_all()
+        self._regain_capacity()
+        log.warning(
+            "disk tier takes writes again (a commit succeeded); effective disk capacity "
+            "is %.1f MiB", self._capacity / 2**20, extra={"event": "disk_recovered"},
+        )
+
+    def _regain_capacity(self) -> None:
+        """After a fault lowered the capacity: raise it by what the file system has free
+        now (90% of it), up to where it was. Run when a fault ends and every
+        _READER_CHECK_S after, so space an operator frees is used again."""
+        if self._capacity >= self._ceiling:
+            return
+        try:
+            vfs = os.statvfs(self.directory)
+        except OSError:
+            return
+        free = int(vfs.f_bavail * vfs.f_frsize * 0.9)
+        with self._cond:
+            self._capacity = min(self._ceiling, self._used + free)
 
     def _take_batch_locked(self) -> list[_Op]:
         batch: list[_Op] = []
@@ -1216,8 +1334,6 @@ class DiskTier:
                         del self._unflushed[op.key]
                         op.live = False
                     self._maybe_release(op)
-                elif isinstance(op, _SaveNamespace):
-                    op.committed = True
             self._cond.notify_all()
 
     def _untake(self, ops: Sequence[_Op]) -> None:
@@ -1234,21 +1350,23 @@ class DiskTier:
             self._cond.notify_all()
 
     def _abandon_locked(self) -> None:
-        log.error(
-            "disk writer: giving up on %d queued operations at close after %d failures",
-            len(self._ops),
-            _CLOSE_RETRIES,
-        )
+        lost = 0
         for op in list(self._ops.values()):
             if isinstance(op, _Write) and self._unflushed.get(op.key) is op:
+                lost += 1
                 del self._unflushed[op.key]
                 size = self._sizes.pop(op.key, None)
                 if size is not None:
                     self._used -= self.footprint(size)
                 op.live = False
                 self._maybe_release(op)
-            elif isinstance(op, _SaveNamespace):
-                op.abandoned = True
+        self._lost_writes += lost
+        log.error(
+            "disk writer: gave up at close after %d failed commits: %d queued operations, "
+            "%d of them block writes, were not persisted (%s)",
+            _CLOSE_RETRIES, len(self._ops), lost, self._fault or "no fault recorded",
+            extra={"event": "disk_writes_lost"},
+        )
         self._ops.clear()
         self._cond.notify_all()
 
@@ -1271,7 +1389,7 @@ class DiskTier:
         self._clear_stale_readers()  # dead readers' snapshots may be what filled it
         with self._cond:
             self._map_full_events += 1
-            self._map_full_pending = True
+            self._shrunk_pending = True
             # What this transaction tried to hold: everything committed plus the batch
             # (used_bytes minus the writes still waiting behind it).
             waiting = sum(
@@ -1281,6 +1399,7 @@ class DiskTier:
             # Never more than the map could hold with the usual headroom either.
             fits = min(int(attempted * _CAPACITY_CUT), int(self._map_size / _MAP_FACTOR))
             self._capacity = max(self._capacity_floor, min(self._capacity, fits))
+            self._ceiling = min(self._ceiling, self._capacity)  # a fault never regains it
         old = self._map_size
         grown = self._grow_map()
         log.warning(
@@ -1307,10 +1426,15 @@ class DiskTier:
         self._map_size = self._env.info()["map_size"]
         return True
 
-    def _commit_piecewise(self, batch: list[_Op]) -> None:
-        """Map at its limit: commit deletes and metadata first (they free pages), then
-        each write alone. The first write that still does not fit is dropped (and its
-        key deleted), never raised; the writes after it stay queued for the next round."""
+    def _commit_piecewise(self, batch: list[_Op], raise_full: bool = False) -> None:
+        """Commit deletes and metadata first (they free pages), then each write alone.
+
+        Used with the map at its limit: the first write that still does not fit is
+        dropped (and its key deleted), never raised; the writes after it stay queued
+        for the next round. And used to retry after a fault (``raise_full``: a map-full
+        error is raised, to be handled as a fault, since which error the disk gives
+        when full is the file system's choice). Any other error leaves what was not
+        committed queued and is raised."""
         small = [op for op in batch if not isinstance(op, _Write)]
         writes = [op for op in batch if isinstance(op, _Write)]
         try:
@@ -1321,15 +1445,24 @@ class DiskTier:
             # previous snapshot intact), so one cheap commit makes those deletes count.
             self._bump()
         except lmdb.MapFullError:
+            if raise_full:
+                self._untake(batch)
+                raise
             # Not even deletes fit: grow past the limit by one small step.
             log.warning("LMDB map too full to delete; growing past the limit")
             self._grow_map(emergency=True)
             self._untake(batch)
             return
+        except BaseException:
+            self._untake(batch)
+            raise
         for index, op in enumerate(writes):
             try:
                 self._commit([op])
             except lmdb.MapFullError:
+                if raise_full:
+                    self._untake(writes[index:])
+                    raise
                 # It does not fit next to what is committed: drop it, and give the store
                 # a chance (drain_map_full) to evict before the rest is tried again.
                 self._drop_write(op)
@@ -1361,13 +1494,63 @@ class DiskTier:
         )
 
     # --- internals: start-up ------------------------------------------------------
+    def _open_sound(self, map_size: int, deep_check: bool) -> None:
+        """Open the environment, moving a damaged one aside first (see
+        :mod:`kvstore.disk_files`): a damaged file never stops the start, it costs the
+        blocks it held. ``deep_check`` also walks every B-tree in a child process."""
+        damage = find_damage(self.directory)
+        if damage is None and deep_check:
+            damage = scan_in_child(self.directory)
+        if damage is None:
+            try:
+                self._open_env(map_size)
+                return
+            except _DAMAGE_ERRORS as exc:  # not I/O errors: a full disk is not damage
+                damage = f"LMDB could not read it: {exc}"
+        moved = move_aside(self.directory)
+        log.error(
+            "disk tier in %s was damaged (%s); moved it aside to %s and started with an "
+            "empty disk tier",
+            self.directory, damage, moved, extra={"event": "disk_damaged"},
+        )
+        self._sizes.clear()
+        self._used = 0
+        self._open_env(map_size)
+
+    def _open_env(self, map_size: int) -> None:
+        """Open LMDB, its databases, check the format and load the size map."""
+        self._env = lmdb.open(
+            self.directory,
+            map_size=map_size,
+            subdir=True,
+            mode=0o600,  # data.mdb and lock.mdb; the directory itself is 0o700
+            max_dbs=len(DB_NAMES),
+            max_spare_txns=8,  # readers from several threads reuse reset txns
+            readahead=self._readahead,
+            sync=True,
+            metasync=self._metasync,
+            writemap=False,
+            lock=True,
+        )
+        try:
+            self._clear_stale_readers()  # reader slots left by a crashed process
+            self._meta = self._env.open_db(META_DB)
+            self._payload = self._env.open_db(b"payload")
+            self._ns = self._env.open_db(NAMESPACES_DB)
+            self._info = self._env.open_db(b"info")
+            self._check_format()
+            self._psize = self._env.stat()["psize"]
+            self._load_sizes()
+        except BaseException:
+            self._env.close()
+            raise
+
     def _check_format(self) -> None:
         with self._env.begin(write=True) as txn:
             found = txn.get(_FORMAT_KEY, db=self._info)
             if found is None:
                 txn.put(_FORMAT_KEY, _FORMAT, db=self._info)
         if found is not None and found != _FORMAT:
-            self._env.close()
             raise ValueError(
                 f"{self.directory} holds an LMDB disk tier of format {found!r}, "
                 f"this build reads {_FORMAT!r}"

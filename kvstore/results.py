@@ -189,3 +189,4 @@ class StoreStats:
     disk_queue_bytes: int
     counters: dict[str, int] = field(default_factory=dict)
     staged_bytes: int = 0  # host slots set aside for writers' next puts (staging leases)
+    disk_fault: str = ""  # why the disk tier takes no writes now ("" when it does)

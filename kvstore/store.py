@@ -102,6 +102,10 @@ class StoreConfig:
     prefault_arena: bool = False  # fault the arena's pages in on a background thread
     # staged slots one staging lease may hold (bytes); 0: a quarter of host_bytes
     max_staged_bytes: int = 0
+    disk_queue_bytes: int = 256 << 20  # block bytes waiting for the disk writer, at most
+    # write-through: how long a commit waits for its disk commit before answering
+    write_through_wait_s: float = 30.0
+    check_disk_in_child: bool = False  # at open, walk the disk tier's B-trees in a child
 
     @property
     def staged_bytes_limit(self) -> int:
@@ -138,6 +142,12 @@ class StoreConfig:
             raise InvalidArgument(f"max_staged_bytes must be >= 0, got {self.max_staged_bytes}")
         if self.selective_hits < 0:
             raise InvalidArgument(f"selective_hits must be >= 0, got {self.selective_hits}")
+        if self.disk_queue_bytes < 1:
+            raise InvalidArgument(f"disk_queue_bytes must be >= 1, got {self.disk_queue_bytes}")
+        if self.write_through_wait_s < 0:
+            raise InvalidArgument(
+                f"write_through_wait_s must be >= 0, got {self.write_through_wait_s}"
+            )
 
 
 @dataclass(slots=True, eq=False)
@@ -152,6 +162,7 @@ class _Lease:
     snapshot: DiskSnapshot | None = None  # read leases with disk extents: keeps them valid
     staged: set[int] | None = None  # staging leases: the empty slots set aside (offsets)
     ttl: float = 0.0  # staging leases: each reserve that uses the lease renews it by this
+    owner: str = ""  # the client connection it ends with (see Store.own), "" for none
 
     @property
     def kind(self) -> str:
@@ -220,6 +231,8 @@ class Store:
         self._host_policy = make_policy(config.eviction_policy, "host")
         self._disk_policy = make_policy(config.eviction_policy, "disk")
         self._leases: dict[int, _Lease] = {}
+        self._owned: dict[str, set[int]] = {}  # owner -> its leases (see own)
+        self._disk_seq = 0  # sequence number of the newest disk write queued
         self._lease_ids = _LeaseIds()
         self._lease_heap: list[tuple[float, int]] = []
         self._ended: dict[int, str] = {}  # recently ended lease id -> why (for precise errors)
@@ -248,7 +261,14 @@ class Store:
         self._disk: DiskTier | None = None
         try:
             if config.disk_bytes > 0 and config.disk_dir:
-                self._disk = DiskTier(config.disk_dir, config.disk_bytes)
+                self._disk = DiskTier(
+                    config.disk_dir,
+                    config.disk_bytes,
+                    queue_bytes=config.disk_queue_bytes,
+                    # write-through promises durability: the meta page is synced too
+                    metasync=config.admission == "write-through",
+                    deep_check=config.check_disk_in_child,
+                )
                 self._rebuild_from_disk()
         except BaseException:
             self._arena.close()
@@ -261,16 +281,26 @@ class Store:
         self._reaper.start()
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        """Persist host-only blocks to disk (if configured), flush the writer, free the arena."""
+    def close(self) -> int:
+        """Persist host-only blocks to disk (if configured), flush the writer, free the
+        arena. Returns how many block writes to disk were due and never committed (a
+        disk fault: see DiskTier.fault); 0 after a clean close."""
         with self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
             for lease in list(self._leases.values()):
                 self._end_lease(lease, "the store closed")
+            unpersisted = 0
             if self._disk is not None and self.config.persist_on_close:
-                self._persist_host_blocks()
+                if self._disk.fault:  # nothing can be written: count what was due
+                    unpersisted = sum(
+                        1
+                        for node in self._index.nodes.values()
+                        if node.in_host and node.ready and not node.on_disk and self._admit(node)
+                    )
+                else:
+                    self._persist_host_blocks()
             self._changed.notify_all()
         self._reaper_stop.set()
         self._reaper.join(timeout=5)
@@ -278,7 +308,9 @@ class Store:
             self._promoters.shutdown(wait=True)
         if self._disk is not None:
             self._disk.close()
+            unpersisted += self._disk.stats().lost_writes
         self._arena.close()
+        return unpersisted
 
     def __enter__(self) -> Store:
         return self
@@ -591,6 +623,36 @@ class Store:
             lease = self._lease(lease_id)
             self._end_lease(lease, "released")
 
+    def own(self, owner: str, lease_ids: Sequence[int]) -> None:
+        """Tie leases to ``owner`` (a client connection): :meth:`release_owner` ends
+        them when it goes away, so a killed client holds nothing for its leases' TTL.
+        Ids that are 0 or no longer live are skipped (a lease may end before its
+        answer leaves)."""
+        with self._lock:
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is None or lease.owner == owner:
+                    continue
+                if lease.owner:
+                    self._owned[lease.owner].discard(lease_id)
+                lease.owner = owner
+                self._owned.setdefault(owner, set()).add(lease_id)
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` (its client disconnected): read leases unpin,
+        write leases drop their pending blocks, staging leases free their slots, as
+        when they expire. The number of leases ended."""
+        with self._lock:
+            if self._closed:
+                return 0
+            lease_ids = self._owned.pop(owner, set())
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    lease.owner = ""
+                    self._end_lease(lease, "its client disconnected")
+            return len(lease_ids)
+
     # ----------------------------------------------------------------- write side
     def put(
         self,
@@ -839,6 +901,17 @@ class Store:
         return nodes
 
     def commit(self, lease_id: int, count: int | None = None) -> int:
+        """Make the next ``count`` (default: all) reserved blocks of a write lease ready;
+        how many. See :meth:`commit_durably` for what write-through adds."""
+        return self.commit_durably(lease_id, count)[0]
+
+    def commit_durably(self, lease_id: int, count: int | None = None) -> tuple[int, int]:
+        """:meth:`commit`, and how many of the committed blocks are durable when it
+        returns: with write-through admission the blocks go to the disk writer and this
+        waits (lock released, at most ``write_through_wait_s``, never past a disk fault)
+        until they are committed to disk; a block the disk tier refused (a fault, no
+        room, below ``disk_min_priority``) is stored but not durable. (ready, durable);
+        durable is 0 with the other admission modes, which promise nothing on a crash."""
         with self._lock:
             self._expire()
             lease = self._lease(lease_id, write=True)
@@ -856,16 +929,23 @@ class Store:
             self._pending -= n
             self._c.host_bytes_in += n * lease.entry.spec.block_bytes
             lease.committed += n
+            disk = self._disk
+            through = self.config.admission == "write-through" and disk is not None
             if batch:
                 self._insert_used(batch)
                 self._emit_all(EventKind.STORED, batch, Tier.HOST)
-                if self.config.admission == "write-through" and self._disk is not None:
+                if through:
                     for node in batch:
                         self._write_to_disk(node)
             if lease.committed == len(lease.nodes):
                 self._forget_lease(lease, "committed")
             self._changed.notify_all()
-            return n
+            on_disk = [node.key for node in batch if node.on_disk]
+            seq = self._disk_seq
+        if not through or not on_disk:
+            return n, 0
+        assert disk is not None
+        return n, disk.wait_committed(seq, on_disk, self.config.write_through_wait_s)
 
     def claimed_slots(self, lease_id: int, count: int) -> tuple[SlotRef, ...]:
         """The next ``count`` uncommitted blocks of a write lease (chain order), for a
@@ -1008,10 +1088,17 @@ class Store:
             ]
             disk_queue = 0
             corrupt = 0
+            disk_counters: dict[str, int] = {}
+            fault = ""
             if self._disk is not None:
                 dstats = self._disk.stats()
                 disk_queue = dstats.queue_bytes
                 corrupt = dstats.corrupt_reads
+                fault = dstats.fault
+                disk_counters = {
+                    "disk_refused_writes": dstats.refused_writes,
+                    "disk_dropped_writes": dstats.dropped_writes,
+                }
                 tiers.append(
                     TierStats(
                         Tier.DISK,
@@ -1053,12 +1140,14 @@ class Store:
                     "known_slot_gets": c.known_slot_gets,
                     "disk_file_gets": c.disk_file_gets,
                     "event_seq": self._seq,  # the newest event's seq (kvctl events --count)
+                    **disk_counters,
                 },
                 staged_bytes=sum(
                     len(lease.staged) * self._arena.slot_size(next(iter(lease.staged)))
                     for lease in self._leases.values()
                     if lease.staged
                 ),
+                disk_fault=fault,
             )
 
     def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]:
@@ -1484,6 +1573,12 @@ class Store:
     def _forget_lease(self, lease: _Lease, why: str) -> None:
         if lease.snapshot is not None:
             lease.snapshot.close()
+        if lease.owner:
+            owned = self._owned.get(lease.owner)
+            if owned is not None:
+                owned.discard(lease.lease_id)
+                if not owned:
+                    del self._owned[lease.owner]
         del self._leases[lease.lease_id]
         self._ended[lease.lease_id] = why
         if len(self._ended) > _ENDED_LEASES_KEPT:
@@ -1491,7 +1586,7 @@ class Store:
 
     def _expire(self) -> None:
         """Reclaim expired leases and timed priorities; apply a lowered disk capacity."""
-        if self._disk is not None and self._disk.drain_map_full():
+        if self._disk is not None and self._disk.drain_shrunk():
             self._shrink_disk(self._disk)
         now = self._clock()
         heap = self._lease_heap
@@ -1671,7 +1766,7 @@ class Store:
         that were already committed to disk).
         """
         disk = self._disk
-        if disk is None or node.on_disk or not self._admit(node):
+        if disk is None or node.on_disk or disk.fault or not self._admit(node):
             return False
         chain = [node]
         # the nearest ancestor already on disk is pinned too: it is a disk leaf until
@@ -1692,13 +1787,16 @@ class Store:
                         return False
                 elif disk.used_bytes + footprint > disk.capacity_bytes:
                     return False
-                self._queue_disk_write(disk, block)
+                if not self._queue_disk_write(disk, block):
+                    return False
             return True
         finally:
             for pinned in held:
                 pinned.pins -= 1
 
-    def _queue_disk_write(self, disk: DiskTier, node: Node) -> None:
+    def _queue_disk_write(self, disk: DiskTier, node: Node) -> bool:
+        """Hand a host block to the disk writer; False when the tier refuses it (a disk
+        fault, or its queue is full: never waited for under the lock)."""
         payload = self._arena.view(node.host_offset, node.size)
         parent = node.parent.key if node.parent is not None else b""
         record = DiskRecord(
@@ -1710,14 +1808,18 @@ class Store:
             node.priority,
             node.last_access or self._wall(),
         )
-        disk.write(record, payload)
+        seq = disk.write(record, payload)
+        if not seq:
+            return False
+        self._disk_seq = seq
         self._disk_add(node)
         self._c.disk_bytes_in += node.size
+        return True
 
     def _make_disk_room(self, nbytes: int) -> bool:
         disk = self._disk
         assert disk is not None
-        if disk.drain_map_full():
+        if disk.drain_shrunk():
             self._shrink_disk(disk)
         capacity = disk.capacity_bytes
         if nbytes > capacity:

@@ -92,6 +92,8 @@ class Daemon:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORED_")}
         self.env.update(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
+        # run in the child before exec (e.g. a file size limit standing for a full disk)
+        self.preexec: Callable[[], None] | None = None
         self._channels: list[grpc.Channel] = []
         self._log_file: Any = None
 
@@ -115,6 +117,7 @@ class Daemon:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             env=self.env,
+            preexec_fn=self.preexec,
         )
         self.wait_serving(timeout)
         return self

@@ -315,7 +315,7 @@ def test_map_full_is_handled_never_raised(tmp_path: Path) -> None:
         tier.write(record(i, data), data)
         order.append(i)
         # act as the store: after a map-full event, evict the oldest until it fits
-        if tier.drain_map_full():
+        if tier.drain_shrunk():
             drained += 1
             while tier.used_bytes > tier.capacity_bytes and order:
                 tier.delete(key(order.pop(0)))
@@ -361,7 +361,7 @@ def test_backpressure_with_tiny_queue_does_not_deadlock(tmp_path: Path) -> None:
         def produce(start: int) -> None:
             for i in range(start, start + 40):
                 data = payload(i, size)
-                tier.write(record(i, data), data)
+                assert tier.write(record(i, data), data, wait_s=20)
 
         threads = [threading.Thread(target=produce, args=(s,)) for s in (0, 40)]
         for t in threads:
@@ -371,28 +371,30 @@ def test_backpressure_with_tiny_queue_does_not_deadlock(tmp_path: Path) -> None:
             assert not t.is_alive()
         # a payload larger than the whole queue is still taken (when the queue is empty)
         big = payload(100, 5 * size)
-        tier.write(record(100, big), big)
+        assert tier.write(record(100, big), big, wait_s=20)
         tier.flush()
         assert tier.stats().queue_bytes == 0
         for i in [*range(80), 100]:
             assert tier.read(key(i)) == payload(i, 5 * size if i == 100 else size)
 
 
-def test_write_blocks_while_queue_is_full(tmp_path: Path) -> None:
+def test_write_never_waits_for_a_full_queue_unless_asked(tmp_path: Path) -> None:
     tier = DiskTier(str(tmp_path / "disk"), 16 * MiB, queue_bytes=10_000)
     release = gate_writer(tier)
-    # the first write fills the queue; the writer is held, so a second write must wait
-    tier.write(record(1, payload(1, 8000)), payload(1, 8000))
+    # the first write fills the queue; the writer is held, so a second write is refused
+    assert tier.write(record(1, payload(1, 8000)), payload(1, 8000))
+    assert tier.write(record(2, payload(2, 8000)), payload(2, 8000)) == 0
+    assert not tier.contains(key(2)) and tier.stats().refused_writes == 1
+    # wait_s waits for room: once the writer commits the first, the second goes through
     done = threading.Event()
 
     def second() -> None:
-        tier.write(record(2, payload(2, 8000)), payload(2, 8000))
-        done.set()
+        if tier.write(record(2, payload(2, 8000)), payload(2, 8000), wait_s=5):
+            done.set()
 
     thread = threading.Thread(target=second)
     thread.start()
     assert not done.wait(0.2)
-    # once the writer commits the first, the second goes through
     release.set()
     assert done.wait(5)
     thread.join()
@@ -428,7 +430,7 @@ def test_concurrent_readers_while_writer_commits(tmp_path: Path) -> None:
     # meanwhile write 150 more blocks, evicting as the store would
     for i in range(20, 170):
         tier.write(record(i, payload(i, size)), payload(i, size))
-        if tier.drain_map_full():
+        if tier.drain_shrunk():
             for j in range(20, i - 10):
                 tier.delete(key(j))
     tier.flush()
@@ -442,28 +444,67 @@ def test_concurrent_readers_while_writer_commits(tmp_path: Path) -> None:
     assert grown, "the map should have been resized while the readers ran"
 
 
-def test_writer_survives_a_failing_batch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_failing_commits_stop_writes_then_resume(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     tier = DiskTier(str(tmp_path / "disk"), 16 * MiB)
+    committed = payload(9, 20_000)
+    tier.write(record(9, committed), committed)
+    tier.flush()
     commit = tier._commit
-    failures = [0]
+    failing = threading.Event()
+    failing.set()
+    attempts = [0]
 
     def flaky(ops):  # type: ignore[no-untyped-def]
-        if failures[0] < 2:
-            failures[0] += 1
-            raise OSError("disk hiccup")
+        if failing.is_set():
+            attempts[0] += 1
+            raise OSError(28, "No space left on device")
         commit(ops)
 
     tier._commit = flaky  # type: ignore[method-assign]
     data = payload(1, 20_000)
-    with caplog.at_level(logging.ERROR, logger="kvstore.disk"):
-        tier.write(record(1, data), data)
-        # the failing batch stays readable from the queue, and is retried until it commits
+    with caplog.at_level(logging.DEBUG, logger="kvstore.disk"):
+        seq = tier.write(record(1, data), data)
+        # the failing write stays readable from the queue while it is retried
         assert tier.read(key(1)) == data
-        tier.flush(timeout=10)
-    assert failures[0] == 2
-    assert tier.stats().writes == 1
-    assert any(r.exc_info for r in caplog.records), "the failure is logged with its traceback"
+        assert tier.wait_committed(seq, [key(1)], timeout=10) == 0  # a fault ends the wait
+        stats = tier.stats()
+        assert not stats.writable and "No space left" in stats.fault
+        # capacity drops to what is committed; the store evicts down to it
+        assert stats.capacity_bytes == tier.footprint(20_000)
+        assert tier.drain_shrunk() and not tier.drain_shrunk()
+        # new writes are refused at once, never queued behind the fault
+        other = payload(2, 20_000)
+        assert tier.write(record(2, other), other) == 0 and not tier.contains(key(2))
+        assert tier.read(key(9)) == committed  # what is committed stays readable
+        failing.clear()  # space comes back: the next retry commits and ends the fault
+        deadline = time.monotonic() + 10
+        while tier.fault and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier.wait_committed(seq, [key(1)], timeout=10) == 1
+        assert tier.stats().writable and tier.capacity_bytes == 16 * MiB
+    assert attempts[0] >= 1
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and not errors[0].exc_info  # one line per state change
+    assert any("takes writes again" in r.getMessage() for r in caplog.records)
     tier.close()
+
+
+def test_close_counts_writes_it_could_not_persist(tmp_path: Path) -> None:
+    tier = DiskTier(str(tmp_path / "disk"), 16 * MiB)
+
+    def broken(ops):  # type: ignore[no-untyped-def]
+        raise OSError(5, "Input/output error")
+
+    tier._commit = broken  # type: ignore[method-assign]
+    for i in range(3):
+        data = payload(i, 10_000)
+        tier.write(record(i, data), data)
+    started = time.monotonic()
+    tier.close()
+    assert time.monotonic() - started < 10
+    assert tier.stats().lost_writes == 3
 
 
 def test_flush_timeout(tmp_path: Path) -> None:

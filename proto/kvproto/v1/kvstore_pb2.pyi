@@ -116,7 +116,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "disk_path")
+    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "disk_path", "admission")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class ServerInfoResponse(_message.Message):
     SLOT_EPOCHS_COUNT_FIELD_NUMBER: _ClassVar[int]
     ARENA_PREFAULTED_FIELD_NUMBER: _ClassVar[int]
     DISK_PATH_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
     version: str
     platform: str
     arena_path: str
@@ -153,7 +154,18 @@ class ServerInfoResponse(_message.Message):
     slot_epochs_count: int
     arena_prefaulted: bool
     disk_path: str
-    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., disk_path: _Optional[str] = ...) -> None: ...
+    admission: str
+    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., disk_path: _Optional[str] = ..., admission: _Optional[str] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "wait_pending_s")
@@ -348,14 +360,16 @@ class PutRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored", "existing", "refused")
+    __slots__ = ("stored", "existing", "refused", "durable")
     STORED_FIELD_NUMBER: _ClassVar[int]
     EXISTING_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     stored: int
     existing: int
     refused: int
-    def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
+    durable: int
+    def __init__(self, stored: _Optional[int] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ..., durable: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "n_blocks", "ttl_s", "priority", "compact_slots", "stage_lease_id", "staged_offsets", "stage_more", "commit")
@@ -386,7 +400,7 @@ class ReserveRequest(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., start_block: _Optional[int] = ..., n_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., priority: _Optional[int] = ..., compact_slots: _Optional[bool] = ..., stage_lease_id: _Optional[int] = ..., staged_offsets: _Optional[_Iterable[int]] = ..., stage_more: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused", "arena_path", "out_of_space", "slot_indices", "slot_offsets", "stage_lease_id", "staged_offsets", "stage_ttl_s")
+    __slots__ = ("lease_id", "expires_in_s", "slots", "existing", "refused", "arena_path", "out_of_space", "slot_indices", "slot_offsets", "stage_lease_id", "staged_offsets", "stage_ttl_s", "durable")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +413,7 @@ class ReserveResponse(_message.Message):
     STAGE_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     STAGE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     expires_in_s: float
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -411,7 +426,8 @@ class ReserveResponse(_message.Message):
     stage_lease_id: int
     staged_offsets: _containers.RepeatedScalarFieldContainer[int]
     stage_ttl_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ..., arena_path: _Optional[str] = ..., out_of_space: _Optional[bool] = ..., slot_indices: _Optional[_Iterable[int]] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., stage_lease_id: _Optional[int] = ..., staged_offsets: _Optional[_Iterable[int]] = ..., stage_ttl_s: _Optional[float] = ...) -> None: ...
+    durable: int
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., existing: _Optional[int] = ..., refused: _Optional[int] = ..., arena_path: _Optional[str] = ..., out_of_space: _Optional[bool] = ..., slot_indices: _Optional[_Iterable[int]] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., stage_lease_id: _Optional[int] = ..., staged_offsets: _Optional[_Iterable[int]] = ..., stage_ttl_s: _Optional[float] = ..., durable: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id", "count")
@@ -422,10 +438,12 @@ class CommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "durable")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+    durable: int
+    def __init__(self, committed: _Optional[int] = ..., durable: _Optional[int] = ...) -> None: ...
 
 class AbandonRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -540,7 +558,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes")
+    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes", "disk_writable", "disk_fault")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -560,6 +578,8 @@ class StatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    DISK_FAULT_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     demotions: int
@@ -572,7 +592,9 @@ class StatsResponse(_message.Message):
     uptime_s: float
     counters: _containers.ScalarMap[str, int]
     staged_bytes: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
+    disk_writable: bool
+    disk_fault: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ..., disk_writable: _Optional[bool] = ..., disk_fault: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("seq", "kind", "ns_id", "key", "tier", "timestamp")

@@ -54,6 +54,11 @@ class KVStoreStub:
                 request_serializer=kvproto_dot_v1_dot_kvstore__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=kvproto_dot_v1_dot_kvstore__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.unary_stream(
+                '/kvstore.v1.KVStore/Session',
+                request_serializer=kvproto_dot_v1_dot_kvstore__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvproto_dot_v1_dot_kvstore__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvstore.v1.KVStore/Lookup',
                 request_serializer=kvproto_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
@@ -150,6 +155,16 @@ class KVStoreServicer:
 
     def ServerInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request, context):
+        """Held open by a client for as long as it lives: when the stream ends (the client
+        closed it, or its process died and the connection dropped) the daemon ends every
+        lease created by calls that carried the same session id in their metadata
+        (kvstore-session). The local-call socket needs none: its connection is the session.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -269,6 +284,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ServerInfo,
                     request_deserializer=kvproto_dot_v1_dot_kvstore__pb2.ServerInfoRequest.FromString,
                     response_serializer=kvproto_dot_v1_dot_kvstore__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'Session': grpc.unary_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvproto_dot_v1_dot_kvstore__pb2.SessionRequest.FromString,
+                    response_serializer=kvproto_dot_v1_dot_kvstore__pb2.SessionResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -449,6 +469,33 @@ class KVStore:
             '/kvstore.v1.KVStore/ServerInfo',
             kvproto_dot_v1_dot_kvstore__pb2.ServerInfoRequest.SerializeToString,
             kvproto_dot_v1_dot_kvstore__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Session',
+            kvproto_dot_v1_dot_kvstore__pb2.SessionRequest.SerializeToString,
+            kvproto_dot_v1_dot_kvstore__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

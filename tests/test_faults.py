@@ -1,0 +1,365 @@
+"""Faults against a real kvstored: a full disk, crashes, killed clients, damaged and
+shared disk files, undecodable requests. Each test checks the answer the fault gets
+(status code, log line, exit code) and that nothing else changed.
+
+A full disk is a file size limit on the daemon (RLIMIT_FSIZE: writes past it fail
+as a full file system's do, and every test machine can set it); benchmarks/torture.py
+also runs it on a small tmpfs where it may mount one.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import (
+    Daemon,
+    block_bytes_for,
+    get_chain,
+    kv_stub,
+    open_ns,
+    put_chain,
+    store_snapshot,
+)
+
+from kvproto.v1 import kvstore_pb2 as pb
+
+BLOCK = 256 << 10
+TOKENS = 4  # per block
+
+
+def chain_tokens(seed: int, blocks: int) -> list[int]:
+    return [seed * 100_000 + i for i in range(blocks * TOKENS)]
+
+
+def file_size_limit(limit: int) -> Callable[[], None]:
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+def stats(stub: object) -> pb.StatsResponse:
+    return stub.Stats(pb.StatsRequest(), timeout=10)  # type: ignore[attr-defined]
+
+
+# --- a full disk ------------------------------------------------------------------------
+
+
+FAULT_LINE = "disk tier stopped taking writes"
+RECOVERED_LINE = "disk tier takes writes again"
+
+
+def fill_until_fault(daemon: Daemon, stub: object, info: object) -> int:
+    """Put 8-block chains until the daemon logs that the disk tier stopped taking
+    writes; the last seed put. Every call answers meanwhile (timeouts: no wedge)."""
+    for seed in range(1, 60):
+        reply, _ = put_chain(stub, info, chain_tokens(seed, 8), seed=seed)
+        assert reply.stored == 8
+        stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)  # type: ignore[attr-defined]
+        if FAULT_LINE in daemon.output():
+            return seed
+    pytest.fail("the disk tier never reported the full disk")
+
+
+def test_full_disk_never_wedges_and_recovers(kvstored_factory: Callable[..., Daemon]) -> None:
+    daemon = kvstored_factory(
+        start=False, host_bytes="16MiB", disk_bytes="256MiB", admission="write-through"
+    )
+    daemon.preexec = file_size_limit(24 << 20)  # data.mdb cannot grow past 24 MiB
+    daemon.start()
+    stub = kv_stub(daemon)
+    info = open_ns(stub, block_bytes=BLOCK, block_tokens=TOKENS)
+    last = fill_until_fault(daemon, stub, info)
+
+    # calls keep answering while the disk is full: puts store in host; what is on
+    # disk (or still in host) reads back byte-exact, the rest is a miss
+    durable: dict[int, int] = {}
+    for seed in range(last + 1, last + 9):
+        reply, _ = put_chain(stub, info, chain_tokens(seed, 8), seed=seed)
+        assert reply.stored == 8
+        durable[seed] = reply.durable
+    for seed in range(1, last + 9):
+        header, got = get_chain(stub, info.ns_id, chain_tokens(seed, 8))
+        n = header.ready_blocks
+        assert got == b"".join(block_bytes_for(seed, i, BLOCK) for i in range(n))
+    assert any(count < 8 for count in durable.values())  # the full disk made some not durable
+
+    # it recovers by itself once evictions freed room; one line per state change,
+    # never a traceback per retry
+    assert wait_for(lambda: RECOVERED_LINE in daemon.output()), daemon.output()[-3000:]
+    log = daemon.output()
+    assert 0 <= log.count(FAULT_LINE) - log.count(RECOVERED_LINE) <= 1
+    assert "Traceback" not in log
+    assert wait_for(lambda: stats(stub).disk_writable)
+    counters = stats(stub).counters
+    assert counters["disk_refused_writes"] > 0
+    assert daemon.stop() == 0
+
+
+def test_stop_with_a_failing_disk_counts_what_was_lost_and_exits_3(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    # files may not grow past 6 MiB: the 4 MiB arena fits, the disk tier hardly does
+    daemon = kvstored_factory(
+        start=False, host_bytes="4MiB", disk_bytes="64MiB", admission="write-back"
+    )
+    daemon.preexec = file_size_limit(6 << 20)
+    daemon.start()
+    stub = kv_stub(daemon)
+    info = open_ns(stub, block_bytes=BLOCK, block_tokens=TOKENS)
+    for seed in range(1, 4):
+        put_chain(stub, info, chain_tokens(seed, 8), seed=seed)  # host only, due at stop
+    code = daemon.stop()
+    assert code == 3, daemon.output()[-3000:]
+    assert "stopped uncleanly" in daemon.output()
+
+
+# --- crashes --------------------------------------------------------------------------
+
+
+def test_write_through_durable_puts_survive_kill_9(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    from kvclient import KVClient
+
+    daemon = kvstored_factory(host_bytes="16MiB", admission="write-through")
+    durable: dict[int, int] = {}
+    for cycle in range(3):
+        with KVClient(daemon.addr) as client:
+            ns = client.namespace("crash-model", block_tokens=TOKENS, block_bytes=BLOCK)
+            for seed in range(cycle * 10, cycle * 10 + 6):
+                rows = [block_bytes_for(seed, i, BLOCK) for i in range(3)]
+                result = ns.put(chain_tokens(seed, 3), rows)
+                assert result.stored == 3
+                durable[seed] = result.durable
+        daemon.kill()  # SIGKILL: no shutdown, no persisting
+        daemon.start()
+    assert all(count == 3 for count in durable.values()), durable
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("crash-model", block_tokens=TOKENS, block_bytes=BLOCK)
+        for seed in durable:
+            got = ns.get(chain_tokens(seed, 3))
+            assert got.n_blocks == 3, f"durable chain {seed} lost"
+            assert got.blocks.tobytes() == b"".join(
+                block_bytes_for(seed, i, BLOCK) for i in range(3)
+            )
+
+
+# --- a killed client --------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from kvclient import KVClient
+addr, mode, arena = sys.argv[1], sys.argv[2], sys.argv[3] == "arena"
+client = KVClient(addr, use_arena=arena)
+ns = client.namespace("holder-model", block_tokens=4, block_bytes=262144)
+tokens = list(range(4 * 40))
+if mode == "claim":
+    held = ns.claim(tokens)          # 40 pending blocks, never delivered
+elif mode == "acquire":
+    ns.put(tokens[:16], [bytes([7]) * 262144] * 4)
+    held = ns.acquire(tokens[:16])   # a read lease, never released
+elif mode == "stage":
+    for i in range(3):               # puts that leave staged slots set aside
+        ns.put([9000 + i * 64 + t for t in range(16)], [bytes([i]) * 262144] * 4)
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "arena"),
+    [("claim", True), ("claim", False), ("acquire", True), ("stage", True)],
+    ids=["claim-local", "claim-grpc", "acquire-local", "staged-local"],
+)
+def test_a_killed_clients_leases_end_with_it(
+    kvstored: Daemon, mode: str, arena: bool
+) -> None:
+    stub = kv_stub(kvstored)
+    before = store_snapshot(stub)
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, kvstored.addr, mode, "arena" if arena else "inline"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+        held = stats(stub)
+        assert held.leases + held.pending_blocks + held.staged_bytes > 0
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert wait_for(
+            lambda: (s := stats(stub)).leases == 0
+            and s.pending_blocks == 0
+            and s.staged_bytes == 0,
+            timeout=5,
+        ), stats(stub)
+    finally:
+        child.kill()
+        child.wait()
+    after = store_snapshot(stub)
+    assert after["pending_blocks"] == before["pending_blocks"] == 0
+    assert "leases of a client that went away" in kvstored.output()
+
+
+# --- damaged files ----------------------------------------------------------------------
+
+
+def put_some(daemon: Daemon, seeds: range) -> object:
+    stub = kv_stub(daemon)
+    info = open_ns(stub, block_bytes=BLOCK, block_tokens=TOKENS)
+    for seed in seeds:
+        put_chain(stub, info, chain_tokens(seed, 4), seed=seed)
+    return info
+
+
+def damaged_copies(disk_dir: str) -> list[str]:
+    return [name for name in os.listdir(disk_dir) if name.startswith("data.mdb.damaged-")]
+
+
+@pytest.mark.parametrize("cut", ["half", "zero"])
+def test_a_truncated_disk_file_is_moved_aside_at_start(
+    kvstored_factory: Callable[..., Daemon], cut: str
+) -> None:
+    daemon = kvstored_factory(admission="write-through")
+    put_some(daemon, range(1, 5))
+    assert daemon.stop() == 0
+    data = Path(daemon.disk_dir) / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2 if cut == "half" else 0)
+    daemon.start()  # no SIGBUS: it starts, with an empty disk tier
+    stub = kv_stub(daemon)
+    disk = [t for t in stats(stub).tiers if t.name == "disk"][0]
+    assert disk.blocks == 0
+    assert len(damaged_copies(daemon.disk_dir)) == 1
+    log = daemon.output()
+    assert "was damaged" in log and "moved it aside" in log
+    info = put_some(daemon, range(10, 12))  # and the new tier works
+    header, _ = get_chain(stub, info.ns_id, chain_tokens(10, 4))  # type: ignore[attr-defined]
+    assert header.ready_blocks == 4
+    assert daemon.stop() == 0
+
+
+def overwrite_btree_pages(disk_dir: str) -> int:
+    """Fill every B-tree leaf and branch page of data.mdb (not the meta pages, not
+    value pages) with garbage; how many."""
+    path = os.path.join(disk_dir, "data.mdb")
+    page = 4096
+    hit = 0
+    with open(path, "r+b") as file:
+        raw = file.read()
+        for number in range(2, len(raw) // page):
+            flags = int.from_bytes(raw[number * page + 10 : number * page + 12], "little")
+            if flags & 0x03 and not flags & 0x04:  # P_BRANCH | P_LEAF, not P_OVERFLOW
+                file.seek(number * page + 16)
+                file.write(os.urandom(page - 16))
+                hit += 1
+    return hit
+
+
+def test_damaged_btree_pages_are_found_at_start(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    daemon = kvstored_factory(admission="write-through")
+    put_some(daemon, range(1, 4))
+    assert daemon.stop() == 0
+    assert overwrite_btree_pages(daemon.disk_dir) > 0
+    daemon.start()
+    assert len(damaged_copies(daemon.disk_dir)) == 1
+    assert "was damaged" in daemon.output()
+    assert daemon.stop() == 0
+
+
+def test_a_page_damaged_while_running_is_a_miss_not_an_error(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    daemon = kvstored_factory(host_bytes="4MiB", admission="write-through")
+    info = put_some(daemon, range(1, 8))  # 7 MiB: most of it only on disk now
+    stub = kv_stub(daemon)
+    overwrite_btree_pages(daemon.disk_dir)
+    for seed in range(1, 8):
+        try:
+            header, got = get_chain(stub, info.ns_id, chain_tokens(seed, 4))  # type: ignore[attr-defined]
+        except grpc.RpcError as exc:  # pragma: no cover - the failure this test guards
+            pytest.fail(f"a damaged page made Get fail: {exc.code()} {exc.details()}")
+        expected = b"".join(block_bytes_for(seed, i, BLOCK) for i in range(header.ready_blocks))
+        assert got == expected  # a prefix of the right bytes, or a miss
+    assert "internal error" not in daemon.output()
+    assert daemon.running
+
+
+# --- two daemons, one disk_dir ------------------------------------------------------------
+
+
+def test_a_second_daemon_on_the_same_disk_dir_refuses_to_start(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    first = kvstored_factory()
+    second = kvstored_factory(start=False, disk_dir=first.disk_dir)
+    done = subprocess.run(
+        second.command(), capture_output=True, text=True, timeout=60, env=second.env, check=False
+    )
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"pid {first.pid}" in lines[0] and first.disk_dir in lines[0]
+    assert first.running
+
+
+# --- bad bytes --------------------------------------------------------------------------
+
+UNARY = ["OpenNamespace", "Lookup", "Acquire", "Release", "ReportReads", "Reserve",
+         "Commit", "Abandon", "Delete", "Clear", "SetPriority", "Stats"]
+
+
+def test_undecodable_requests_get_invalid_argument_and_no_traceback(kvstored: Daemon) -> None:
+    channel = kvstored.channel()
+    stub = kv_stub(kvstored)
+    open_ns(stub)
+    before = store_snapshot(stub)
+    garbage = b"\xff\xff\xff\xff\x0f\x08"  # a field with a truncated varint
+    for name in UNARY:
+        call = channel.unary_unary(f"/kvstore.v1.KVStore/{name}")
+        with pytest.raises(grpc.RpcError) as failed:
+            call(garbage, timeout=10)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    get = channel.unary_stream("/kvstore.v1.KVStore/Get")
+    with pytest.raises(grpc.RpcError) as failed:
+        list(get(garbage, timeout=10))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert store_snapshot(stub) == before
+    assert "Traceback" not in kvstored.output()
+
+
+def test_report_reads_cannot_claim_more_than_a_client_could_read(kvstored: Daemon) -> None:
+    from kvproto.v1.limits import MAX_READS_PER_PREFIX
+
+    stub = kv_stub(kvstored)
+    info = open_ns(stub)
+    tokens = list(range(8))
+    put_chain(stub, info, tokens)
+    hits = [t.hits for t in stats(stub).tiers if t.name == "host"][0]
+    prefix = pb.PrefixReads(ns_id=info.ns_id, tokens=tokens, n_blocks=2)
+    prefix.reads = 10**9
+    with pytest.raises(grpc.RpcError) as failed:
+        stub.ReportReads(pb.ReportReadsRequest(prefixes=[prefix]), timeout=10)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [t.hits for t in stats(stub).tiers if t.name == "host"][0] == hits
+    prefix.reads = MAX_READS_PER_PREFIX
+    stub.ReportReads(pb.ReportReadsRequest(prefixes=[prefix]), timeout=10)
+    assert [t.hits for t in stats(stub).tiers if t.name == "host"][0] == hits + 2 * prefix.reads
