@@ -9,7 +9,7 @@ for grpc's ServicerContext. A call answered on the event loop costs no thread ho
 
 A connection's calls make leases owned by its client's process (``local:<pid>``, the
 peer's pid from SO_PEERCRED): when the last connection of that process closes (the
-client closed, or its process died), :meth:`KVStoreService.release_owner` ends them,
+client closed, or its process died), :meth:`KVStoreService.owner_closed` ends them,
 so a killed client holds no slots for its leases' TTL.
 
 Life: :meth:`LocalCallServer.start` binds the socket (mode 0600, born so under a
@@ -85,7 +85,6 @@ class LocalCallServer:
         self._service = service
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
-        self._owners: dict[str, int] = {}  # open connections per owning process
         self._stopping = False
         self.path: Path | None = None
 
@@ -118,17 +117,12 @@ class LocalCallServer:
 
     def opened(self, connection: _Connection) -> None:
         self._connections.add(connection)
-        self._owners[connection.owner] = self._owners.get(connection.owner, 0) + 1
+        self._service.owner_opened(connection.owner)
 
     def lost(self, connection: _Connection) -> None:
         """A connection closed: the last one of its process ends that process's leases."""
         self._connections.discard(connection)
-        left = self._owners.get(connection.owner, 1) - 1
-        if left:
-            self._owners[connection.owner] = left
-        else:
-            self._owners.pop(connection.owner, None)
-            self._service.release_owner(connection.owner)
+        self._service.owner_closed(connection.owner)
 
     async def call(self, name: bytes, body: bytes, owner: str = "") -> bytes:
         """Run one call; the response frame."""

@@ -112,7 +112,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self.framed = False
         # the local-call socket once kvstored.local_calls serves it (ServerInfo names it)
         self.local_socket = ""
-        self._sessions: dict[str, int] = {}  # open Session streams per owner name
+        self._live: dict[str, int] = {}  # open connections and sessions per owner
 
     def begin_shutdown(self) -> None:
         """End the open WatchEvents streams so a graceful stop does not wait for them."""
@@ -270,15 +270,27 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"got {len(request.session_id)}",
             )
         owner = SESSION_OWNER + request.session_id
-        self._sessions[owner] = self._sessions.get(owner, 0) + 1
+        self.owner_opened(owner)
         try:
             yield pb.SessionResponse()
             await self._stopping.wait()
         finally:
-            self._sessions[owner] -= 1
-            if not self._sessions[owner]:
-                del self._sessions[owner]
-                self.release_owner(owner)
+            self.owner_closed(owner)
+
+    # Owners: a client's process (local calls) or its Session (gRPC) is "live" while it
+    # has a connection or stream open; its leases end when the last one closes. A call
+    # still running then makes its leases after that: _own ends them at once.
+
+    def owner_opened(self, owner: str) -> None:
+        self._live[owner] = self._live.get(owner, 0) + 1
+
+    def owner_closed(self, owner: str) -> None:
+        left = self._live.get(owner, 1) - 1
+        if left:
+            self._live[owner] = left
+            return
+        self._live.pop(owner, None)
+        self.release_owner(owner)
 
     def owner_of(self, context: Any) -> str:
         """Whose leases a call makes: the local-call connection's process, or the open
@@ -289,8 +301,18 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         for key, value in context.invocation_metadata() or ():
             if key == SESSION_METADATA:
                 named = SESSION_OWNER + str(value)
-                return named if named in self._sessions else ""
+                return named if named in self._live else ""
         return ""
+
+    def _own(self, owner: str, lease_ids: Sequence[int]) -> None:
+        """Tie leases a call made to its owner (any thread); if the owner went away
+        while the call ran, end them now."""
+        ids = [lease_id for lease_id in lease_ids if lease_id]
+        if not owner or not ids:
+            return
+        self._store.own(owner, ids)
+        if owner not in self._live:
+            self.release_owner(owner)
 
     def release_owner(self, owner: str) -> None:
         """End the leases of a client that went away (its connection or session)."""
@@ -465,8 +487,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             )
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise _NeedsPool
-            if owner and got.lease_id:
-                self._store.own(owner, (got.lease_id,))
+            self._own(owner, (got.lease_id,))
             return convert.acquire_response(
                 got, spec.block_tokens, self._store.arena_path or "", request.compact_slots
             )
@@ -715,10 +736,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             durable = 0
             if request.commit and res.lease_id:
                 durable = self._store.commit_durably(res.lease_id)[1]
-            elif owner and res.lease_id:
-                self._store.own(owner, (res.lease_id,))
-            if owner and res.stage_lease_id:
-                self._store.own(owner, (res.stage_lease_id,))
+            else:
+                self._own(owner, (res.lease_id,))
+            self._own(owner, (res.stage_lease_id,))
             response = convert.reserve_response(
                 res, self._store.arena_path or "", request.compact_slots
             )

@@ -1,0 +1,827 @@
+"""Torture kvstore the way bad luck would, and write what held to docs/reliability.md.
+
+Parts (each against a real kvstored on a unix socket in a temp dir):
+
+- ``crash``: kill -9 cycles during mixed puts (arena, sent ahead, inline), per
+  admission mode. Every chain a writer tried is read back after each restart:
+  acknowledged blocks, durable ones, lost, corrupt served (bytes that differ from what
+  was put), orphans held (blocks indexed but not reachable from their chain's root).
+- ``client``: clients killed mid put / get / acquire / claim; how long until the
+  store holds nothing of theirs (leases, pending blocks, staged slots).
+- ``diskfull``: the disk tier on a small tmpfs (when this runs as root and may mount
+  one), else behind a file size limit (RLIMIT_FSIZE: the same failed writes), under
+  a stream of write-through puts, with the latency of every call while full.
+- ``damage``: data.mdb truncated, emptied, its B-tree pages or a value overwritten,
+  replaced by noise; whether the daemon starts, moves it aside, serves anything corrupt.
+- ``fuzz``: random and mutated requests over both sockets (gRPC and local calls).
+- ``load``: N processes of mixed traffic for a while: latency percentiles per call,
+  errors, the daemon's memory.
+
+Targets (from issue #25): 100 kill cycles with 0 corrupt or orphan blocks served and
+0 durable blocks lost; no call slower than 1 s while the disk is full; the store
+usable within 1 s after a client is killed; fuzzing: 0 UNKNOWN or INTERNAL, 0 crashes.
+
+usage: python benchmarks/torture.py [--quick] [--parts crash,client,...] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "client"), str(ROOT / "daemon"), str(ROOT / "proto"), str(ROOT)]
+
+from kvclient import KVClient  # noqa: E402
+from kvclient.errors import KVStoreError  # noqa: E402
+from kvproto.v1 import kvstore_pb2 as pb  # noqa: E402
+from kvproto.v1 import local_calls as frames  # noqa: E402
+
+PARTS = ("crash", "client", "diskfull", "damage", "fuzz", "load")
+MODEL = "torture"
+TOKENS = 4  # per block
+BAD_CODES = ("UNKNOWN", "INTERNAL")
+
+
+# --- a daemon -----------------------------------------------------------------------------
+
+
+class Kvstored:
+    """One kvstored child: socket, arena and disk dir under ``work``; log in work/log."""
+
+    def __init__(self, work: Path, preexec: Callable[[], None] | None = None, **settings: Any):
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+        self.sock_dir = Path(tempfile.mkdtemp(prefix="kvt", dir="/tmp"))  # short path
+        self.addr = f"unix://{self.sock_dir}/kvstored.sock"
+        self.disk_dir = str(settings.pop("disk_dir", work / "disk"))
+        self.log = work / "kvstored.log"
+        self.settings = {
+            "listen": self.addr, "disk_dir": self.disk_dir, "arena_dir": str(work),
+            "host_bytes": "32MiB", "disk_bytes": "1GiB", "metrics_listen": "off",
+            "grace_s": 2, "workers": 4, **settings,
+        }
+        self.preexec = preexec
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60) -> float:
+        """Start and wait until it answers; the seconds that took."""
+        started = time.monotonic()
+        args = [a for k, v in self.settings.items() for a in (f"--{k}", str(v))]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvstored", *args], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, preexec_fn=self.preexec,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:4])},
+            )
+        with KVClient(self.addr, timeout=2) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kvstored exited {self.proc.returncode}: {self.tail()}")
+                with contextlib.suppress(KVStoreError):
+                    client.server_info()
+                    return time.monotonic() - started
+                if time.monotonic() - started > timeout:
+                    raise RuntimeError(f"kvstored did not answer in {timeout} s: {self.tail()}")
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return -1 if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return -9
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def rss_bytes(self) -> int:
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text()  # type: ignore[union-attr]
+        except OSError:
+            return 0
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def tokens_of(seed: int, blocks: int) -> list[int]:
+    return [seed * 1000 + i for i in range(blocks * TOKENS)]
+
+
+def block_of(seed: int, index: int, size: int) -> bytes:
+    rng = random.Random(seed * 7919 + index)
+    return rng.randbytes(64) * (size // 64)
+
+
+def chain_bytes(seed: int, blocks: int, size: int) -> bytes:
+    return b"".join(block_of(seed, i, size) for i in range(blocks))
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Section:
+    title: str
+    body: list[str]
+    checks: list[tuple[str, str, bool]] = field(default_factory=list)  # (target, measured, ok)
+
+
+# --- crash: kill -9 cycles ----------------------------------------------------------------
+
+
+@dataclass
+class Chains:
+    """What the writers tried and what the daemon acknowledged, per chain seed."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    tried: dict[int, int] = field(default_factory=dict)  # seed -> blocks
+    acked: dict[int, int] = field(default_factory=dict)  # seed -> blocks answered durable
+    size: int = 16 << 10
+
+
+def writer(addr: str, kind: str, chains: Chains, seeds: Iterator[int], stop: threading.Event):
+    try:
+        client = KVClient(addr, use_arena=kind != "inline", timeout=5)
+        ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=chains.size)
+        while not stop.is_set():
+            seed = next(seeds)
+            blocks = 1 + seed % 4
+            rows = [block_of(seed, i, chains.size) for i in range(blocks)]
+            with chains.lock:
+                chains.tried[seed] = blocks
+            if kind == "ahead":
+                result = ns.put_nowait(tokens_of(seed, blocks), rows).result()
+            else:
+                result = ns.put(tokens_of(seed, blocks), rows)
+            with chains.lock:
+                chains.acked[seed] = result.durable
+            time.sleep(0.002)
+    except (KVStoreError, OSError):
+        pass  # the daemon was killed under the call: not acknowledged
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+def verify(addr: str, chains: Chains) -> dict[str, int]:
+    """Read back every chain tried; counts of what is served, lost and wrong."""
+    counts = Counter[str]()
+    with KVClient(addr, timeout=30) as client:
+        ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=chains.size)
+        for seed, blocks in chains.tried.items():
+            got = ns.get(tokens_of(seed, blocks))
+            n = got.n_blocks
+            counts["served"] += n
+            if got.blocks.tobytes() != chain_bytes(seed, n, chains.size):
+                counts["corrupt"] += n
+            if seed in chains.acked:
+                counts["acked"] += blocks
+                counts["lost"] += blocks - n
+                durable = chains.acked[seed]
+                counts["durable"] += durable
+                counts["durable_lost"] += max(0, durable - n)
+        indexed = sum(n.blocks for n in client.stats().namespaces if n.model == MODEL)
+    counts["orphans"] = max(0, indexed - counts["served"])
+    return dict(counts)
+
+
+def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
+    daemon = Kvstored(work, admission=admission, host_bytes="64MiB", disk_bytes="2GiB")
+    chains = Chains()
+    counter = iter(range(1, 10**9))  # next() of a range iterator is atomic under the GIL
+
+    def next_seed() -> Iterator[int]:
+        while True:
+            yield next(counter)
+
+    starts: list[float] = []
+    worst = Counter[str]()
+    try:
+        for cycle in range(cycles):
+            starts.append(daemon.start())
+            if cycle:  # what the last crash left: nothing corrupt, nothing orphaned
+                check = verify(daemon.addr, chains)
+                worst["corrupt"] = max(worst["corrupt"], check.get("corrupt", 0))
+                worst["orphans"] = max(worst["orphans"], check.get("orphans", 0))
+                worst["durable_lost"] = max(worst["durable_lost"], check.get("durable_lost", 0))
+            stop = threading.Event()
+            threads = [
+                threading.Thread(
+                    target=writer, args=(daemon.addr, k, chains, next_seed(), stop), name=k
+                )
+                for k in ("arena", "ahead", "inline")
+            ]
+            for thread in threads:
+                thread.start()
+            time.sleep(random.uniform(0.2, 0.6))
+            daemon.kill()
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+                if thread.is_alive():
+                    raise RuntimeError(f"a {thread.name} writer hung after the daemon was killed")
+        starts.append(daemon.start())
+        final = verify(daemon.addr, chains)
+        daemon.stop()
+    finally:
+        daemon.close()
+    return {
+        "admission": admission, "cycles": cycles, "tried_chains": len(chains.tried),
+        **final, "worst_corrupt": max(worst["corrupt"], final.get("corrupt", 0)),
+        "worst_orphans": max(worst["orphans"], final.get("orphans", 0)),
+        "worst_durable_lost": max(worst["durable_lost"], final.get("durable_lost", 0)),
+        "restart_p50_s": statistics.median(starts), "restart_max_s": max(starts),
+    }
+
+
+def part_crash(work: Path, quick: bool) -> Section:
+    cycles = 3 if quick else 100
+    rows = [crash_cycles(work / f"crash-{mode}", mode, cycles) for mode in
+            ("write-back", "write-through")]
+    body = [
+        "| admission | kill -9 cycles | chains tried | blocks acked | answered durable | "
+        "durable lost | acked, not durable, lost | corrupt served | orphans held | "
+        "restart p50 / max |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    checks = []
+    for r in rows:
+        body.append(
+            f"| {r['admission']} | {r['cycles']} | {r['tried_chains']} | {r.get('acked', 0)} | "
+            f"{r.get('durable', 0)} | {r['worst_durable_lost']} | {r.get('lost', 0)} | "
+            f"{r['worst_corrupt']} | {r['worst_orphans']} | "
+            f"{r['restart_p50_s']:.2f} / {r['restart_max_s']:.2f} s |"
+        )
+        bad = r["worst_corrupt"] + r["worst_orphans"] + r["worst_durable_lost"]
+        checks.append((
+            f"{r['admission']}: {cycles} kill cycles, 0 corrupt, 0 orphans, 0 durable lost",
+            f"corrupt {r['worst_corrupt']}, orphans {r['worst_orphans']}, durable lost "
+            f"{r['worst_durable_lost']}", bad == 0 and r["cycles"] >= cycles,
+        ))
+    body += [
+        "",
+        "Writers: three threads (arena put, put sent ahead, inline put) of 1-4 block chains "
+        "of 16 KiB, killed 0.2-0.6 s into each cycle. \"Corrupt\" and \"orphans\" are the "
+        "worst seen after any restart; write-back loses what was only in the host tier by "
+        "design (the Durability table).",
+    ]
+    return Section("Crashes: kill -9 during puts", body, checks)
+
+
+# --- client: killed clients ----------------------------------------------------------------
+
+CLIENT = """
+import sys, time
+from kvclient import KVClient
+from kvclient.errors import KVStoreError
+addr, op = sys.argv[1], sys.argv[2]
+client = KVClient(addr, use_arena=op != "claim-inline")
+ns = client.namespace("killed", block_tokens=4, block_bytes=262144)
+row = bytes(262144)
+print("go", flush=True)
+i = 0
+while True:
+    i += 1
+    tokens = [i * 1000 + t for t in range(32)]
+    try:
+        if op == "put":
+            ns.put(tokens, [row] * 8)
+        elif op == "get":
+            ns.get(list(range(32)))
+        elif op == "acquire":
+            ns.acquire(list(range(32)))  # never released
+        else:
+            ns.claim(tokens)  # never delivered
+    except KVStoreError:  # full of our own claims: hold them until killed
+        time.sleep(0.01)
+"""
+
+
+def part_client(work: Path, quick: bool) -> Section:
+    rounds = 3 if quick else 20
+    daemon = Kvstored(work / "client", host_bytes="64MiB", disk_bytes=0, lease_ttl_s=60)
+    daemon.start()
+    released: dict[str, list[float]] = {}
+    try:
+        with KVClient(daemon.addr) as client:  # the prefix the getters read; closed:
+            ns = client.namespace("killed", block_tokens=4, block_bytes=262144)
+            ns.put(list(range(32)), [bytes(262144)] * 8)  # its staged slots go back
+        with KVClient(daemon.addr) as client:  # makes no leases: only Stats
+            for op in ("put", "get", "acquire", "claim", "claim-inline"):
+                for _ in range(rounds):
+                    child = subprocess.Popen(
+                        [sys.executable, "-c", CLIENT, daemon.addr, op], stdout=subprocess.PIPE,
+                        text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:4])},
+                    )
+                    assert child.stdout is not None and child.stdout.readline().strip() == "go"
+                    time.sleep(random.uniform(0.1, 0.4))
+                    child.kill()
+                    killed = time.monotonic()
+                    child.wait()
+                    while True:
+                        s = client.stats()
+                        if not (s.leases or s.pending_blocks or s.staged_bytes):
+                            break
+                        if time.monotonic() - killed > 60:
+                            break
+                        time.sleep(0.005)
+                    released.setdefault(op, []).append(time.monotonic() - killed)
+    finally:
+        daemon.stop()
+        daemon.close()
+    body = ["| killed mid | kills | released p50 | released max |", "|---|---|---|---|"]
+    for op, times in released.items():
+        body.append(f"| {op} | {len(times)} | {statistics.median(times) * 1000:.0f} ms | "
+                    f"{max(times) * 1000:.0f} ms |")
+    worst = max(max(t) for t in released.values())
+    body += ["", "\"Released\": from the kill until the daemon holds no lease, pending block "
+             "or staged slot of the client (lease TTL 60 s: without the release it would be "
+             "60 s). `claim-inline` makes its claims over gRPC (its Session ends them); the "
+             "others over the local-call socket."]
+    return Section("Killed clients", body, [(
+        "the store usable within 1 s after a client is killed", f"worst {worst * 1000:.0f} ms",
+        worst <= 1.0,
+    )])
+
+
+# --- diskfull ----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size_mib: int) -> Iterator[tuple[str, Callable[[], None] | None]]:
+    """A directory on a full-able disk: a tmpfs of ``size_mib`` when we may mount one,
+    else a plain directory and a file size limit for the daemon."""
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)],
+        capture_output=True, check=False,
+    ).returncode == 0
+    if mounted:
+        try:
+            yield f"tmpfs of {size_mib} MiB (ENOSPC)", None
+        finally:
+            subprocess.run(["umount", "-l", str(where)], check=False)
+        return
+    limit = size_mib << 20
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    yield f"file size limit of {size_mib} MiB (RLIMIT_FSIZE: not root)", apply
+
+
+def part_diskfull(work: Path, quick: bool) -> Section:
+    seconds = 4 if quick else 20
+    latencies: dict[str, list[float]] = {}
+    errors = Counter[str]()
+    with small_disk(work / "diskfull-mnt", 48) as (how, preexec):
+        daemon = Kvstored(
+            work / "diskfull", preexec=preexec, host_bytes="16MiB", disk_bytes="256MiB",
+            admission="write-through", disk_dir=work / "diskfull-mnt" / "disk",
+            arena_dir=work / "diskfull",
+        )
+        daemon.start()
+        size = 256 << 10
+        durable = stored = 0
+        try:
+            with KVClient(daemon.addr, timeout=30) as client:
+                ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=size)
+                def put(s: int) -> Any:
+                    return ns.put(tokens_of(s, 4), [block_of(s, i, size) for i in range(4)])
+
+                calls: dict[str, Callable[[int], Any]] = {
+                    "put": put,
+                    "get": lambda s: ns.get(tokens_of(max(1, s - 7), 4)),
+                    "lookup": lambda s: ns.lookup(tokens_of(max(1, s - 3), 4)),
+                    "server_info": lambda s: client.server_info(),
+                    "stats": lambda s: client.stats(),
+                }
+                end = time.monotonic() + seconds
+                seed = 0
+                while time.monotonic() < end:
+                    seed += 1
+                    for name, call in calls.items():
+                        started = time.perf_counter()
+                        try:
+                            result = call(seed)
+                        except KVStoreError as exc:
+                            errors[f"{name}: {type(exc).__name__}"] += 1
+                            continue
+                        latencies.setdefault(name, []).append(time.perf_counter() - started)
+                        if name == "put":
+                            stored += result.stored
+                            durable += result.durable
+        finally:
+            code = daemon.stop()
+            log = daemon.text()
+            daemon.close()
+    faults = log.count("disk tier stopped taking writes")
+    recoveries = log.count("disk tier takes writes again")
+    worst = max(max(v) for v in latencies.values())
+    body = [f"The disk tier on a {how}, write-through, {seconds} s of puts of 1 MiB "
+            "chains with a get, a lookup, ServerInfo and Stats after each.", "",
+            "| call | calls | p50 | p99 | max |", "|---|---|---|---|---|"]
+    for name, values in latencies.items():
+        body.append(f"| {name} | {len(values)} | {percentile(values, 0.5) * 1000:.1f} ms | "
+                    f"{percentile(values, 0.99) * 1000:.1f} ms | {max(values) * 1000:.1f} ms |")
+    body += ["", f"Blocks stored {stored}, answered durable {durable}; disk faults logged "
+             f"{faults}, recoveries {recoveries}; errors: {dict(errors) or 'none'}; "
+             f"exit code at stop {code} (3: blocks due on disk could not be written)."]
+    return Section("A full disk", body, [
+        ("no call slower than 1 s while the disk is full", f"slowest {worst * 1000:.0f} ms",
+         worst <= 1.0 and not errors and faults > 0),
+    ])
+
+
+# --- damage -------------------------------------------------------------------------------
+
+
+def damage_btree(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    for number in range(2, len(raw) // 4096):
+        at = number * 4096
+        flags = int.from_bytes(raw[at + 10 : at + 12], "little")
+        if flags & 0x03 and not flags & 0x04:
+            raw[at + 16 : at + 4096] = os.urandom(4096 - 16)
+    path.write_bytes(raw)
+
+
+def damage_value(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    marker = block_of(1, 1, 64)[:64]
+    at = raw.find(marker)
+    raw[at + 100 : at + 164] = b"\xee" * 64
+    path.write_bytes(raw)
+
+
+DAMAGES: dict[str, Callable[[Path], None]] = {
+    "truncated to half": lambda p: os.truncate(p, p.stat().st_size // 2),
+    "truncated to 0": lambda p: os.truncate(p, 0),
+    "B-tree pages overwritten": damage_btree,
+    "a value overwritten": damage_value,
+    "replaced by noise": lambda p: p.write_bytes(os.urandom(p.stat().st_size)),
+}
+
+
+def part_damage(work: Path, quick: bool) -> Section:
+    size = 64 << 10
+    body = ["| damage | started | moved aside | ERROR line | blocks served | corrupt served |",
+            "|---|---|---|---|---|---|"]
+    all_ok = True
+    for name, damage in DAMAGES.items():
+        daemon = Kvstored(work / f"damage-{len(body)}", admission="write-through")
+        try:
+            daemon.start()
+            with KVClient(daemon.addr) as client:
+                ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=size)
+                for seed in range(1, 6):
+                    ns.put(tokens_of(seed, 4), [block_of(seed, i, size) for i in range(4)])
+            daemon.stop()
+            damage(Path(daemon.disk_dir) / "data.mdb")
+            started = True
+            try:
+                daemon.start()
+            except RuntimeError:
+                started = False
+            served = corrupt = 0
+            if started:
+                with KVClient(daemon.addr) as client:
+                    ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=size)
+                    for seed in range(1, 6):
+                        got = ns.get(tokens_of(seed, 4))
+                        served += got.n_blocks
+                        if got.blocks.tobytes() != chain_bytes(seed, got.n_blocks, size):
+                            corrupt += got.n_blocks
+            aside = any(f.startswith("data.mdb.damaged-") for f in os.listdir(daemon.disk_dir))
+            error_line = "was damaged" in daemon.text() or "is damaged" in daemon.text()
+            body.append(f"| {name} | {'yes' if started else 'NO'} | {'yes' if aside else 'no'} | "
+                        f"{'yes' if error_line else 'no'} | {served} of 20 | {corrupt} |")
+            all_ok &= started and corrupt == 0
+        finally:
+            daemon.stop()
+            daemon.close()
+    body += ["", "Five chains of four 64 KiB blocks, put write-through, then the daemon is "
+             "stopped, data.mdb damaged, the daemon started again. A damaged value is caught "
+             "by its checksum when read (a miss; the block and its descendants are dropped)."]
+    return Section("Damaged files", body, [
+        ("start-up never dies on a damaged file; nothing corrupt served",
+         "see the table", all_ok)])
+
+
+# --- fuzz ---------------------------------------------------------------------------------
+
+
+def valid_requests(ns_id: str) -> dict[str, Any]:
+    tokens = list(range(32))
+    return {
+        "OpenNamespace": pb.OpenNamespaceRequest(
+            spec=pb.NamespaceSpec(model="fuzz", block_tokens=4, block_bytes=4096)),
+        "Lookup": pb.LookupRequest(ns_id=ns_id, tokens=tokens),
+        "Acquire": pb.AcquireRequest(ns_id=ns_id, tokens=tokens),
+        "Release": pb.ReleaseRequest(lease_id=12345),
+        "ReportReads": pb.ReportReadsRequest(
+            prefixes=[pb.PrefixReads(ns_id=ns_id, tokens=tokens, n_blocks=2, reads=1)]),
+        "Reserve": pb.ReserveRequest(ns_id=ns_id, tokens=tokens, n_blocks=2),
+        "Commit": pb.CommitRequest(lease_id=12345),
+        "Abandon": pb.AbandonRequest(lease_id=12345),
+        "Delete": pb.DeleteRequest(ns_id=ns_id, tokens=tokens),
+        "SetPriority": pb.SetPriorityRequest(ns_id=ns_id, tokens=tokens, priority=50),
+        "Stats": pb.StatsRequest(),
+        "ServerInfo": pb.ServerInfoRequest(),
+        "DescribeNamespace": pb.DescribeNamespaceRequest(ns_id=ns_id),
+        "ListNamespaces": pb.ListNamespacesRequest(),
+    }
+
+
+def mutate(raw: bytes, rng: random.Random) -> bytes:
+    kind = rng.randrange(4)
+    if kind == 0 or not raw:
+        return rng.randbytes(rng.randrange(0, 300))
+    data = bytearray(raw)
+    if kind == 1:
+        for _ in range(rng.randrange(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+    elif kind == 2:
+        data = data[: rng.randrange(len(data))]
+    else:
+        at = rng.randrange(len(data))
+        data[at:at] = rng.randbytes(rng.randrange(1, 40))
+    return bytes(data)
+
+
+def local_call(path: str, frame: bytes, noise: bool, timeout: float = 10) -> str:
+    """Send one frame; the status name answered, or what happened to the connection.
+    After ``noise`` (which may announce more bytes than it has) the sending side is
+    shut, as a client that went away would leave it."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        sock.sendall(frame)
+        if noise:
+            sock.shutdown(socket.SHUT_WR)
+        head = b""
+        while len(head) < frames.HEADER.size:
+            more = sock.recv(frames.HEADER.size - len(head))
+            if not more:
+                return "closed"
+            head += more
+        _, status = frames.HEADER.unpack(head)
+    return grpc.StatusCode.OK.name if status == 0 else next(
+        (c.name for c in grpc.StatusCode if c.value[0] == status), f"status {status}")
+
+
+def part_fuzz(work: Path, quick: bool) -> Section:
+    count = 300 if quick else 5000
+    rng = random.Random(25)
+    daemon = Kvstored(work / "fuzz", host_bytes="32MiB", disk_bytes="128MiB")
+    daemon.start()
+    codes = {"gRPC": Counter[str](), "local calls": Counter[str]()}
+    try:
+        with KVClient(daemon.addr) as client:
+            ns = client.namespace(MODEL, block_tokens=4, block_bytes=4096)
+            ns.put(list(range(32)), [bytes(4096)] * 8)
+            local_path = client.server_info().local_socket
+        valid = {name: msg.SerializeToString() for name, msg in valid_requests(ns.ns_id).items()}
+        names = sorted(valid)
+        channel = grpc.insecure_channel(daemon.addr)
+        for i in range(count):
+            name = rng.choice(names)
+            body = mutate(valid[name], rng)
+            if i % 2 == 0:
+                call = channel.unary_unary(f"/kvstore.v1.KVStore/{name}")
+                try:
+                    call(body, timeout=10)
+                    codes["gRPC"]["OK"] += 1
+                except grpc.RpcError as exc:
+                    codes["gRPC"][exc.code().name] += 1
+            else:
+                noise = rng.random() < 0.1  # a malformed frame: the connection is dropped
+                if noise:
+                    frame = rng.randbytes(rng.randrange(1, 40))
+                else:
+                    frame = frames.request_frame(name.encode(), body)
+                codes["local calls"][local_call(local_path, frame, noise)] += 1
+        channel.close()
+        alive = daemon.proc is not None and daemon.proc.poll() is None
+    finally:
+        code = daemon.stop()
+        tracebacks = daemon.text().count("Traceback")
+        daemon.close()
+    bad = sum(c[b] for c in codes.values() for b in BAD_CODES)
+    body = [f"{count} requests, half over each socket: valid requests of every unary method "
+            "with random bytes changed, cut or inserted, or noise; on the local-call socket "
+            "also malformed frames (the daemon closes such a connection).", "",
+            "| socket | answers |", "|---|---|"]
+    for sock, counter in codes.items():
+        body.append(f"| {sock} | " + ", ".join(f"{k} {v}" for k, v in counter.most_common()) + " |")
+    body += ["", f"Daemon alive afterwards: {'yes' if alive else 'NO'}; tracebacks in its log: "
+             f"{tracebacks}; exit code at stop {code}."]
+    return Section("Request fuzzing", body, [(
+        "fuzzing: 0 UNKNOWN or INTERNAL, 0 crashes",
+        f"{bad} UNKNOWN/INTERNAL, alive {alive}, tracebacks {tracebacks}",
+        bad == 0 and alive and tracebacks == 0,
+    )])
+
+
+# --- load ---------------------------------------------------------------------------------
+
+LOAD = """
+import json, random, sys, time
+from kvclient import KVClient
+from kvclient.errors import KVStoreError
+addr, seconds, me, out = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rng = random.Random(me)
+client = KVClient(addr)
+inline = KVClient(addr, use_arena=False)
+size = 65536
+ns = client.namespace("load", block_tokens=4, block_bytes=size)
+nsi = inline.namespace("load", block_tokens=4, block_bytes=size)
+row = bytes(range(256)) * (size // 256)
+lat, errors = {}, {}
+ops = ["get"] * 8 + ["put"] * 4 + ["lookup"] * 4 + ["put_nowait", "get_inline", "claim"]
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    op = rng.choice(ops)
+    prompt = rng.randrange(200)
+    tokens = [prompt * 1000 + t for t in range(16)]
+    started = time.perf_counter()
+    try:
+        if op == "get":
+            ns.get(tokens)
+        elif op == "put":
+            ns.put(tokens, [row] * 4)
+        elif op == "lookup":
+            ns.lookup(tokens)
+        elif op == "put_nowait":
+            ns.put_nowait(tokens, [row] * 4).result()
+        elif op == "get_inline":
+            nsi.get(tokens)
+        else:
+            with ns.claim([me * 10**6 + prompt * 1000 + t for t in range(16)]) as claim:
+                if claim.blocks:
+                    claim.fill([row] * claim.blocks)
+    except KVStoreError as exc:
+        key = op + ": " + type(exc).__name__
+        errors[key] = errors.get(key, 0) + 1
+        continue
+    lat.setdefault(op, []).append(time.perf_counter() - started)
+with open(out, "w") as f:  # a file: thousands of latencies would fill a pipe
+    json.dump({"lat": lat, "errors": errors}, f)
+"""
+
+
+def part_load(work: Path, quick: bool) -> Section:
+    procs, seconds = (4, 5.0) if quick else (32, 60.0)
+    daemon = Kvstored(work / "load", host_bytes="128MiB", disk_bytes="512MiB")
+    daemon.start()
+    rss: list[int] = [daemon.rss_bytes()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:4])}
+    try:
+        results = [work / "load" / f"child{i}.json" for i in range(procs)]
+        children = [
+            subprocess.Popen(
+                [sys.executable, "-c", LOAD, daemon.addr, str(seconds), str(i), str(out)],
+                env=env,
+            )
+            for i, out in enumerate(results)
+        ]
+        while any(child.poll() is None for child in children):
+            rss.append(daemon.rss_bytes())
+            time.sleep(0.5)
+        outputs = [json.loads(out.read_text()) if out.exists() else {} for out in results]
+        alive = daemon.proc is not None and daemon.proc.poll() is None
+    finally:
+        daemon.stop()
+        daemon.close()
+    lat: dict[str, list[float]] = {}
+    errors = Counter[str]()
+    for out in outputs:
+        for op, values in out.get("lat", {}).items():
+            lat.setdefault(op, []).extend(values)
+        errors.update(out.get("errors", {}))
+    failed = sum(1 for out in outputs if "lat" not in out)
+    total = sum(len(v) for v in lat.values())
+    body = [f"{procs} processes, {seconds:.0f} s, one namespace of 64 KiB blocks, 200 "
+            "prompts of 4 blocks shared by all (so gets hit, puts mostly find their blocks "
+            f"there), {total} calls ({total / seconds:.0f}/s).", "",
+            "| call | calls | p50 | p99 |", "|---|---|---|---|"]
+    for op, values in sorted(lat.items()):
+        body.append(f"| {op} | {len(values)} | {percentile(values, 0.5) * 1000:.2f} ms | "
+                    f"{percentile(values, 0.99) * 1000:.2f} ms |")
+    body += ["", f"Errors: {dict(errors) or 'none'}; client processes that failed: {failed}; "
+             f"daemon RSS {rss[0] >> 20} MiB at start, peak {max(rss) >> 20} MiB, "
+             f"{rss[-1] >> 20} MiB at the end (host arena 128 MiB, shared memory)."]
+    return Section("Mixed load", body, [(
+        f"{procs} processes of mixed traffic: no errors, daemon alive",
+        f"{sum(errors.values())} errors, {failed} failed processes, alive {alive}",
+        not errors and not failed and alive,
+    )])
+
+
+# --- report -------------------------------------------------------------------------------
+
+RUNNERS: dict[str, Callable[[Path, bool], Section]] = {
+    "crash": part_crash, "client": part_client, "diskfull": part_diskfull,
+    "damage": part_damage, "fuzz": part_fuzz, "load": part_load,
+}
+
+
+def render(sections: list[Section], quick: bool, elapsed: float, command: str) -> str:
+    lines = [
+        "# Reliability: kvstore under faults",
+        "",
+        f"Written by `{command}` on {time.strftime('%Y-%m-%d')} "
+        f"({os.cpu_count()} cores, Python {sys.version.split()[0]}), in {elapsed:.0f} s"
+        + (" (--quick: a short run, not the targets' full counts)." if quick else "."),
+        "",
+        "## Targets",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
+    for section in sections:
+        for target, measured, ok in section.checks:
+            lines.append(f"| {target} | {measured} | {'yes' if ok else '**NO**'} |")
+    lines += ["", "The durability each admission mode promises is in README.md (Durability) "
+              "and deploy/README.md; the crash part checks it.", ""]
+    for section in sections:
+        lines += [f"## {section.title}", "", *section.body, ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a short run of every part")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated parts")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "reliability.md"))
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    started = time.monotonic()
+    sections = []
+    with tempfile.TemporaryDirectory(prefix="kvtorture") as tmp:
+        for part in parts:
+            print(f"torture: {part} ...", file=sys.stderr, flush=True)
+            section = RUNNERS[part](Path(tmp), args.quick)
+            for target, measured, ok in section.checks:
+                print(f"  {'ok ' if ok else 'NO '} {target}: {measured}", file=sys.stderr)
+            sections.append(section)
+    command = "python benchmarks/torture.py" + (" --quick" if args.quick else "")
+    if args.parts != ",".join(PARTS):
+        command += f" --parts {args.parts}"
+    report = render(sections, args.quick, time.monotonic() - started, command)
+    Path(args.out).write_text(report)
+    print(report)
+    return 0 if all(ok for s in sections for _, _, ok in s.checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
