@@ -257,6 +257,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             admission=self._store.config.admission,
         )
 
+    @grpc_errors
     async def Session(
         self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.SessionResponse]:

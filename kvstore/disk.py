@@ -18,7 +18,7 @@ Protocol (who calls what):
   fragmentation and pages pinned by old readers, outgrew our accounting), the writer
   aborts the batch, grows the map once by a bounded step (1/8 of the map, never beyond
   1.5x its initial size), lowers the effective capacity, raises a flag that
-  :meth:`~DiskTier.drain_map_full` returns (once) and retries; the store then evicts
+  :meth:`~DiskTier.drain_shrunk` returns (once) and retries; the store then evicts
   until ``used_bytes <= capacity_bytes``. At the growth limit the writer commits deletes
   first and then the writes one at a time; a write that still does not fit next to the
   committed data is dropped (its key deleted, ``dropped_writes`` counted), exactly as if
@@ -31,8 +31,15 @@ transaction per batch (up to ``batch_bytes`` of payload), commits, and only then
 the committed writes from the "readable from queue" map, so a block is readable from the
 moment ``write`` returns. LMDB allows one write transaction at a time anyway; a single
 writer turns many small commits (each an fdatasync) into a few large ones and is the only
-thread that ever resizes the map. The queue is bounded by bytes: ``write`` blocks while
-it is full (backpressure). A failing batch is logged and retried; its items stay readable.
+thread that ever resizes the map. The queue is bounded by bytes (``queue_bytes``):
+``write`` refuses (returns 0) when it is full instead of waiting, since its caller holds
+the store's lock and every call would wait behind the disk. A batch that fails for any
+other reason than map space (ENOSPC, EIO: :attr:`~DiskTier.fault`) stops the tier's
+writes until a retry commits; its items stay queued and readable meanwhile.
+
+Who opens the directory: one process at a time (``kvstored.lock``, see
+:mod:`kvstore.disk_files`); a damaged ``data.mdb`` is moved aside at open and the tier
+starts empty, and a page found damaged at run time makes that read a miss.
 Readers run their own read transactions concurrently with the writer (MVCC); a small
 shared/exclusive lock keeps every read transaction closed while the writer calls
 ``set_mapsize``, which LMDB requires.
@@ -738,6 +745,11 @@ class DiskTier:
             return sum(
                 1 for key in keys if key in self._sizes and key not in self._unflushed
             )
+
+    def refuse(self) -> None:
+        """Count a write its caller did not attempt because :attr:`fault` is set."""
+        with self._cond:
+            self._refused_writes += 1
 
     @property
     def fault(self) -> str:

@@ -1766,7 +1766,10 @@ class Store:
         that were already committed to disk).
         """
         disk = self._disk
-        if disk is None or node.on_disk or disk.fault or not self._admit(node):
+        if disk is None or node.on_disk or not self._admit(node):
+            return False
+        if disk.fault:  # refused now, before making room for it
+            disk.refuse()
             return False
         chain = [node]
         # the nearest ancestor already on disk is pinned too: it is a disk leaf until

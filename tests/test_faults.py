@@ -338,9 +338,14 @@ def test_undecodable_requests_get_invalid_argument_and_no_traceback(kvstored: Da
         with pytest.raises(grpc.RpcError) as failed:
             call(garbage, timeout=10)
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-    get = channel.unary_stream("/kvstore.v1.KVStore/Get")
+    for name in ("Get", "WatchEvents", "Session"):
+        stream = channel.unary_stream(f"/kvstore.v1.KVStore/{name}")
+        with pytest.raises(grpc.RpcError) as failed:
+            list(stream(garbage, timeout=10))
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+    put = channel.stream_unary("/kvstore.v1.KVStore/Put")
     with pytest.raises(grpc.RpcError) as failed:
-        list(get(garbage, timeout=10))
+        put(iter([garbage]), timeout=10)
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert store_snapshot(stub) == before
     assert "Traceback" not in kvstored.output()
@@ -363,3 +368,24 @@ def test_report_reads_cannot_claim_more_than_a_client_could_read(kvstored: Daemo
     prefix.reads = MAX_READS_PER_PREFIX
     stub.ReportReads(pb.ReportReadsRequest(prefixes=[prefix]), timeout=10)
     assert [t.hits for t in stats(stub).tiers if t.name == "host"][0] == hits + 2 * prefix.reads
+
+
+# --- the torture program, short ---------------------------------------------------------
+
+
+def test_torture_quick_run_meets_every_target(tmp_path: Path) -> None:
+    """benchmarks/torture.py --quick: a few kill cycles per admission mode, a few client
+    kills, a few seconds of a full disk, every damage, 300 fuzzed requests, 4 processes
+    of load. Exit 0 means every target line says yes."""
+    report = tmp_path / "reliability.md"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "torture.py"), "--quick", "--out", str(report)],
+        capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    text = report.read_text()
+    for title in ("Crashes", "Killed clients", "A full disk", "Damaged files",
+                  "Request fuzzing", "Mixed load"):
+        assert f"## {title}" in text
+    assert "**NO**" not in text

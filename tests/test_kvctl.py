@@ -23,7 +23,7 @@ import pytest
 from conftest import Daemon
 
 from kvclient import KVClient
-from kvclient.cli import human_bytes, main
+from kvclient.cli import human_bytes, main, render_status
 
 BLOCK_TOKENS = 4
 BLOCK_BYTES = 8 << 10
@@ -87,6 +87,10 @@ def test_status(daemon: Daemon, ns_id: str, capsys: pytest.CaptureFixture[str]) 
     assert host["blocks"] >= 5 and host["used_bytes"] >= 5 * BLOCK_BYTES
     assert all(isinstance(t[k], int) for t in tiers.values() for k in ("used_bytes", "blocks"))
     assert ns_id in [ns["ns_id"] for ns in status["namespaces"]]
+    assert status["disk_fault"] == "" and "NOT TAKING WRITES" not in render_status(status)
+    # a failing disk tier is one line of the status (tests/test_faults.py makes one)
+    failing = render_status({**status, "disk_fault": "Error: No space left on device"})
+    assert "disk tier NOT TAKING WRITES: Error: No space left on device" in failing
 
 
 def test_ls(daemon: Daemon, ns_id: str, capsys: pytest.CaptureFixture[str]) -> None:

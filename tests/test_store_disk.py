@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
@@ -217,3 +220,69 @@ def test_making_disk_room_never_evicts_the_parent_of_the_block_being_written(
     assert len(got.offsets) == 3
     store.verify_invariants()
     store.close()
+
+
+def test_write_through_commit_is_durable_when_it_returns(tmp_path: Path) -> None:
+    s = make_store(tmp_path, host_blocks=8, admission="write-through")
+    ns = open_ns(s)
+    keys = s.keys_for(ns, seq(0, 3))
+    res = s.reserve(ns, keys)
+    arena = s.arena.array()
+    for i, offset in enumerate(res.offsets):
+        arena[offset : offset + BLOCK] = list(payload(i))
+    assert s.commit_durably(res.lease_id) == (3, 3)
+    # durable means committed: another reader of the environment sees all three now,
+    # before any flush or close
+    # (another process: LMDB opens an environment once per process)
+    reader = (
+        "import lmdb, sys\n"
+        "env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=8)\n"
+        "with env.begin() as txn:\n"
+        "    meta = env.open_db(b'meta', txn=txn, create=False)\n"
+        "    print(sum(txn.get(bytes.fromhex(k), db=meta) is not None for k in sys.argv[2:]))\n"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", reader, str(tmp_path / "lmdb"), *[bytes(k).hex() for k in keys]],
+        capture_output=True, text=True, check=True,
+    )
+    assert found.stdout.strip() == "3"
+    s.close()
+
+
+def test_other_admission_modes_promise_nothing_durable(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=8) as s:
+        ns = open_ns(s)
+        keys = s.keys_for(ns, seq(0, 2))
+        res = s.reserve(ns, keys)
+        assert s.commit_durably(res.lease_id) == (2, 0)
+
+
+def test_release_owner_ends_every_lease_of_a_client(tmp_path: Path) -> None:
+    with make_store(tmp_path, host_blocks=16) as s:
+        ns = open_ns(s)
+        stored = s.keys_for(ns, seq(0, 2))
+        s.put(ns, stored, [payload(0), payload(1)])
+        read = s.acquire(ns, stored)
+        write = s.reserve(ns, s.keys_for(ns, seq(100, 3)), stage_more=4)
+        s.own("local:1", [read.lease_id, write.lease_id, write.stage_lease_id])
+        other = s.acquire(ns, stored)
+        s.own("local:2", [other.lease_id])
+        assert s.stats().leases == 3 and s.stats().pending_blocks == 3
+        assert s.stats().staged_bytes > 0
+        assert s.release_owner("local:1") == 3
+        stats = s.stats()
+        assert (stats.leases, stats.pending_blocks, stats.staged_bytes) == (1, 0, 0)
+        assert s.release_owner("local:1") == 0  # nothing left, nothing else touched
+        s.release(other.lease_id)
+        s.verify_invariants()
+
+
+def test_a_disk_dir_has_one_owner(tmp_path: Path) -> None:
+    from kvstore.disk_files import DiskDirInUse
+
+    with (
+        make_store(tmp_path, host_blocks=4),
+        pytest.raises(DiskDirInUse, match=f"pid {os.getpid()}"),
+    ):
+        make_store(tmp_path, host_blocks=4)
+    make_store(tmp_path, host_blocks=4).close()  # free again once the first closed
