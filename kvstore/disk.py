@@ -104,7 +104,14 @@ import lmdb
 import numpy as np
 import xxhash
 
-from kvstore.disk_files import find_damage, lock_directory, move_aside, scan_in_child
+from kvstore.disk_files import (
+    drop_reserve,
+    find_damage,
+    lock_directory,
+    make_reserve,
+    move_aside,
+    scan_in_child,
+)
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +135,7 @@ _NS_PREFIX = b"ns:"  # queue keys of namespace saves: prefix + digest + seq (43 
 _SCAN_CHUNK = 1024  # records() reads this many records per read transaction
 _CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
 _FAULT_RETRY_S = 1.0  # while commits fail: the writer retries the queue this often
+_RESERVE_MIN, _RESERVE_MAX = 4 << 20, 64 << 20  # disk space kept aside (disk_files)
 META_DB = b"meta"  # the named databases a reader in another process opens ...
 NAMESPACES_DB = b"namespaces"
 DB_NAMES = (META_DB, b"payload", NAMESPACES_DB, b"info")  # ... and all of them
@@ -586,6 +594,8 @@ class DiskTier:
         self._max_map_size = max(self._map_size, requested + int(requested * _MAX_GROWTH))
         self._capacity_floor = min(capacity_bytes, self._max_map_size // 8)
         self._capacity = capacity_bytes
+        self._reserve_bytes = min(_RESERVE_MAX, max(_RESERVE_MIN, capacity_bytes // 64))
+        make_reserve(directory, self._reserve_bytes)  # no room for it: none, for now
         # the most the capacity may be: configured, lowered for good by map-full events;
         # a fault lowers the capacity below it until space comes back (_regain_capacity)
         self._ceiling = capacity_bytes
@@ -1238,10 +1248,12 @@ class DiskTier:
         """A commit failed for a reason other than map space: stop taking writes and
         lower the effective capacity to what is committed (see :attr:`fault`)."""
         reason = f"{type(exc).__name__}: {exc}"
+        freed = 0
         with self._cond:
             first = not self._fault
             self._fault = reason
             if first:
+                freed = drop_reserve(self.directory)  # so that the evictions can commit
                 queued = sum(self.footprint(w.record.size) for w in self._unflushed.values())
                 self._capacity = max(0, min(self._capacity, self._used - queued))
                 self._shrunk_pending = True
@@ -1250,8 +1262,9 @@ class DiskTier:
         if first:
             log.error(
                 "disk tier stopped taking writes: a commit failed (%s); %d operations stay "
-                "queued and are retried every %.0f s; effective disk capacity is now %.1f MiB",
-                reason, held, _FAULT_RETRY_S, self._capacity / 2**20,
+                "queued and are retried every %.0f s (deletes first, with the %.0f MiB "
+                "reserve given back); effective disk capacity is now %.1f MiB",
+                reason, held, _FAULT_RETRY_S, freed / 2**20, self._capacity / 2**20,
                 extra={"event": "disk_fault"},
             )
         else:
@@ -1270,18 +1283,23 @@ class DiskTier:
         )
 
     def _regain_capacity(self) -> None:
-        """After a fault lowered the capacity: raise it by what the file system has free
-        now (90% of it), up to where it was. Run when a fault ends and every
-        _READER_CHECK_S after, so space an operator frees is used again."""
+        """After a fault lowered the capacity: take the reserve back when the file
+        system has room for it twice over, and raise the capacity by 90% of what is
+        free then, up to where it was. Run when a fault ends and every _READER_CHECK_S
+        after, so space an operator frees is used again."""
         if self._capacity >= self._ceiling:
             return
         try:
             vfs = os.statvfs(self.directory)
+            free = vfs.f_bavail * vfs.f_frsize
+            if free > 2 * self._reserve_bytes and make_reserve(
+                self.directory, self._reserve_bytes
+            ):
+                free -= self._reserve_bytes
         except OSError:
             return
-        free = int(vfs.f_bavail * vfs.f_frsize * 0.9)
         with self._cond:
-            self._capacity = min(self._ceiling, self._used + free)
+            self._capacity = min(self._ceiling, self._used + int(free * 0.9))
 
     def _take_batch_locked(self) -> list[_Op]:
         batch: list[_Op] = []

@@ -17,6 +17,11 @@ blocks. So, before a :class:`kvstore.disk.DiskTier` opens a directory:
   damaged page can kill only the child.
 - :func:`move_aside` renames a damaged ``data.mdb`` (and drops its ``lock.mdb``) to
   ``data.mdb.damaged-<UTC time>``, kept for a post-mortem: the tier then starts empty.
+- :func:`make_reserve` sets a little disk space aside in ``<dir>/kvstored-reserve``
+  and :func:`drop_reserve` gives it back. Why: on a full file system LMDB cannot even
+  commit a delete (it writes every change as new pages), so a tier that ran out of
+  space could never evict its way back; dropping the reserve when a commit fails lets
+  the evictions commit, and the tier goes on at the size that fits.
 
 LMDB meta page layout (``mdb.c``, format version 1): a 16-byte page header, then
 ``MDB_meta``: magic ``0xBEEFC0DE`` (u32), version (u32), address (u64), map size (u64),
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 DATA_FILE = "data.mdb"
 LOCK_FILE = "lock.mdb"
 OWNER_LOCK = "kvstored.lock"
+RESERVE_FILE = "kvstored-reserve"
 SCAN_TIMEOUT_S = 300.0  # a child scan of a very large environment may take this long
 
 _PAGE_HEADER = 16
@@ -157,6 +163,34 @@ def scan_in_child(directory: str, timeout: float = SCAN_TIMEOUT_S) -> str | None
         return f"reading its B-trees killed a child process (signal {-done.returncode})"
     lines = done.stderr.strip().splitlines()
     return f"reading its B-trees failed: {lines[-1] if lines else f'exit {done.returncode}'}"
+
+
+def make_reserve(directory: str, size: int) -> bool:
+    """Allocate ``size`` bytes in the reserve file (no-op if it is there); False when
+    the file system has no room for it (nothing is left behind then)."""
+    path = os.path.join(directory, RESERVE_FILE)
+    if os.path.exists(path):
+        return True
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return False
+    os.close(fd)
+    return True
+
+
+def drop_reserve(directory: str) -> int:
+    """Delete the reserve file; the bytes it held (0 if there was none)."""
+    path = os.path.join(directory, RESERVE_FILE)
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return size
 
 
 def move_aside(directory: str) -> str:

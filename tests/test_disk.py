@@ -463,6 +463,8 @@ def test_failing_commits_stop_writes_then_resume(
         commit(ops)
 
     tier._commit = flaky  # type: ignore[method-assign]
+    reserve = tmp_path / "disk" / "kvstored-reserve"
+    assert reserve.stat().st_size >= 4 * MiB  # space set aside for a full disk's deletes
     data = payload(1, 20_000)
     with caplog.at_level(logging.DEBUG, logger="kvstore.disk"):
         seq = tier.write(record(1, data), data)
@@ -473,6 +475,7 @@ def test_failing_commits_stop_writes_then_resume(
         assert not stats.writable and "No space left" in stats.fault
         # capacity drops to what is committed; the store evicts down to it
         assert stats.capacity_bytes == tier.footprint(20_000)
+        assert not reserve.exists()  # given back, so that deletes can commit
         assert tier.drain_shrunk() and not tier.drain_shrunk()
         # new writes are refused at once, never queued behind the fault
         other = payload(2, 20_000)
@@ -484,6 +487,7 @@ def test_failing_commits_stop_writes_then_resume(
             time.sleep(0.05)
         assert tier.wait_committed(seq, [key(1)], timeout=10) == 1
         assert tier.stats().writable and tier.capacity_bytes == 16 * MiB
+        assert reserve.exists()  # taken back: the file system had room for it
     assert attempts[0] >= 1
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and not errors[0].exc_info  # one line per state change

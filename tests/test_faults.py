@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -111,6 +111,49 @@ def test_full_disk_never_wedges_and_recovers(kvstored_factory: Callable[..., Dae
     assert wait_for(lambda: stats(stub).disk_writable)
     counters = stats(stub).counters
     assert counters["disk_refused_writes"] > 0
+    assert daemon.stop() == 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 48 MiB tmpfs (a file system that really fills up); skipped where this cannot
+    mount one (not root, or no mount permission in the container)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(where)],
+        capture_output=True, check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_file_system_does_not_keep_the_tier_off(
+    kvstored_factory: Callable[..., Daemon], small_tmpfs: Path
+) -> None:
+    # LMDB writes even a delete as new pages: without the reserve the disk tier gives
+    # back at its first fault, the evictions could not commit on a full file system
+    daemon = kvstored_factory(
+        host_bytes="16MiB", disk_bytes="256MiB", admission="write-through",
+        disk_dir=str(small_tmpfs / "disk"),
+    )
+    stub = kv_stub(daemon)
+    info = open_ns(stub, block_bytes=BLOCK, block_tokens=TOKENS)
+    for seed in range(1, 400):  # as an engine would: puts, and reads of older prompts
+        put_chain(stub, info, chain_tokens(seed, 4), seed=seed)
+        get_chain(stub, info.ns_id, chain_tokens(max(1, seed - 7), 4))
+        if RECOVERED_LINE in daemon.output():
+            break
+    assert RECOVERED_LINE in daemon.output(), daemon.output()[-3000:]
+    assert wait_for(lambda: stats(stub).disk_writable)
+    reply, _ = put_chain(stub, info, chain_tokens(9000, 2), seed=9000)
+    assert (reply.stored, reply.durable) == (2, 2)  # durable again, on the same full disk
     assert daemon.stop() == 0
 
 
