@@ -92,7 +92,10 @@ def run_size(base: str, size: int, total: int) -> Result:
         for i, key in enumerate(keys):
             j = i % DISTINCT_PAYLOADS
             record = DiskRecord(key, NS_DIGEST, b"", size, checksums[j], 35, time.time())
-            tier.write(record, memoryview(sources[j]))  # a view: the tier copies it
+            # a view: the tier copies it; wait for queue room as the blocking queue did
+            # (the store never waits: it skips the disk when the queue is full)
+            if not tier.write(record, memoryview(sources[j]), wait_s=60):
+                raise RuntimeError("the disk tier refused a write: queue full for 60 s")
         accepted = time.perf_counter() - start
         tier.flush()
         written = time.perf_counter() - start
