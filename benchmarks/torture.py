@@ -48,13 +48,12 @@ from typing import Any
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "client"), str(ROOT / "daemon"), str(ROOT / "proto"), str(ROOT)]
+from kvclient import KVClient
+from kvclient.errors import KVStoreError
+from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1 import local_calls as frames
 
-from kvclient import KVClient  # noqa: E402
-from kvclient.errors import KVStoreError  # noqa: E402
-from kvproto.v1 import kvstore_pb2 as pb  # noqa: E402
-from kvproto.v1 import local_calls as frames  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = ("crash", "client", "diskfull", "damage", "fuzz", "load")
 MODEL = "torture"
@@ -91,7 +90,6 @@ class Kvstored:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvstored", *args], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, preexec_fn=self.preexec,
-                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:4])},
             )
         with KVClient(self.addr, timeout=2) as client:
             while True:
@@ -235,12 +233,7 @@ def verify(addr: str, chains: Chains, seeds: list[int] | None = None) -> dict[st
 def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
     daemon = Kvstored(work, admission=admission, host_bytes="64MiB", disk_bytes="2GiB")
     chains = Chains()
-    counter = iter(range(1, 10**9))  # next() of a range iterator is atomic under the GIL
-
-    def next_seed() -> Iterator[int]:
-        while True:
-            yield next(counter)
-
+    seeds = iter(range(1, 10**9))  # shared by the writers: next() on it is atomic
     starts: list[float] = []
     worst = Counter[str]()
     last_cycle_first = 0
@@ -258,7 +251,7 @@ def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
             stop = threading.Event()
             threads = [
                 threading.Thread(
-                    target=writer, args=(daemon.addr, k, chains, next_seed(), stop), name=k
+                    target=writer, args=(daemon.addr, k, chains, seeds, stop), name=k
                 )
                 for k in ("arena", "ahead", "inline")
             ]
@@ -364,7 +357,7 @@ def part_client(work: Path, quick: bool) -> Section:
                 for _ in range(rounds):
                     child = subprocess.Popen(
                         [sys.executable, "-c", CLIENT, daemon.addr, op], stdout=subprocess.PIPE,
-                        text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:4])},
+                        text=True,
                     )
                     assert child.stdout is not None and child.stdout.readline().strip() == "go"
                     time.sleep(random.uniform(0.1, 0.4))
@@ -496,14 +489,19 @@ def part_diskfull(work: Path, quick: bool) -> Section:
 # --- damage -------------------------------------------------------------------------------
 
 
-def damage_btree(path: Path) -> None:
+def damage_btree(path: Path) -> int:
+    """Fill every B-tree branch and leaf page of data.mdb (not the meta pages, not
+    value pages) with noise; how many (tests/test_faults.py uses it too)."""
     raw = bytearray(path.read_bytes())
+    hit = 0
     for number in range(2, len(raw) // 4096):
         at = number * 4096
         flags = int.from_bytes(raw[at + 10 : at + 12], "little")
-        if flags & 0x03 and not flags & 0x04:
+        if flags & 0x03 and not flags & 0x04:  # P_BRANCH | P_LEAF, not P_OVERFLOW
             raw[at + 16 : at + 4096] = os.urandom(4096 - 16)
+            hit += 1
     path.write_bytes(raw)
+    return hit
 
 
 def damage_value(path: Path) -> None:
@@ -737,13 +735,11 @@ def part_load(work: Path, quick: bool) -> Section:
     daemon = Kvstored(work / "load", host_bytes="128MiB", disk_bytes="512MiB")
     daemon.start()
     rss: list[int] = [daemon.rss_bytes()]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path[:4])}
     try:
         results = [work / "load" / f"child{i}.json" for i in range(procs)]
         children = [
             subprocess.Popen(
-                [sys.executable, "-c", LOAD, daemon.addr, str(seconds), str(i), str(out)],
-                env=env,
+                [sys.executable, "-c", LOAD, daemon.addr, str(seconds), str(i), str(out)]
             )
             for i, out in enumerate(results)
         ]

@@ -813,8 +813,7 @@ class AsyncNamespace:
             commit = pb.CommitRequest(lease_id=reserved.lease_id)
             if write_through(client._info):  # wait: the answer says what is durable
                 answer = await client._call(client._stub.Commit, commit)
-                refused = reserved.refused + len(slots) - answer.committed
-                return PutResult(answer.committed, reserved.existing, refused, answer.durable)
+                return wire.committed_put(reserved, len(slots), answer)
             # nothing on the put's path needs the answer (see the sync client)
             await client._send(client._stub.Commit, commit)
         return PutResult(stored=len(slots), existing=reserved.existing, refused=reserved.refused)

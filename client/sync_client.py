@@ -885,8 +885,7 @@ class Namespace:
             commit = pb.CommitRequest(lease_id=reserved.lease_id)
             if write_through(client._info):  # wait: the answer says what is durable
                 answer = client._call(client._stub.Commit, commit)
-                refused = reserved.refused + len(slots) - answer.committed
-                return PutResult(answer.committed, reserved.existing, refused, answer.durable)
+                return wire.committed_put(reserved, len(slots), answer)
             # nothing on the put's path needs the answer: this client's next call on
             # the connection reads it, and runs after the commit
             client._send(client._stub.Commit, commit)
@@ -1086,22 +1085,16 @@ def commit_filled(
 ) -> PutResult:
     """The end of an arena put: ``fill`` the ``n_slots`` slots a Reserve answered, then
     Commit them; Abandon if anything raises (the pending blocks are dropped)."""
-    committed = durable = 0
+    answer = None
     if reserved.lease_id:
         try:
             fill()
             commit = pb.CommitRequest(lease_id=reserved.lease_id)
             answer = client._call(client._stub.Commit, commit)
-            committed, durable = answer.committed, answer.durable
         except BaseException:
             _abandon_quietly(client, reserved.lease_id)
             raise
-    return PutResult(
-        stored=committed,
-        existing=reserved.existing,
-        refused=reserved.refused + n_slots - committed,
-        durable=durable,
-    )
+    return wire.committed_put(reserved, n_slots, answer)
 
 
 def _abandon_quietly(client: KVClient, lease_id: int) -> None:

@@ -256,7 +256,7 @@ class ReadReports:
             pending.reads += 1
             if pending.reads >= MAX_READS_PER_PREFIX:  # the most one report may claim
                 self._full.append(self._pending.pop((key, from_disk)))
-            return len(self._pending) + len(self._full) >= REPORTED_PREFIXES or bool(self._full)
+            return bool(self._full) or len(self._pending) >= REPORTED_PREFIXES
 
     def take(self) -> pb.ReportReadsRequest | None:
         """The request that reports every pending read (which are then no longer

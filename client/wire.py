@@ -172,6 +172,21 @@ def put_result(msg: pb.PutResponse) -> PutResult:
     )
 
 
+def committed_put(
+    reserved: pb.ReserveResponse, n_slots: int, commit: pb.CommitResponse | None
+) -> PutResult:
+    """What an arena put did: its Reserve answered ``n_slots`` slots, and ``commit``
+    (None: nothing to commit) made some of them ready; the slots not committed are
+    refused with the blocks the Reserve refused."""
+    committed = commit.committed if commit is not None else 0
+    return PutResult(
+        stored=committed,
+        existing=reserved.existing,
+        refused=reserved.refused + n_slots - committed,
+        durable=commit.durable if commit is not None else 0,
+    )
+
+
 def slots(msgs: Sequence[pb.Slot]) -> list[Slot]:
     return [Slot(index=s.index, offset=s.offset, size=s.size) for s in msgs]
 

@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+from daemon_check import daemon_address
 
-from kvclient import KVClient, KVStoreError
+from kvclient import KVClient
 from kvclient.hf import HFPrefixCache, random_llama
 
 DOC_PRIORITY = 90  # 0..100; ordinary prompts get the daemon's default (35)
@@ -177,12 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ask_parser.add_argument("questions", nargs="*")
     sub.add_parser("demo", parents=[after], help="store, then ask from a second process (default)")
     args = parser.parse_args(argv)
-    try:  # one line, before loading a model, when there is no daemon to talk to
-        with KVClient(args.addr, timeout=2.0) as client:
-            client.server_info()
-    except KVStoreError as exc:
-        print(f"cag.py: no kvstored to talk to ({exc}); start one with `kvstored`",
-              file=sys.stderr)
+    if daemon_address(args.addr, "cag.py") is None:
         return 1
     command = args.command or "demo"
     return {"store": store, "ask": ask, "demo": demo}[command](args)

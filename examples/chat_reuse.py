@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvclient import KVClient, KVStoreError
+from daemon_check import daemon_address
+
+from kvclient import KVClient
 from kvclient.hf import HFPrefixCache, random_llama
 
 SYSTEM = (
@@ -52,12 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tenant", default="", help="tenant salt (tenants never share KV)")
     args = parser.parse_args(argv)
 
-    try:  # one line, before loading a model, when there is no daemon to talk to
-        with KVClient(args.addr, timeout=2.0) as client:
-            client.server_info()
-    except KVStoreError as exc:
-        print(f"chat_reuse.py: no kvstored to talk to ({exc}); start one with `kvstored`",
-              file=sys.stderr)
+    if daemon_address(args.addr, "chat_reuse.py") is None:
         return 1
     preset = "tiny" if args.small else "small"
     reply_tokens = args.reply_tokens or (8 if args.small else 48)

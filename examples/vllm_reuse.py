@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvclient import KVClient, KVStoreError
+from daemon_check import daemon_address
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: quick start
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU
@@ -47,13 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=3)
     args = parser.parse_args(argv)
 
-    try:  # say it in one line, before loading any model, when there is no daemon
-        with KVClient(args.addr, timeout=2.0) as client:
-            client.server_info()
-            addr = client.addr
-    except KVStoreError as exc:
-        print(f"vllm_reuse.py: no kvstored to talk to ({exc}); start one with `kvstored`",
-              file=sys.stderr)
+    addr = daemon_address(args.addr, "vllm_reuse.py")
+    if addr is None:
         return 1
 
     from vllm import LLM, SamplingParams

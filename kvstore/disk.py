@@ -205,10 +205,13 @@ class DiskStats:
     dropped_writes: int = 0  # queued writes that could not fit even after growing the map
     map_size_bytes: int = 0
     revoked_snapshots: int = 0  # open snapshots a map resize ended (see DiskSnapshot)
-    writable: bool = True  # False while commits fail (disk full, I/O errors): see health
-    fault: str = ""  # why it is not writable ("" when it is)
+    fault: str = ""  # why the tier takes no writes now (disk full, I/O errors); "" if it does
     refused_writes: int = 0  # writes refused: not writable, or no room in the queue
     lost_writes: int = 0  # queued writes given up at close (never committed)
+
+    @property
+    def writable(self) -> bool:
+        return not self.fault
 
 
 @dataclass(frozen=True, slots=True)
@@ -666,7 +669,6 @@ class DiskTier:
                 dropped_writes=self._dropped_writes,
                 map_size_bytes=self._map_size,
                 revoked_snapshots=self._revoked_snapshots,
-                writable=not self._fault,
                 fault=self._fault,
                 refused_writes=self._refused_writes,
                 lost_writes=self._lost_writes,
@@ -679,15 +681,15 @@ class DiskTier:
         payload: bytes | bytearray | memoryview,
         *,
         wait_s: float = 0.0,
-    ) -> int:
+    ) -> bool:
         """Queue ``payload`` as the block ``record.key`` (replacing any earlier version).
 
-        Returns the write's sequence number (for :meth:`wait_committed`), or 0 when the
-        write is refused: the tier is not writable (:attr:`fault`), or the queue has no
-        room for it (more than ``queue_bytes`` held; a single payload larger than that
-        is taken when the queue is empty). A refused write changes nothing. By default
-        this never waits, so a caller holding a lock (the store) is never stalled by
-        the disk; ``wait_s`` waits that long for room (callers that hold nothing).
+        Returns False when the write is refused: the tier is not writable
+        (:attr:`fault`), or the queue has no room for it (more than ``queue_bytes``
+        held; a single payload larger than that is taken when the queue is empty). A
+        refused write changes nothing. By default this never waits, so a caller holding
+        a lock (the store) is never stalled by the disk; ``wait_s`` waits that long for
+        room (callers that hold nothing).
 
         The payload is copied before this returns, so the caller may reuse its buffer;
         the block is readable at once. ``record.checksum`` must be
@@ -707,7 +709,7 @@ class DiskTier:
                 remaining = deadline - time.monotonic()
                 if self._fault or remaining <= 0:
                     self._refused_writes += 1
-                    return 0
+                    return False
                 self._cond.wait(remaining)
                 self._check_accepting()
             self._queued_bytes += size  # reserve before copying, outside the lock
@@ -739,15 +741,20 @@ class DiskTier:
             self._sizes[key] = size
             self._used += self.footprint(size)
             self._set_op(key, op)
-            return op.seq
+            return True
 
-    def wait_committed(self, seq: int, keys: Sequence[bytes], timeout: float) -> int:
-        """Wait (up to ``timeout`` seconds, never past a fault) until every operation
-        queued up to ``seq`` is committed; how many of ``keys`` are then committed and
-        live (on disk, in the file, not deleted or dropped since)."""
+    def wait_committed(self, keys: Sequence[bytes], timeout: float) -> int:
+        """Wait (up to ``timeout`` seconds, never past a fault) until none of ``keys``
+        is still queued; how many of them are then committed and live (on disk, in the
+        file, not deleted or dropped since). Batches commit in queue order, so the
+        writes queued before a key's (its ancestors') are committed with it or before."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._min_pending_seq() <= seq and not self._fault and not self._closed:
+            while (
+                any(key in self._unflushed for key in keys)
+                and not self._fault
+                and not self._closed
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -1463,8 +1470,8 @@ class DiskTier:
         dropped (and its key deleted), never raised; the writes after it stay queued
         for the next round. And used to retry after a fault (``raise_full``: a map-full
         error is raised, to be handled as a fault, since which error the disk gives
-        when full is the file system's choice). Any other error leaves what was not
-        committed queued and is raised."""
+        when full is the file system's choice). An error raised leaves the batch to the
+        writer loop, which untakes it (what was committed stays retired)."""
         small = [op for op in batch if not isinstance(op, _Write)]
         writes = [op for op in batch if isinstance(op, _Write)]
         try:
@@ -1476,25 +1483,20 @@ class DiskTier:
             self._bump()
         except lmdb.MapFullError:
             if raise_full:
-                self._untake(batch)
-                raise
+                raise  # the writer untakes the batch
             # Not even deletes fit: grow past the limit by one small step.
             log.warning("LMDB map too full to delete; growing past the limit")
             self._grow_map(emergency=True)
             self._untake(batch)
             return
-        except BaseException:
-            self._untake(batch)
-            raise
         for index, op in enumerate(writes):
             try:
                 self._commit([op])
             except lmdb.MapFullError:
                 if raise_full:
-                    self._untake(writes[index:])
-                    raise
+                    raise  # the writer untakes the batch
                 # It does not fit next to what is committed: drop it, and give the store
-                # a chance (drain_map_full) to evict before the rest is tried again.
+                # a chance (drain_shrunk) to evict before the rest is tried again.
                 self._drop_write(op)
                 self._untake(writes[index + 1 :])
                 return

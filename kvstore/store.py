@@ -232,7 +232,6 @@ class Store:
         self._disk_policy = make_policy(config.eviction_policy, "disk")
         self._leases: dict[int, _Lease] = {}
         self._owned: dict[str, set[int]] = {}  # owner -> its leases (see own)
-        self._disk_seq = 0  # sequence number of the newest disk write queued
         self._lease_ids = _LeaseIds()
         self._lease_heap: list[tuple[float, int]] = []
         self._ended: dict[int, str] = {}  # recently ended lease id -> why (for precise errors)
@@ -941,11 +940,10 @@ class Store:
                 self._forget_lease(lease, "committed")
             self._changed.notify_all()
             on_disk = [node.key for node in batch if node.on_disk]
-            seq = self._disk_seq
         if not through or not on_disk:
             return n, 0
         assert disk is not None
-        return n, disk.wait_committed(seq, on_disk, self.config.write_through_wait_s)
+        return n, disk.wait_committed(on_disk, self.config.write_through_wait_s)
 
     def claimed_slots(self, lease_id: int, count: int) -> tuple[SlotRef, ...]:
         """The next ``count`` uncommitted blocks of a write lease (chain order), for a
@@ -1811,10 +1809,8 @@ class Store:
             node.priority,
             node.last_access or self._wall(),
         )
-        seq = disk.write(record, payload)
-        if not seq:
+        if not disk.write(record, payload):
             return False
-        self._disk_seq = seq
         self._disk_add(node)
         self._c.disk_bytes_in += node.size
         return True

@@ -383,7 +383,7 @@ def test_write_never_waits_for_a_full_queue_unless_asked(tmp_path: Path) -> None
     release = gate_writer(tier)
     # the first write fills the queue; the writer is held, so a second write is refused
     assert tier.write(record(1, payload(1, 8000)), payload(1, 8000))
-    assert tier.write(record(2, payload(2, 8000)), payload(2, 8000)) == 0
+    assert tier.write(record(2, payload(2, 8000)), payload(2, 8000)) is False
     assert not tier.contains(key(2)) and tier.stats().refused_writes == 1
     # wait_s waits for room: once the writer commits the first, the second goes through
     done = threading.Event()
@@ -467,10 +467,10 @@ def test_failing_commits_stop_writes_then_resume(
     assert reserve.stat().st_size >= 4 * MiB  # space set aside for a full disk's deletes
     data = payload(1, 20_000)
     with caplog.at_level(logging.DEBUG, logger="kvstore.disk"):
-        seq = tier.write(record(1, data), data)
+        assert tier.write(record(1, data), data)
         # the failing write stays readable from the queue while it is retried
         assert tier.read(key(1)) == data
-        assert tier.wait_committed(seq, [key(1)], timeout=10) == 0  # a fault ends the wait
+        assert tier.wait_committed([key(1)], timeout=10) == 0  # a fault ends the wait
         stats = tier.stats()
         assert not stats.writable and "No space left" in stats.fault
         # capacity drops to what is committed; the store evicts down to it
@@ -479,13 +479,13 @@ def test_failing_commits_stop_writes_then_resume(
         assert tier.drain_shrunk() and not tier.drain_shrunk()
         # new writes are refused at once, never queued behind the fault
         other = payload(2, 20_000)
-        assert tier.write(record(2, other), other) == 0 and not tier.contains(key(2))
+        assert tier.write(record(2, other), other) is False and not tier.contains(key(2))
         assert tier.read(key(9)) == committed  # what is committed stays readable
         failing.clear()  # space comes back: the next retry commits and ends the fault
         deadline = time.monotonic() + 10
         while tier.fault and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert tier.wait_committed(seq, [key(1)], timeout=10) == 1
+        assert tier.wait_committed([key(1)], timeout=10) == 1
         assert tier.stats().writable and tier.capacity_bytes == 16 * MiB
         assert reserve.exists()  # taken back: the file system had room for it
     assert attempts[0] >= 1

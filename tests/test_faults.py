@@ -9,6 +9,7 @@ also runs it on a small tmpfs where it may mount one.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import signal
@@ -32,6 +33,7 @@ from conftest import (
 
 from kvproto.v1 import kvstore_pb2 as pb
 
+ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 256 << 10
 TOKENS = 4  # per block
 
@@ -300,19 +302,13 @@ def test_a_truncated_disk_file_is_moved_aside_at_start(
 
 
 def overwrite_btree_pages(disk_dir: str) -> int:
-    """Fill every B-tree leaf and branch page of data.mdb (not the meta pages, not
-    value pages) with garbage; how many."""
-    path = os.path.join(disk_dir, "data.mdb")
-    page = 4096
-    hit = 0
-    with open(path, "r+b") as file:
-        raw = file.read()
-        for number in range(2, len(raw) // page):
-            flags = int.from_bytes(raw[number * page + 10 : number * page + 12], "little")
-            if flags & 0x03 and not flags & 0x04:  # P_BRANCH | P_LEAF, not P_OVERFLOW
-                file.seek(number * page + 16)
-                file.write(os.urandom(page - 16))
-                hit += 1
+    """benchmarks/torture.py's damage_btree on the daemon's data.mdb; pages hit."""
+    spec = importlib.util.spec_from_file_location("torture", ROOT / "benchmarks" / "torture.py")
+    assert spec is not None and spec.loader is not None
+    torture = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("torture", torture)  # its dataclasses look their module up
+    spec.loader.exec_module(torture)
+    hit: int = torture.damage_btree(Path(disk_dir) / "data.mdb")
     return hit
 
 
@@ -421,9 +417,8 @@ def test_torture_quick_run_meets_every_target(tmp_path: Path) -> None:
     kills, a few seconds of a full disk, every damage, 300 fuzzed requests, 4 processes
     of load. Exit 0 means every target line says yes."""
     report = tmp_path / "reliability.md"
-    root = Path(__file__).resolve().parent.parent
     done = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "torture.py"), "--quick", "--out", str(report)],
+        [sys.executable, str(ROOT / "benchmarks" / "torture.py"), "--quick", "--out", str(report)],
         capture_output=True, text=True, timeout=900, check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
