@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.tenants import Group
 
 PENDING = 0
 READY = 1
@@ -34,9 +35,10 @@ READY = 1
 
 @dataclass(slots=True)
 class NamespaceEntry:
-    """A registered namespace and its counters."""
+    """A registered namespace, its tenant's group and its counters."""
 
     spec: NamespaceSpec
+    group: Group = field(default_factory=lambda: Group(""))
     blocks: int = 0
     bytes: int = 0
     hits: int = 0

@@ -13,12 +13,18 @@ unpinned, and for leaf-first policies: no children left in that tier). Two polic
   children remain (the store then drops those orphans, since they are unusable).
 
 Lists are intrusive (links live in the nodes) so a block costs no extra objects.
+
+The store keeps a :class:`GroupedPolicy` per tier: one such policy per tenant group
+(see kvstore.tenants), so a tenant over its quota finds its own victims without
+walking past other tenants' blocks, while tier-wide eviction takes the least valuable
+block of all groups (their candidates merged by rank).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.index import Node
 
@@ -155,6 +161,7 @@ class TierPolicy(Protocol):
     def remove(self, node: Node) -> None: ...
     def reprioritize(self, node: Node) -> None: ...
     def candidates(self) -> Iterator[Node]: ...
+    def rank(self, node: Node) -> Any: ...
     def __contains__(self, node: Node) -> bool: ...
 
 
@@ -233,6 +240,11 @@ class PriorityLRU(_ListPolicy):
             if lst.size:
                 yield from lst.oldest_first()
 
+    @staticmethod
+    def rank(node: Node) -> tuple[int, float]:
+        """Where ``node`` comes in :meth:`candidates` (lower first)."""
+        return node.priority, node.last_access
+
 
 class PlainLRU(_ListPolicy):
     leaf_first = False
@@ -251,11 +263,73 @@ class PlainLRU(_ListPolicy):
     def candidates(self) -> Iterator[Node]:
         yield from self._list.oldest_first()
 
+    @staticmethod
+    def rank(node: Node) -> tuple[int, float]:
+        return 0, node.last_access
+
 
 POLICIES: dict[str, type[PriorityLRU] | type[PlainLRU]] = {
     "priority-lru": PriorityLRU,
     "plain-lru": PlainLRU,
 }
+
+
+class GroupedPolicy:
+    """One ``name`` policy per tenant group of a tier; a block is in its namespace's
+    group's policy. ``candidates(group)`` yields one group's candidates;
+    ``candidates()`` those of every group, merged by rank (a single group's directly).
+    The blocks one call names (a chain) are all of one namespace, so of one group."""
+
+    def __init__(self, name: str, tier: str) -> None:
+        self._name = name
+        self._tier = tier
+        self._groups: dict[str, TierPolicy] = {"": make_policy(name, tier)}
+        first = self._groups[""]
+        self.leaf_first = first.leaf_first
+        self.touch_prefix = first.touch_prefix
+        self._rank = first.rank
+
+    def _of(self, node: Node) -> TierPolicy:
+        group = node.ns.group.name
+        policy = self._groups.get(group)
+        if policy is None:
+            policy = self._groups[group] = make_policy(self._name, self._tier)
+        return policy
+
+    def __contains__(self, node: Node) -> bool:
+        return node in self._of(node)
+
+    def insert(self, node: Node) -> None:
+        self._of(node).insert(node)
+
+    def insert_all(self, nodes: Sequence[Node]) -> None:
+        if nodes:
+            self._of(nodes[0]).insert_all(nodes)
+
+    def touch(self, node: Node) -> None:
+        self._of(node).touch(node)
+
+    def touch_all(self, nodes: Sequence[Node]) -> None:
+        if nodes:
+            self._of(nodes[0]).touch_all(nodes)
+
+    def remove(self, node: Node) -> None:
+        self._of(node).remove(node)
+
+    def reprioritize(self, node: Node) -> None:
+        self._of(node).reprioritize(node)
+
+    def rank(self, node: Node) -> Any:
+        return self._rank(node)
+
+    def candidates(self, group: str | None = None) -> Iterator[Node]:
+        if group is not None:
+            policy = self._groups.get(group)
+            return policy.candidates() if policy is not None else iter(())
+        policies = list(self._groups.values())
+        if len(policies) == 1:
+            return policies[0].candidates()
+        return heapq.merge(*(p.candidates() for p in policies), key=self._rank)
 
 
 def make_policy(name: str, tier: str) -> TierPolicy:

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvstore.disk import DiskExtent
 from kvstore.keys import BlockKey
+from kvstore.tenants import TenantUsage
 
 
 class Tier(str, Enum):
@@ -190,3 +191,4 @@ class StoreStats:
     counters: dict[str, int] = field(default_factory=dict)
     staged_bytes: int = 0  # host slots set aside for writers' next puts (staging leases)
     disk_fault: str = ""  # why the disk tier takes no writes now ("" when it does)
+    tenants: tuple[TenantUsage, ...] = ()  # per tenant group (kvstore.tenants); () if none

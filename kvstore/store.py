@@ -37,7 +37,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import overload
 
 import numpy as np
@@ -54,7 +55,7 @@ from kvstore.errors import (
 )
 from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
-from kvstore.policy import MAX_PRIORITY, POLICIES, TierPolicy, make_policy
+from kvstore.policy import MAX_PRIORITY, POLICIES, GroupedPolicy
 from kvstore.results import (
     Acquisition,
     Event,
@@ -69,6 +70,7 @@ from kvstore.results import (
     Tier,
     TierStats,
 )
+from kvstore.tenants import NAME_RE, Group, Quota, TenantUsage, tenant_of
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class StoreConfig:
     # write-through: how long a commit waits for its disk commit before answering
     write_through_wait_s: float = 30.0
     check_disk_in_child: bool = False  # at open, walk the disk tier's B-trees in a child
+    # tenant -> its quota (kvstore.tenants); tenants not named here have none
+    quotas: Mapping[str, Quota] = field(default_factory=dict)
 
     @property
     def staged_bytes_limit(self) -> int:
@@ -148,6 +152,11 @@ class StoreConfig:
             raise InvalidArgument(
                 f"write_through_wait_s must be >= 0, got {self.write_through_wait_s}"
             )
+        for tenant, quota in self.quotas.items():
+            if not NAME_RE.match(tenant):
+                raise InvalidArgument(f"quotas: {tenant!r} is not a tenant name")
+            if quota.host_bytes < 0 or quota.disk_bytes < 0:
+                raise InvalidArgument(f"quotas: {tenant}: quotas must be >= 0")
 
 
 @dataclass(slots=True, eq=False)
@@ -228,8 +237,9 @@ class Store:
         self._index = Index()
         self._namespaces: dict[str, NamespaceEntry] = {}
         self._by_digest: dict[bytes, NamespaceEntry] = {}
-        self._host_policy = make_policy(config.eviction_policy, "host")
-        self._disk_policy = make_policy(config.eviction_policy, "disk")
+        self._host_policy = GroupedPolicy(config.eviction_policy, "host")
+        self._disk_policy = GroupedPolicy(config.eviction_policy, "disk")
+        self._groups: dict[str, Group] = {}  # tenant -> its group (kvstore.tenants)
         self._leases: dict[int, _Lease] = {}
         self._owned: dict[str, set[int]] = {}  # owner -> its leases (see own)
         self._lease_ids = _LeaseIds()
@@ -792,7 +802,7 @@ class Store:
             return []
         offsets = self._arena.alloc_run(size, count)
         while len(offsets) < count:
-            offset = self._alloc_host(size)
+            offset = self._alloc_host(size, lease.entry.group)
             if offset is None:
                 break
             offsets.append(offset)
@@ -830,6 +840,10 @@ class Store:
             first_new = max(start, len(walk))
             end = len(keys) if promoted else first_new
             size = entry.spec.block_bytes
+            if entry.group.quota.host_bytes and end > first_new:
+                fits = self._quota_blocks(entry.group, end - first_new, size)
+                out_of_space = out_of_space or fits < end - first_new
+                end = first_new + fits
             # staged slots, or one carve for the whole batch when a free extent holds
             # it (then one pass makes the run's nodes), else slot by slot (evicting)
             if staged_offsets:
@@ -841,7 +855,7 @@ class Store:
                 if staging is not None and staging.staged is not None:
                     staging.staged.difference_update(run)
             for i in range(first_new + len(created), end):
-                offset = self._alloc_host(size)
+                offset = self._alloc_host(size, entry.group)
                 if offset is None:
                     out_of_space = True
                     break
@@ -893,6 +907,7 @@ class Store:
             parent = node
         self._index.add_chain(nodes)
         self._host_blocks += len(nodes)
+        entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
         for holder in nodes[:-1]:
             holder.host_children = 1
         if nodes[0].parent is not None:
@@ -1146,7 +1161,31 @@ class Store:
                     if lease.staged
                 ),
                 disk_fault=fault,
+                tenants=self._tenant_usage(),
             )
+
+    def _tenant_usage(self) -> tuple[TenantUsage, ...]:
+        """Each group's usage (under the lock); none when no namespace has a tenant."""
+        if not any(self._groups):
+            return ()
+        entries: dict[str, list[NamespaceEntry]] = {name: [] for name in self._groups}
+        for entry in self._namespaces.values():
+            entries[entry.group.name].append(entry)
+        return tuple(
+            TenantUsage(
+                name,
+                group.host_bytes,
+                group.disk_bytes,
+                group.quota.host_bytes,
+                group.quota.disk_bytes,
+                len(entries[name]),
+                sum(e.blocks for e in entries[name]),
+                sum(e.hits for e in entries[name]),
+                sum(e.misses for e in entries[name]),
+                group.quota_evictions,
+            )
+            for name, group in sorted(self._groups.items())
+        )
 
     def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]:
         deadline = self._clock() + max(timeout, 0.0)
@@ -1190,6 +1229,7 @@ class Store:
             self._expire()  # applies a disk capacity the writer lowered meanwhile
             host = disk = pending = 0
             held: set[int] = set()  # host slots of blocks
+            group_bytes = {name: [0, 0] for name in self._groups}  # host, disk
             for node in self._index.nodes.values():
                 parent = node.parent
                 assert node.pins >= 0, f"{node}: negative pins"
@@ -1212,9 +1252,14 @@ class Store:
                 assert (node in self._disk_policy) == node.on_disk, f"{node}: disk list membership"
                 host += node.in_host
                 disk += node.on_disk
+                group_bytes[node.ns.group.name][0] += node.size * node.in_host
+                group_bytes[node.ns.group.name][1] += node.size * node.on_disk
                 if node.in_host:
                     held.add(node.host_offset)
             assert host == self._host_blocks and disk == self._disk_blocks, "tier block counts"
+            for name, group in self._groups.items():
+                held_bytes = [group.host_bytes, group.disk_bytes]
+                assert group_bytes[name] == held_bytes, f"tenant {name!r}: bytes counted"
             staged = [o for lease in self._leases.values() for o in lease.staged or ()]
             assert len(set(staged)) == len(staged), "a slot staged twice"
             assert held.isdisjoint(staged), "a staged slot holds a block"
@@ -1237,7 +1282,12 @@ class Store:
         return entry
 
     def _register(self, spec: NamespaceSpec) -> NamespaceEntry:
-        entry = NamespaceEntry(spec)
+        tenant = tenant_of(spec.tenant_salt)
+        group = self._groups.get(tenant)
+        if group is None:
+            quota = self.config.quotas.get(tenant, Quota())
+            group = self._groups[tenant] = Group(tenant, quota)
+        entry = NamespaceEntry(spec, group)
         self._namespaces[spec.ns_id] = entry
         self._by_digest[spec.digest] = entry
         return entry
@@ -1315,7 +1365,7 @@ class Store:
             for i, node in enumerate(nodes):
                 if node.in_host:
                     continue
-                offset = self._alloc_host(node.size)
+                offset = self._alloc_host(node.size, node.ns.group)
                 if offset is None:
                     if promote_all:
                         for late in nodes[i:]:
@@ -1490,7 +1540,7 @@ class Store:
         promote outside the lock. The caller pins ``node`` and its ancestors.
         """
         assert self._disk is not None and node.on_disk and not node.in_host
-        offset = self._alloc_host(node.size)
+        offset = self._alloc_host(node.size, node.ns.group)
         if offset is None:
             return False
         if self._disk.read(node.key, out=self._arena.view(offset, node.size)) is None:
@@ -1615,6 +1665,7 @@ class Store:
     def _host_add(self, node: Node, offset: int) -> None:
         node.host_offset = offset
         self._host_blocks += 1
+        node.ns.group.host_bytes += node.size
         if node.parent is not None:
             node.parent.host_children += 1
 
@@ -1624,12 +1675,14 @@ class Store:
         self._arena.free(node.host_offset)
         node.host_offset = -1
         self._host_blocks -= 1
+        node.ns.group.host_bytes -= node.size
         if node.parent is not None:
             node.parent.host_children -= 1
 
     def _disk_add(self, node: Node) -> None:
         node.on_disk = True
         self._disk_blocks += 1
+        node.ns.group.disk_bytes += node.size
         self._disk_policy.insert(node)
         if node.parent is not None:
             node.parent.disk_children += 1
@@ -1640,6 +1693,7 @@ class Store:
         self._disk_policy.remove(node)
         node.on_disk = False
         self._disk_blocks -= 1
+        node.ns.group.disk_bytes -= node.size
         if node.parent is not None:
             node.parent.disk_children -= 1
 
@@ -1710,8 +1764,11 @@ class Store:
             self._touch((parent,))  # a prefix-aware touch of a block is one of its prefix
 
     # --- eviction -------------------------------------------------------------------
-    def _alloc_host(self, size: int) -> int | None:
-        """A host slot of ``size`` bytes, evicting host leaves until one fits."""
+    def _alloc_host(self, size: int, group: Group) -> int | None:
+        """A host slot of ``size`` bytes for a block of ``group``, evicting host leaves
+        until one fits (the group's own first, while it is at its quota)."""
+        if not self._quota_room(group, size, host=True):
+            return None
         while True:
             offset = self._arena.alloc(size)
             if offset is not None:
@@ -1721,8 +1778,36 @@ class Store:
                 return None
             self._evict_from_host(victim)
 
-    def _victim(self, policy: TierPolicy, host: bool) -> Node | None:
-        for node in policy.candidates():
+    def _quota_room(self, group: Group, nbytes: int, host: bool) -> bool:
+        """Make ``nbytes`` more fit ``group``'s quota in one tier by evicting its own
+        least valuable blocks; False when they cannot (its blocks there are pinned,
+        pending or parents of such). Other groups' blocks are never touched."""
+        limit = group.quota.host_bytes if host else group.quota.disk_bytes
+        if not limit:
+            return True
+        policy = self._host_policy if host else self._disk_policy
+        while (group.host_bytes if host else group.disk_bytes) + nbytes > limit:
+            victim = self._victim(policy, host, group.name)
+            if victim is None:
+                return False
+            group.quota_evictions += 1
+            if host:
+                self._evict_from_host(victim)
+            else:
+                self._evict_from_disk(victim)
+        return True
+
+    def _quota_blocks(self, group: Group, n: int, size: int) -> int:
+        """How many of ``n`` new host blocks of ``size`` bytes ``group``'s quota takes
+        (evicting its own blocks to make room for as many as it can)."""
+        if self._quota_room(group, n * size, host=True):
+            return n
+        # every block of the group that could go went: what is left is what fits now
+        return max(0, (group.quota.host_bytes - group.host_bytes) // size)
+
+    def _victim(self, policy: GroupedPolicy, host: bool, group: str | None = None) -> Node | None:
+        """The tier's next block to evict (of one group when ``group`` is given)."""
+        for node in policy.candidates(group):
             if node.pins or not node.ready:
                 continue
             if policy.leaf_first:
@@ -1781,12 +1866,18 @@ class Store:
         for pinned in held:
             pinned.pins += 1
         try:
+            group = node.ns.group
             for block in reversed(chain):  # parents first
                 footprint = disk.footprint(block.size)
                 if evict:
+                    if not self._quota_room(group, block.size, host=False):
+                        return False
                     if not self._make_disk_room(footprint):
                         return False
-                elif disk.used_bytes + footprint > disk.capacity_bytes:
+                elif disk.used_bytes + footprint > disk.capacity_bytes or (
+                    group.quota.disk_bytes
+                    and group.disk_bytes + block.size > group.quota.disk_bytes
+                ):
                     return False
                 if not self._queue_disk_write(disk, block):
                     return False
@@ -1900,6 +1991,7 @@ class Store:
                 self._index.add(node)
                 node.on_disk = True
                 self._disk_blocks += 1
+                entry.group.disk_bytes += record.size
                 if parent is not None:
                     parent.disk_children += 1
                 depth[record.key] = depth.get(record.parent, -1) + 1
