@@ -17,6 +17,7 @@ from kvclient.async_client import AsyncKVClient, AsyncNamespace
 from kvclient.claims import AsyncClaim, Claim, ClaimTicket
 from kvclient.errors import (
     ArenaUnavailableError,
+    AuthenticationError,
     DaemonUnavailableError,
     InvalidArgumentError,
     KVStoreError,
@@ -25,6 +26,7 @@ from kvclient.errors import (
     NamespaceNotFoundError,
     OutOfSpaceError,
     RequestTimeoutError,
+    UntrustedSocketError,
 )
 from kvclient.results import (
     Event,
@@ -35,8 +37,10 @@ from kvclient.results import (
     PutResult,
     ServerInfo,
     Stats,
+    TenantStats,
     TierStats,
 )
+from kvclient.security import TLS
 from kvclient.sync_client import KVClient, Namespace
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "Claim",
     "ClaimTicket",
     "ArenaUnavailableError",
+    "AuthenticationError",
     "AsyncKVClient",
     "AsyncNamespace",
     "DaemonUnavailableError",
@@ -64,5 +69,8 @@ __all__ = [
     "RequestTimeoutError",
     "ServerInfo",
     "Stats",
+    "TLS",
+    "TenantStats",
     "TierStats",
+    "UntrustedSocketError",
 ]

@@ -1,6 +1,6 @@
 """kvctl: look at and manage a running kvstored.
 
-    kvctl status [--json]
+    kvctl status [--tenants] [--json]
     kvctl top [--interval S] [--once] [--json]
     kvctl ls [--json]
     kvctl lookup NAMESPACE (TOKENS... | --file F) [--json]
@@ -9,7 +9,10 @@
                  [--kind K] [--json]
     kvctl bench [--quick] [--report FILE.md] [--json FILE] ...
 
-``--addr ADDR`` and ``--timeout S`` go before or after the command. A NAMESPACE is
+``--addr ADDR``, ``--timeout S`` and ``--token-file F`` go before or after the
+command; without ``--token-file`` the token is ``$KVSTORE_TOKEN`` or the file
+``$KVSTORE_TOKEN_FILE`` (a daemon with tenants: the admin token sees everything, and
+``status --tenants`` needs it; TLS from ``$KVSTORE_TLS_CA`` and friends). A NAMESPACE is
 what ``kvctl ls`` shows: its id, its bound name, or its model when only one namespace
 has that model (a unique prefix of an id works too); anything else is one line listing
 the namespaces there are. ``events --count N`` is a tail: the last N buffered events,
@@ -30,6 +33,7 @@ stderr), 2 usage, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -181,6 +185,8 @@ def collect_status(client: KVClient) -> JSONDict:
         "disk_queue_bytes": stats.disk_queue_bytes,
         "disk_fault": stats.disk_fault,
         "counters": dict(stats.counters),
+        "tenant": info.tenant,
+        "tenants": [dataclasses.asdict(t) for t in stats.tenants],
         "time": time.time(),
     }
 
@@ -298,7 +304,34 @@ def render_status(data: JSONDict) -> str:
     lines = [head, "", render_tiers(data["tiers"], None), "", summary]
     if data.get("disk_fault"):
         lines.append(f"disk tier NOT TAKING WRITES: {data['disk_fault']} (retrying)")
+    if data.get("tenant"):
+        lines.append(f"tenant {data['tenant']}: the namespaces above are its own")
     return "\n".join(lines)
+
+
+def render_tenants(tenants: list[JSONDict]) -> str:
+    """Per-tenant usage against quotas (admin only)."""
+    if not tenants:
+        return "no tenants"
+
+    def used(held: int, quota: int) -> str:
+        return human_bytes(held) + (f" / {human_bytes(quota)}" if quota else "")
+
+    rows = [("TENANT", "HOST", "DISK", "NS", "BLOCKS", "HIT RATE", "QUOTA EVICTIONS")]
+    for t in tenants:
+        looked = t["hits"] + t["misses"]
+        rows.append((
+            t["tenant"] or "(none)",
+            used(t["host_bytes"], t["host_quota"]),
+            used(t["disk_bytes"], t["disk_quota"]),
+            str(t["namespaces"]),
+            str(t["blocks"]),
+            f"{t['hits'] / looked:.0%}" if looked else "-",
+            str(t["quota_evictions"]),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def tier_rates(now: JSONDict, before: JSONDict | None) -> dict[str, tuple[float, float]]:
@@ -396,8 +429,14 @@ def _print_json(data: Any) -> None:
 
 def cmd_status(client: KVClient, args: argparse.Namespace) -> int:
     data = collect_status(client)
+    if args.tenants and data["tenant"]:
+        raise KVStoreError(
+            f"status --tenants needs the admin token; this token is tenant {data['tenant']}'s"
+        )
     if args.json:
         _print_json(data)
+    elif args.tenants:
+        print(render_tenants(data["tenants"]))
     else:
         print(render_status(data))
     return EXIT_OK
@@ -546,18 +585,29 @@ def cmd_events(client: KVClient, args: argparse.Namespace) -> int:
 # -- entry point -----------------------------------------------------------------------
 
 
+def read_token_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read the token file {path}: {exc.strerror}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Look at and manage a running kvstored.",
         epilog="--addr and --timeout go before or after the command.",
     )
     _add_connection_arguments(parser, argparse.SUPPRESS)
-    parser.set_defaults(addr=None, timeout=10.0)
+    parser.set_defaults(addr=None, timeout=10.0, token_file=None)
     common = argparse.ArgumentParser(add_help=False)
     _add_connection_arguments(common, argparse.SUPPRESS)  # after the command: wins
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("status", parents=[common], help="tier occupancy, hit rates, platform")
+    p.add_argument(
+        "--tenants", action="store_true", help="usage per tenant against its quotas (admin token)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_status)
 
@@ -637,6 +687,10 @@ def _add_connection_arguments(parser: argparse.ArgumentParser, default: Any) -> 
     parser.add_argument(
         "--timeout", type=float, default=default, help="seconds per request (default 10)"
     )
+    parser.add_argument(
+        "--token-file", default=default, metavar="FILE",
+        help="file holding the token (default $KVSTORE_TOKEN, else $KVSTORE_TOKEN_FILE)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -656,7 +710,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[KVClient, argparse.Namespace], int] = args.handler
     addr = resolve_address(args.addr)
     try:
-        with KVClient(addr, timeout=args.timeout, use_arena=False) as client:
+        token = read_token_file(args.token_file) if args.token_file else None
+        with KVClient(addr, timeout=args.timeout, use_arena=False, token=token) as client:
             return handler(client, args)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ FAILED_PRECONDITION    LayoutMismatchError or LeaseError (told apart by the
 RESOURCE_EXHAUSTED     OutOfSpaceError
 UNAVAILABLE            DaemonUnavailableError (also: the socket cannot be reached)
 DEADLINE_EXCEEDED      RequestTimeoutError
+UNAUTHENTICATED        AuthenticationError (also PERMISSION_DENIED)
 anything else          KVStoreError
 =====================  ===========================================================
 """
@@ -81,7 +82,19 @@ class ArenaUnavailableError(KVStoreError):
     here (another host, no arena file, no permission)."""
 
 
+class AuthenticationError(KVStoreError, PermissionError):
+    """The daemon wants a token and this one is missing or wrong (UNAUTHENTICATED),
+    or the token's tenant may not make this call (PERMISSION_DENIED)."""
+
+
+class UntrustedSocketError(KVStoreError, PermissionError):
+    """The daemon's socket, or its directory, belongs to a user this client does not
+    trust: another user could have put a server of their own there."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: NamespaceNotFoundError,

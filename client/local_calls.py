@@ -47,6 +47,7 @@ from kvclient.errors import (
     error_from_status,
 )
 from kvclient.fork_safety import renew_in_child
+from kvclient.security import peer_uid
 from kvproto.v1 import local_calls as frames
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -150,6 +151,36 @@ class _Owed:
             log.exception("handling the answer of %s sent without waiting", self.name)
 
 
+class _Hello:
+    """What a new local-call connection does first: make sure the process serving the
+    socket runs as the daemon's user (another user's server could have taken the
+    path), then send the token when there is one (kvproto.v1.local_calls)."""
+
+    def __init__(self, path: str, token: str, daemon_uid: int | None) -> None:
+        self.path = path
+        self.daemon_uid = daemon_uid
+        self.frame = frames.request_frame(frames.AUTH_NAME, token.encode()) if token else b""
+
+    def check_peer(self, sock: socket.socket) -> None:
+        if self.daemon_uid is None:
+            return
+        uid = peer_uid(sock)
+        if uid is not None and uid not in (self.daemon_uid, 0):
+            log.warning(
+                "not using %s: it is served by uid %d, not by the daemon's uid %d",
+                self.path, uid, self.daemon_uid,
+            )
+            raise LocalCallFailed(
+                f"{self.path} is served by uid {uid}, not the daemon's", sent=False
+            )
+
+    def answered(self, status: int, body: bytes) -> None:
+        """The answer to the token frame: nothing when accepted."""
+        if status != frames.OK:
+            kind, message = frames.parse_error(body)
+            raise LocalCallStatus(_CODES.get(status), message, kind)
+
+
 @dataclass(eq=False)
 class _Connection:
     """One local-call connection: its socket, bytes received past the last answer read,
@@ -225,8 +256,9 @@ class LocalCalls:
     a child process never uses its parent's connections (their answers would be read
     by whichever process reads first); it opens its own."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, token: str = "", daemon_uid: int | None = None) -> None:
         self.path = path
+        self._hello = _Hello(path, token, daemon_uid)
         self._idle: list[_Connection] = []  # the last one put back is taken first
         self._lock = threading.Lock()
         self._closed = False
@@ -336,7 +368,21 @@ class LocalCalls:
             raise LocalCallFailed(
                 f"cannot connect to {self.path}: {exc.strerror or exc}", sent=False
             ) from None
-        return _Connection(sock)
+        conn = _Connection(sock)
+        try:
+            self._hello.check_peer(sock)
+            if self._hello.frame:
+                sock.sendall(self._hello.frame)
+                self._hello.answered(*conn.receive())
+        except OSError as exc:
+            sock.close()
+            raise LocalCallFailed(
+                f"local-call connection to {self.path} lost: {exc.strerror or exc}", sent=False
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        return conn
 
     def _put_back(self, conn: _Connection) -> None:
         with self._lock:
@@ -368,8 +414,9 @@ class LocalCalls:
 class AsyncLocalCalls:
     """Local calls for one asyncio event loop (the loop of the AsyncKVClient)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, token: str = "", daemon_uid: int | None = None) -> None:
         self.path = path
+        self._hello = _Hello(path, token, daemon_uid)
         # idle connections, the last put back first, with the calls sent on each whose
         # answers have not been read (see LocalCalls.send)
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, list[_Owed]]] = []
@@ -452,6 +499,20 @@ class AsyncLocalCalls:
                     f"cannot connect to {self.path}: {reason}", sent=False
                 ) from None
             owed = []
+            try:
+                self._hello.check_peer(writer.get_extra_info("socket"))
+                if self._hello.frame:
+                    writer.write(self._hello.frame)
+                    status, body = await asyncio.wait_for(_read_frame(reader), timeout)
+                    self._hello.answered(status, body)
+            except (OSError, EOFError, *_TIMED_OUT) as exc:
+                writer.close()
+                raise LocalCallFailed(
+                    f"local-call connection to {self.path} lost: {exc}", sent=False
+                ) from None
+            except BaseException:
+                writer.close()
+                raise
         if reader.at_eof() or writer.is_closing():  # the daemon closed an idle connection
             _close(writer, owed, "the local-call connection was closed")
             raise LocalCallFailed("the local-call connection was closed", sent=False)

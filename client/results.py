@@ -115,12 +115,29 @@ class Stats:
     counters: dict[str, int] = field(default_factory=dict)
     staged_bytes: int = 0  # host slots set aside for writers' next puts
     disk_fault: str = ""  # why the disk tier takes no writes now ("" when it does)
+    tenants: tuple[TenantStats, ...] = ()  # per tenant: the admin's view only
 
     def tier(self, name: str) -> TierStats | None:
         for tier in self.tiers:
             if tier.name == name:
                 return tier
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """One tenant's part of the daemon (``kvctl status --tenants``, admin token)."""
+
+    tenant: str
+    host_bytes: int
+    disk_bytes: int
+    host_quota: int  # 0: none
+    disk_quota: int
+    namespaces: int
+    blocks: int
+    hits: int
+    misses: int
+    quota_evictions: int  # blocks it evicted of its own to stay within its quota
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +162,8 @@ class ServerInfo:
     arena_prefaulted: bool = False  # the daemon faulted its arena's pages in at start-up
     disk_path: str = ""  # the disk tier's data file (disk_direct reads); "" without one
     admission: str = ""  # the daemon's disk admission: write-back | write-through | selective
+    uid: int | None = None  # the daemon's uid (None from a daemon that does not say)
+    tenant: str = ""  # this client's tenant ("" for the admin or a daemon without tenants)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from kvclient.security import Credentials
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -38,9 +39,10 @@ FIRST_WAIT_S = 1.0  # a blocking client waits this long for the first registrati
 class GrpcSession:
     """The session stream of one client (see the module docstring). Thread-safe."""
 
-    def __init__(self, addr: str, options: Any) -> None:
+    def __init__(self, addr: str, options: Any, credentials: Credentials) -> None:
         self._addr = addr
         self._options = options
+        self._credentials = credentials  # its channel carries the client's token too
         self._lock = threading.Lock()
         self._pid = -1
         self._id = ""
@@ -78,7 +80,7 @@ class GrpcSession:
 
     def _hold(self, session_id: str, registered: threading.Event, closed: threading.Event) -> None:
         while not closed.is_set():
-            with grpc.insecure_channel(self._addr, options=self._options) as channel:
+            with self._credentials.channel(self._addr, self._options) as channel:
                 request = pb.SessionRequest(session_id=session_id)
                 call = pb_grpc.KVStoreStub(channel).Session(request)
                 with self._lock:

@@ -81,6 +81,7 @@ from kvclient.results import (
     Stats,
     write_through,
 )
+from kvclient.security import TLS, Credentials
 from kvclient.session import GrpcSession
 from kvclient.staged_slots import SlotStash, put_reserve
 from kvclient.unpinned_reads import (
@@ -114,11 +115,16 @@ class KVClient:
         *,
         use_arena: bool | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        token: str | None = None,
+        tls: TLS | None = None,
+        socket_owner: int | str | None = None,
     ) -> None:
         self.addr = resolve_address(addr)
         self.use_arena = use_arena
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.addr, options=CHANNEL_OPTIONS)
+        # token, TLS and whose socket to trust: arguments, else the environment
+        self._credentials = Credentials.resolve(token, tls, socket_owner)
+        self._channel = self._credentials.channel(self.addr, CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         # Get and Put with identity (de)serializers: the data chunks are framed here
         self._get_stream = self._channel.unary_stream(
@@ -140,7 +146,7 @@ class KVClient:
         # has not reported can change
         self._unordered = (self._stub.Acquire, self._stub.Lookup, self._stub.ServerInfo)
         # calls over gRPC whose leases end with this client's session (kvclient.session)
-        self._session = GrpcSession(self.addr, CHANNEL_OPTIONS)
+        self._session = GrpcSession(self.addr, CHANNEL_OPTIONS, self._credentials)
         self._leasing = (self._stub.Acquire, self._stub.Reserve)
         # unary calls go over the daemon's local socket while the arena is mapped
         self._local: LocalCalls | None = None
@@ -399,7 +405,7 @@ class KVClient:
                 arena = ClientArena.open(info.arena_path, info.host_id, host_id())
             old_local, local = self._local, None
             if arena is not None and info.local_socket:
-                local = LocalCalls(info.local_socket)
+                local = LocalCalls(info.local_socket, self._credentials.token, info.uid)
             self._info, self._arena, self._local = info, arena, local
             self._epochs = epoch_table(arena, info) if arena is not None else None
             self._last_slots = LastSlots()

@@ -117,6 +117,22 @@ class ConnectorSettings:
     model: str | None = None  # model id in the namespace; default: vLLM's model name
     namespace: str = ""  # a name to bind the (unsalted) namespace to, checked at start
     load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy
+    # a daemon with tenants: the file holding this engine's token (default
+    # KVSTORE_TOKEN / KVSTORE_TOKEN_FILE). No key takes the token itself: vLLM logs
+    # its configuration, kv_connector_extra_config included.
+    token_file: str = ""
+
+    def token(self) -> str | None:
+        """The token from ``token_file``; None: the client's default (environment)."""
+        if not self.token_file:
+            return None
+        try:
+            with open(self.token_file) as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise ValueError(
+                f"KVStoreConnector: cannot read token_file {self.token_file}: {exc.strerror}"
+            ) from None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -281,7 +297,9 @@ class _SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: EngineLayout) -> None:
         self.settings = settings
         self.layout = layout
-        self.client = KVClient(settings.addr, timeout=settings.lookup_timeout_s)
+        self.client = KVClient(
+            settings.addr, timeout=settings.lookup_timeout_s, token=settings.token()
+        )
         self.namespaces = _Namespaces(self.client, layout, rank=0, name=settings.namespace)
         self.requests: dict[str, RequestState] = {}
         self.claims: dict[str, Claim] = {}
@@ -430,7 +448,7 @@ class _WorkerSide:
     def __init__(self, settings: ConnectorSettings, layout: EngineLayout, rank: int) -> None:
         self.settings = settings
         self.layout = layout
-        self.client = KVClient(settings.addr, timeout=settings.io_timeout_s)
+        self.client = KVClient(settings.addr, timeout=settings.io_timeout_s, token=settings.token())
         self.namespaces = _Namespaces(self.client, layout, rank, name=settings.namespace)
         self.layers: PagedLayers | None = None
         self.warnings = _Warnings()

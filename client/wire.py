@@ -28,6 +28,7 @@ from kvclient.results import (
     PutResult,
     ServerInfo,
     Stats,
+    TenantStats,
     TierStats,
 )
 from kvproto.v1 import kvstore_pb2 as pb
@@ -153,6 +154,8 @@ def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
         arena_prefaulted=msg.arena_prefaulted,
         disk_path=msg.disk_path,
         admission=msg.admission,
+        uid=msg.uid if msg.version else None,
+        tenant=msg.tenant,
     )
 
 
@@ -268,6 +271,21 @@ def stats(msg: pb.StatsResponse) -> Stats:
         counters=dict(msg.counters),
         staged_bytes=msg.staged_bytes,
         disk_fault="" if msg.disk_writable else msg.disk_fault,
+        tenants=tuple(
+            TenantStats(
+                tenant=t.tenant,
+                host_bytes=t.host_bytes,
+                disk_bytes=t.disk_bytes,
+                host_quota=t.host_quota,
+                disk_quota=t.disk_quota,
+                namespaces=t.namespaces,
+                blocks=t.blocks,
+                hits=t.hits,
+                misses=t.misses,
+                quota_evictions=t.quota_evictions,
+            )
+            for t in msg.tenants
+        ),
     )
 
 

@@ -22,6 +22,7 @@ a binary unit (``KiB``, ``MiB``, ``GiB``, ``TiB``).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import os
 import re
@@ -33,6 +34,7 @@ from typing import Any, NoReturn
 
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstored import hostinfo, paths
+from kvstored.auth import TenantConfig, parse_tenants
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,6 +52,8 @@ UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 METRICS_OFF = "off"
+METRICS_NAMESPACES = ("auto", "on", "off")
+TENANTS_TABLE = "tenants"  # [tenants.<name>] tables: TOML only (see kvstored.auth)
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -342,6 +346,19 @@ KEYS: tuple[Key, ...] = (
     Key("metrics_listen", "address", parse_metrics_listen, "127.0.0.1:9464",
         "host:port of the Prometheus /metrics endpoint (port 0 picks a free one); "
         "off or empty disables it"),
+    Key("metrics_namespaces", "choice", _choice(METRICS_NAMESPACES), "auto",
+        "series per namespace (labelled with its id and model) on /metrics: on | off | "
+        "auto (on unless the daemon has tenants: such labels name what a tenant runs)"),
+    Key("admin_token_file", "path", parse_path, "",
+        "file holding the admin token (sees every tenant's namespaces; kvctl uses it); "
+        "with it or with [tenants.*], every call needs a token"),
+    Key("tls_cert", "path", parse_path, "",
+        "PEM server certificate (chain) for a TCP listen; needs tls_key"),
+    Key("tls_key", "path", parse_path, "", "PEM private key of tls_cert"),
+    Key("tls_client_ca", "path", parse_path, "",
+        "PEM CA bundle: clients must present a certificate it signed (mutual TLS)"),
+    Key("insecure", "bool", parse_bool, False,
+        "allow a TCP listen on a non-loopback address without TLS and tokens"),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
@@ -377,8 +394,15 @@ class DaemonConfig:
     log_level: str
     log_format: str
     metrics_listen: str
+    metrics_namespaces: str
+    admin_token_file: str
+    tls_cert: str
+    tls_key: str
+    tls_client_ca: str
+    insecure: bool
     sources: Mapping[str, str]
     config_file: str = ""
+    tenants: tuple[TenantConfig, ...] = ()  # the config file's [tenants.<name>] tables
 
     @property
     def socket_path(self) -> Path | None:
@@ -405,8 +429,19 @@ class DaemonConfig:
             prefault_arena=self.prefault_arena,
             persist_on_close=self.persist_on_close,
             event_buffer=self.event_buffer,
+            quotas={t.name: t.quota for t in self.tenants},
         )
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether every call must carry a token (tenants or an admin token)."""
+        return bool(self.tenants or self.admin_token_file)
+
+    @property
+    def namespace_metrics(self) -> bool:
+        if self.metrics_namespaces == "auto":
+            return not self.tenants
+        return self.metrics_namespaces == "on"
     def render(self) -> str:
         """The effective config as TOML (loadable with --config), each line with its source."""
         lines = ["# kvstored effective configuration (precedence: default < file < env < flag)"]
@@ -420,6 +455,14 @@ class DaemonConfig:
                 text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
             note = f"  ({format_size(value)})" if key.type == "size" else ""
             lines.append(f"{key.name} = {text}  # {self.sources[key.name]}{note}")
+        for tenant in self.tenants:
+            lines += [
+                "",
+                f"[{TENANTS_TABLE}.{tenant.name}]  # file {self.config_file}",
+                f'token_file = "{tenant.token_file}"',
+                f"host_bytes = {tenant.quota.host_bytes}",
+                f"disk_bytes = {tenant.quota.disk_bytes}",
+            ]
         return "\n".join(lines) + "\n"
 
 
@@ -469,7 +512,7 @@ def _read_toml(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
     for name in data:
-        if name not in KEYS_BY_NAME:
+        if name not in KEYS_BY_NAME and name != TENANTS_TABLE:
             raise ConfigError(name, "unknown setting", f"file {path}")
     return data
 
@@ -483,9 +526,15 @@ def load_config(
 
     layers: list[tuple[str, Callable[[Key], object]]] = []
     config_file = args.config or env.get(CONFIG_ENV, "")
+    tenants: tuple[TenantConfig, ...] = ()
     if config_file:
         data = _read_toml(config_file)
         layers.append((f"file {config_file}", lambda k: data.get(k.name)))
+        if TENANTS_TABLE in data:
+            try:
+                tenants = parse_tenants(data[TENANTS_TABLE], parse_size, f"file {config_file}")
+            except ValueError as exc:
+                raise ConfigError(TENANTS_TABLE, str(exc)) from None
     for name in env:
         if (
             name.startswith(ENV_PREFIX)
@@ -530,4 +579,47 @@ def load_config(
         )
     if values["disk_bytes"] and not values["disk_dir"]:
         raise ConfigError("disk_dir", "is empty but disk_bytes > 0", sources["disk_dir"])
-    return DaemonConfig(**values, sources=sources, config_file=config_file), args
+    config = DaemonConfig(**values, sources=sources, config_file=config_file, tenants=tenants)
+    check_transport(config)
+    return config, args
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a TCP ``host:port`` listens on loopback only."""
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_transport(config: DaemonConfig) -> None:
+    """TLS settings that fit together, and no open TCP port without TLS and tokens
+    unless the operator said ``insecure``; ConfigError naming the keys otherwise."""
+    src = config.sources
+    if bool(config.tls_cert) != bool(config.tls_key):
+        key = "tls_key" if config.tls_cert else "tls_cert"
+        raise ConfigError(key, "tls_cert and tls_key go together: set both", src[key])
+    if config.tls_client_ca and not config.tls_cert:
+        raise ConfigError(
+            "tls_client_ca", "mutual TLS needs tls_cert and tls_key too", src["tls_client_ca"]
+        )
+    if config.socket_path is not None:
+        if config.tls_cert:
+            raise ConfigError(
+                "tls_cert", "TLS is for a TCP listen; a unix socket is guarded by its file "
+                "mode (0600) and directory", src["tls_cert"],
+            )
+        return
+    if is_loopback(config.listen) or config.insecure:
+        return
+    if not (config.tls_cert and config.needs_tokens):
+        raise ConfigError(
+            "listen",
+            f"{config.listen} is reachable from other hosts: it needs tls_cert + tls_key and "
+            "tokens ([tenants.*] or admin_token_file), or insecure = true (--insecure) to "
+            "serve it without them",
+            src["listen"],
+        )

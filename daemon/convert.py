@@ -83,7 +83,11 @@ def spec_from_proto(msg: pb.NamespaceSpec) -> NamespaceSpec:
 
 
 def spec_to_proto(spec: NamespaceSpec) -> pb.NamespaceSpec:
-    return pb.NamespaceSpec(**spec.to_dict())  # type: ignore[arg-type]
+    """A spec as answers carry it: without its tenant salt, which never leaves the daemon
+    (the digest it went into is there, and reveals nothing of it)."""
+    fields = spec.to_dict()
+    fields["tenant_salt"] = ""
+    return pb.NamespaceSpec(**fields)  # type: ignore[arg-type]
 
 
 def namespace_info(
@@ -292,6 +296,21 @@ def stats_response(
         uptime_s=uptime_s,
         counters=stats.counters,
         staged_bytes=stats.staged_bytes,
+        tenants=[
+            pb.TenantStats(
+                tenant=u.tenant,
+                host_bytes=u.host_bytes,
+                disk_bytes=u.disk_bytes,
+                host_quota=u.host_quota,
+                disk_quota=u.disk_quota,
+                namespaces=u.namespaces,
+                blocks=u.blocks,
+                hits=u.hits,
+                misses=u.misses,
+                quota_evictions=u.quota_evictions,
+            )
+            for u in stats.tenants
+        ],
     )
 
 

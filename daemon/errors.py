@@ -28,12 +28,15 @@ from kvstore.errors import (
     LayoutMismatch,
     LeaseError,
     OutOfSpace,
+    PermissionDenied,
     StoreClosed,
     StoreError,
+    Unauthenticated,
     UnknownNamespace,
 )
 
 log = logging.getLogger("kvstored.service")
+
 
 STATUS_BY_ERROR: tuple[tuple[type[StoreError], grpc.StatusCode], ...] = (
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -42,6 +45,8 @@ STATUS_BY_ERROR: tuple[tuple[type[StoreError], grpc.StatusCode], ...] = (
     (LeaseError, grpc.StatusCode.FAILED_PRECONDITION),
     (OutOfSpace, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StoreClosed, grpc.StatusCode.UNAVAILABLE),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 )
 
 

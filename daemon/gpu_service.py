@@ -56,6 +56,7 @@ from kvstore.pinning import CudaPin
 from kvstore.platform import PlatformInfo
 from kvstore.store import Store
 from kvstored import convert
+from kvstored.auth import Access, Caller, Tokens
 from kvstored.config import DaemonConfig
 from kvstored.errors import grpc_errors
 from kvstored.names import NamespaceNames
@@ -298,9 +299,11 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
         names: NamespaceNames,
         platform: PlatformInfo,
         pin: CudaPin | None = None,
+        access: Access | None = None,
     ) -> None:
         self._store = store
         self._names = names
+        self._access = access or Access(store, names, Tokens(()))
         self._platform = platform
         self._pin = pin
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kv-gpu")
@@ -364,10 +367,10 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
                 self._streams[device] = pair
             return pair
 
-    def _registration(self, registration_id: int) -> Registration:
+    def _registration(self, registration_id: int, caller: Caller) -> Registration:
         with self._lock:
             reg = self._registrations.get(registration_id)
-            if reg is None or self._closed:
+            if reg is None or self._closed or not caller.owns(reg.spec):
                 raise UnknownRegistration(f"unknown KV registration {registration_id}")
             if not reg.alive():
                 del self._registrations[registration_id]
@@ -415,17 +418,13 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
             await asyncio.sleep(SWEEP_INTERVAL_S)
             await self._run(self.sweep)
 
-    def _spec(self, ns_id: str) -> NamespaceSpec:
-        if not ns_id:
-            raise InvalidArgument("ns_id is required")
-        return self._store.namespace(self._names.resolve(ns_id))
-
     # --- RPCs ---------------------------------------------------------------------------
 
     @grpc_errors
     async def GpuInfo(
         self, request: gpb.GpuInfoRequest, context: grpc.aio.ServicerContext
     ) -> gpb.GpuInfoResponse:
+        self._access.caller(context)
         devices = [
             gpb.GpuDevice(
                 index=d.index,
@@ -452,6 +451,7 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
     async def RegisterKV(
         self, request: gpb.RegisterKVRequest, context: grpc.aio.ServicerContext
     ) -> gpb.RegisterKVResponse:
+        caller = self._access.caller(context)
         layout = request.layout
         if layout.device == "cuda" and not self._platform.has_cuda:
             raise InvalidArgument(
@@ -463,7 +463,7 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
             self._sweeper = self._loop.create_task(self._sweep_forever())
 
         def register() -> gpb.RegisterKVResponse:
-            spec = self._spec(request.ns_id)
+            spec = self._access.spec(request.ns_id, caller)
             try:
                 import torch  # noqa: F401
             except ImportError:
@@ -516,8 +516,13 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
     async def UnregisterKV(
         self, request: gpb.UnregisterKVRequest, context: grpc.aio.ServicerContext
     ) -> gpb.UnregisterKVResponse:
+        caller = self._access.caller(context)
         with self._lock:
-            reg = self._registrations.pop(request.registration_id, None)
+            reg = self._registrations.get(request.registration_id)
+            if reg is not None and caller.owns(reg.spec):
+                del self._registrations[request.registration_id]
+            else:
+                reg = None
         if reg is None:
             raise UnknownRegistration(f"unknown KV registration {request.registration_id}")
         self._close_later(reg)
@@ -527,11 +532,14 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
     async def Offload(
         self, request: gpb.OffloadRequest, context: grpc.aio.ServicerContext
     ) -> gpb.OffloadResponse:
+        caller = self._access.caller(context)
         prio = convert.priority(request.priority) if request.HasField("priority") else None
-        return await self._run(self._offload, request, prio)
+        return await self._run(self._offload, request, prio, caller)
 
-    def _offload(self, request: gpb.OffloadRequest, prio: int | None) -> gpb.OffloadResponse:
-        reg = self._registration(request.registration_id)
+    def _offload(
+        self, request: gpb.OffloadRequest, prio: int | None, caller: Caller
+    ) -> gpb.OffloadResponse:
+        reg = self._registration(request.registration_id, caller)
         try:
             ns_id = reg.spec.ns_id
             start, n = request.start_block, len(request.block_ids)
@@ -573,10 +581,11 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
     async def Onboard(
         self, request: gpb.OnboardRequest, context: grpc.aio.ServicerContext
     ) -> gpb.OnboardResponse:
-        return await self._run(self._onboard, request)
+        caller = self._access.caller(context)
+        return await self._run(self._onboard, request, caller)
 
-    def _onboard(self, request: gpb.OnboardRequest) -> gpb.OnboardResponse:
-        reg = self._registration(request.registration_id)
+    def _onboard(self, request: gpb.OnboardRequest, caller: Caller) -> gpb.OnboardResponse:
+        reg = self._registration(request.registration_id, caller)
         try:
             start, n = request.start_block, len(request.block_ids)
             keys = self._chain(reg, request.tokens, request.extra_keys, start, n)

@@ -12,6 +12,10 @@ peer's pid from SO_PEERCRED): when the last connection of that process closes (t
 client closed, or its process died), :meth:`KVStoreService.owner_closed` ends them,
 so a killed client holds no slots for its leases' TTL.
 
+On a daemon with tokens (kvstored.auth) a connection's first frame carries its token
+(``AUTH_NAME``); its calls are then that caller's. Until then every call on it is
+UNAUTHENTICATED, as a gRPC call without a token is.
+
 Life: :meth:`LocalCallServer.start` binds the socket (mode 0600, born so under a
 umask: only the daemon's user may connect, as on the gRPC socket), :meth:`stop` stops
 accepting connections and answers further calls UNAVAILABLE while in-flight ones
@@ -35,6 +39,8 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvproto.v1 import local_calls as frames
+from kvstore.errors import Unauthenticated
+from kvstored.auth import ANYONE, Caller
 from kvstored.service import KVStoreService
 
 log = logging.getLogger("kvstored.local_calls")
@@ -54,11 +60,16 @@ class _Aborted(Exception):
 
 
 class _CallContext:
-    """What the servicer's unary methods use of grpc.aio.ServicerContext: ``abort``,
-    and ``owner``: whose leases the call makes (see KVStoreService.owner_of)."""
+    """What the servicer's unary methods use of grpc.aio.ServicerContext: ``abort``;
+    ``owner``: whose leases the call makes (see KVStoreService.owner_of); ``caller``:
+    whose call it is (None before the connection authenticated: see kvstored.auth)."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, caller: Caller | None) -> None:
         self.owner = owner
+        self.caller = caller
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()  # no token but the connection's (Access.caller asks only without one)
 
     async def abort(
         self,
@@ -83,6 +94,7 @@ class LocalCallServer:
         self.max_frame_bytes = max_frame_bytes
         self._observe = observe
         self._service = service
+        self.needs_token = service.access.tokens.enabled
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self._stopping = False
@@ -124,7 +136,19 @@ class LocalCallServer:
         self._connections.discard(connection)
         self._service.owner_closed(connection.owner)
 
-    async def call(self, name: bytes, body: bytes, owner: str = "") -> bytes:
+    def authenticate(self, connection: _Connection, token: bytes) -> bytes:
+        """A connection's token frame: it makes the connection's calls that caller's."""
+        try:
+            connection.caller = self._service.access.tokens.caller(
+                token.decode(errors="replace")
+            )
+        except Unauthenticated as exc:
+            return _error(grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", str(exc))
+        return frames.response_frame(frames.OK, b"")
+
+    async def call(
+        self, name: bytes, body: bytes, owner: str = "", caller: Caller | None = None
+    ) -> bytes:
         """Run one call; the response frame."""
         entry = self._methods.get(name)
         if entry is None:
@@ -142,7 +166,7 @@ class LocalCallServer:
             frame = _error(code, "InvalidArgument", f"the body is not a valid {full_name} request")
         else:
             try:
-                response = await method(request, _CallContext(owner))
+                response = await method(request, _CallContext(owner, caller))
                 frame = frames.response_frame(frames.OK, response.SerializeToString())
             except _Aborted as aborted:
                 code = aborted.code
@@ -178,6 +202,8 @@ class _Connection(asyncio.Protocol):
         self._reading = True
         self._writable = True
         self.owner = ""
+        # whose calls these are; None until the token frame on a daemon with tokens
+        self.caller: Caller | None = None if server.needs_token else ANYONE
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -242,9 +268,12 @@ class _Connection(asyncio.Protocol):
         name = bytes(buffer[frames.HEADER.size : start])
         body = bytes(buffer[start:end])
         del buffer[:end]
+        if name == frames.AUTH_NAME:
+            self._transport.write(self._server.authenticate(self, body))
+            return True
         # Run the call right here: most finish without awaiting anything (the quick path
         # on the loop), and a task per call cost 20-25% of a short call's daemon CPU.
-        call = self._server.call(name, body, self.owner)
+        call = self._server.call(name, body, self.owner, self.caller)
         try:
             waiting_on = call.send(None)
         except StopIteration as done:

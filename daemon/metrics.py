@@ -97,11 +97,18 @@ class StoreCollector(Collector):
     """Metric families from one ``Store.stats()`` snapshot per scrape."""
 
     def __init__(
-        self, stats: Callable[[], StoreStats], version: str, platform: Callable[[], str]
+        self,
+        stats: Callable[[], StoreStats],
+        version: str,
+        platform: Callable[[], str],
+        namespaces: bool = True,
     ) -> None:
         self._stats = stats
         self._version = version
         self._platform = platform
+        # per-namespace series name what each tenant runs: only when asked for
+        # (config metrics_namespaces; kvstored.config.DaemonConfig.namespace_metrics)
+        self._namespaces = namespaces
 
     def collect(self) -> Iterator[Metric]:
         build = InfoMetricFamily(
@@ -115,7 +122,8 @@ class StoreCollector(Collector):
             log.debug("store stats unavailable for a scrape: %s", exc)
             return
         yield from _tier_families(stats)
-        yield from _namespace_families(stats)
+        if self._namespaces:
+            yield from _namespace_families(stats)
         yield from _store_families(stats)
 
 
@@ -390,10 +398,14 @@ class DaemonMetrics:
     """The daemon's registry, its RPC interceptor and (once started) its HTTP endpoint."""
 
     def __init__(
-        self, stats: Callable[[], StoreStats], version: str, platform: Callable[[], str]
+        self,
+        stats: Callable[[], StoreStats],
+        version: str,
+        platform: Callable[[], str],
+        namespaces: bool = True,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(StoreCollector(stats, version, platform))
+        self.registry.register(StoreCollector(stats, version, platform, namespaces))
         ProcessCollector(registry=self.registry)  # process_* (RSS, CPU, fds, start time)
         self.interceptor = RpcMetricsInterceptor(self.registry)
         self._http: MetricsHTTPServer | None = None

@@ -7,6 +7,10 @@ get a fresh, empty namespace. A client that cares opens with a *name*
 re-opening the name with any other spec raises LayoutMismatch (FAILED_PRECONDITION)
 and changes nothing. Any request may then use the name where an ns_id is expected.
 
+Names are per tenant (``scope``, see kvstored.auth): two tenants may each bind
+"llama" to a namespace of their own, and neither resolves the other's. A scoped name
+is kept as ``<tenant>@<name>`` (``@`` is not allowed in names, so it cannot clash).
+
 Bindings are kept in ``<disk_dir>/namespace-names.json`` (written atomically) when the
 disk tier is on, so they survive restarts like the blocks do; in memory otherwise.
 """
@@ -45,7 +49,11 @@ class NamespaceNames:
                 log.warning("ignoring unreadable %s: %s", self._path, exc)
 
     def bind(
-        self, name: str, spec: NamespaceSpec, open_fn: Callable[[NamespaceSpec], NamespaceSpec]
+        self,
+        name: str,
+        spec: NamespaceSpec,
+        open_fn: Callable[[NamespaceSpec], NamespaceSpec],
+        scope: str = "",
     ) -> NamespaceSpec:
         """Open ``spec`` under ``name`` (idempotent); LayoutMismatch if bound to another spec."""
         if not NAME_RE.match(name):
@@ -53,16 +61,18 @@ class NamespaceNames:
                 f"name must be 1-128 characters of [A-Za-z0-9._:/-] starting with a letter "
                 f"or digit, got {name!r}"
             )
+        shown, name = name, _key(scope, name)
         with self._lock:
             bound = self._bound.get(name)
             if bound is not None and bound[1] != spec.to_dict():
                 diff = ", ".join(
-                    f"{k}={bound[1].get(k)!r}->{v!r}"
+                    "tenant_salt changed"  # a salt never leaves the daemon
+                    if k == "tenant_salt" else f"{k}={bound[1].get(k)!r}->{v!r}"
                     for k, v in spec.to_dict().items()
                     if bound[1].get(k) != v
                 )
                 raise LayoutMismatch(
-                    f"namespace name {name!r} is bound to {bound[0]}; re-opened with a "
+                    f"namespace name {shown!r} is bound to {bound[0]}; re-opened with a "
                     f"different layout ({diff})"
                 )
             opened = open_fn(spec)
@@ -71,19 +81,19 @@ class NamespaceNames:
                 self._save()
             return opened
 
-    def resolve(self, ns_id_or_name: str) -> str:
-        """A bound name -> its ns_id; anything else is returned as given."""
-        bound = self._bound.get(ns_id_or_name)
+    def resolve(self, ns_id_or_name: str, scope: str = "") -> str:
+        """A name bound in ``scope`` -> its ns_id; anything else is returned as given."""
+        bound = self._bound.get(_key(scope, ns_id_or_name))
         return bound[0] if bound is not None else ns_id_or_name
 
     def names_by_ns_id(self) -> dict[str, str]:
         with self._lock:
             out: dict[str, str] = {}
             for name, (ns_id, _) in sorted(self._bound.items()):
-                out.setdefault(ns_id, name)
+                out.setdefault(ns_id, name.rpartition("@")[2])
             return out
 
-    def _save(self) -> None:
+    def _save(self) -> None:  # under the lock
         if self._path is None:
             return
         data = {n: {"ns_id": i, "spec": s} for n, (i, s) in sorted(self._bound.items())}
@@ -94,3 +104,7 @@ class NamespaceNames:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self._path)
+
+
+def _key(scope: str, name: str) -> str:
+    return f"{scope}@{name}" if scope else name

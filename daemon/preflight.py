@@ -7,9 +7,12 @@ use stops the daemon in well under a second with one line naming the key (exit 2
 instead of a traceback, a gRPC error dump, or a tier that silently switches itself off
 after gigabytes were prefaulted. Each check raises :class:`ConfigError`:
 
-- ``listen``: a unix socket's directory can be made (0700) and holds no other
-  daemon's live socket nor a file that is not a socket (a stale socket is removed); a
-  TCP port (other than 0) is free.
+- ``listen``: a unix socket's directory can be made (0700), belongs to the daemon's
+  user and is not writable by others (else another user could put a server of their
+  own in the socket's place), and holds no other daemon's live socket nor a file that
+  is not a socket (a stale socket is removed); a TCP port (other than 0) is free.
+- tokens and TLS: every token file reads and holds a usable token, no two alike; the
+  TLS files read and hold PEM.
 - ``metrics_listen``: when set by the operator, the port is free (the built-in default
   may be taken by another daemon; that is one warning at start-up, not an error).
 - ``arena_dir`` / ``host_bytes``: the directory exists and is writable, and its file
@@ -35,6 +38,7 @@ import tempfile
 from pathlib import Path
 
 from kvstored import hostinfo, paths
+from kvstored.auth import Tokens
 from kvstored.config import (
     DISK_SIZE_FILE,
     ConfigError,
@@ -51,6 +55,7 @@ MIN_AUTO_DISK_BYTES = 64 << 20  # an automatic disk size below this is no tier a
 def check(config: DaemonConfig) -> None:
     """Raise ConfigError for the first configured path or port this machine cannot use."""
     check_listen(config)
+    check_security(config)
     check_metrics(config)
     check_arena(config)
     check_disk(config)
@@ -78,6 +83,8 @@ def prepare_unix_socket(sock_path: Path) -> str | None:
             parent.chmod(0o700)
     except OSError as exc:
         return f"cannot create the socket directory {parent}: {_reason(exc)}"
+    if problem := socket_dir_problem(parent):
+        return problem
     if not sock_path.exists() and not sock_path.is_symlink():
         return None
     if not stat.S_ISSOCK(sock_path.lstat().st_mode):
@@ -94,6 +101,43 @@ def prepare_unix_socket(sock_path: Path) -> str | None:
     finally:
         probe.close()
     return f"another daemon is listening on {sock_path}"
+
+
+def socket_dir_problem(directory: Path) -> str | None:
+    """Whether another user could replace a socket in ``directory``; -> a problem."""
+    info = directory.stat()
+    if info.st_uid != os.getuid():
+        return (
+            f"the socket directory {directory} belongs to uid {info.st_uid}, not to this "
+            f"daemon's user (uid {os.getuid()}): that user could put a server of their own "
+            "in the socket's place; use a directory of your own"
+        )
+    if info.st_mode & 0o022:
+        return (
+            f"the socket directory {directory} is writable by other users (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}): they could replace the socket; "
+            f"chmod go-w {directory}"
+        )
+    return None
+
+
+def check_security(config: DaemonConfig) -> None:
+    """Token files and TLS files, read as the daemon will read them."""
+    try:
+        Tokens(config.tenants, config.admin_token_file)
+    except ValueError as exc:
+        raise _fail(config, "admin_token_file" if "the admin" in str(exc) else "tenants",
+                    str(exc)) from None
+    for key in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(config, key)
+        if not path:
+            continue
+        try:
+            data = Path(path).read_bytes()
+        except OSError as exc:
+            raise _fail(config, key, f"cannot read {path}: {_reason(exc)}") from None
+        if b"-----BEGIN " not in data:
+            raise _fail(config, key, f"{path} holds no PEM block")
 
 
 def tcp_port_problem(address: str) -> str | None:

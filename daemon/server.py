@@ -37,6 +37,7 @@ from kvstore import platform as kv_platform
 from kvstore.disk_files import DiskDirInUse
 from kvstore.store import Store
 from kvstored import paths
+from kvstored.auth import Access, Tokens
 from kvstored.config import (
     AUTO_HOST_MAX,
     DISK_SIZE_FILE,
@@ -145,12 +146,20 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     store.set_platform(gpu.profile.value)
 
     names = NamespaceNames(config.disk_dir if config.disk_bytes else None)
-    service = KVStoreService(store, config, names, daemon_version())
+    try:
+        tokens = Tokens(config.tenants, config.admin_token_file)
+    except ValueError as exc:  # preflight read them: changed since
+        await asyncio.to_thread(store.close)
+        raise StartupError(str(exc), exit_code=2) from exc
+    access = Access(store, names, tokens)
+    service = KVStoreService(store, config, names, daemon_version(), access)
     health_servicer = health.aio.HealthServicer()
-    metrics = DaemonMetrics(store.stats, daemon_version(), lambda: store.platform)
+    metrics = DaemonMetrics(
+        store.stats, daemon_version(), lambda: store.platform, config.namespace_metrics
+    )
     server = grpc.aio.server(options=grpc_options(config), interceptors=[metrics.interceptor])
     add_to_server(service, server)  # Get and Put on framed bytes: fewer copies per chunk
-    gpu_service = KVGpuService(store, config, names, gpu, pin)
+    gpu_service = KVGpuService(store, config, names, gpu, pin, access)
     gpu_pb2_grpc.add_KVGpuServicer_to_server(gpu_service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -159,7 +168,11 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     try:
         old_umask = os.umask(0o177)  # the socket is born 0600: no window for other users
         try:
-            port = server.add_insecure_port(config.listen)
+            credentials = server_credentials(config)
+            if credentials is None:
+                port = server.add_insecure_port(config.listen)
+            else:
+                port = server.add_secure_port(config.listen, credentials)
             await server.start()
         finally:
             os.umask(old_umask)
@@ -250,6 +263,18 @@ async def start_local_calls(
         return None
     service.local_socket = str(path)
     return local
+
+
+def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:
+    """TLS for a TCP listen with tls_cert (clients must show a certificate that
+    tls_client_ca signed, when set); None for plain (a unix socket, or loopback)."""
+    if not config.tls_cert:
+        return None
+    key_pair = (Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())
+    client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [key_pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
 
 
 def _reason(exc: BaseException) -> str:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -68,6 +69,7 @@ from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.results import Event, Reservation, SlotRef
 from kvstore.store import Store
 from kvstored import convert, hostinfo
+from kvstored.auth import Access, Caller, Tokens
 from kvstored.config import GET_CHUNK_BYTES, MAX_CHUNK_BYTES, DaemonConfig
 from kvstored.errors import grpc_errors, tolerant
 from kvstored.names import NamespaceNames
@@ -95,11 +97,17 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     """Servicer for ``kvstore.v1.KVStore``; owns its thread pools, not the store."""
 
     def __init__(
-        self, store: Store, config: DaemonConfig, names: NamespaceNames, version: str
+        self,
+        store: Store,
+        config: DaemonConfig,
+        names: NamespaceNames,
+        version: str,
+        access: Access | None = None,
     ) -> None:
         self._store = store
         self._config = config
         self._names = names
+        self.access = access or Access(store, names, Tokens(()))
         self._version = version
         self._started = time.monotonic()
         self._host_id = hostinfo.host_id()
@@ -153,17 +161,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
 
     # --- shared helpers (run on a pool thread) --------------------------------------
 
-    def _spec(self, ns_id: str) -> NamespaceSpec:
-        if not ns_id:
-            raise InvalidArgument("ns_id is required")
-        return self._store.namespace(self._names.resolve(ns_id))
-
     def _chain(
-        self, ns_id: str, tokens: Any, extra: Any, quick: bool = False
+        self, ns_id: str, tokens: Any, extra: Any, caller: Caller, quick: bool = False
     ) -> tuple[NamespaceSpec, list[BlockKey]]:
-        """The namespace and the key chain of a request's tokens; a Lookup and the
-        Acquire or Get that follows it for the same prompt hash it once (ChainCache)."""
-        spec = self._spec(ns_id)
+        """The namespace (one the caller owns) and the key chain of a request's tokens;
+        a Lookup and the Acquire or Get that follows it for the same prompt hash it once
+        (ChainCache)."""
+        spec = self.access.spec(ns_id, caller)
         arr = convert.tokens(tokens)
         extras = convert.extra_keys(extra)
         memo = (spec.ns_id, arr.tobytes(), tuple(extras))
@@ -181,7 +185,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def OpenNamespace(
         self, request: pb.OpenNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.NamespaceInfo:
-        spec = convert.spec_from_proto(request.spec)
+        caller = self.access.caller(context)
+        spec = self.access.scoped(caller, convert.spec_from_proto(request.spec))
         if spec.block_bytes > self._config.max_transfer_bytes:
             raise InvalidArgument(
                 f"block_bytes={spec.block_bytes} exceeds max_transfer_bytes="
@@ -189,7 +194,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             )
         if request.name:
             opened = await self._run(
-                self._names.bind, request.name, spec, self._store.open_namespace
+                self._names.bind, request.name, spec, self._store.open_namespace, caller.tenant
             )
         else:
             opened = await self._run(self._store.open_namespace, spec)
@@ -199,11 +204,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def DescribeNamespace(
         self, request: pb.DescribeNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.NamespaceInfo:
+        caller = self.access.caller(context)
         if not request.ns_id:
             raise InvalidArgument("ns_id is required")
 
         def describe() -> pb.NamespaceInfo:
-            spec = self._spec(request.ns_id)
+            spec = self.access.spec(request.ns_id, caller)
             stats = {n.ns_id: n for n in self._store.stats().namespaces}.get(spec.ns_id)
             return convert.namespace_info(spec, self._name_of(spec.ns_id), stats)
 
@@ -213,6 +219,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def ListNamespaces(
         self, request: pb.ListNamespacesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListNamespacesResponse:
+        caller = self.access.caller(context)
+
         def list_all() -> pb.ListNamespacesResponse:
             names = self._names.names_by_ns_id()
             infos = []
@@ -220,6 +228,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 try:
                     spec = self._store.namespace(ns.ns_id)
                 except UnknownNamespace:  # removed between the two calls
+                    continue
+                if not caller.owns(spec):
                     continue
                 infos.append(convert.namespace_info(spec, names.get(ns.ns_id, ""), ns))
             return pb.ListNamespacesResponse(namespaces=infos)
@@ -233,6 +243,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def ServerInfo(
         self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfoResponse:
+        caller = self.access.caller(context)
         cfg = self._config
         arena = self._store.arena
         return pb.ServerInfoResponse(
@@ -255,6 +266,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             arena_prefaulted=self._store.config.prefault_arena,
             disk_path=self._store.disk_path or "",
             admission=self._store.config.admission,
+            uid=os.getuid(),
+            tenant=caller.tenant,
         )
 
     @grpc_errors
@@ -264,6 +277,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         """Hold a client's session open; end its leases when the stream ends (see the
         proto). One message says the session is registered; then nothing until the
         client goes or the daemon stops."""
+        self.access.caller(context)
         if not SESSION_ID_MIN <= len(request.session_id) <= SESSION_ID_MAX:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -333,6 +347,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
+        caller = self.access.caller(context)
         wait = convert.seconds(request.wait_pending_s, "wait_pending_s")
         if wait is not None and wait > MAX_WAIT_PENDING_S:
             raise InvalidArgument(
@@ -340,7 +355,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             )
 
         def lookup(quick: bool = False) -> pb.LookupResponse:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
+            spec, keys = self._chain(
+                request.ns_id, request.tokens, request.extra_keys, caller, quick
+            )
             if wait:
                 result = self._store.wait_ready(spec.ns_id, keys, wait)
             else:
@@ -355,7 +372,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GetResponse | bytes]:
-        plan = await self._run_quick(functools.partial(self._open_read, request))
+        caller = self.access.caller(context)
+        plan = await self._run_quick(functools.partial(self._open_read, request, caller))
         finished = False
         try:
             yield self._message(pb.GetResponse(header=plan.header))
@@ -376,9 +394,13 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         " s while the bytes were being sent; call again"
                     )
 
-    def _open_read(self, request: pb.GetRequest, quick: bool = False) -> _ReadPlan:
+    def _open_read(
+        self, request: pb.GetRequest, caller: Caller, quick: bool = False
+    ) -> _ReadPlan:
         """Find what a Get sends and pin it: the header and the bytes."""
-        spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
+        spec, keys = self._chain(
+            request.ns_id, request.tokens, request.extra_keys, caller, quick
+        )
         start, bb = request.start_block, spec.block_bytes
         if start > len(keys):
             raise InvalidArgument(
@@ -454,6 +476,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
+        caller = self.access.caller(context)
         if request.unpinned and not request.compact_slots:
             raise InvalidArgument(
                 "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
@@ -467,7 +490,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         owner = self.owner_of(context)
 
         def acquire(quick: bool = False) -> pb.AcquireResponse:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
+            spec, keys = self._chain(
+                request.ns_id, request.tokens, request.extra_keys, caller, quick
+            )
             if request.max_blocks:
                 keys = keys[: request.max_blocks]
             if request.unpinned:
@@ -499,6 +524,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
+        self.access.caller(context)
         lease = convert.lease_id(request.lease_id)
         self._release_done(request.more_lease_ids)
         self._store.release(lease)  # no disk I/O: on the loop
@@ -508,6 +534,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def ReportReads(
         self, request: pb.ReportReadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportReadsResponse:
+        caller = self.access.caller(context)
         prefixes = request.prefixes
         if len(prefixes) > MAX_REPORTED_PREFIXES:
             raise InvalidArgument(
@@ -519,7 +546,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             # every prefix is checked before any is counted: a bad one changes nothing
             checked: list[tuple[str, list[BlockKey], int]] = []
             for i, prefix in enumerate(prefixes):
-                spec, keys = self._chain(prefix.ns_id, prefix.tokens, prefix.extra_keys, quick)
+                spec, keys = self._chain(
+                    prefix.ns_id, prefix.tokens, prefix.extra_keys, caller, quick
+                )
                 if prefix.n_blocks > min(len(keys), limit):
                     raise InvalidArgument(
                         f"prefixes[{i}]: n_blocks={prefix.n_blocks}, but its tokens make "
@@ -554,15 +583,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         request_iterator: AsyncIterable[pb.PutRequest | bytes],
         context: grpc.aio.ServicerContext,
     ) -> pb.PutResponse:
+        caller = self.access.caller(context)
         messages = aiter(request_iterator)
         first = await anext(messages, None)
         head = self._put_header(first)
         if head.lease_id:
-            return await self._put_into_claim(head, messages)
+            return await self._put_into_claim(head, messages, caller)
         prio = convert.optional_priority(head)
 
         def check_header(quick: bool = False) -> tuple[NamespaceSpec, list[BlockKey]]:
-            spec, keys = self._chain(head.ns_id, head.tokens, head.extra_keys, quick)
+            spec, keys = self._chain(head.ns_id, head.tokens, head.extra_keys, caller, quick)
             end = convert.block_range(head.start_block, head.n_blocks, len(keys))
             if head.n_blocks == 0:
                 raise InvalidArgument("n_blocks must be > 0")
@@ -612,7 +642,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         )
 
     async def _put_into_claim(
-        self, head: pb.PutHeader, messages: AsyncIterator[pb.PutRequest | bytes]
+        self,
+        head: pb.PutHeader,
+        messages: AsyncIterator[pb.PutRequest | bytes],
+        caller: Caller,
     ) -> pb.PutResponse:
         """Deliver the next ``n_blocks`` blocks of a claim (a write lease) and commit them.
 
@@ -621,7 +654,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         compute for themselves rather than wait for bytes that are not coming.
         """
         lease = convert.lease_id(head.lease_id)
-        spec = self._spec(head.ns_id)
+        spec = self.access.spec(head.ns_id, caller)
         if head.n_blocks == 0:
             raise InvalidArgument("n_blocks must be > 0")
         slots = self._store.claimed_slots(lease, head.n_blocks)
@@ -699,6 +732,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
+        caller = self.access.caller(context)
         ttl = convert.seconds(request.ttl_s, "ttl_s")
         prio = convert.optional_priority(request)
 
@@ -712,7 +746,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         owner = self.owner_of(context)
 
         def reserve(quick: bool = False) -> pb.ReserveResponse:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, quick)
+            spec, keys = self._chain(
+                request.ns_id, request.tokens, request.extra_keys, caller, quick
+            )
             end = convert.block_range(request.start_block, request.n_blocks, len(keys))
             if quick:  # staged slots are allocated already: only stage_more needs room
                 if request.commit and self._write_through():
@@ -752,6 +788,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Commit(
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitResponse:
+        self.access.caller(context)
         lease = convert.lease_id(request.lease_id)
         count = request.count if request.HasField("count") else None
         committed, durable = await self._commit(lease, count)
@@ -767,6 +804,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Abandon(
         self, request: pb.AbandonRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbandonResponse:
+        self.access.caller(context)
         lease = convert.lease_id(request.lease_id)
         return pb.AbandonResponse(dropped=self._store.abandon(lease))  # no disk I/O
 
@@ -776,8 +814,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
+        caller = self.access.caller(context)
+
         def delete() -> int:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys)
+            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, caller)
             if request.start_block >= len(keys):
                 raise InvalidArgument(
                     f"start_block={request.start_block} is not one of the {len(keys)} full "
@@ -791,9 +831,16 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Clear(
         self, request: pb.ClearRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClearResponse:
+        caller = self.access.caller(context)
+
         def clear() -> int:
-            ns_id = self._spec(request.ns_id).ns_id if request.ns_id else None
-            return self._store.clear(ns_id)
+            if request.ns_id:
+                return self._store.clear(self.access.spec(request.ns_id, caller).ns_id)
+            if caller.admin:
+                return self._store.clear(None)
+            # a tenant's Clear with no namespace clears its own namespaces, no other
+            owned = [spec.ns_id for spec in self._store.namespaces() if caller.owns(spec)]
+            return sum(self._store.clear(ns_id) for ns_id in owned)
 
         return pb.ClearResponse(removed=await self._run(clear))
 
@@ -801,11 +848,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def SetPriority(
         self, request: pb.SetPriorityRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetPriorityResponse:
+        caller = self.access.caller(context)
         prio = convert.priority(request.priority)
         duration = convert.seconds(request.duration_s, "duration_s")
 
         def set_priority() -> int:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys)
+            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, caller)
             if request.start_block > len(keys):
                 raise InvalidArgument(
                     f"start_block={request.start_block} is beyond the {len(keys)} full "
@@ -823,7 +871,11 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
+        caller = self.access.caller(context)
         stats = await self._run(self._store.stats)
+        if not caller.admin:  # a tenant sees its own namespaces, and no tenant's usage
+            own = tuple(n for n in stats.namespaces if self.access.visible(caller, n.ns_id))
+            stats = dataclasses.replace(stats, namespaces=own, tenants=())
         return convert.stats_response(
             stats,
             self._store.platform,
@@ -835,7 +887,8 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEventsResponse]:
-        ns_filter = self._names.resolve(request.ns_id) if request.ns_id else ""
+        caller = self.access.caller(context)
+        ns_filter = self.access.spec(request.ns_id, caller).ns_id if request.ns_id else ""
         kinds = set(request.kinds)
         for kind in kinds:
             if kind not in convert.EVENT_KINDS.values():
@@ -854,6 +907,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 for e in events
                 if (not ns_filter or e.ns_id == ns_filter)
                 and (not kinds or convert.EVENT_KINDS[e.kind] in kinds)
+                and (caller.admin or self.access.visible(caller, e.ns_id))
             ]
             if out or missed:
                 yield pb.WatchEventsResponse(events=out, missed=missed)

@@ -37,3 +37,11 @@ class OutOfSpace(StoreError):
 
 class StoreClosed(StoreError):
     """The store is shutting down and takes no new work (UNAVAILABLE)."""
+
+
+class Unauthenticated(StoreError):
+    """The call's token is missing or wrong (the daemon has tenants: kvstored.auth)."""
+
+
+class PermissionDenied(StoreError):
+    """A tenant asked for what only the admin may do."""

@@ -35,9 +35,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import overload
 

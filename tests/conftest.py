@@ -94,6 +94,8 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         # run in the child before exec (e.g. a file size limit standing for a full disk)
         self.preexec: Callable[[], None] | None = None
+        # TLS (a TCP daemon with tls_cert): how the fixture's own channels reach it
+        self.credentials: grpc.ChannelCredentials | None = None
         self._channels: list[grpc.Channel] = []
         self._log_file: Any = None
 
@@ -126,7 +128,7 @@ class Daemon:
         """Poll grpc.health.v1 until SERVING; fail with the daemon's output otherwise."""
         assert self.proc is not None
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.addr) as channel:
+        with self._open_channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 code = self.proc.poll()
@@ -218,9 +220,14 @@ class Daemon:
 
     def channel(self, **options: int) -> grpc.Channel:
         """A grpc channel to the daemon (closed at stop/teardown); options as grpc args."""
-        channel = grpc.insecure_channel(self.addr, options=list(options.items()))
+        channel = self._open_channel(list(options.items()))
         self._channels.append(channel)
         return channel
+
+    def _open_channel(self, options: list[tuple[str, int]] | None = None) -> grpc.Channel:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.addr, self.credentials, options=options)
+        return grpc.insecure_channel(self.addr, options=options)
 
     def _close_channels(self) -> None:
         for channel in self._channels:

@@ -116,7 +116,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "disk_path", "admission")
+    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "disk_path", "admission", "uid", "tenant")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class ServerInfoResponse(_message.Message):
     ARENA_PREFAULTED_FIELD_NUMBER: _ClassVar[int]
     DISK_PATH_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     version: str
     platform: str
     arena_path: str
@@ -155,7 +157,9 @@ class ServerInfoResponse(_message.Message):
     arena_prefaulted: bool
     disk_path: str
     admission: str
-    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., disk_path: _Optional[str] = ..., admission: _Optional[str] = ...) -> None: ...
+    uid: int
+    tenant: str
+    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., disk_path: _Optional[str] = ..., admission: _Optional[str] = ..., uid: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -558,7 +562,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes", "disk_writable", "disk_fault")
+    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes", "disk_writable", "disk_fault", "tenants")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -580,6 +584,7 @@ class StatsResponse(_message.Message):
     STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_WRITABLE_FIELD_NUMBER: _ClassVar[int]
     DISK_FAULT_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     demotions: int
@@ -594,7 +599,32 @@ class StatsResponse(_message.Message):
     staged_bytes: int
     disk_writable: bool
     disk_fault: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ..., disk_writable: _Optional[bool] = ..., disk_fault: _Optional[str] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ..., disk_writable: _Optional[bool] = ..., disk_fault: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "host_bytes", "disk_bytes", "host_quota", "disk_quota", "namespaces", "blocks", "hits", "misses", "quota_evictions")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    DISK_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    host_bytes: int
+    disk_bytes: int
+    host_quota: int
+    disk_quota: int
+    namespaces: int
+    blocks: int
+    hits: int
+    misses: int
+    quota_evictions: int
+    def __init__(self, tenant: _Optional[str] = ..., host_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., host_quota: _Optional[int] = ..., disk_quota: _Optional[int] = ..., namespaces: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., quota_evictions: _Optional[int] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("seq", "kind", "ns_id", "key", "tier", "timestamp")

@@ -23,6 +23,12 @@ message; any other ``status`` is the number of a gRPC status code and ``body`` i
 ``kind`` NUL ``message``, where ``kind`` is what gRPC errors carry in the
 ``kvstore-error`` trailing metadata (the class of the daemon's error, may be empty).
 A malformed or oversized frame closes the connection.
+
+Tokens: on a daemon with tenants, a connection's first frame is an authentication
+frame, ``name`` :data:`AUTH_NAME` and ``body`` the token (UTF-8). The answer is OK
+with an empty body, or UNAUTHENTICATED; every later call on the connection is that
+tenant's. A call on a connection that did not authenticate is UNAUTHENTICATED. On a
+daemon without tenants the frame is accepted and changes nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from kvproto.v1 import kvstore_pb2 as pb
 HEADER = struct.Struct("<IB")
 OK = 0
 MAX_NAME_BYTES = 64
+AUTH_NAME = b"@auth"  # not a method name: the connection's token (see above)
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 

@@ -1,0 +1,222 @@
+"""Who is calling: a token names a tenant (or the admin), checked on every call.
+
+Tenants are declared in the daemon's TOML config, each with a file holding its token
+and optional quotas (kvstore.tenants.Quota)::
+
+    admin_token_file = "/etc/kvstore/admin.token"
+    [tenants.team-a]
+    token_file = "/etc/kvstore/team-a.token"
+    host_bytes = "8 GiB"
+    disk_bytes = "100 GiB"
+
+With no tenant and no admin token the daemon serves anyone who can reach its socket
+as before: one tenant, every namespace visible (:data:`ANYONE`). With either, every
+call needs a token: gRPC calls carry ``authorization: Bearer <token>`` in their
+metadata, local-call connections send it in their first frame
+(kvproto.v1.local_calls). A missing or unknown token is UNAUTHENTICATED.
+
+Tokens are compared as SHA-256 digests with ``hmac.compare_digest``, against every
+known token each time, so how long a check takes says nothing about which token (or
+how much of one) matched. A token is at least :data:`MIN_TOKEN_CHARS` characters and
+no two principals share one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import InvalidArgument, PermissionDenied, Unauthenticated, UnknownNamespace
+from kvstore.keys import NamespaceSpec
+from kvstore.store import Store
+from kvstore.tenants import NAME_RE, Quota, tenant_of, tenant_salt
+from kvstored.names import NamespaceNames
+
+AUTH_METADATA = "authorization"
+BEARER = "Bearer "
+MIN_TOKEN_CHARS = 16
+TENANT_KEYS = ("token_file", "host_bytes", "disk_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """One ``[tenants.<name>]`` table of the config."""
+
+    name: str
+    token_file: str
+    quota: Quota
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Whose call this is: a tenant, or the admin (who sees every namespace)."""
+
+    tenant: str
+    admin: bool = False
+
+    def owns(self, spec: NamespaceSpec) -> bool:
+        return self.admin or tenant_of(spec.tenant_salt) == self.tenant
+
+    def require_admin(self, what: str) -> None:
+        if not self.admin:
+            raise PermissionDenied(f"{what} needs the admin token; tenant {self.tenant!r}")
+
+
+ANYONE = Caller("", admin=True)  # a daemon without tokens: one tenant, as before tenants
+
+
+def parse_tenants(
+    table: object, parse_size: Any, source: str
+) -> tuple[TenantConfig, ...]:
+    """The ``tenants`` table of a TOML file -> TenantConfigs; ValueError naming the
+    first bad entry (the caller turns it into a ConfigError)."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"expected a table of [tenants.<name>] tables ({source})")
+    out = []
+    for name, entry in table.items():
+        if not NAME_RE.match(name):
+            raise ValueError(
+                f"{name!r} is not a tenant name: 1-63 of [a-z0-9_-], starting with a "
+                f"letter or digit ({source})"
+            )
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"tenants.{name} must be a table ({source})")
+        unknown = sorted(set(entry) - set(TENANT_KEYS))
+        if unknown:
+            raise ValueError(
+                f"tenants.{name}: unknown key {unknown[0]!r}; keys are "
+                f"{', '.join(TENANT_KEYS)} ({source})"
+            )
+        token_file = entry.get("token_file")
+        if not isinstance(token_file, str) or not token_file:
+            raise ValueError(f"tenants.{name}: token_file is required ({source})")
+        try:
+            quota = Quota(
+                parse_size(entry.get("host_bytes", 0)), parse_size(entry.get("disk_bytes", 0))
+            )
+        except ValueError as exc:
+            raise ValueError(f"tenants.{name}: {exc} ({source})") from None
+        out.append(TenantConfig(name, os.path.abspath(os.path.expanduser(token_file)), quota))
+    return tuple(out)
+
+
+def read_token(path: str, whose: str) -> str:
+    """The token in ``path`` (surrounding whitespace dropped); ValueError saying why not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"cannot read the token of {whose} from {path}: {reason}") from None
+    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
+        raise ValueError(
+            f"the token of {whose} in {path} must be at least {MIN_TOKEN_CHARS} characters "
+            "with no spaces (e.g. `openssl rand -hex 32`)"
+        )
+    return token
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Tokens:
+    """The daemon's tokens -> callers. Read once, at start-up."""
+
+    def __init__(self, tenants: Sequence[TenantConfig], admin_token_file: str = "") -> None:
+        entries: list[tuple[str, str, Caller]] = [
+            (t.token_file, f"tenant {t.name}", Caller(t.name)) for t in tenants
+        ]
+        if admin_token_file:
+            entries.append((admin_token_file, "the admin", Caller("", admin=True)))
+        self._known: list[tuple[bytes, Caller]] = []
+        seen: dict[bytes, str] = {}
+        for path, whose, caller in entries:
+            digest = _digest(read_token(path, whose))
+            if digest in seen:
+                raise ValueError(f"{whose} and {seen[digest]} have the same token ({path})")
+            seen[digest] = whose
+            self._known.append((digest, caller))
+        self.tenants = tuple(t.name for t in tenants)
+
+    @property
+    def enabled(self) -> bool:
+        """True when calls need a token."""
+        return bool(self._known)
+
+    def caller(self, token: str | None) -> Caller:
+        """The caller a token names; Unauthenticated when the daemon needs one and
+        ``token`` is missing or unknown."""
+        if not self._known:
+            return ANYONE
+        if not token:
+            raise Unauthenticated(
+                "this daemon needs a token: set KVSTORE_TOKEN (or KVSTORE_TOKEN_FILE), "
+                "or pass token= to the client"
+            )
+        digest = _digest(token)
+        found: Caller | None = None
+        for known, caller in self._known:  # every one compared: no timing oracle
+            if hmac.compare_digest(digest, known):
+                found = caller
+        if found is None:
+            raise Unauthenticated("the token is not valid for this daemon")
+        return found
+
+    def caller_of(self, metadata: Iterable[tuple[str, Any]] | None) -> Caller:
+        """The caller of a gRPC call, from its ``authorization`` metadata."""
+        if not self._known:
+            return ANYONE
+        for key, value in metadata or ():
+            if key == AUTH_METADATA:
+                text = value.decode() if isinstance(value, bytes) else str(value)
+                return self.caller(text[len(BEARER) :] if text.startswith(BEARER) else "")
+        return self.caller(None)
+
+
+class Access:
+    """Who a call's caller is, and which namespaces it may name: one object shared by
+    the KVStore and KVGpu servicers, so both scope namespaces the same way."""
+
+    def __init__(self, store: Store, names: NamespaceNames, tokens: Tokens) -> None:
+        self._store = store
+        self._names = names
+        self.tokens = tokens
+
+    def caller(self, context: Any) -> Caller:
+        """The caller of a call: set by the local-call server on its connections'
+        contexts, else from the gRPC call's metadata. Unauthenticated if none."""
+        caller = getattr(context, "caller", None)
+        if caller is not None:
+            return caller  # type: ignore[no-any-return]
+        return self.tokens.caller_of(context.invocation_metadata())
+
+    def spec(self, ns_id: str, caller: Caller) -> NamespaceSpec:
+        """The namespace an ns_id or a name (in the caller's scope) names, if the caller
+        owns it; another tenant's is UnknownNamespace, word for word as a missing one."""
+        if not ns_id:
+            raise InvalidArgument("ns_id is required")
+        spec = self._store.namespace(self._names.resolve(ns_id, caller.tenant))
+        if not caller.owns(spec):
+            raise UnknownNamespace(f"unknown namespace {ns_id!r}; open it first")
+        return spec
+
+    def visible(self, caller: Caller, ns_id: str) -> bool:
+        """Whether the caller may see blocks (events, stats) of namespace ``ns_id``."""
+        if caller.admin:
+            return True
+        try:
+            return caller.owns(self._store.namespace(ns_id))
+        except UnknownNamespace:
+            return False
+
+    def scoped(self, caller: Caller, spec: NamespaceSpec) -> NamespaceSpec:
+        """The spec a caller's OpenNamespace opens: a tenant's salt folds in its name."""
+        if not caller.tenant:
+            return spec
+        return dataclasses.replace(spec, tenant_salt=tenant_salt(caller.tenant, spec.tenant_salt))

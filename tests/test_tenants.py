@@ -1,0 +1,320 @@
+"""Two tenants and an admin on one real daemon: tokens on every call, each tenant sees
+only its own namespaces, the salt never leaves the daemon, quotas hold under a flood.
+
+One daemon for the module, configured with tenants ``a`` (host and disk quotas) and
+``b``, and an admin token. The store-level quota mechanics are in test_store_quotas.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import Daemon
+
+from kvclient import (
+    AsyncKVClient,
+    AuthenticationError,
+    KVClient,
+    NamespaceNotFoundError,
+)
+from kvclient.sync_client import Namespace
+from kvproto.v1 import gpu_pb2
+from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1 import local_calls as frames
+
+MiB = 1 << 20
+BLOCK_TOKENS = 4
+SECRET_SALT = "salt-only-the-daemon-knows"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Tenancy:
+    daemon: Daemon
+    tokens: dict[str, str]  # "a", "b", "admin"
+    token_files: dict[str, Path]
+    metrics_url: str
+
+    def client(self, who: str, **kw: object) -> KVClient:
+        return KVClient(self.daemon.addr, token=self.tokens[who], **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def tenancy(
+    kvstored_module_factory: Callable[..., Daemon], tmp_path_factory: pytest.TempPathFactory
+) -> Tenancy:
+    folder = tmp_path_factory.mktemp("tokens")
+    tokens = {who: secrets.token_hex(16) for who in ("a", "b", "admin")}
+    files = {}
+    for who, token in tokens.items():
+        files[who] = folder / f"{who}.token"
+        files[who].write_text(token + "\n")
+    config = folder / "kvstored.toml"
+    config.write_text(
+        f'admin_token_file = "{files["admin"]}"\n'
+        "[tenants.a]\n"
+        f'token_file = "{files["a"]}"\n'
+        'host_bytes = "8 MiB"\n'
+        'disk_bytes = "16 MiB"\n'
+        "[tenants.b]\n"
+        f'token_file = "{files["b"]}"\n'
+    )
+    port = free_port()
+    daemon = kvstored_module_factory(
+        extra_args=("--config", str(config)), metrics_listen=f"127.0.0.1:{port}"
+    )
+    return Tenancy(daemon, tokens, files, f"http://127.0.0.1:{port}/metrics")
+
+
+def tokens_of(seed: int, blocks: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(blocks * BLOCK_TOKENS)]
+
+
+def blocks_of(n: int, size: int, tag: int) -> np.ndarray:
+    return np.full((n, size), tag % 251, dtype=np.uint8)
+
+
+# --- tokens ---------------------------------------------------------------------------
+
+
+def _call_every_method(channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> dict:
+    """Call each method of KVStore and KVGpu with an empty request -> {method: code}."""
+    codes = {}
+    for service, module in (("KVStore", pb), ("KVGpu", gpu_pb2)):
+        descriptor = module.DESCRIPTOR.services_by_name[service]
+        for method in descriptor.methods:
+            path = f"/{descriptor.full_name}/{method.name}"
+            request = getattr(module, method.input_type.name)()
+            response = getattr(module, method.output_type.name)
+            try:
+                if method.client_streaming:
+                    call = channel.stream_unary(
+                        path, lambda m: m.SerializeToString(), response.FromString
+                    )
+                    call(iter([request]), timeout=5, metadata=metadata)
+                elif method.server_streaming:
+                    call = channel.unary_stream(
+                        path, lambda m: m.SerializeToString(), response.FromString
+                    )
+                    next(iter(call(request, timeout=5, metadata=metadata)))
+                else:
+                    call = channel.unary_unary(
+                        path, lambda m: m.SerializeToString(), response.FromString
+                    )
+                    call(request, timeout=5, metadata=metadata)
+                codes[method.name] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                codes[method.name] = exc.code()
+    return codes
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token-0123456789abcdef"])
+def test_every_grpc_call_without_a_valid_token_is_unauthenticated(
+    tenancy: Tenancy, token: str | None
+) -> None:
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    codes = _call_every_method(tenancy.daemon.channel(), metadata)
+    assert len(codes) > 20
+    assert {name for name, code in codes.items() if code != grpc.StatusCode.UNAUTHENTICATED} == set()
+
+
+def _local_call(sock: socket.socket, name: bytes, body: bytes) -> tuple[int, bytes]:
+    sock.sendall(frames.request_frame(name, body))
+    header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
+    size, status = frames.HEADER.unpack(header)
+    return status, sock.recv(size, socket.MSG_WAITALL) if size else b""
+
+
+def test_local_calls_need_the_token_frame_first(tenancy: Tenancy) -> None:
+    with tenancy.client("a") as client:
+        path = client.server_info().local_socket
+    assert path
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+    for name in frames.UNARY_METHODS:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(path)
+            status, _ = _local_call(sock, name.encode(), b"")
+            assert status == unauthenticated, name
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        status, body = _local_call(sock, frames.AUTH_NAME, b"not-the-token-at-all")
+        assert status == unauthenticated
+        assert "not valid" in frames.parse_error(body)[1]
+        status, _ = _local_call(sock, b"ServerInfo", b"")  # still nobody
+        assert status == unauthenticated
+        status, _ = _local_call(sock, frames.AUTH_NAME, tenancy.tokens["b"].encode())
+        assert status == frames.OK
+        status, body = _local_call(sock, b"ServerInfo", b"")
+        assert status == frames.OK
+        assert pb.ServerInfoResponse.FromString(body).tenant == "b"
+
+
+def test_clients_without_or_with_a_wrong_token_get_authentication_errors(
+    tenancy: Tenancy,
+) -> None:
+    with KVClient(tenancy.daemon.addr, token="") as client:
+        with pytest.raises(AuthenticationError, match="needs a token"):
+            client.server_info()
+    with KVClient(tenancy.daemon.addr, token="x" * 32) as client:
+        with pytest.raises(AuthenticationError, match="not valid"):
+            client.stats()
+
+    async def run() -> None:
+        async with AsyncKVClient(tenancy.daemon.addr, token="y" * 32) as client:
+            with pytest.raises(AuthenticationError):
+                await client.server_info()
+
+    asyncio.run(run())
+
+
+# --- isolation ------------------------------------------------------------------------
+
+
+def test_a_tenant_cannot_list_read_write_or_clear_anothers_blocks(tenancy: Tenancy) -> None:
+    tokens = tokens_of(1, 4)
+    with tenancy.client("a") as a, tenancy.client("b") as b, tenancy.client("admin") as admin:
+        mine = a.namespace("iso-model", block_tokens=BLOCK_TOKENS, block_bytes=4096, name="shared")
+        assert mine.put(tokens, blocks_of(4, 4096, 7)).stored == 4
+        # b binds the same name to another layout: names are per tenant
+        theirs = b.namespace("iso-model", block_tokens=BLOCK_TOKENS, block_bytes=8192, name="shared")
+        assert theirs.ns_id != mine.ns_id
+        same_model = b.namespace("iso-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert same_model.ns_id != mine.ns_id  # same spec, other tenant: other keys
+        assert same_model.get(tokens).n_blocks == 0
+
+        assert mine.ns_id not in {info.ns_id for info in b.namespaces()}
+        assert mine.ns_id not in {ns.ns_id for ns in b.stats().namespaces}
+        stolen = Namespace(b, mine.info)  # b names a's namespace by its id
+        for attempt in (
+            lambda: stolen.lookup(tokens),
+            lambda: stolen.get(tokens),
+            lambda: stolen.put(tokens_of(2, 1), blocks_of(1, 4096, 9)),
+            lambda: stolen.delete(tokens),
+            lambda: stolen.set_priority(tokens, 90),
+            lambda: b.clear(mine.ns_id),
+            lambda: b.open_namespace(mine.ns_id),
+        ):
+            with pytest.raises(NamespaceNotFoundError) as caught:
+                attempt()
+            assert "open it first" in str(caught.value)
+        with pytest.raises(NamespaceNotFoundError) as unknown:
+            b.open_namespace("iso-model@000000000000")
+        assert str(caught.value).replace(mine.ns_id, "X") == str(unknown.value).replace(
+            "iso-model@000000000000", "X"
+        )  # another's namespace reads exactly like one that does not exist
+        b.clear()  # a tenant's clear-all is its own namespaces only
+        assert a.namespace("iso-model", block_tokens=BLOCK_TOKENS, block_bytes=4096).get(
+            tokens
+        ).n_blocks == 4
+        events = list(b.events(duration_s=0.5))
+        assert mine.ns_id not in {e.ns_id for e in events}
+        assert mine.ns_id in {e.ns_id for e in admin.events(duration_s=0.5)}
+        assert {mine.ns_id, theirs.ns_id} <= {info.ns_id for info in admin.namespaces()}
+        assert admin.open_namespace(mine.ns_id).get(tokens).n_blocks == 4
+
+
+def test_the_salt_appears_in_no_answer_and_no_metric(tenancy: Tenancy) -> None:
+    stub_channel = tenancy.daemon.channel()
+    secret_model = "model-of-tenant-a"
+    answers: list[bytes] = []
+    for who in ("a", "admin"):
+        md = (("authorization", f"Bearer {tenancy.tokens[who]}"),)
+        call = lambda name, req, resp: stub_channel.unary_unary(  # noqa: E731
+            f"/kvstore.v1.KVStore/{name}", lambda m: m.SerializeToString(), lambda b: b
+        )(req, metadata=md, timeout=5)
+        if who == "a":
+            spec = pb.NamespaceSpec(
+                model=secret_model, block_tokens=BLOCK_TOKENS, block_bytes=4096,
+                tenant_salt=SECRET_SALT,
+            )
+            opened = call("OpenNamespace", pb.OpenNamespaceRequest(spec=spec), None)
+            answers.append(opened)
+            ns_id = pb.NamespaceInfo.FromString(opened).ns_id
+            assert pb.NamespaceInfo.FromString(opened).spec.tenant_salt == ""
+        answers.append(call("DescribeNamespace", pb.DescribeNamespaceRequest(ns_id=ns_id), None))
+        answers.append(call("ListNamespaces", pb.ListNamespacesRequest(), None))
+        answers.append(call("Stats", pb.StatsRequest(), None))
+        answers.append(call("ServerInfo", pb.ServerInfoRequest(), None))
+    for raw in answers:
+        assert SECRET_SALT.encode() not in raw
+        assert b"tenant:" not in raw  # the daemon's own salt prefix neither
+    with urllib.request.urlopen(tenancy.metrics_url, timeout=5) as reply:
+        metrics = reply.read().decode()
+    assert "kvstore_tier_used_bytes" in metrics
+    for leak in (SECRET_SALT, ns_id, secret_model, "tenant"):
+        assert leak not in metrics, leak
+
+
+def test_a_flood_from_one_tenant_over_its_quota_leaves_the_others_blocks(
+    tenancy: Tenancy,
+) -> None:
+    block = 1 * MiB
+    kept = tokens_of(30, 10)
+    with tenancy.client("a") as a, tenancy.client("b") as b, tenancy.client("admin") as admin:
+        ns_b = b.namespace("flood-model", block_tokens=BLOCK_TOKENS, block_bytes=block)
+        assert ns_b.put(kept, blocks_of(10, block, 3)).stored == 10
+        ns_a = a.namespace("flood-model", block_tokens=BLOCK_TOKENS, block_bytes=block)
+        for seed in range(100, 124):  # 24 chains of 4 MiB: 96 MiB, more than the arena
+            ns_a.put(tokens_of(seed, 4), blocks_of(4, block, seed))
+        hit = ns_b.lookup(kept)
+        assert (hit.blocks, hit.host_blocks) == (10, 10)
+        assert np.all(ns_b.get(kept).blocks == 3)
+        usage = {t.tenant: t for t in admin.stats().tenants}
+        assert usage["a"].host_bytes <= 8 * MiB and usage["a"].disk_bytes <= 16 * MiB
+        assert usage["a"].quota_evictions > 0
+        assert usage["b"].quota_evictions == 0 and usage["b"].host_bytes >= 10 * MiB
+        assert b.stats().tenants == ()  # usage per tenant is the admin's view only
+
+
+def test_the_arena_path_works_for_a_tenant_and_stays_in_its_namespaces(
+    tenancy: Tenancy,
+) -> None:
+    tokens = tokens_of(50, 3)
+    with tenancy.client("a", use_arena=True) as a, tenancy.client("b", use_arena=True) as b:
+        ns_a = a.namespace("arena-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert ns_a.put(tokens, blocks_of(3, 4096, 11)).stored == 3
+        assert a.arena_in_use
+        assert np.all(ns_a.get(tokens).blocks == 11)
+        with pytest.raises(NamespaceNotFoundError):
+            Namespace(b, ns_a.info).get(tokens)
+
+    async def run() -> None:
+        async with AsyncKVClient(tenancy.daemon.addr, token=tenancy.tokens["a"]) as client:
+            ns = await client.namespace("arena-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+            got = await ns.get(tokens)
+            assert got.n_blocks == 3 and np.all(got.blocks == 11)
+
+    asyncio.run(run())
+
+
+def test_kvctl_status_tenants_is_for_the_admin(tenancy: Tenancy) -> None:
+    def kvctl(who: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvclient", "--addr", tenancy.daemon.addr, "status",
+             "--tenants", "--token-file", str(tenancy.token_files[who])],
+            capture_output=True, text=True, timeout=60,
+        )
+
+    admin = kvctl("admin")
+    assert admin.returncode == 0, admin.stderr
+    rows = {line.split()[0] for line in admin.stdout.splitlines()[1:]}
+    assert {"a", "b"} <= rows
+    tenant = kvctl("a")
+    assert tenant.returncode == 1
+    assert tenant.stderr.count("\n") == 1 and "admin token" in tenant.stderr
