@@ -493,12 +493,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     for key in KEYS:
         names = [key.flag] + ([f"--{key.name}"] if "_" in key.name else [])
+        bare = {"nargs": "?", "const": "true"} if key.type == "bool" else {}  # --insecure
         parser.add_argument(
             *names,
             dest=key.name,
             metavar=key.type.upper(),
             default=None,
             help=key.help.replace("%", "%%"),  # argparse formats help with %
+            **bare,  # type: ignore[arg-type]
         )
     return parser
 

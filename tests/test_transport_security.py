@@ -1,0 +1,244 @@
+"""TLS and mutual TLS on a TCP daemon, the refusal of an open port without them, and
+whose sockets the daemon and the client trust.
+
+Certificates come from a test CA made here with the ``cryptography`` package.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import Daemon
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from kvclient import TLS, DaemonUnavailableError, KVClient, UntrustedSocketError
+from kvclient.errors import InvalidArgumentError
+from kvstored.config import ConfigError, load_config
+
+IS_ROOT = os.geteuid() == 0
+NOBODY = 65534
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _write_key_and_cert(
+    folder: Path, name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
+) -> tuple[Path, Path]:
+    key_path, cert_path = folder / f"{name}.key", folder / f"{name}.pem"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
+def make_pki(folder: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = {"ca": _write_key_and_cert(folder, "ca", ca, ca_key)[1]}
+    for name, usage, san in (
+        ("server", x509.ExtendedKeyUsageOID.SERVER_AUTH,
+         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+        ("client", x509.ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("engine-1")]),
+    ):
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(san), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        paths[f"{name}_key"], paths[f"{name}_cert"] = _write_key_and_cert(folder, name, cert, key)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def admin_token(tmp_path: Path) -> tuple[str, Path]:
+    token = os.urandom(16).hex()
+    path = tmp_path / "admin.token"
+    path.write_text(token)
+    return token, path
+
+
+def tls_daemon(
+    factory: Callable[..., Daemon],
+    pki: dict[str, Path],
+    token_file: Path,
+    mutual: bool,
+) -> Daemon:
+    settings: dict[str, object] = {
+        "listen": f"127.0.0.1:{free_port()}",
+        "tls_cert": pki["server_cert"],
+        "tls_key": pki["server_key"],
+        "admin_token_file": token_file,
+    }
+    if mutual:
+        settings["tls_client_ca"] = pki["ca"]
+    daemon = factory(start=False, **settings)
+    ca = pki["ca"].read_bytes()
+    daemon.credentials = grpc.ssl_channel_credentials(
+        ca,
+        pki["client_key"].read_bytes() if mutual else None,
+        pki["client_cert"].read_bytes() if mutual else None,
+    )
+    return daemon.start()
+
+
+def round_trip(client: KVClient) -> int:
+    ns = client.namespace("tls-model", block_tokens=4, block_bytes=4096)
+    tokens = list(range(12))
+    ns.put(tokens, np.full((3, 4096), 5, dtype=np.uint8))
+    got = ns.get(tokens)
+    assert np.all(got.blocks == 5)
+    return got.n_blocks
+
+
+def test_tls_with_a_token_serves_and_plain_tcp_is_turned_away(
+    kvstored_factory: Callable[..., Daemon], pki: dict[str, Path], admin_token: tuple[str, Path]
+) -> None:
+    token, token_file = admin_token
+    daemon = tls_daemon(kvstored_factory, pki, token_file, mutual=False)
+    tls = TLS(ca_file=str(pki["ca"]))
+    with KVClient(daemon.addr, token=token, tls=tls, use_arena=False, timeout=5) as client:
+        assert round_trip(client) == 3
+    with KVClient(daemon.addr, token=token, use_arena=False, timeout=2) as plain, pytest.raises(
+        DaemonUnavailableError
+    ):
+        plain.server_info()
+    with KVClient(
+        daemon.addr, token=token, tls=TLS(ca_file=str(pki["client_cert"])), use_arena=False,
+        timeout=2,
+    ) as wrong_ca, pytest.raises(DaemonUnavailableError):
+        wrong_ca.server_info()  # a server certificate this CA did not sign is refused
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(
+    kvstored_factory: Callable[..., Daemon], pki: dict[str, Path], admin_token: tuple[str, Path]
+) -> None:
+    token, token_file = admin_token
+    daemon = tls_daemon(kvstored_factory, pki, token_file, mutual=True)
+    without = TLS(ca_file=str(pki["ca"]))
+    with KVClient(daemon.addr, token=token, tls=without, use_arena=False, timeout=2) as client:
+        with pytest.raises(DaemonUnavailableError):
+            client.server_info()
+    with_cert = TLS(str(pki["ca"]), str(pki["client_cert"]), str(pki["client_key"]))
+    with KVClient(daemon.addr, token=token, tls=with_cert, use_arena=False, timeout=5) as client:
+        assert round_trip(client) == 3
+
+
+def test_an_open_tcp_port_needs_tls_and_tokens_or_insecure(tmp_path: Path) -> None:
+    base = ["--disk-bytes", "0", "--host-bytes", "64MiB", "--metrics-listen", "off"]
+    wide = ["--listen", f"0.0.0.0:{free_port()}"]
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvstored", *wide, *base],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.count("\n") == 1
+    for key in ("tls_cert", "tls_key", "insecure", "admin_token_file"):
+        assert key in refused.stderr
+    # the flag lets it through (loaded only: tests never bind beyond loopback)
+    config, _ = load_config([*wide, *base, "--insecure"], env={})
+    assert config.insecure
+    token = tmp_path / "t"
+    token.write_text("a" * 32)
+    with pytest.raises(ConfigError, match="tls_cert"):  # tokens alone are not enough
+        load_config([*wide, *base, "--admin-token-file", str(token)], env={})
+    with pytest.raises(ConfigError, match="TLS is for a TCP listen"):
+        load_config(["--listen", "unix:///tmp/x.sock", "--tls-cert", "/c", "--tls-key", "/k"],
+                    env={})
+
+
+def test_a_token_is_never_sent_in_clear_text_off_the_host() -> None:
+    with pytest.raises(InvalidArgumentError, match="clear text"):
+        KVClient("10.11.12.13:5000", token="t" * 32)
+
+
+def _start_in(kvstored_factory: Callable[..., Daemon], folder: Path) -> Daemon:
+    daemon = kvstored_factory(start=False, listen=f"unix://{folder}/kvstored.sock")
+    return daemon
+
+
+def test_the_daemon_refuses_a_socket_directory_others_may_write(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    folder = Path(os.path.realpath(tmp_path)) / "shared"
+    folder.mkdir()
+    folder.chmod(0o770)
+    daemon = _start_in(kvstored_factory, folder)
+    with pytest.raises(Exception, match="exited with 2"):
+        daemon.start()
+    assert f"the socket directory {folder} is writable by other users" in daemon.output()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="giving a directory to another user needs root")
+def test_the_daemon_refuses_a_socket_directory_of_another_user(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    folder = Path(os.path.realpath(tmp_path)) / "theirs"
+    folder.mkdir(mode=0o700)
+    os.chown(folder, NOBODY, NOBODY)
+    daemon = _start_in(kvstored_factory, folder)
+    with pytest.raises(Exception, match="exited with 2"):
+        daemon.start()
+    assert f"belongs to uid {NOBODY}, not to this daemon's user" in daemon.output()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="giving a socket to another user needs root")
+def test_the_client_refuses_a_socket_of_another_user(kvstored: Daemon) -> None:
+    sock = Path(kvstored.socket_path)
+    os.chown(sock.parent, NOBODY, NOBODY)
+    os.chown(sock, NOBODY, NOBODY)
+    try:
+        with pytest.raises(UntrustedSocketError, match=f"belongs to uid {NOBODY}"):
+            KVClient(kvstored.addr)
+        with KVClient(kvstored.addr, socket_owner=NOBODY) as trusting:
+            assert trusting.server_info().pid == kvstored.pid
+    finally:
+        os.chown(sock.parent, 0, 0)
+        os.chown(sock, 0, 0)
