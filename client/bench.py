@@ -462,10 +462,24 @@ def warm_page_cache(path: str, buffer: np.ndarray) -> str:
 class OwnDaemon:
     """A kvstored this program starts in a temp dir, restarts, and stops."""
 
-    def __init__(self, workdir: Path, host_bytes: int, disk_bytes: int) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        host_bytes: int,
+        disk_bytes: int,
+        listen: str = "",
+        extra_args: Sequence[str] = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        """``listen``: a TCP address instead of a socket of its own; ``extra_args`` go
+        on its command line; ``credentials`` (TLS) and ``client_options`` (a token, TLS:
+        KVClient keywords) are how this program's own calls reach it."""
         self.workdir = workdir
         self.sock_dir = Path(tempfile.mkdtemp(prefix="kvb", dir="/tmp"))
-        self.addr = f"unix://{self.sock_dir}/kvstored.sock"
+        self.addr = listen or f"unix://{self.sock_dir}/kvstored.sock"
+        self.credentials = credentials
+        self.client_options = client_options or {}
         self.disk_dir = workdir / "disk"
         self.log_path = workdir / "kvstored.log"
         self.args = [
@@ -484,6 +498,7 @@ class OwnDaemon:
             str(GiB),
             "--log_level",
             "warning",
+            *extra_args,
         ]
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORED_")}
         from kvstored.config import KEYS_BY_NAME
@@ -504,7 +519,11 @@ class OwnDaemon:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvstored exited: {self.log_path.read_text()[-2000:]}")
-            with grpc.insecure_channel(self.addr) as channel:
+            channel = (
+                grpc.secure_channel(self.addr, self.credentials) if self.credentials
+                else grpc.insecure_channel(self.addr)
+            )
+            with channel:
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(
                         health_pb2.HealthCheckRequest(), timeout=0.5
@@ -520,7 +539,7 @@ class OwnDaemon:
         """Let the daemon's background prefault of its arena finish (it would compete
         with the first cases for the CPU): tmpfs counts a file's blocks as its pages
         are faulted in. Gives up when the count stops growing (prefault off)."""
-        with KVClient(self.addr) as client:
+        with KVClient(self.addr, **self.client_options) as client:
             info = client.server_info()
         if not info.arena_path:
             return

@@ -1,28 +1,25 @@
 """TLS and mutual TLS on a TCP daemon, the refusal of an open port without them, and
 whose sockets the daemon and the client trust.
 
-Certificates come from a test CA made here with the ``cryptography`` package.
+Certificates come from a test CA made with the ``cryptography`` package by
+scripts/dev_pki.py, the tool the docs give users for a first try of TLS.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import grpc
 import numpy as np
 import pytest
 from conftest import Daemon
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvclient import TLS, DaemonUnavailableError, KVClient, UntrustedSocketError
 from kvclient.errors import InvalidArgumentError
@@ -38,58 +35,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _write_key_and_cert(
-    folder: Path, name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey
-) -> tuple[Path, Path]:
-    key_path, cert_path = folder / f"{name}.key", folder / f"{name}.pem"
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return key_path, cert_path
+def _load_dev_pki() -> ModuleType:
+    """scripts/dev_pki.py, the CA the docs tell users to try TLS with."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "dev_pki.py"
+    spec = importlib.util.spec_from_file_location("dev_pki", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["dev_pki"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def make_pki(folder: Path) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = {"ca": _write_key_and_cert(folder, "ca", ca, ca_key)[1]}
-    for name, usage, san in (
-        ("server", x509.ExtendedKeyUsageOID.SERVER_AUTH,
-         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-        ("client", x509.ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("engine-1")]),
-    ):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(san), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-            .sign(ca_key, hashes.SHA256())
-        )
-        paths[f"{name}_key"], paths[f"{name}_cert"] = _write_key_and_cert(folder, name, cert, key)
-    return paths
+make_pki = _load_dev_pki().make_pki
 
 
 @pytest.fixture(scope="module")
@@ -163,9 +120,10 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(
     token, token_file = admin_token
     daemon = tls_daemon(kvstored_factory, pki, token_file, mutual=True)
     without = TLS(ca_file=str(pki["ca"]))
-    with KVClient(daemon.addr, token=token, tls=without, use_arena=False, timeout=2) as client:
-        with pytest.raises(DaemonUnavailableError):
-            client.server_info()
+    with KVClient(
+        daemon.addr, token=token, tls=without, use_arena=False, timeout=2
+    ) as client, pytest.raises(DaemonUnavailableError):
+        client.server_info()
     with_cert = TLS(str(pki["ca"]), str(pki["client_cert"]), str(pki["client_key"]))
     with KVClient(daemon.addr, token=token, tls=with_cert, use_arena=False, timeout=5) as client:
         assert round_trip(client) == 3
