@@ -10,6 +10,11 @@ daemon's own ``listen`` setting read the way the daemon reads it, from
 ``$KVSTORED_LISTEN`` or the ``$KVSTORED_CONFIG`` file, else the default socket. So in
 the daemon's own container, with its own environment, no argument is needed.
 
+A daemon serving TLS on TCP: the probe speaks TLS when ``$KVSTORE_TLS_CA`` names the
+CA that signed the daemon's certificate (with ``$KVSTORE_TLS_CERT`` / ``_KEY`` when it
+asks for client certificates, ``$KVSTORE_TLS_SERVER_NAME`` when the certificate does
+not name ``localhost``), as for kvclient. The health service needs no token.
+
 Exit status: 0 SERVING; 1 anything else (NOT_SERVING while draining, unreachable,
 timed out), with one line on stderr saying which; 2 a bad argument.
 """
@@ -24,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvclient.security import TLS
 from kvstored import config, paths
 
 
@@ -47,7 +53,13 @@ def daemon_address(env: Mapping[str, str]) -> str:
 
 def check(addr: str, service: str, timeout: float) -> tuple[bool, str]:
     """-> (serving, what to print)."""
-    with grpc.insecure_channel(addr) as channel:
+    tls = TLS.from_env(os.environ) if paths.socket_path_of(addr) is None else None
+    if tls is not None:
+        options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+        channel = grpc.secure_channel(addr, tls.channel_credentials(), options)
+    else:
+        channel = grpc.insecure_channel(addr)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

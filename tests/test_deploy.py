@@ -114,7 +114,7 @@ def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def env_of(c: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: str(e["value"]) for e in c.get("env", [])}
+    return {e["name"]: str(e["value"]) for e in c.get("env", []) if "value" in e}
 
 
 def mounts(c: dict[str, Any]) -> dict[str, str]:
@@ -132,7 +132,7 @@ def assert_probes_use_the_healthcheck(c: dict[str, Any]) -> None:
 
 
 def test_manifests_are_found() -> None:
-    assert [p.name for p in MANIFESTS] == ["daemonset.yaml", "sidecar.yaml"]
+    assert [p.name for p in MANIFESTS] == ["daemonset.yaml", "sidecar.yaml", "tcp-tls.yaml"]
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "latest"])
@@ -206,6 +206,45 @@ def test_sidecar_shares_the_arena_and_socket_and_accounts_for_them() -> None:
     assert kvstored["ports"][0]["containerPort"] == metrics_port
 
 
+def secret_ref(c: dict[str, Any], name: str) -> tuple[str, str]:
+    ref = next(e for e in c["env"] if e["name"] == name)["valueFrom"]["secretKeyRef"]
+    return ref["name"], ref["key"]
+
+
+def assert_tokens_come_from_the_secret(
+    found: dict[str, dict[str, Any]], cfg: config.DaemonConfig, daemon: dict[str, Any],
+    spec: dict[str, Any],
+) -> None:
+    """Every token file the config names is a key of the Secret mounted there."""
+    secret = found["Secret"]
+    mount = mounts(daemon)["tokens"]
+    assert volumes(spec)["tokens"]["secret"]["secretName"] == secret["metadata"]["name"]
+    files = [cfg.admin_token_file, *(t.token_file for t in cfg.tenants)]
+    assert cfg.tenants and all(Path(f).parent == Path(mount) for f in files)
+    assert {Path(f).name for f in files} == set(secret["stringData"])
+
+
+def test_tcp_tls_manifest_serves_tls_with_tokens(tmp_path: Path) -> None:
+    found = kinds(DEPLOY / "kubernetes" / "tcp-tls.yaml")
+    spec = found["Deployment"]["spec"]["template"]["spec"]
+    kvstored = container(spec, "kvstored")
+    toml = tmp_path / "kvstored.toml"
+    toml.write_text(found["ConfigMap"]["data"]["kvstored.toml"])
+    cfg = effective(env_of(kvstored), "--config", str(toml))  # passes the transport check
+    assert cfg.tls_cert and cfg.tls_client_ca and cfg.needs_tokens and not cfg.insecure
+    tls_mount = mounts(kvstored)["tls"]
+    for path in (cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca):
+        assert Path(path).parent == Path(tls_mount)
+    assert volumes(spec)["tls"]["secret"]["secretName"] == "kvstored-tls"
+    assert_tokens_come_from_the_secret(found, cfg, kvstored, spec)
+    assert_probes_use_the_healthcheck(kvstored)
+    assert env_of(kvstored)["KVSTORE_TLS_CA"].startswith(tls_mount)
+    engine = found["Pod"]["spec"]["containers"][0]
+    port = found["Service"]["spec"]["ports"][0]["port"]
+    assert env_of(engine)["KVSTORE_ADDR"] == f"{found['Service']['metadata']['name']}:{port}"
+    assert secret_ref(engine, "KVSTORE_TOKEN")[0] == found["Secret"]["metadata"]["name"]
+
+
 def test_daemonset_shares_the_socket_and_keeps_lmdb_on_the_node(tmp_path: Path) -> None:
     found = kinds(DEPLOY / "kubernetes" / "daemonset.yaml")
     spec = found["DaemonSet"]["spec"]["template"]["spec"]
@@ -246,6 +285,8 @@ def test_daemonset_shares_the_socket_and_keeps_lmdb_on_the_node(tmp_path: Path) 
 
     assert_probes_use_the_healthcheck(kvstored)
     assert spec["terminationGracePeriodSeconds"] > cfg.grace_s
+    assert_tokens_come_from_the_secret(found, cfg, kvstored, spec)
+    assert secret_ref(engine, "KVSTORE_TOKEN") == ("kvstored-tokens", "team-a.token")
 
 
 # --- systemd ---------------------------------------------------------------------------

@@ -112,6 +112,12 @@ def test_tls_with_a_token_serves_and_plain_tcp_is_turned_away(
         timeout=2,
     ) as wrong_ca, pytest.raises(DaemonUnavailableError):
         wrong_ca.server_info()  # a server certificate this CA did not sign is refused
+    probe = [sys.executable, "-m", "kvstored.healthcheck", "--addr", daemon.addr, "--timeout", "3"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
+    with_ca = subprocess.run(probe, capture_output=True, text=True, timeout=60,
+                             env={**env, "KVSTORE_TLS_CA": str(pki["ca"])})
+    assert with_ca.returncode == 0 and with_ca.stdout.strip().endswith("SERVING")
+    assert subprocess.run(probe, capture_output=True, timeout=60, env=env).returncode == 1
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(
