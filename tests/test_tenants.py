@@ -12,6 +12,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,11 +56,8 @@ class Tenancy:
         return KVClient(self.daemon.addr, token=self.tokens[who], **kw)  # type: ignore[arg-type]
 
 
-@pytest.fixture(scope="module")
-def tenancy(
-    kvstored_module_factory: Callable[..., Daemon], tmp_path_factory: pytest.TempPathFactory
-) -> Tenancy:
-    folder = tmp_path_factory.mktemp("tokens")
+def write_tenants(folder: Path) -> tuple[Path, dict[str, str], dict[str, Path]]:
+    """A config with tenants a (quotas) and b and an admin token, and the token files."""
     tokens = {who: secrets.token_hex(16) for who in ("a", "b", "admin")}
     files = {}
     for who, token in tokens.items():
@@ -75,6 +73,14 @@ def tenancy(
         "[tenants.b]\n"
         f'token_file = "{files["b"]}"\n'
     )
+    return config, tokens, files
+
+
+@pytest.fixture(scope="module")
+def tenancy(
+    kvstored_module_factory: Callable[..., Daemon], tmp_path_factory: pytest.TempPathFactory
+) -> Tenancy:
+    config, tokens, files = write_tenants(tmp_path_factory.mktemp("tokens"))
     port = free_port()
     daemon = kvstored_module_factory(
         extra_args=("--config", str(config)), metrics_listen=f"127.0.0.1:{port}"
@@ -329,3 +335,44 @@ def test_kvctl_status_tenants_is_for_the_admin(tenancy: Tenancy) -> None:
     tenant = kvctl("a")
     assert tenant.returncode == 1
     assert tenant.stderr.count("\n") == 1 and "admin token" in tenant.stderr
+
+
+def test_inline_streams_of_both_clients_carry_the_token(tenancy: Tenancy) -> None:
+    tokens = tokens_of(60, 2)
+    with tenancy.client("a", use_arena=False) as a:
+        ns = a.namespace("inline-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert ns.put(tokens, blocks_of(2, 4096, 21)).stored == 2  # a Put stream
+        assert np.all(ns.get(tokens).blocks == 21)  # a Get stream
+
+    async def run() -> None:
+        async with AsyncKVClient(
+            tenancy.daemon.addr, token=tenancy.tokens["a"], use_arena=False
+        ) as client:
+            ns = await client.namespace("inline-model", block_tokens=BLOCK_TOKENS,
+                                        block_bytes=4096)
+            more = tokens_of(61, 2)
+            assert (await ns.put(more, blocks_of(2, 4096, 22))).stored == 2
+            got = await ns.get(more)
+            assert got.n_blocks == 2 and np.all(got.blocks == 22)
+
+    asyncio.run(run())
+
+
+def test_a_tenants_grpc_leases_end_with_its_session(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Without local calls the leases ride on the Session stream, which carries the
+    token too: when the client closes, the daemon ends them at once (TTL is 30 s)."""
+    config, tokens, _ = write_tenants(tmp_path)
+    daemon = kvstored_factory(extra_args=("--config", str(config)), local_calls=False)
+    with KVClient(daemon.addr, token=tokens["admin"]) as admin:
+        client = KVClient(daemon.addr, token=tokens["a"], use_arena=True)
+        ns = client.namespace("lease-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        ns.put(tokens_of(70, 2), blocks_of(2, 4096, 5))
+        lease = ns.acquire(tokens_of(70, 2))
+        assert lease.tokens == 2 * BLOCK_TOKENS and admin.stats().leases >= 1
+        client.close()
+        deadline = time.monotonic() + 5
+        while admin.stats().leases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert admin.stats().leases == 0
