@@ -347,7 +347,9 @@ class HFPrefixCache:
     """Reuse a transformers causal LM's prompt prefixes through one kvstore namespace.
 
     ``model_id`` should name the weights (repo and revision): two models with one config
-    but different weights must not share an id. ``tenant_salt`` separates tenants.
+    but different weights must not share an id. On a daemon with tenants the token
+    of ``client`` (``KVClient(token=...)`` or ``KVSTORE_TOKEN``) decides whose
+    namespace this is; ``tenant_salt`` further separates users of one tenant.
     The namespace is opened at construction (the daemon must be reachable then).
     """
 
