@@ -29,9 +29,10 @@ def tenant_salt(tenant: str, salt: str) -> str:
     return f"{SALT_PREFIX}{tenant}/{salt}"
 
 
-def tenant_of(salt: str) -> str:
-    """The tenant whose namespace has ``salt``; "" for a namespace opened without one."""
-    if not salt.startswith(SALT_PREFIX):
+def tenant_of(salt: str | bytes) -> str:
+    """The tenant whose namespace has ``salt``; "" for a namespace opened without one
+    (a salt given as bytes by an in-process caller is never a tenant's)."""
+    if not isinstance(salt, str) or not salt.startswith(SALT_PREFIX):
         return ""
     return salt[len(SALT_PREFIX) :].partition("/")[0]
 
