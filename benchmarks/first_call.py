@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = {"kvclient": "client", "kvstore": "kvstore", "kvstored": "daemon",
-            "kvproto": "proto/kvproto"}
+# package -> its folders, the current layout first, then the one before #30
+PACKAGES = {"kvclient": ("client/kvclient", "client"), "kvstore": ("kvstore",),
+            "kvstored": ("daemon/kvstored", "daemon"), "kvproto": ("proto/kvproto",)}
 BLOCK_TOKENS = 16
 LAYOUT = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}
 WARM_GETS, NEW_KEYS, WARM_PUTS = 10, 5, 5
@@ -143,12 +144,13 @@ def copy_floor(arena_path: str, nbytes: int) -> dict[str, float]:
 
 def import_dir(checkout: Path, links: Path) -> Path:
     """``links``, made a directory whose entries import as this repository's packages
-    from ``checkout`` (package names differ from folder names; see pyproject.toml)."""
+    from ``checkout`` (an older checkout's folders may be named otherwise)."""
     links.mkdir(exist_ok=True)
-    for package, folder in PACKAGES.items():
+    for package, folders in PACKAGES.items():
         link = links / package
+        found = next(checkout / f for f in folders if (checkout / f / "__init__.py").exists())
         if not link.exists():
-            link.symlink_to(checkout / folder)
+            link.symlink_to(found)
     return links
 
 
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.mib < 2:
         parser.error("--rounds must be >= 1 and --mib >= 2")
-    if args.before is not None and not (args.before / "client" / "__init__.py").exists():
+    if args.before is not None and not (args.before / "kvstore" / "__init__.py").exists():
         parser.error(f"--before {args.before}: not a checkout of this repository")
     sys.path.insert(0, str(REPO))
     from kvclient.bench import OwnDaemon
