@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbench.servers import OwnDaemon
 from kvclient import KVClient
-from kvclient.bench import OwnDaemon
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
 

@@ -41,20 +41,20 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvclient import KVClient, Namespace  # noqa: E402
-from kvclient.bench import (  # noqa: E402
+from kvbench.harness import (
     LAYOUTS,
     GiB,
     Layout,
     MiB,
-    OwnDaemon,
     TokenSource,
     aligned_buffer,
-    machine_line,
     program_parser,
     warm_page_cache,
     write_program_report,
 )
+from kvbench.report import machine_line
+from kvbench.servers import OwnDaemon
+from kvclient import KVClient, Namespace  # noqa: E402
 from kvclient.disk_index import DiskIndex  # noqa: E402
 from kvclient.disk_reads import DiskFile  # noqa: E402
 from kvstore.disk import DiskExtent  # noqa: E402

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
+from kvbench.servers import OwnDaemon
 from kvclient import KVClient
-from kvclient.bench import OwnDaemon
 from kvclient.hf import HFPrefixCache, random_llama
 
 SYSTEM_TOKENS = 2048

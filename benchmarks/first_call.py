@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.before is not None and not (args.before / "kvstore" / "__init__.py").exists():
         parser.error(f"--before {args.before}: not a checkout of this repository")
     sys.path.insert(0, str(REPO))
-    from kvclient.bench import OwnDaemon
+    from kvbench.servers import OwnDaemon
     from kvstored.config import load_config
 
     host_bytes = (

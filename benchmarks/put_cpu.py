@@ -38,17 +38,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvclient import KVClient  # noqa: E402
-from kvclient.bench import (  # noqa: E402
+from kvbench.harness import (
     LAYOUTS,
     MiB,
-    OwnDaemon,
     TokenSource,
     aligned_buffer,
-    machine_line,
     program_parser,
     write_program_report,
 )
+from kvbench.report import machine_line
+from kvbench.servers import OwnDaemon
+from kvclient import KVClient  # noqa: E402
 
 MODES = ("memcpy", "put", "put-nowait")
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")

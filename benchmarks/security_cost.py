@@ -1,7 +1,7 @@
 """What tokens and TLS cost on the data path, against no security, in one run.
 
 A program, not a test. It starts four daemons (host tier only) and measures gets and
-puts against each, in turns (kvclient.bench.interleaved_passes), so every pair of a
+puts against each, in turns (kvbench.harness.interleaved_passes), so every pair of a
 ratio sees the same quiet and busy spells of the host:
 
 - ``arena``: same-host client on the default unix socket, shared arena and local
@@ -44,8 +44,9 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvbench.harness import Result, Series, TokenSource, interleaved_passes
+from kvbench.servers import OwnDaemon
 from kvclient import TLS, KVClient
-from kvclient.bench import OwnDaemon, Result, Series, TokenSource, interleaved_passes
 from kvclient.sync_client import Namespace
 
 REPO = Path(__file__).resolve().parent.parent

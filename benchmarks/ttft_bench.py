@@ -30,7 +30,6 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvclient import DaemonUnavailableError, KVClient  # noqa: E402
+from kvbench.servers import OwnDaemon  # noqa: E402
+from kvclient import KVClient  # noqa: E402
 from kvclient.hf import LLAMA_PRESETS, HFPrefixCache, random_llama  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,78 +74,21 @@ class Row:
         return min(self.prefill_s, self.miss_s)
 
 
-class Daemon:
-    """A kvstored child process with its socket, arena and LMDB in one temp dir."""
+def arena_dir_for(workdir: Path, host_bytes: int) -> Path:
+    """/dev/shm when it has room for the arena, else the work dir."""
+    shm = Path("/dev/shm")
+    room = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    return shm if room > host_bytes * 1.25 else workdir
 
-    def __init__(self, workdir: Path, host_bytes: int, disk_bytes: int) -> None:
-        self.workdir = workdir
-        self.addr = f"unix://{workdir}/kvstored.sock"
-        self.disk_dir = workdir / "disk"
-        shm = Path("/dev/shm")
-        room = shutil.disk_usage(shm).free if shm.is_dir() else 0
-        self.arena_dir = shm if room > host_bytes * 1.25 else workdir
-        self.args = [
-            sys.executable,
-            "-m",
-            "kvstored",
-            "--listen",
-            self.addr,
-            "--host-bytes",
-            str(host_bytes),
-            "--disk-dir",
-            str(self.disk_dir),
-            "--disk-bytes",
-            str(disk_bytes),
-            "--arena-dir",
-            str(self.arena_dir),
-            "--persist-on-close",
-            "true",
-            "--log-level",
-            "warning",
-        ]
-        self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        log = open(self.workdir / "kvstored.log", "ab")  # noqa: SIM115 - child owns it
-        self.proc = subprocess.Popen(
-            self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
-        log.close()
-        deadline = time.monotonic() + 60
-        with KVClient(self.addr, timeout=2) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"kvstored exited with {self.proc.returncode}; see "
-                        f"{self.workdir / 'kvstored.log'}"
-                    )
-                try:
-                    client.server_info()
-                    return
-                except DaemonUnavailableError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(300)  # persisting the host tier to LMDB takes a while
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def drop_disk_cache(self) -> None:
-        """Evict LMDB's data file from the page cache: the next read hits the disk."""
-        data = self.disk_dir / "data.mdb"
-        fd = os.open(data, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+def drop_disk_cache(disk_dir: Path) -> None:
+    """Evict LMDB's data file from the page cache: the next read hits the disk."""
+    fd = os.open(disk_dir / "data.mdb", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def sync(device: torch.device) -> None:
@@ -191,9 +134,12 @@ def run(args: argparse.Namespace) -> list[Row]:
     total = sum(args.lengths) * token_bytes
     host_bytes = max(256 << 20, int(total * 1.3))
     workdir = Path(tempfile.mkdtemp(prefix="ttft-", dir=args.tmp))
-    daemon = Daemon(workdir, host_bytes, int(total * 2) + (1 << 30))
+    arena_dir = arena_dir_for(workdir, host_bytes)
+    daemon = OwnDaemon(
+        workdir, host_bytes, int(total * 2) + (1 << 30), extra_args=["--arena_dir", str(arena_dir)]
+    )
     print(
-        f"kvstored in {workdir}: host {host_bytes >> 20} MiB (arena in {daemon.arena_dir}), "
+        f"kvstored in {workdir}: host {host_bytes >> 20} MiB (arena in {arena_dir}), "
         f"{token_bytes >> 10} KiB of KV per token",
         flush=True,
     )
@@ -244,7 +190,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         disk_loads: dict[int, list[float]] = {n: [] for n in args.lengths}
         for attempt in range(args.disk_repeat):
             daemon.stop()
-            daemon.drop_disk_cache()
+            drop_disk_cache(daemon.disk_dir)
             daemon.start()
             with KVClient(daemon.addr, timeout=600) as client:
                 kv = HFPrefixCache(client, model, model_id, block_tokens=args.block_tokens)
@@ -264,7 +210,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             row.disk_s = min(disk_times[row.length])
             row.disk_load_s = min(disk_loads[row.length])
     finally:
-        daemon.stop()
+        daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
     return rows
 

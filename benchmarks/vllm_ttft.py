@@ -41,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvclient.bench import OwnDaemon  # noqa: E402
+from kvbench.servers import OwnDaemon  # noqa: E402
 
 ENGINE = REPO / "benchmarks" / "vllm_engine.py"
 NOTES_MARK = "<!-- notes: kept when the report is generated again -->"

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from kvclient import bench
+from kvbench import harness, servers
+from kvbench import report as reports
 from kvclient.cli import main
 
 
 @pytest.mark.slow
 def test_bench_quick_run_writes_every_case(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     report, data = tmp_path / "datapath.md", tmp_path / "results.json"
-    redis_missing = bench.redis_unavailable()
+    redis_missing = servers.redis_unavailable()
     argv = ["bench", "--quick", "--no-cold", "--layouts", "tiny", "llama2", "--batches", "1", "4",
             "--repeat", "1", "--json", str(data), "--report", str(report)]  # fmt: skip
     capsys.readouterr()
@@ -62,12 +63,12 @@ def test_bench_quick_run_writes_every_case(tmp_path: Path, capsys: pytest.Captur
     assert ok and all(r["gbps"] > 0 and not r["note"] for r in ok)
 
     text = report.read_text()
-    assert bench.BEGIN_MARK in text and "### Targets" in text and "| kvstore | get |" in text
+    assert harness.BEGIN_MARK in text and "### Targets" in text and "| kvstore | get |" in text
     # a second run replaces only its own part of an existing document
-    report.write_text("# kept\n\nhand-written\n\n" + text[text.index(bench.BEGIN_MARK) :])
-    bench.write_report(report, "new body\n")
+    report.write_text("# kept\n\nhand-written\n\n" + text[text.index(harness.BEGIN_MARK) :])
+    reports.write_report(report, "new body\n")
     assert report.read_text() == (
-        f"# kept\n\nhand-written\n\n{bench.BEGIN_MARK}\nnew body\n{bench.END_MARK}\n"
+        f"# kept\n\nhand-written\n\n{harness.BEGIN_MARK}\nnew body\n{harness.END_MARK}\n"
     )
 
 
@@ -75,8 +76,10 @@ def test_targets_show_the_floor_of_the_worst_case() -> None:
     """The put and disk-warm targets name their worst case's floor, as a ratio to the
     memcpy of that same case (not of another case)."""
 
-    def result(system: str, op: str, path: str, tier: str, batch: int, gbps: float) -> bench.Result:
-        r = bench.Result(system, op, path, tier, "llama3-8b/2", 256 << 10, batch, 1, batch,
+    def result(
+        system: str, op: str, path: str, tier: str, batch: int, gbps: float
+    ) -> harness.Result:
+        r = harness.Result(system, op, path, tier, "llama3-8b/2", 256 << 10, batch, 1, batch,
                          int(gbps * 1e9))  # fmt: skip
         r.seconds = 1.0
         return r
@@ -93,7 +96,7 @@ def test_targets_show_the_floor_of_the_worst_case() -> None:
         result("kvstore", "put-nowait", "arena", "host", 16, 16.0),  # 0.80x
         result("kvstore", "put-nowait", "arena", "host", 128, 9.6),  # 0.96x
     ]
-    by_goal = {(t.name.split(",")[0], t.goal): t for t in bench.targets(results)}
+    by_goal = {(t.name.split(",")[0], t.goal): t for t in reports.targets(results)}
     put = by_goal[("arena put", ">= 0.7x memcpy")]
     assert put.met is False and put.measured.startswith("0.40x")
     assert put.floor == "stream 0.75x memcpy"
@@ -110,8 +113,8 @@ def test_the_warm_disk_target_compares_the_memcpy_measured_beside_it() -> None:
     its floor and the tables use that one, not the host cases' memcpy of minutes before;
     a case without one (cold) falls back to the host cases'."""
 
-    def result(system: str, path: str, tier: str, gbps: float) -> bench.Result:
-        r = bench.Result(system, "get", path, tier, "llama3-8b/2", 256 << 10, 16, 1, 16,
+    def result(system: str, path: str, tier: str, gbps: float) -> harness.Result:
+        r = harness.Result(system, "get", path, tier, "llama3-8b/2", 256 << 10, 16, 1, 16,
                          int(gbps * 1e9))  # fmt: skip
         r.seconds = 1.0
         return r
@@ -123,10 +126,10 @@ def test_the_warm_disk_target_compares_the_memcpy_measured_beside_it() -> None:
         result("kvstore", "arena", "disk-warm", 6.0),
         result("kvstore", "arena", "disk-cold", 2.0),
     ]
-    disk = next(t for t in bench.targets(results) if t.name.startswith("disk warm"))
+    disk = next(t for t in reports.targets(results) if t.name.startswith("disk warm"))
     assert disk.met is True and disk.measured.startswith("0.60x")
     assert disk.floor == "pread 0.90x memcpy"
-    rows = bench.result_rows(results[3:], results)
+    rows = reports.result_rows(results[3:], results)
     assert [row[11] for row in rows] == ["0.60x", "0.10x"]
 
 
@@ -134,8 +137,8 @@ def test_write_back_targets_name_each_pass_and_the_first_fills_floor() -> None:
     """The first fill of the tier and the pass into the pages it freed are two targets;
     only the first shows the fresh-file write beside it."""
 
-    def result(system: str, tier: str, gbps: float) -> bench.Result:
-        r = bench.Result(system, "write-back", "-", tier, "llama3-8b/16", 2 << 20, 16, 0, 1,
+    def result(system: str, tier: str, gbps: float) -> harness.Result:
+        r = harness.Result(system, "write-back", "-", tier, "llama3-8b/16", 2 << 20, 16, 0, 1,
                          int(gbps * 1e9))  # fmt: skip
         r.seconds = 1.0
         return r
@@ -145,7 +148,7 @@ def test_write_back_targets_name_each_pass_and_the_first_fills_floor() -> None:
         result("kvstore", "disk", 0.45),
         result("kvstore", "disk-reuse", 1.5),
     ]
-    first, again = [t for t in bench.targets(results) if "write-back" in t.name]
+    first, again = [t for t in reports.targets(results) if "write-back" in t.name]
     assert "first fill" in first.name and first.met is False
     assert first.measured == "0.45 GB/s" and first.floor == "fresh-file write 0.60 GB/s"
     assert "freed" in again.name and again.met is True
@@ -190,8 +193,8 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
     """A malformed argument stops the program before it starts a daemon or an engine:
     exit code 2 and a line that names what is wrong."""
     with pytest.raises(argparse.ArgumentTypeError, match="expected LAYOUT:BATCH"):
-        bench.layout_batch("llama2:0")
-    assert bench.layout_batch("llama8:16") == ("llama8", 16)
+        harness.layout_batch("llama2:0")
+    assert harness.layout_batch("llama8:16") == ("llama8", 16)
     programs = Path(__file__).resolve().parent.parent / "benchmarks"
     for name, args, why, timeout in (
         ("disk_hit_parts.py", ["--calls", "0"], "--calls must be at least 1", 60),

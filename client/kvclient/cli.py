@@ -22,9 +22,9 @@ Each command is two steps kept apart: *collect* asks the daemon and returns plai
 JSON-ready dicts (exactly what ``--json`` prints), *render* turns those dicts into
 text. ``top`` is the status view redrawn in place on a TTY (alternate screen, cursor
 hidden, both restored on exit or Ctrl-C by :class:`LiveScreen`); when stdout is not a
-TTY, or with ``--once``, it prints one frame. ``bench`` (:mod:`kvclient.bench`) measures
-the data path against ``--addr``, or against a daemon it starts itself when no
-``--addr`` is given.
+TTY, or with ``--once``, it prints one frame. ``bench`` (:mod:`kvbench`, the harness
+beside the benchmark programs) measures the data path against ``--addr``, or against
+a daemon it starts itself when no ``--addr`` is given.
 
 Exit codes: 0 ok, 1 the daemon is unreachable or a request failed (one line on
 stderr), 2 usage, 130 interrupted.
@@ -664,7 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(handler=cmd_events)
 
-    from kvclient import bench
+    from kvbench.cli import add_arguments as add_bench_arguments  # its options only
 
     p = sub.add_parser(
         "bench",
@@ -673,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure put/get/lookup against --addr, or against a daemon started "
         "in a temp dir when no --addr is given.",
     )
-    bench.add_arguments(p)
+    add_bench_arguments(p)
     p.set_defaults(handler=None)
     return parser
 
@@ -704,9 +704,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help (0) or a usage error (2), already printed
         return int(exc.code or 0)
     if args.command == "bench":  # may start its own daemon: no client to make first
-        from kvclient import bench
+        from kvbench.cli import run_bench  # the harness: only for this command
 
-        return bench.run_bench(args, args.addr, [PROG, *(sys.argv[1:] if argv is None else argv)])
+        return run_bench(args, args.addr, [PROG, *(sys.argv[1:] if argv is None else argv)])
     handler: Callable[[KVClient, argparse.Namespace], int] = args.handler
     addr = resolve_address(args.addr)
     try:
