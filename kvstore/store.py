@@ -797,14 +797,19 @@ class Store:
         size = lease.entry.spec.block_bytes
         room = self.config.staged_bytes_limit // size - len(lease.staged)
         count = max(0, min(count, room))
+        group = lease.entry.group
+        if count and group.quota.host_bytes:
+            count = self._quota_blocks(group, count, size)
         if count == 0:
             return []
         offsets = self._arena.alloc_run(size, count)
+        group.staged_bytes += len(offsets) * size
         while len(offsets) < count:
-            offset = self._alloc_host(size, lease.entry.group)
+            offset = self._alloc_host(size, group)
             if offset is None:
                 break
             offsets.append(offset)
+            group.staged_bytes += size
         lease.staged.update(offsets)
         return offsets
 
@@ -839,7 +844,8 @@ class Store:
             first_new = max(start, len(walk))
             end = len(keys) if promoted else first_new
             size = entry.spec.block_bytes
-            if entry.group.quota.host_bytes and end > first_new:
+            if entry.group.quota.host_bytes and end > first_new and not staged_offsets:
+                # (blocks going into staged slots were counted when the slots were staged)
                 fits = self._quota_blocks(entry.group, end - first_new, size)
                 out_of_space = out_of_space or fits < end - first_new
                 end = first_new + fits
@@ -853,6 +859,7 @@ class Store:
                 created = self._add_pending_run(entry, keys[first_new:end], parent, prio, run)
                 if staging is not None and staging.staged is not None:
                     staging.staged.difference_update(run)
+                    staging.entry.group.staged_bytes -= len(run) * size
             for i in range(first_new + len(created), end):
                 offset = self._alloc_host(size, entry.group)
                 if offset is None:
@@ -1173,7 +1180,7 @@ class Store:
         return tuple(
             TenantUsage(
                 name,
-                group.host_bytes,
+                group.host_held,
                 group.disk_bytes,
                 group.quota.host_bytes,
                 group.quota.disk_bytes,
@@ -1256,9 +1263,14 @@ class Store:
                 if node.in_host:
                     held.add(node.host_offset)
             assert host == self._host_blocks and disk == self._disk_blocks, "tier block counts"
+            staged_of = {name: 0 for name in self._groups}
+            for lease in self._leases.values():
+                slots = len(lease.staged or ())
+                staged_of[lease.entry.group.name] += slots * lease.entry.spec.block_bytes
             for name, group in self._groups.items():
                 held_bytes = [group.host_bytes, group.disk_bytes]
                 assert group_bytes[name] == held_bytes, f"tenant {name!r}: bytes counted"
+                assert staged_of[name] == group.staged_bytes, f"tenant {name!r}: staged bytes"
             staged = [o for lease in self._leases.values() for o in lease.staged or ()]
             assert len(set(staged)) == len(staged), "a slot staged twice"
             assert held.isdisjoint(staged), "a staged slot holds a block"
@@ -1614,6 +1626,8 @@ class Store:
                 node.pins -= 1
         for offset in lease.staged or ():
             self._arena.free(offset)
+        if lease.staged:
+            lease.entry.group.staged_bytes -= len(lease.staged) * lease.entry.spec.block_bytes
         self._forget_lease(lease, why)
         self._changed.notify_all()
 
@@ -1785,7 +1799,7 @@ class Store:
         if not limit:
             return True
         policy = self._host_policy if host else self._disk_policy
-        while (group.host_bytes if host else group.disk_bytes) + nbytes > limit:
+        while (group.host_held if host else group.disk_bytes) + nbytes > limit:
             victim = self._victim(policy, host, group.name)
             if victim is None:
                 return False
@@ -1802,7 +1816,7 @@ class Store:
         if self._quota_room(group, n * size, host=True):
             return n
         # every block of the group that could go went: what is left is what fits now
-        return max(0, (group.quota.host_bytes - group.host_bytes) // size)
+        return max(0, (group.quota.host_bytes - group.host_held) // size)
 
     def _victim(self, policy: GroupedPolicy, host: bool, group: str | None = None) -> Node | None:
         """The tier's next block to evict (of one group when ``group`` is given)."""

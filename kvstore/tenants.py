@@ -12,7 +12,8 @@ namespaces opened without one) and counts the bytes each group holds in each tie
 group with a quota that would go over it evicts its own least valuable blocks first,
 in the tier's usual order (leaf first, lowest priority, least recently used), and
 never another group's; when its own blocks cannot make room, the write is refused as
-if the tier were full.
+if the tier were full. Host slots set aside for a tenant's next puts (staged slots)
+count against its host quota too: they are held, never evicted, until used or freed.
 """
 
 from __future__ import annotations
@@ -52,9 +53,15 @@ class Group:
 
     name: str
     quota: Quota = field(default_factory=Quota)
-    host_bytes: int = 0
+    host_bytes: int = 0  # its blocks' bytes in the host tier (pending ones included)
+    staged_bytes: int = 0  # empty host slots set aside for its writers' next puts
     disk_bytes: int = 0
     quota_evictions: int = 0  # blocks it evicted to stay within its quota
+
+    @property
+    def host_held(self) -> int:
+        """What counts against its host quota: its blocks and its staged slots."""
+        return self.host_bytes + self.staged_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,3 +132,28 @@ def test_global_eviction_takes_the_oldest_block_of_any_tenant() -> None:
 def test_bad_quota_names_are_refused() -> None:
     with pytest.raises(InvalidArgument, match="tenant name"):
         StoreConfig(host_bytes=16 * BLOCK, quotas={"Not A Name": Quota(1)}).validate()
+
+
+def test_staged_slots_count_against_the_host_quota() -> None:
+    quotas = {"a": Quota(host_bytes=4 * BLOCK)}
+    with Store(StoreConfig(host_bytes=32 * BLOCK, shared_arena=False, quotas=quotas)) as store:
+        a, b = open_ns(store, "a"), open_ns(store, "b")
+        stagings = [store.reserve(a, [], stage_more=8) for _ in range(5)]  # 40 slots asked
+        assert sum(len(r.staged) for r in stagings) == 4  # the quota's worth, no more
+        assert usage(store)["a"] == (4 * BLOCK, 0)
+        # a put into staged slots turns them into blocks: still 4 in all
+        first = next(r for r in stagings if r.staged)
+        keys = store.keys_for(a, list(range(TOKENS)))
+        put = store.reserve(
+            a, keys, stage_lease_id=first.stage_lease_id, staged_offsets=first.staged[:1]
+        )
+        assert store.fill(put.lease_id, [b"\5" * BLOCK]) == 1  # copies and commits
+        assert usage(store)["a"] == (4 * BLOCK, 0)
+        store.verify_invariants()
+        # b is not held back by a's staging
+        assert sum(len(store.reserve(b, [], stage_more=8).staged) for _ in range(2)) == 16
+        for r in stagings:
+            if r.stage_lease_id:
+                store.release(r.stage_lease_id)
+        assert usage(store)["a"] == (BLOCK, 0)  # the one block stays
+        store.verify_invariants()
