@@ -41,7 +41,3 @@ class StoreClosed(StoreError):
 
 class Unauthenticated(StoreError):
     """The call's token is missing or wrong (the daemon has tenants: kvstored.auth)."""
-
-
-class PermissionDenied(StoreError):
-    """A tenant asked for what only the admin may do."""

@@ -14,7 +14,7 @@ FAILED_PRECONDITION    LayoutMismatchError or LeaseError (told apart by the
 RESOURCE_EXHAUSTED     OutOfSpaceError
 UNAVAILABLE            DaemonUnavailableError (also: the socket cannot be reached)
 DEADLINE_EXCEEDED      RequestTimeoutError
-UNAUTHENTICATED        AuthenticationError (also PERMISSION_DENIED)
+UNAUTHENTICATED        AuthenticationError
 anything else          KVStoreError
 =====================  ===========================================================
 """
@@ -83,8 +83,7 @@ class ArenaUnavailableError(KVStoreError):
 
 
 class AuthenticationError(KVStoreError, PermissionError):
-    """The daemon wants a token and this one is missing or wrong (UNAUTHENTICATED),
-    or the token's tenant may not make this call (PERMISSION_DENIED)."""
+    """The daemon wants a token and this one is missing or wrong (UNAUTHENTICATED)."""
 
 
 class UntrustedSocketError(KVStoreError, PermissionError):
@@ -94,7 +93,6 @@ class UntrustedSocketError(KVStoreError, PermissionError):
 
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: NamespaceNotFoundError,

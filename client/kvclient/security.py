@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import collections
-import ipaddress
 import os
 import pwd
 import socket
@@ -36,6 +35,7 @@ from typing import Any
 import grpc
 
 from kvclient.errors import InvalidArgumentError, UntrustedSocketError
+from kvproto.v1.addresses import is_loopback, socket_path_of
 
 TOKEN_ENV = "KVSTORE_TOKEN"
 TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"
@@ -111,13 +111,13 @@ class Credentials:
         return ((AUTH_METADATA, f"Bearer {self.token}"),) if self.token else ()
 
     def _channel_credentials(self, addr: str) -> grpc.ChannelCredentials | None:
-        path = unix_path(addr)
+        path = socket_path_of(addr)
         if path is not None:
-            self.check_socket(path)
+            self.check_socket(str(path))
             return None  # a unix socket is guarded by its owner and mode, not TLS
         if self.tls is not None:
             return self.tls.channel_credentials()
-        if self.token and not _loopback(addr):
+        if self.token and not is_loopback(addr):
             raise InvalidArgumentError(
                 f"refusing to send a token in clear text to {addr}: set {TLS_CA_ENV} (or "
                 "tls=TLS(...)) for a daemon on another host"
@@ -182,15 +182,6 @@ class Credentials:
             )
 
 
-def unix_path(addr: str) -> str | None:
-    """The filesystem path of a ``unix:`` gRPC target (None for TCP)."""
-    if addr.startswith("unix://"):
-        return addr[len("unix://") :]
-    if addr.startswith("unix:"):
-        return addr[len("unix:") :]
-    return None
-
-
 def peer_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of a unix socket (None if unknown)."""
     try:
@@ -198,16 +189,6 @@ def peer_uid(sock: socket.socket) -> int | None:
     except (OSError, struct.error):
         return None
     return int(uid)
-
-
-def _loopback(addr: str) -> bool:
-    host = addr.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _uid(owner: int | str) -> int:

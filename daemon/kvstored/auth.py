@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import InvalidArgument, PermissionDenied, Unauthenticated, UnknownNamespace
+from kvstore.errors import InvalidArgument, Unauthenticated, UnknownNamespace
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store
 from kvstore.tenants import NAME_RE, Quota, tenant_of, tenant_salt
@@ -61,10 +61,6 @@ class Caller:
 
     def owns(self, spec: NamespaceSpec) -> bool:
         return self.admin or tenant_of(spec.tenant_salt) == self.tenant
-
-    def require_admin(self, what: str) -> None:
-        if not self.admin:
-            raise PermissionDenied(f"{what} needs the admin token; tenant {self.tenant!r}")
 
 
 ANYONE = Caller("", admin=True)  # a daemon without tokens: one tenant, as before tenants

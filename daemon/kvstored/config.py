@@ -22,7 +22,6 @@ a binary unit (``KiB``, ``MiB``, ``GiB``, ``TiB``).
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvproto.v1.addresses import is_loopback
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants
@@ -584,17 +584,6 @@ def load_config(
     config = DaemonConfig(**values, sources=sources, config_file=config_file, tenants=tenants)
     check_transport(config)
     return config, args
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a TCP ``host:port`` listens on loopback only."""
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_transport(config: DaemonConfig) -> None:

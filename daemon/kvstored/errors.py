@@ -28,7 +28,6 @@ from kvstore.errors import (
     LayoutMismatch,
     LeaseError,
     OutOfSpace,
-    PermissionDenied,
     StoreClosed,
     StoreError,
     Unauthenticated,
@@ -46,7 +45,6 @@ STATUS_BY_ERROR: tuple[tuple[type[StoreError], grpc.StatusCode], ...] = (
     (OutOfSpace, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (StoreClosed, grpc.StatusCode.UNAVAILABLE),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
 )
 
 

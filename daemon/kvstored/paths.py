@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvproto.v1.addresses import UNIX_PREFIX, socket_path_of  # noqa: F401 - also ours
+
 SOCKET_NAME = "kvstored.sock"
 LOCAL_SUFFIX = ".local"
-UNIX_PREFIX = "unix://"
 
 
 def default_socket_path() -> Path:
@@ -39,15 +40,6 @@ def default_data_dir() -> Path:
     if data_home and os.path.isabs(data_home):
         return Path(data_home) / "kvstore"
     return Path.home() / ".local" / "share" / "kvstore"
-
-
-def socket_path_of(address: str) -> Path | None:
-    """The filesystem path of a ``unix://`` address (None for TCP addresses)."""
-    if address.startswith(UNIX_PREFIX):
-        return Path(address[len(UNIX_PREFIX) :])
-    if address.startswith("unix:"):
-        return Path(address[len("unix:") :])
-    return None
 
 
 def local_socket_path(socket_path: Path | None, port: int) -> Path:
