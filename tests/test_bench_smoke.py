@@ -214,3 +214,18 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
             timeout=timeout,
         )
         assert done.returncode == 2 and why in done.stderr, done.stderr
+
+
+def test_security_cost_program_measures_every_pair(tmp_path: Path) -> None:
+    """benchmarks/security_cost.py at a tiny size: five daemons, every pair, a verdict."""
+    out = tmp_path / "security.md"
+    program = Path(__file__).resolve().parent.parent / "benchmarks" / "security_cost.py"
+    proc = subprocess.run(
+        [sys.executable, str(program), "--quick", "--report", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    for row in ("arena, unix socket", "control (A/A)", "gRPC inline", "inline, TCP loopback"):
+        assert text.count(f"| {row}") == 4, row
+    assert "**Arena path: target (at most 5%)" in text and "measured in process" in text

@@ -316,14 +316,16 @@ class Series:
     before_pass: Callable[[], None] | None = None
 
 
-def interleaved_passes(series: Sequence[Series], repeat: int) -> None:
+def interleaved_passes(series: Sequence[Series], repeat: int, alternate: bool = False) -> None:
     """Measure ``series`` in turns: one untimed warm-up of each, in order (``warmup``,
     else one pass of its calls), then ``repeat`` rounds of one timed pass of each.
 
     Why in turns: this host's speed drifts by up to 2x within a minute (other tenants).
     A ratio of two figures measured minutes apart measures that drift as much as the
     code; taken in turns, every series of a ratio sees the same slow and quick spells,
-    and each keeps its best pass.
+    and each keeps its best pass. ``alternate``: every other round runs the series in
+    reverse order, so that no series is always the one that follows another (the
+    first pass after a switch of daemon or case pays for it).
     """
     for one in series:
         if one.warmup is not None:
@@ -331,8 +333,8 @@ def interleaved_passes(series: Sequence[Series], repeat: int) -> None:
         else:
             for call in one.calls:
                 call()
-    for _ in range(repeat):
-        for one in series:
+    for round_ in range(repeat):
+        for one in series[::-1] if alternate and round_ % 2 else series:
             if one.before_pass is not None:
                 one.before_pass()
             seconds = _timed_pass(one.calls, one.result.latencies_ms)
