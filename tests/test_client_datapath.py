@@ -23,9 +23,9 @@ from conftest import Daemon, get_chain, kv_stub, open_ns, put_chain
 from kvclient import ArenaUnavailableError, AsyncKVClient, KVClient, wire
 from kvclient import arena_path as ap
 from kvclient.sync_client import RELEASE_DELAY_S
+from kvproto.v1 import data_frames
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.arena import ArenaMapping
-from kvstored import convert
 
 BLOCK_TOKENS = 4
 BB = 8192  # page multiple: adjacent arena slots make one run
@@ -127,23 +127,23 @@ def test_offsets_outside_the_mapping_are_refused_not_mapped() -> None:
 def test_framed_data_is_the_protobuf_encoding(size: int) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     half = size // 2
-    framed = convert.framed([data[:half], memoryview(data)[half:]], size)
+    framed = data_frames.framed([data[:half], memoryview(data)[half:]], size)
     assert framed == pb.GetResponse(data=data).SerializeToString()
     assert framed == pb.PutRequest(data=data).SerializeToString()
-    offset, length = convert.data_span(framed) or (-1, -1)
+    offset, length = data_frames.data_span(framed) or (-1, -1)
     assert length == size and framed[offset:] == data
     assert bytes(wire.data_of(framed)) == data
 
 
 def test_data_span_refuses_anything_but_one_data_field() -> None:
     header = pb.GetResponse(header=pb.GetHeader(n_blocks=3)).SerializeToString()
-    assert convert.data_span(header) is None
-    framed = convert.framed([b"abc"], 3)
-    assert convert.data_span(framed + b"\x08\x01") is None  # a trailing field
-    assert convert.data_span(framed[:-1]) is None  # short
-    assert convert.data_span(b"") is None
+    assert data_frames.data_span(header) is None
+    framed = data_frames.framed([b"abc"], 3)
+    assert data_frames.data_span(framed + b"\x08\x01") is None  # a trailing field
+    assert data_frames.data_span(framed[:-1]) is None  # short
+    assert data_frames.data_span(b"") is None
     # another valid encoding (data, then the same field again) still parses
-    twice = framed + convert.framed([b"xy"], 2)
+    twice = framed + data_frames.framed([b"xy"], 2)
     assert bytes(wire.data_of(twice)) == b"xy"  # protobuf: the last one wins
 
 

@@ -1,7 +1,7 @@
 """Where the daemon is: the address a client dials and the channel options it uses.
 
 Order: the ``addr`` argument, else ``$KVSTORE_ADDR``, else the socket a daemon started
-with no arguments listens on (:func:`kvstored.paths.default_address`). A bare
+with no arguments listens on (:func:`kvproto.v1.addresses.default_address`). A bare
 filesystem path means a unix socket; ``host:port`` is TCP.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from kvstored.paths import default_address
+from kvproto.v1.addresses import default_address
 
 ADDR_ENV = "KVSTORE_ADDR"
 

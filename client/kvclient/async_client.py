@@ -86,9 +86,9 @@ from kvclient.unpinned_reads import (
 )
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
+from kvproto.v1.host import host_id
 from kvproto.v1.local_calls import UNARY_METHODS
 from kvstore.slot_epochs import SlotEpochs
-from kvstored.hostinfo import host_id
 
 log = logging.getLogger(__name__)
 

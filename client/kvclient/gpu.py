@@ -65,11 +65,11 @@ from kvclient.wire import ExtraKeys, extra_bytes, slots
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.host import host_id
 from kvstore import pinning
 from kvstore import platform as kv_platform
 from kvstore.errors import InvalidArgument
 from kvstore.mover import DTYPE_NAMES, HFKV, KVCache, Mover, PagedKV, device_alias
-from kvstored.hostinfo import host_id
 
 log = logging.getLogger(__name__)
 

@@ -145,7 +145,7 @@ class ServerInfo:
     """Who the daemon is and where its shared arena lives."""
 
     version: str
-    host_id: str  # equal to kvstored.hostinfo.host_id() on the daemon's host
+    host_id: str  # equal to kvproto.v1.host.host_id() on the daemon's host
     platform: str  # "cpu-only" | "pcie" | "c2c"
     arena_path: str  # "" when the daemon has no shared arena
     arena_bytes: int

@@ -7,7 +7,7 @@ client share every conversion and differ only in how they await calls.
 Data chunks skip protobuf objects: the clients call Get and Put with identity
 (de)serializers, :func:`put_messages` frames each chunk itself (one copy from the
 caller's array into the message) and :func:`data_of` finds the bytes inside a
-received ``GetResponse`` without copying them (see ``kvstored.convert``). The bytes on
+received ``GetResponse`` without copying them (see ``kvproto.v1.data_frames``). The bytes on
 the wire are ordinary messages, so this works against any daemon of the protocol.
 """
 
@@ -32,7 +32,7 @@ from kvclient.results import (
     TierStats,
 )
 from kvproto.v1 import kvstore_pb2 as pb
-from kvstored.convert import data_prefix, data_span
+from kvproto.v1.data_frames import data_prefix, data_span
 
 GET_METHOD = "/kvstore.v1.KVStore/Get"
 PUT_METHOD = "/kvstore.v1.KVStore/Put"

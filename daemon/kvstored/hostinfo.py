@@ -1,28 +1,12 @@
-"""Facts about the machine the daemon runs on: identity, free memory, free disk.
-
-``host_id()`` lets a client decide whether it shares a host (and so the shared arena)
-with the daemon: both compute it and compare with ServerInfo.host_id. The boot id
-changes on every reboot and containers on one host share it, so it is combined with the
-hostname. No grpc here: the client imports this module too.
-"""
+"""Facts about the machine the daemon runs on: identity (``kvproto.v1.host``, which
+the client computes too), free memory, free disk."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import socket
 from pathlib import Path
 
-BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-
-
-def host_id() -> str:
-    """sha256 hex of the kernel boot id and the hostname."""
-    try:
-        boot_id = Path(BOOT_ID_PATH).read_text().strip()
-    except OSError:
-        boot_id = ""
-    return hashlib.sha256(f"{boot_id}\n{socket.gethostname()}".encode()).hexdigest()
+from kvproto.v1.host import host_id  # noqa: F401 - the daemon's identity, as clients see it
 
 
 def mem_available_bytes() -> int:

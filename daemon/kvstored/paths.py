@@ -1,12 +1,9 @@
-"""Default locations of the daemon's socket and data, shared with the client.
+"""Default locations of the daemon's socket and data (stdlib only: read before grpc).
 
-The client imports this module to find a daemon started with no arguments, so it must
-stay free of grpc and of the server code (nothing here imports beyond the stdlib).
-
-- socket: ``$XDG_RUNTIME_DIR/kvstore/kvstored.sock`` (a per-user tmpfs that systemd
-  creates with mode 0700); without XDG_RUNTIME_DIR, ``/tmp/kvstore-<uid>/kvstored.sock``.
-  The daemon creates the directory with mode 0700 and the socket with mode 0600:
-  only the owner's processes can talk to it.
+- socket: as ``kvproto.v1.addresses`` says (the client dials the same place). The
+  daemon creates the directory with mode 0700 and the socket with mode 0600: only the
+  owner's processes can talk to it.
+- local calls: beside the gRPC socket (:func:`local_socket_path`).
 - data (LMDB disk tier): ``$XDG_DATA_HOME/kvstore``, fallback ``~/.local/share/kvstore``.
 """
 
@@ -15,23 +12,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvproto.v1.addresses import UNIX_PREFIX, socket_path_of  # noqa: F401 - also ours
+from kvproto.v1.addresses import (  # noqa: F401 - the daemon's too: one place for both
+    SOCKET_NAME,
+    UNIX_PREFIX,
+    default_address,
+    default_socket_path,
+    socket_path_of,
+)
 
-SOCKET_NAME = "kvstored.sock"
 LOCAL_SUFFIX = ".local"
-
-
-def default_socket_path() -> Path:
-    """Where a daemon started with no arguments listens."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
-        return Path(runtime) / "kvstore" / SOCKET_NAME
-    return Path("/tmp") / f"kvstore-{os.getuid()}" / SOCKET_NAME
-
-
-def default_address() -> str:
-    """gRPC target of the default socket: ``unix:///...``."""
-    return UNIX_PREFIX + str(default_socket_path())
 
 
 def default_data_dir() -> Path:

@@ -61,6 +61,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from kvproto.v1 import data_frames
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
@@ -116,7 +117,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         self._stopping = asyncio.Event()
         self._chains = ChainCache(CHAIN_CACHE_KEYS)
         # True once add_to_server registered Get and Put with identity (de)serializers:
-        # Get then yields framed bytes and Put receives them (see convert.framed).
+        # Get then yields framed bytes and Put receives them (see kvproto.v1.data_frames).
         self.framed = False
         # the local-call socket once kvstored.local_calls serves it (ServerInfo names it)
         self.local_socket = ""
@@ -379,7 +380,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             yield self._message(pb.GetResponse(header=plan.header))
             for pieces, size in plan.chunks(GET_CHUNK_BYTES):
                 if self.framed:
-                    yield convert.framed(pieces, size)  # one copy, out of the arena
+                    yield data_frames.framed(pieces, size)  # one copy, out of the arena
                 else:
                     yield pb.GetResponse(data=b"".join(pieces))
             finished = True
@@ -712,7 +713,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
     def _put_data(self, msg: pb.PutRequest | bytes) -> bytes | memoryview:
         """The bytes of a Put data message (a view into a framed message: no copy)."""
         if isinstance(msg, bytes):
-            span = convert.data_span(msg)
+            span = data_frames.data_span(msg)
             if span is not None:
                 offset, size = span
                 return memoryview(msg)[offset : offset + size]
@@ -939,7 +940,7 @@ SERVICE_NAME = "kvstore.v1.KVStore"
 
 def add_to_server(service: KVStoreService, server: Any) -> None:
     """Register ``service`` like ``add_KVStoreServicer_to_server``, with Get and Put on
-    framed bytes: Get's data messages are built by :func:`convert.framed` (one copy
+    framed bytes: Get's data messages are built by :func:`data_frames.framed` (one copy
     out of the arena) and Put's are read in place (one copy into the arena), where the
     generated (de)serializers would copy each chunk twice more. Same messages on the
     wire, so every client works unchanged."""
