@@ -7,6 +7,7 @@ scripts/dev_pki.py, the tool the docs give users for a first try of TLS.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import socket
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import Daemon
 
-from kvclient import TLS, DaemonUnavailableError, KVClient, UntrustedSocketError
+from kvclient import TLS, AsyncKVClient, DaemonUnavailableError, KVClient, UntrustedSocketError
 from kvclient.errors import InvalidArgumentError
 from kvstored.config import ConfigError, load_config
 
@@ -112,6 +113,13 @@ def test_tls_with_a_token_serves_and_plain_tcp_is_turned_away(
         timeout=2,
     ) as wrong_ca, pytest.raises(DaemonUnavailableError):
         wrong_ca.server_info()  # a server certificate this CA did not sign is refused
+
+    async def async_round_trip() -> int:
+        async with AsyncKVClient(daemon.addr, token=token, tls=tls, use_arena=False) as client:
+            ns = await client.namespace("tls-model", block_tokens=4, block_bytes=4096)
+            return (await ns.get(list(range(12)))).n_blocks
+
+    assert asyncio.run(async_round_trip()) == 3  # the aio channel: TLS and the token
     probe = [sys.executable, "-m", "kvstored.healthcheck", "--addr", daemon.addr, "--timeout", "3"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
     with_ca = subprocess.run(probe, capture_output=True, text=True, timeout=60,

@@ -141,6 +141,15 @@ def test_settings_refuse_unknown_keys_and_bad_values() -> None:
         ConnectorSettings.from_extra({"priority": 101})
 
 
+def test_settings_read_the_token_from_its_file(tmp_path) -> None:  # noqa: ANN001
+    token = tmp_path / "engine.token"
+    token.write_text("t0ken" * 4 + "\n")
+    assert ConnectorSettings.from_extra({"token_file": str(token)}).token() == "t0ken" * 4
+    assert ConnectorSettings.from_extra({}).token() is None  # the client's own default
+    with pytest.raises(ValueError, match="cannot read token_file"):
+        ConnectorSettings.from_extra({"token_file": str(tmp_path / "missing")}).token()
+
+
 def test_an_untested_vllm_is_one_clear_error() -> None:
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.3rc1")
