@@ -12,7 +12,7 @@ host and neither side always runs first:
   the unix socket, bytes inline): with a token, every call carries it and the daemon
   checks it (digest and constant-time compare against every known token).
 - ``tcp``: bytes inline over TCP on loopback, plain against TLS (the daemon's
-  certificate from scripts/dev_pki.py, a token too, as a non-loopback listen needs).
+  certificate from kvbench.pki, a token too, as a non-loopback listen needs).
 
 Cases: gets of a stored prefix and puts of new blocks, of 1 and 8 blocks of 2 MiB
 (a Llama-3-8B block of 16 tokens). A control pair measures the noise floor the same
@@ -28,13 +28,10 @@ TCP.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,7 +42,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvbench.harness import Result, Series, TokenSource, interleaved_passes
+from kvbench.harness import Result, Series, TokenSource, free_tcp_port, interleaved_passes
+from kvbench.pki import make_pki
 from kvbench.servers import OwnDaemon
 from kvclient import TLS, KVClient
 from kvclient.sync_client import Namespace
@@ -57,16 +55,6 @@ BLOCK_BYTES = 2 * MiB
 HOST_BYTES = 512 * MiB
 TARGET_ARENA = 1.05
 REPORT = REPO / "docs" / "benchmarks" / "security.md"
-
-
-def _load_dev_pki() -> Any:
-    path = REPO / "scripts" / "dev_pki.py"
-    spec = importlib.util.spec_from_file_location("dev_pki", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["dev_pki"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -114,12 +102,6 @@ def calls_of(ns: Namespace, op: str, blocks: int, source: TokenSource, n: int) -
     return [put] * n
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_daemons(work: Path, pki: dict[str, Path], token: str) -> dict[str, OwnDaemon]:
     token_file = work / "tenant.token"
     token_file.write_text(token)
@@ -148,7 +130,7 @@ def start_daemons(work: Path, pki: dict[str, Path], token: str) -> dict[str, Own
 
 def run(rounds: int, calls: int) -> tuple[list[Pair], dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="kv-security-"))
-    pki = _load_dev_pki().make_pki(work)
+    pki = make_pki(work)
     token = "bench-" + "0123456789abcdef" * 2
     daemons = start_daemons(work, pki, token)
     clients: list[KVClient] = []

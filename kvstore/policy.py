@@ -319,9 +319,6 @@ class GroupedPolicy:
     def reprioritize(self, node: Node) -> None:
         self._of(node).reprioritize(node)
 
-    def rank(self, node: Node) -> Any:
-        return self._rank(node)
-
     def candidates(self, group: str | None = None) -> Iterator[Node]:
         if group is not None:
             policy = self._groups.get(group)

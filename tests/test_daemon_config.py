@@ -245,3 +245,59 @@ def test_help_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for key in config.KEYS:
         assert key.flag in out
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ('[tenants.Team]\ntoken_file = "/t"\n', "'Team' is not a tenant name"),
+        ('[tenants.a]\ntoken_file = "/t"\nhost = 1\n', "tenants.a: unknown key 'host'"),
+        ("[tenants.a]\nhost_bytes = 1\n", "tenants.a: token_file is required"),
+        ('[tenants.a]\ntoken_file = "/t"\nhost_bytes = "lots"\n', "tenants.a: invalid size"),
+        ('tenants = "a"\n', "expected a table of [tenants.<name>] tables"),
+    ],
+)
+def test_bad_tenant_tables_exit_2_with_one_line(
+    table: str, problem: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    toml = tmp_path / "tenants.toml"
+    toml.write_text(table)
+    proc = run_main(monkeypatch, capsys, "--config", str(toml), "--print-config")
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstored: error: tenants: "), proc.stderr
+    assert problem in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "problem"),
+    [
+        ({"a": None}, "cannot read the token of tenant a from"),
+        ({"a": "short"}, "must be at least 16 characters"),
+        ({"a": "x" * 20, "b": "x" * 20}, "tenant b and tenant a have the same token"),
+    ],
+)
+def test_unusable_token_files_stop_start_up_with_one_line(
+    tokens: dict[str, str | None], problem: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Checked before anything is allocated: exit 2, nothing made but the socket dir."""
+    lines = []
+    for name, token in tokens.items():
+        path = tmp_path / f"{name}.token"
+        if token is not None:
+            path.write_text(token)
+        lines.append(f'[tenants.{name}]\ntoken_file = "{path}"\n')
+    toml = tmp_path / "kvstored.toml"
+    toml.write_text("".join(lines))
+    sock = tmp_path / "run" / "kvstored.sock"
+    proc = run_main(
+        monkeypatch, capsys, "--config", str(toml), "--listen", f"unix://{sock}",
+        "--disk-bytes", "0", "--host-bytes", "64MiB", "--metrics-listen", "off",
+    )
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvstored: error: tenants: "), proc.stderr
+    assert problem in err[0]
+    assert not sock.exists()

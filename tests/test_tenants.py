@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from conftest import Daemon
 
+from kvbench.harness import free_tcp_port
 from kvclient import (
     AsyncKVClient,
     AuthenticationError,
@@ -37,12 +38,6 @@ from kvproto.v1 import local_calls as frames
 MiB = 1 << 20
 BLOCK_TOKENS = 4
 SECRET_SALT = "salt-only-the-daemon-knows"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -81,7 +76,7 @@ def tenancy(
     kvstored_module_factory: Callable[..., Daemon], tmp_path_factory: pytest.TempPathFactory
 ) -> Tenancy:
     config, tokens, files = write_tenants(tmp_path_factory.mktemp("tokens"))
-    port = free_port()
+    port = free_tcp_port()
     daemon = kvstored_module_factory(
         extra_args=("--config", str(config)), metrics_listen=f"127.0.0.1:{port}"
     )

@@ -2,52 +2,31 @@
 whose sockets the daemon and the client trust.
 
 Certificates come from a test CA made with the ``cryptography`` package by
-scripts/dev_pki.py, the tool the docs give users for a first try of TLS.
+kvbench.pki, what scripts/dev_pki.py (the docs' first try of TLS) runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import grpc
 import numpy as np
 import pytest
 from conftest import Daemon
 
+from kvbench.harness import free_tcp_port
+from kvbench.pki import make_pki
 from kvclient import TLS, AsyncKVClient, DaemonUnavailableError, KVClient, UntrustedSocketError
 from kvclient.errors import InvalidArgumentError
 from kvstored.config import ConfigError, load_config
 
 IS_ROOT = os.geteuid() == 0
 NOBODY = 65534
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _load_dev_pki() -> ModuleType:
-    """scripts/dev_pki.py, the CA the docs tell users to try TLS with."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "dev_pki.py"
-    spec = importlib.util.spec_from_file_location("dev_pki", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["dev_pki"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-make_pki = _load_dev_pki().make_pki
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +49,7 @@ def tls_daemon(
     mutual: bool,
 ) -> Daemon:
     settings: dict[str, object] = {
-        "listen": f"127.0.0.1:{free_port()}",
+        "listen": f"127.0.0.1:{free_tcp_port()}",
         "tls_cert": pki["server_cert"],
         "tls_key": pki["server_key"],
         "admin_token_file": token_file,
@@ -145,7 +124,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(
 
 def test_an_open_tcp_port_needs_tls_and_tokens_or_insecure(tmp_path: Path) -> None:
     base = ["--disk-bytes", "0", "--host-bytes", "64MiB", "--metrics-listen", "off"]
-    wide = ["--listen", f"0.0.0.0:{free_port()}"]
+    wide = ["--listen", f"0.0.0.0:{free_tcp_port()}"]
     refused = subprocess.run(
         [sys.executable, "-m", "kvstored", *wide, *base],
         capture_output=True, text=True, timeout=60,
@@ -214,3 +193,24 @@ def test_the_client_refuses_a_socket_of_another_user(kvstored: Daemon) -> None:
     finally:
         os.chown(sock.parent, 0, 0)
         os.chown(sock, 0, 0)
+
+
+def test_bad_client_security_settings_are_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSTORE_TOKEN_FILE", str(tmp_path / "missing.token"))
+    monkeypatch.delenv("KVSTORE_TOKEN", raising=False)
+    with pytest.raises(InvalidArgumentError, match=r"cannot read the token \(\$KVSTORE_TOKEN"):
+        KVClient(f"unix://{tmp_path}/kvstored.sock")
+    monkeypatch.delenv("KVSTORE_TOKEN_FILE")
+    with pytest.raises(InvalidArgumentError, match="'no-such-user-kv' is not a user"):
+        KVClient(f"unix://{tmp_path}/kvstored.sock", socket_owner="no-such-user-kv")
+    half = TLS(cert_file=str(tmp_path / "client.pem"))
+    with pytest.raises(InvalidArgumentError, match="needs its key"):
+        KVClient("127.0.0.1:7070", tls=half)
+    kvctl = subprocess.run(
+        [sys.executable, "-m", "kvclient", "--token-file", str(tmp_path / "nope"), "status"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert kvctl.returncode == 2 and kvctl.stderr.count("\n") == 1
+    assert "cannot read the token file from" in kvctl.stderr

@@ -8,6 +8,7 @@ import math
 import mmap
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -339,6 +340,13 @@ def interleaved_passes(series: Sequence[Series], repeat: int, alternate: bool = 
                 one.before_pass()
             seconds = _timed_pass(one.calls, one.result.latencies_ms)
             one.result.seconds = min(one.result.seconds, seconds)
+
+
+def free_tcp_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for a daemon to listen on)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:

@@ -47,8 +47,9 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from kvclient.address import ADDR_ENV, resolve_address
-from kvclient.errors import KVStoreError
+from kvclient.errors import InvalidArgumentError, KVStoreError
 from kvclient.results import Event, NamespaceStats, TierStats
+from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
 
 PROG = "kvctl"
@@ -585,12 +586,12 @@ def cmd_events(client: KVClient, args: argparse.Namespace) -> int:
 # -- entry point -----------------------------------------------------------------------
 
 
-def read_token_file(path: str) -> str:
+def token_of(path: str) -> str:
+    """--token-file: the token, or a usage error (exit 2) naming the file."""
     try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as exc:
-        raise UsageError(f"cannot read the token file {path}: {exc.strerror}") from None
+        return read_token_file(path, "the token file")
+    except InvalidArgumentError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -710,7 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[KVClient, argparse.Namespace], int] = args.handler
     addr = resolve_address(args.addr)
     try:
-        token = read_token_file(args.token_file) if args.token_file else None
+        token = token_of(args.token_file) if args.token_file else None
         with KVClient(addr, timeout=args.timeout, use_arena=False, token=token) as client:
             return handler(client, args)
     except UsageError as exc:

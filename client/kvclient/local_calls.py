@@ -47,7 +47,6 @@ from kvclient.errors import (
     error_from_status,
 )
 from kvclient.fork_safety import renew_in_child
-from kvclient.security import peer_uid
 from kvproto.v1 import local_calls as frames
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -164,7 +163,8 @@ class _Hello:
     def check_peer(self, sock: socket.socket) -> None:
         if self.daemon_uid is None:
             return
-        uid = peer_uid(sock)
+        peer = frames.peer_credentials(sock)
+        uid = peer[1] if peer else None
         if uid is not None and uid not in (self.daemon_uid, 0):
             log.warning(
                 "not using %s: it is served by uid %d, not by the daemon's uid %d",

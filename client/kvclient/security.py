@@ -24,9 +24,7 @@ from __future__ import annotations
 import collections
 import os
 import pwd
-import socket
 import stat
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +96,7 @@ class Credentials:
         if token is None:
             token = env.get(TOKEN_ENV, "")
             if not token and env.get(TOKEN_FILE_ENV):
-                token = _read(env[TOKEN_FILE_ENV], f"the token (${TOKEN_FILE_ENV})").decode()
+                token = read_token_file(env[TOKEN_FILE_ENV], f"the token (${TOKEN_FILE_ENV})")
         owner = socket_owner if socket_owner is not None else env.get(SOCKET_OWNER_ENV, "")
         return cls(
             token=token.strip(),
@@ -182,13 +180,13 @@ class Credentials:
             )
 
 
-def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a unix socket (None if unknown)."""
+def read_token_file(path: str, what: str = "the token") -> str:
+    """The token a file holds (surrounding whitespace dropped); InvalidArgumentError
+    naming ``what`` and the file when it cannot be read."""
     try:
-        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    except (OSError, struct.error):
-        return None
-    return int(uid)
+        return _read(path, what).decode().strip()
+    except UnicodeDecodeError:
+        raise InvalidArgumentError(f"{what} in {path} is not UTF-8 text") from None
 
 
 def _uid(owner: int | str) -> int:

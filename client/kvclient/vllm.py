@@ -75,12 +75,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvclient.claims import Claim
 from kvclient.errors import (
     ArenaUnavailableError,
+    InvalidArgumentError,
     KVStoreError,
     LayoutMismatchError,
     LeaseError,
     OutOfSpaceError,
 )
 from kvclient.puts_ahead import PendingPut
+from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient, Namespace
 from kvclient.vllm_blocks import PagedLayers
 from kvclient.vllm_plan import LoadSpec, RequestState, SaveSpec, StepPlan
@@ -127,12 +129,9 @@ class ConnectorSettings:
         if not self.token_file:
             return None
         try:
-            with open(self.token_file) as f:
-                return f.read().strip()
-        except OSError as exc:
-            raise ValueError(
-                f"KVStoreConnector: cannot read token_file {self.token_file}: {exc.strerror}"
-            ) from None
+            return read_token_file(self.token_file, "token_file")
+        except InvalidArgumentError as exc:
+            raise ValueError(f"KVStoreConnector: {exc}") from None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

@@ -138,7 +138,6 @@ class Tokens:
                 raise ValueError(f"{whose} and {seen[digest]} have the same token ({path})")
             seen[digest] = whose
             self._known.append((digest, caller))
-        self.tenants = tuple(t.name for t in tenants)
 
     @property
     def enabled(self) -> bool:

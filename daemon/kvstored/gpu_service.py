@@ -56,7 +56,7 @@ from kvstore.pinning import CudaPin
 from kvstore.platform import PlatformInfo
 from kvstore.store import Store
 from kvstored import convert
-from kvstored.auth import Access, Caller, Tokens
+from kvstored.auth import Access, Caller
 from kvstored.config import DaemonConfig
 from kvstored.errors import grpc_errors
 from kvstored.names import NamespaceNames
@@ -298,12 +298,12 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
         config: DaemonConfig,
         names: NamespaceNames,
         platform: PlatformInfo,
-        pin: CudaPin | None = None,
-        access: Access | None = None,
+        pin: CudaPin | None,
+        access: Access,
     ) -> None:
         self._store = store
         self._names = names
-        self._access = access or Access(store, names, Tokens(()))
+        self._access = access
         self._platform = platform
         self._pin = pin
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kv-gpu")

@@ -28,8 +28,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
-import struct
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -208,7 +206,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        self.owner = f"local:{_peer_pid(transport)}"
+        peer = frames.peer_credentials(transport.get_extra_info("socket"))
+        self.owner = f"local:{peer[0] if peer else 0}"
         self._server.opened(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -289,16 +288,6 @@ class _Connection(asyncio.Protocol):
             self._transport.write(frame)
         self._task = None
         self._next()
-
-
-def _peer_pid(transport: asyncio.Transport) -> int:
-    """The pid of the process at the other end of a unix socket (0 if unknown)."""
-    sock = transport.get_extra_info("socket")
-    try:
-        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    except (OSError, AttributeError, struct.error):
-        return 0
-    return int(pid)
 
 
 async def _resume(call: Coroutine[Any, Any, bytes], waiting_on: Any) -> bytes:

@@ -70,7 +70,7 @@ from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.results import Event, Reservation, SlotRef
 from kvstore.store import Store
 from kvstored import convert, hostinfo
-from kvstored.auth import Access, Caller, Tokens
+from kvstored.auth import Access, Caller
 from kvstored.config import GET_CHUNK_BYTES, MAX_CHUNK_BYTES, DaemonConfig
 from kvstored.errors import grpc_errors, tolerant
 from kvstored.names import NamespaceNames
@@ -103,12 +103,12 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         config: DaemonConfig,
         names: NamespaceNames,
         version: str,
-        access: Access | None = None,
+        access: Access,
     ) -> None:
         self._store = store
         self._config = config
         self._names = names
-        self.access = access or Access(store, names, Tokens(()))
+        self.access = access
         self._version = version
         self._started = time.monotonic()
         self._host_id = hostinfo.host_id()
@@ -908,7 +908,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 for e in events
                 if (not ns_filter or e.ns_id == ns_filter)
                 and (not kinds or convert.EVENT_KINDS[e.kind] in kinds)
-                and (caller.admin or self.access.visible(caller, e.ns_id))
+                and self.access.visible(caller, e.ns_id)
             ]
             if out or missed:
                 yield pb.WatchEventsResponse(events=out, missed=missed)

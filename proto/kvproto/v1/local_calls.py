@@ -33,6 +33,7 @@ daemon without tenants the frame is accepted and changes nothing.
 
 from __future__ import annotations
 
+import socket
 import struct
 
 from kvproto.v1 import kvstore_pb2 as pb
@@ -41,6 +42,7 @@ HEADER = struct.Struct("<IB")
 OK = 0
 MAX_NAME_BYTES = 64
 AUTH_NAME = b"@auth"  # not a method name: the connection's token (see above)
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
 
@@ -68,3 +70,15 @@ def parse_error(body: bytes) -> tuple[str, str]:
     """``(kind, message)`` of an error response's body."""
     kind, _, message = body.partition(b"\0")
     return kind.decode(errors="replace"), message.decode(errors="replace")
+
+
+def peer_credentials(sock: socket.socket | None) -> tuple[int, int] | None:
+    """(pid, uid) of the process at the other end of a unix socket (SO_PEERCRED): the
+    daemon ties leases to the client's pid, the client checks the daemon's uid. None
+    when unknown."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)  # type: ignore[union-attr]
+        pid, uid, _ = _PEERCRED.unpack(raw)
+    except (OSError, AttributeError, struct.error):
+        return None
+    return int(pid), int(uid)
