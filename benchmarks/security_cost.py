@@ -46,7 +46,7 @@ from kvbench.harness import Result, Series, TokenSource, free_tcp_port, interlea
 from kvbench.pki import make_pki
 from kvbench.servers import OwnDaemon
 from kvclient import TLS, KVClient
-from kvclient.sync_client import Namespace
+from kvclient.namespace import Namespace
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20

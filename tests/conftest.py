@@ -300,6 +300,21 @@ def kvstored_module(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
 # (import with ``from conftest import ...``; they return protobuf messages or bytes)
 
 
+def raw_call(client: Any, name: str, request: Any) -> Any:
+    """One unary call with a request built by hand, through the client's core (local
+    socket or gRPC, as the client's own calls), its error as a KVStoreError: for
+    tests of what the daemon does with requests the client API never builds."""
+    return client._drive(client._conn.call(name, request))
+
+
+def raw_put(client: Any, messages: Any) -> Any:
+    """A Put stream of serialized messages built by hand (see raw_call)."""
+    from kvclient.effects import Io
+
+    conn = client._conn
+    return client._drive(conn.over_grpc(Io(conn.grpc.put, (messages,))))
+
+
 def kv_stub(daemon: Daemon, **options: int) -> Any:
     """A ``kvstore.v1.KVStore`` stub on a channel owned by ``daemon``."""
     from kvproto.v1 import kvstore_pb2_grpc
@@ -308,8 +323,12 @@ def kv_stub(daemon: Daemon, **options: int) -> Any:
 
 
 def open_ns(
-    stub: Any, model: str = "test-model", block_tokens: int = 4, block_bytes: int = 4096,
-    name: str = "", **spec: Any,
+    stub: Any,
+    model: str = "test-model",
+    block_tokens: int = 4,
+    block_bytes: int = 4096,
+    name: str = "",
+    **spec: Any,
 ) -> Any:
     """OpenNamespace -> NamespaceInfo."""
     from kvproto.v1 import kvstore_pb2 as pb
@@ -334,8 +353,13 @@ def block_bytes_for(seed: int, index: int, size: int) -> bytes:
 
 
 def put_requests(
-    ns_id: str, tokens: list[int], data: bytes, n_blocks: int, start_block: int = 0,
-    chunk: int = 1 << 20, priority: int | None = None,
+    ns_id: str,
+    tokens: list[int],
+    data: bytes,
+    n_blocks: int,
+    start_block: int = 0,
+    chunk: int = 1 << 20,
+    priority: int | None = None,
 ) -> Iterator[Any]:
     """The Put stream: a header, then ``data`` in chunks."""
     from kvproto.v1 import kvstore_pb2 as pb
@@ -349,7 +373,11 @@ def put_requests(
 
 
 def put_chain(
-    stub: Any, info: Any, tokens: list[int], seed: int = 0, start_block: int = 0,
+    stub: Any,
+    info: Any,
+    tokens: list[int],
+    seed: int = 0,
+    start_block: int = 0,
     n_blocks: int | None = None,
 ) -> tuple[Any, bytes]:
     """Put blocks [start_block, start_block + n_blocks) of ``tokens`` -> (PutResponse, data)."""
@@ -386,9 +414,7 @@ def store_snapshot(stub: Any) -> dict[str, Any]:
     stats = stub.Stats(pb.StatsRequest(), timeout=10)
     return {
         "tiers": [(t.name, t.used_bytes, t.blocks, t.evictions, t.bytes_in) for t in stats.tiers],
-        "namespaces": sorted(
-            (n.ns_id, n.name, n.blocks, n.bytes) for n in stats.namespaces
-        ),
+        "namespaces": sorted((n.ns_id, n.name, n.blocks, n.bytes) for n in stats.namespaces),
         "pending_blocks": stats.pending_blocks,
         "leases": stats.leases,
         "staged_bytes": stats.staged_bytes,

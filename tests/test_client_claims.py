@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import Daemon
+from conftest import Daemon, raw_put
 
 from kvclient import InvalidArgumentError, KVClient, OutOfSpaceError
 
@@ -227,10 +227,7 @@ def test_bad_inline_delivery_is_refused_and_changes_nothing(kvstored: Daemon) ->
 
         def deliver(lease_id: int, n_blocks: int, rows: np.ndarray) -> None:
             header = pb.PutHeader(ns_id=ns.ns_id, n_blocks=n_blocks, lease_id=lease_id)
-            try:
-                client._put_stream(kvwire.put_messages(header, rows, 1 << 20))
-            except Exception as exc:  # grpc.RpcError -> the client's typed error
-                raise client._error(exc) from None
+            raw_put(client, kvwire.put_messages(header, rows, 1 << 20))
 
         one = np.stack([content(0)])
         with pytest.raises(LeaseError):  # FAILED_PRECONDITION: no such claim

@@ -22,7 +22,7 @@ from conftest import Daemon, get_chain, kv_stub, open_ns, put_chain
 
 from kvclient import ArenaUnavailableError, AsyncKVClient, KVClient, wire
 from kvclient import arena_path as ap
-from kvclient.sync_client import RELEASE_DELAY_S
+from kvclient.accounting import DELAY_S as RELEASE_DELAY_S
 from kvproto.v1 import data_frames
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.arena import ArenaMapping
@@ -239,7 +239,7 @@ def test_acquire_gives_read_only_views_of_the_arena_under_a_lease(daemon: Daemon
         ns.put(tokens, blocks)
         with ns.acquire(tokens + [1, 2]) as lease:
             assert (lease.n_blocks, lease.tokens) == (6, 6 * BLOCK_TOKENS)
-            arena = client._arena.mapping.array()  # type: ignore[union-attr]
+            arena = client._conn.arena.mapping.array()  # type: ignore[union-attr]
             for i, view in enumerate(lease.views):
                 assert not view.flags.writeable and np.shares_memory(view, arena)
                 assert np.array_equal(view, blocks[i])

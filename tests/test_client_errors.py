@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 import pytest
-from conftest import Daemon
+from conftest import Daemon, raw_call
 
 from kvclient import (
     DaemonUnavailableError,
@@ -94,7 +94,7 @@ def test_daemon_side_errors_keep_code_and_details(daemon: Daemon) -> None:
 
         # a lease the daemon never handed out (only reachable through the raw stub)
         with pytest.raises(LeaseError) as lease:
-            client._call(client._stub.Release, pb.ReleaseRequest(lease_id=987654321))
+            raw_call(client, "Release", pb.ReleaseRequest(lease_id=987654321))
         assert lease.value.code is grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -104,7 +104,7 @@ def test_full_store_refuses_with_out_of_space(daemon: Daemon) -> None:
         # another session reserves every slot (pending blocks cannot be evicted)
         tokens = list(range(16 * 4))
         reserve = pb.ReserveRequest(ns_id=ns.ns_id, tokens=tokens, ttl_s=30)
-        reserved = client._call(client._stub.Reserve, reserve)
+        reserved = raw_call(client, "Reserve", reserve)
         assert len(reserved.slots) == 16
         try:
             blocks = np.ones((2, 64 << 10), dtype=np.uint8)
@@ -112,7 +112,7 @@ def test_full_store_refuses_with_out_of_space(daemon: Daemon) -> None:
                 ns.put(list(range(1000, 1008)), blocks)
             assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
         finally:
-            client._call(client._stub.Abandon, pb.AbandonRequest(lease_id=reserved.lease_id))
+            raw_call(client, "Abandon", pb.AbandonRequest(lease_id=reserved.lease_id))
         # with the reservation gone the same put is admitted
         assert ns.put(list(range(1000, 1008)), blocks).stored == 2
 

@@ -85,16 +85,16 @@ def worker_share(addr: str, use_arena: bool, own: list[list[int]], others: list[
 
 def worker_put_and_hang(addr: str, tokens: list[int]) -> None:
     """Reserve and fill slots, say so, then hang before Commit (to be SIGKILLed)."""
-    import kvclient.sync_client as sync_client
+    import kvclient.writes as writes
 
-    copy = sync_client.write_slots
+    copy = writes.write_slots
 
     def copy_then_hang(*args: object) -> None:
         copy(*args)
         print("RESERVED", flush=True)
         time.sleep(120)
 
-    sync_client.write_slots = copy_then_hang
+    writes.write_slots = copy_then_hang  # type: ignore[assignment]
     with KVClient(addr, use_arena=True) as client:
         ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
         ns.put(tokens, blocks_for(tokens, full_blocks(tokens)))
@@ -285,7 +285,7 @@ def test_a_client_forked_while_a_thread_holds_its_locks_works_in_the_child(
             ok = got.n_blocks == 2 and np.array_equal(got.blocks, blocks_for(tokens, 2))
             return ok and client.stats().tier("host").blocks >= 2
 
-        with held_by_another_thread(client._settling, client._done_cond):
+        with held_by_another_thread(client._locks["settle"], client._timer_cond):
             assert in_forked_child(child) == 0
 
 
@@ -352,11 +352,13 @@ def test_a_client_forked_while_threads_hold_its_helpers_locks_works_in_the_child
         tokens = list(range(9000, 9000 + 3 * BLOCK_TOKENS))
         ns.put(tokens, blocks_for(tokens, 3))
         assert np.array_equal(ns.get(tokens).blocks, blocks_for(tokens, 3))
-        assert client._local is not None and client._stashes  # the helpers are in use
+        assert client._conn.local is not None and client._conn._stashes  # the helpers are in use
         locks = [
-            client._local._lock,
-            client._stashes[ns.ns_id]._lock,
-            client._disk_first._lock,
+            client._conn.local._lock,
+            client._conn._lock,
+            client._conn.accounting._lock,
+            client._conn.stash(ns.ns_id)._lock,
+            client._conn.disk_first._lock,
             disk_index._registry_lock,
             arena_path._pool_lock,
         ]

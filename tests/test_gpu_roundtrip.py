@@ -297,7 +297,7 @@ def test_bad_registrations_and_requests(client: KVClient, gpu: GpuClient) -> Non
         with pytest.raises(InvalidArgumentError, match="need"):
             reg.offload(prompt(0, 1), [0, 1])  # tokens cover one block, two asked
         # the daemon validates too (a raw request past the client's checks)
-        stub = gpb_grpc.KVGpuStub(client._channel)
+        stub = gpb_grpc.KVGpuStub(client.channel)
         with pytest.raises(grpc.RpcError) as err:
             stub.Offload(gpb.OffloadRequest(registration_id=reg.registration_id,
                                             tokens=prompt(0, 2), block_ids=[0, NB]), timeout=10)
@@ -313,7 +313,7 @@ def test_registration_of_a_gone_process_is_dropped(client: KVClient, gpu: GpuCli
     engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         with shared("paged") as kv:
-            stub = gpb_grpc.KVGpuStub(client._channel)
+            stub = gpb_grpc.KVGpuStub(client.channel)
             request = gpb.RegisterKVRequest(
                 ns_id=ns.ns_id, layout=layout_message(kv), client_pid=engine.pid
             )

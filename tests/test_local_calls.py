@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import Daemon
+from conftest import raw_call as client_call
 
 from kvclient import (
     AsyncKVClient,
@@ -86,8 +87,8 @@ def test_raw_frames_answer_like_grpc(daemon: Daemon) -> None:
     with KVClient(daemon.addr, use_arena=False) as client:
         ns = client.namespace("local-raw", 4, BLOCK_BYTES)
         ns.put(list(range(8)), np.full((2, BLOCK_BYTES), 7, np.uint8))
-        by_grpc = client._call(
-            client._stub.Lookup, pb.LookupRequest(ns_id=ns.ns_id, tokens=list(range(8)))
+        by_grpc = client_call(
+            client, "Lookup", pb.LookupRequest(ns_id=ns.ns_id, tokens=list(range(8)))
         )
     with connect(local_path(daemon)) as sock:
         request = pb.LookupRequest(ns_id=ns.ns_id, tokens=list(range(8)))
@@ -140,8 +141,8 @@ def test_client_uses_local_calls_and_maps_errors_as_grpc_does(daemon: Daemon) ->
     tokens = list(range(100, 116))
     blocks = np.arange(4 * BLOCK_BYTES, dtype=np.uint32).astype(np.uint8).reshape(4, -1)
     with KVClient(daemon.addr) as local, KVClient(daemon.addr, use_arena=False) as remote:
-        assert local.arena_in_use and local._local is not None
-        assert remote._local is None
+        assert local.arena_in_use and local._conn.local is not None
+        assert remote._conn.local is None
         ns_local = local.namespace("local-errors", 4, BLOCK_BYTES)
         ns_remote = remote.open_namespace(ns_local.ns_id)
         assert ns_local.put(tokens, blocks).stored == 4
@@ -156,8 +157,8 @@ def test_client_uses_local_calls_and_maps_errors_as_grpc_does(daemon: Daemon) ->
             calls = [
                 lambda: client.open_namespace("missing@000000000000"),
                 lambda: client.namespace("local-errors", 1, BLOCK_BYTES),
-                lambda: client._call(client._stub.Release, pb.ReleaseRequest(lease_id=424242)),
-                lambda: client._call(client._stub.Commit, pb.CommitRequest(lease_id=0)),
+                lambda: client_call(client, "Release", pb.ReleaseRequest(lease_id=424242)),
+                lambda: client_call(client, "Commit", pb.CommitRequest(lease_id=0)),
             ]
             for call in calls:
                 with pytest.raises(KVStoreError) as info:
@@ -170,7 +171,7 @@ def test_client_uses_local_calls_and_maps_errors_as_grpc_does(daemon: Daemon) ->
         kinds = [cls for cls, _, _ in local_errors]
         expected = [NamespaceNotFoundError, InvalidArgumentError, LeaseError, InvalidArgumentError]
         assert kinds == expected
-        assert local._local is not None  # still in use after errors
+        assert local._conn.local is not None  # still in use after errors
 
 
 def test_local_calls_off_leaves_grpc_only(tmp_path: Path) -> None:
@@ -181,7 +182,7 @@ def test_local_calls_off_leaves_grpc_only(tmp_path: Path) -> None:
         with KVClient(d.addr) as client:
             assert client.server_info().local_socket == ""
             ns = client.namespace("no-local", 4, BLOCK_BYTES)
-            assert client.arena_in_use and client._local is None
+            assert client.arena_in_use and client._conn.local is None
             ns.put(list(range(8)), np.ones((2, BLOCK_BYTES), np.uint8))
             assert ns.get(list(range(8))).n_blocks == 2
     finally:
@@ -197,14 +198,14 @@ def test_restart_reconnects_and_socket_is_removed_on_stop(tmp_path: Path) -> Non
             ns = client.namespace("restart-local", 4, BLOCK_BYTES)
             data = np.full((2, BLOCK_BYTES), 3, np.uint8)
             ns.put(list(range(8)), data)
-            assert client._local is not None and path.exists()
+            assert client._conn.local is not None and path.exists()
             d.stop()
             assert not path.exists()
             d.start()  # the blocks come back from the disk tier
             got = ns.get(list(range(8)))  # the idle connection is dead: gRPC, then local
             assert got.n_blocks == 2 and np.array_equal(got.blocks, data)
             assert ns.get(list(range(8))).n_blocks == 2
-            assert client._local is not None
+            assert client._conn.local is not None
     finally:
         d.cleanup()
 
@@ -215,7 +216,7 @@ def test_async_client_uses_local_calls(daemon: Daemon) -> None:
             ns = await client.namespace("local-async", 4, BLOCK_BYTES)
             data = np.full((3, BLOCK_BYTES), 9, np.uint8)
             assert (await ns.put(list(range(12)), data)).stored == 3
-            assert client._local is not None
+            assert client._conn.local is not None
             got = await ns.get(list(range(12)))
             assert got.n_blocks == 3 and np.array_equal(got.blocks, data)
             with pytest.raises(NamespaceNotFoundError):
@@ -238,7 +239,7 @@ def test_calls_sent_ahead_of_their_answers_are_all_answered_in_order(daemon: Dae
         with KVClient(daemon.addr) as other:  # not starved meanwhile
             ns = other.namespace("local-flow", 4, BLOCK_BYTES)
             ns.put(list(range(4)), np.ones((1, BLOCK_BYTES), np.uint8))
-            assert other._local is not None and ns.lookup(list(range(4))).blocks == 1
+            assert other._conn.local is not None and ns.lookup(list(range(4))).blocks == 1
         for _ in range(calls):
             header = recv_exactly(greedy, frames.HEADER.size)
             body_len, status = frames.HEADER.unpack(header)
@@ -254,7 +255,7 @@ def test_a_forked_child_opens_its_own_connections(daemon: Daemon) -> None:
     with KVClient(daemon.addr) as client:
         ns = client.namespace("local-fork", 4, BLOCK_BYTES)
         ns.put(tokens, np.ones((10, BLOCK_BYTES), np.uint8))
-        assert client._local is not None and ns.lookup(tokens).blocks == 10
+        assert client._conn.local is not None and ns.lookup(tokens).blocks == 10
         pid = os.fork()
         if pid == 0:  # the child: local calls only (no gRPC across fork)
             code = 0
@@ -316,19 +317,19 @@ def test_an_async_call_that_outlives_its_timeout_is_a_request_timeout(daemon: Da
     tokens = list(range(2000, 2004))
     with KVClient(daemon.addr) as writer:
         ns = writer.namespace("local-timeout", 4, BLOCK_BYTES)
-        lease = writer._call(
-            writer._stub.Reserve, pb.ReserveRequest(ns_id=ns.ns_id, tokens=tokens)
-        ).lease_id  # the block stays pending until this lease is committed
+        reserve = pb.ReserveRequest(ns_id=ns.ns_id, tokens=tokens)
+        # the block stays pending until this lease is committed
+        lease = client_call(writer, "Reserve", reserve).lease_id
 
         async def run() -> None:
             async with AsyncKVClient(daemon.addr, timeout=0.5) as client:
                 ans = await client.namespace("local-timeout", 4, BLOCK_BYTES)
                 assert (await ans.get(list(range(9000, 9004)))).n_blocks == 0  # maps the arena
-                assert client._local is not None  # the calls go over the local socket
+                assert client._conn.local is not None  # the calls go over the local socket
                 with pytest.raises(RequestTimeoutError) as timed_out:
                     await ans.lookup(tokens, wait_pending_s=5)
                 assert timed_out.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert (await ans.lookup(tokens)).pending_blocks == 1  # and it works on
 
         asyncio.run(run())
-        writer._call(writer._stub.Abandon, pb.AbandonRequest(lease_id=lease))
+        client_call(writer, "Abandon", pb.AbandonRequest(lease_id=lease))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import Daemon, in_forked_child, kv_stub, store_snapshot
+from conftest import Daemon, in_forked_child, kv_stub, raw_call, store_snapshot
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, LeaseError
 from kvclient.local_calls import LocalCallFailed, LocalCalls
@@ -49,9 +49,9 @@ def test_puts_sent_ahead_store_the_bytes_and_resolve_with_the_counts(daemon: Dae
     with KVClient(daemon.addr, use_arena=True) as client:
         ns = client.namespace("ahead", block_tokens=BT, block_bytes=BB)
         first = ns.put_nowait(tokens(0, 4), blocks(0, 4))  # nothing staged yet: it waits
-        assert first.done() and first.result().stored == 4
+        assert first.result().stored == 4
         # it asked for two puts' worth, so that a put need not wait for the one before
-        assert len(client._stash(ns.ns_id)) == 8
+        assert len(client._conn.stash(ns.ns_id)) == 8
         data = [blocks(i, 4) for i in range(1, 9)]
         pending: list[PendingPut] = []
         for i, rows in enumerate(data):
@@ -121,7 +121,7 @@ def test_a_refused_put_raises_from_its_result_and_stores_nothing(daemon: Daemon)
     with KVClient(daemon.addr, use_arena=True) as client:
         ns = client.namespace("refused-ahead", block_tokens=BT, block_bytes=BB)
         ns.put(tokens(0, 2), blocks(50, 2))
-        stash = client._stash(ns.ns_id)
+        stash = client._conn.stash(ns.ns_id)
         lease = stash._lease_id
         kv_stub(daemon).Release(pb.ReleaseRequest(lease_id=lease))
         put = ns.put_nowait(tokens(300, 2), blocks(51, 2))
@@ -163,8 +163,9 @@ def test_bad_input_is_refused_before_anything_is_sent(daemon: Daemon) -> None:
         assert store_snapshot(kv_stub(daemon)) == before
         # a Reserve that asks to commit slots it does not name is refused by the daemon
         with pytest.raises(InvalidArgumentError, match="commit=true needs staged_offsets"):
-            client._call(
-                client._stub.Reserve,
+            raw_call(
+                client,
+                "Reserve",
                 pb.ReserveRequest(ns_id=ns.ns_id, tokens=tokens(800, 1), commit=True),
             )
         assert store_snapshot(kv_stub(daemon)) == before
@@ -271,7 +272,7 @@ def test_a_cancelled_async_copy_ends_before_the_cancellation_returns() -> None:
     """The async client frees a put's slots when the put is cancelled: the copy running
     on a worker thread must have ended by then, or it would write slots given to other
     blocks meanwhile."""
-    from kvclient.async_client import _copy_to_the_end
+    from kvclient.effects import _to_the_end as _copy_to_the_end
 
     ended = threading.Event()
 

@@ -30,7 +30,7 @@ from kvclient import (
     KVClient,
     NamespaceNotFoundError,
 )
-from kvclient.sync_client import Namespace
+from kvclient.namespace import Namespace
 from kvproto.v1 import gpu_pb2
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import local_calls as frames
@@ -206,7 +206,7 @@ def test_a_tenant_cannot_list_read_write_or_clear_anothers_blocks(tenancy: Tenan
 
         assert mine.ns_id not in {info.ns_id for info in b.namespaces()}
         assert mine.ns_id not in {ns.ns_id for ns in b.stats().namespaces}
-        stolen = Namespace(b, mine.info)  # b names a's namespace by its id
+        stolen = Namespace(b, b._conn, mine.info)  # b names a's namespace by its id
         for attempt in (
             lambda: stolen.lookup(tokens),
             lambda: stolen.get(tokens),
@@ -304,7 +304,7 @@ def test_the_arena_path_works_for_a_tenant_and_stays_in_its_namespaces(
         assert a.arena_in_use
         assert np.all(ns_a.get(tokens).blocks == 11)
         with pytest.raises(NamespaceNotFoundError):
-            Namespace(b, ns_a.info).get(tokens)
+            Namespace(b, b._conn, ns_a.info).get(tokens)
 
     async def run() -> None:
         async with AsyncKVClient(tenancy.daemon.addr, token=tenancy.tokens["a"]) as client:

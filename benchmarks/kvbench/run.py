@@ -34,7 +34,8 @@ from kvbench.harness import (
     warm_page_cache,
 )
 from kvbench.servers import OwnDaemon, RawGrpcServer, RedisBaseline, redis_unavailable
-from kvclient.sync_client import KVClient, Namespace
+from kvclient.namespace import Namespace
+from kvclient.sync_client import KVClient
 from kvstore.stream_copy import copy_into
 
 # -- the run ----------------------------------------------------------------------------

@@ -10,11 +10,11 @@
         ns.put(prompt_tokens, new_blocks, start=got.n_blocks)
 
 Results are frozen dataclasses (numpy arrays for block bytes); errors are
-:class:`KVStoreError` subclasses. See :mod:`kvclient.sync_client` for the protocol.
+:class:`KVStoreError` subclasses. How it is built: :mod:`kvclient.effects`.
 """
 
-from kvclient.async_client import AsyncKVClient, AsyncNamespace
-from kvclient.claims import AsyncClaim, Claim, ClaimTicket
+from kvclient.async_client import AsyncKVClient
+from kvclient.claims import Claim, ClaimTicket
 from kvclient.errors import (
     ArenaUnavailableError,
     AuthenticationError,
@@ -28,6 +28,8 @@ from kvclient.errors import (
     RequestTimeoutError,
     UntrustedSocketError,
 )
+from kvclient.namespace import AsyncNamespace, BlockLease, Namespace
+from kvclient.puts_ahead import PendingPut
 from kvclient.results import (
     Event,
     GetResult,
@@ -41,13 +43,13 @@ from kvclient.results import (
     TierStats,
 )
 from kvclient.security import TLS
-from kvclient.sync_client import KVClient, Namespace
+from kvclient.sync_client import KVClient
 
 __all__ = [
-    "AsyncClaim",
     "Claim",
     "ClaimTicket",
     "ArenaUnavailableError",
+    "BlockLease",
     "AuthenticationError",
     "AsyncKVClient",
     "AsyncNamespace",
@@ -65,6 +67,7 @@ __all__ = [
     "NamespaceNotFoundError",
     "NamespaceStats",
     "OutOfSpaceError",
+    "PendingPut",
     "PutResult",
     "RequestTimeoutError",
     "ServerInfo",

@@ -399,6 +399,12 @@ class BlockViews:
             raise RuntimeError("the lease was released: its views may hold other blocks now")
 
     @property
+    def slots(self) -> SlotTable:
+        """The leased slots (chain positions and arena offsets)."""
+        self._check()
+        return self._table
+
+    @property
     def views(self) -> list[np.ndarray]:
         self._check()
         if self._views is None:

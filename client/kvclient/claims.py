@@ -27,23 +27,20 @@ lease, delivering the blocks not delivered yet. One of them delivers at a time.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import grpc
 import numpy as np
 
 from kvclient import wire
 from kvclient.arena_path import ClientArena, SlotTable, write_slots
+from kvclient.connection import Connection
+from kvclient.effects import Io, Op, Work
 from kvclient.errors import InvalidArgumentError, LeaseError
 from kvclient.payloads import as_blocks, as_tokens, check_priority
+from kvclient.results import NamespaceInfo
 from kvproto.v1 import kvstore_pb2 as pb
-
-if TYPE_CHECKING:
-    from kvclient.async_client import AsyncNamespace
-    from kvclient.sync_client import Namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,19 +53,24 @@ class ClaimTicket:
     delivered: int = 0  # blocks delivered before the hand-over
 
 
-class _ClaimState:
-    """What a claim owns and has delivered; builds its requests (no I/O here)."""
+class Claim:
+    """Blocks this session reserved and must compute; see the module docstring.
+
+    ``fill`` and ``abandon`` return their counts with :class:`kvclient.KVClient`, and
+    awaitables of them with :class:`kvclient.AsyncKVClient`; leave it with ``with`` or
+    ``async with`` likewise."""
 
     def __init__(
         self,
-        ns_id: str,
-        block_bytes: int,
+        conn: Connection,
+        ns: NamespaceInfo,
         response: pb.ReserveResponse,
         start: int,
         arena: ClientArena | None,
     ) -> None:
-        self.ns_id = ns_id
-        self.block_bytes = block_bytes
+        self._conn = conn
+        self.ns_id = ns.ns_id
+        self.block_bytes = ns.block_bytes
         self.lease_id: int = response.lease_id
         self.existing: int = response.existing
         self.blocks: int = len(response.slots)
@@ -90,15 +92,38 @@ class _ClaimState:
     def remaining(self) -> int:
         return self.blocks - self.delivered
 
-    def rows(self, blocks: Any) -> np.ndarray | list[np.ndarray]:
+    def fill(self, blocks: Any) -> Any:
+        """Deliver the next ``len(blocks)`` claimed blocks (``uint8[n, block_bytes]`` or
+        a list of bytes-likes) and make them ready; returns how many became ready."""
+        return self._conn.drive(self._fill(blocks))
+
+    def abandon(self) -> Any:
+        """Drop the blocks not delivered yet (waiters compute them); returns how many."""
+        return self._conn.drive(self._abandon())
+
+    def _fill(self, blocks: Any) -> Op[int]:
         rows = as_blocks(blocks, self.block_bytes)
         if len(rows) > self.remaining:
             raise ValueError(
                 f"{len(rows)} blocks offered, but only {self.remaining} of the claim remain"
             )
-        return rows
+        if len(rows) == 0:
+            return 0
+        conn = self._conn
+        if self.arena is not None:
+            commit = yield Work(self._write_arena, (rows,))
+            done = int((yield from conn.call("Commit", commit)).committed)
+        else:
+            info, _ = yield from conn.refresh()
+            yield from conn.settle()
+            header = pb.PutHeader(ns_id=self.ns_id, n_blocks=len(rows), lease_id=self.lease_id)
+            chunk = info.max_chunk_bytes or wire.DEFAULT_CHUNK_BYTES
+            messages = wire.put_messages(header, rows, chunk)
+            done = int((yield from conn.over_grpc(Io(conn.grpc.put, (messages,)))).stored)
+        self.delivered += done
+        return done
 
-    def write_arena(self, rows: np.ndarray | list[np.ndarray]) -> pb.CommitRequest:
+    def _write_arena(self, rows: np.ndarray | list[np.ndarray]) -> pb.CommitRequest:
         """Copy the next blocks into their slots; the Commit that makes them ready."""
         assert self.arena is not None
         n, done = len(rows), self.delivered
@@ -108,60 +133,13 @@ class _ClaimState:
         write_slots(self.arena.mapping, table, rows, self.block_bytes, self.first + done)
         return pb.CommitRequest(lease_id=self.lease_id, count=n)
 
-    def put_messages(
-        self, rows: np.ndarray | list[np.ndarray], chunk_bytes: int
-    ) -> Iterator[bytes]:
-        """The inline Put that delivers the next blocks into the claim."""
-        header = pb.PutHeader(ns_id=self.ns_id, n_blocks=len(rows), lease_id=self.lease_id)
-        return wire.put_messages(header, rows, chunk_bytes or wire.DEFAULT_CHUNK_BYTES)
-
-    def describe(self, kind: str) -> str:
-        return (
-            f"{kind}(blocks {self.first}..{self.first + self.blocks}, "
-            f"delivered={self.delivered}, existing={self.existing}, "
-            f"pending_elsewhere={self.pending_elsewhere})"
-        )
-
-
-class Claim(_ClaimState):
-    """Blocks this session reserved and must compute; see the module docstring."""
-
-    def __init__(
-        self, ns: Namespace, response: pb.ReserveResponse, start: int, arena: ClientArena | None
-    ) -> None:
-        super().__init__(ns.ns_id, ns.block_bytes, response, start, arena)
-        self._client = ns.client
-
-    def fill(self, blocks: Any) -> int:
-        """Deliver the next ``len(blocks)`` claimed blocks (``uint8[n, block_bytes]`` or
-        a list of bytes-likes) and make them ready; returns how many became ready."""
-        rows = self.rows(blocks)
-        if len(rows) == 0:
-            return 0
-        client = self._client
-        if self.arena is not None:
-            done = int(client._call(client._stub.Commit, self.write_arena(rows)).committed)
-        else:
-            info, _ = client._refresh()
-            client._settle()
-            try:
-                result = client._put_stream(
-                    self.put_messages(rows, info.max_chunk_bytes), timeout=client.timeout
-                )
-            except grpc.RpcError as exc:
-                raise client._error(exc) from None
-            done = int(result.stored)
-        self.delivered += done
-        return done
-
-    def abandon(self) -> int:
-        """Drop the blocks not delivered yet (waiters compute them); returns how many."""
+    def _abandon(self) -> Op[int]:
         if not self.lease_id or self.remaining == 0:
             return 0
         self.delivered = self.blocks
         request = pb.AbandonRequest(lease_id=self.lease_id)
         try:
-            return int(self._client._call(self._client._stub.Abandon, request).dropped)
+            return int((yield from self._conn.call("Abandon", request)).dropped)
         except LeaseError:  # it ran out or ended already: nothing left to drop
             return 0
 
@@ -171,62 +149,41 @@ class Claim(_ClaimState):
     def __exit__(self, *exc: object) -> None:
         self.abandon()
 
-    def __repr__(self) -> str:
-        return self.describe("Claim")
-
-
-class AsyncClaim(_ClaimState):
-    """:class:`Claim` for :class:`kvclient.AsyncNamespace`: the same, as coroutines."""
-
-    def __init__(
-        self,
-        ns: AsyncNamespace,
-        response: pb.ReserveResponse,
-        start: int,
-        arena: ClientArena | None,
-    ) -> None:
-        super().__init__(ns.ns_id, ns.block_bytes, response, start, arena)
-        self._client = ns.client
-
-    async def fill(self, blocks: Any) -> int:
-        rows = self.rows(blocks)
-        if len(rows) == 0:
-            return 0
-        client = self._client
-        if self.arena is not None:
-            commit = await asyncio.to_thread(self.write_arena, rows)  # copies off the loop
-            done = int((await client._call(client._stub.Commit, commit)).committed)
-        else:
-            info, _ = await client._refresh()
-            await client._settle()
-            try:
-                result = await client._put_stream(
-                    self.put_messages(rows, info.max_chunk_bytes), timeout=client.timeout
-                )
-            except grpc.RpcError as exc:
-                raise client._error(exc) from None
-            done = int(result.stored)
-        self.delivered += done
-        return done
-
-    async def abandon(self) -> int:
-        if not self.lease_id or self.remaining == 0:
-            return 0
-        self.delivered = self.blocks
-        request = pb.AbandonRequest(lease_id=self.lease_id)
-        try:
-            return int((await self._client._call(self._client._stub.Abandon, request)).dropped)
-        except LeaseError:
-            return 0
-
-    async def __aenter__(self) -> AsyncClaim:
+    async def __aenter__(self) -> Claim:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.abandon()
 
     def __repr__(self) -> str:
-        return self.describe("AsyncClaim")
+        return (
+            f"Claim(blocks {self.first}..{self.first + self.blocks}, "
+            f"delivered={self.delivered}, existing={self.existing}, "
+            f"pending_elsewhere={self.pending_elsewhere})"
+        )
+
+
+def claim(conn: Connection, ns: NamespaceInfo, request: pb.ReserveRequest, start: int) -> Op[Claim]:
+    """Reserve the blocks of ``request`` (from :func:`reserve_request`)."""
+    _, arena = yield from conn.arena_for_data()
+    response = yield from conn.call("Reserve", request)
+    if arena is not None and arena.names_another_arena(response.arena_path):
+        conn.forget_arena()  # the daemon restarted: deliver inline this time
+        arena = None
+    return Claim(conn, ns, response, start, arena)
+
+
+def resume(conn: Connection, ns: NamespaceInfo, ticket: ClaimTicket) -> Op[Claim]:
+    """The claim of ``ticket`` on this client; no call is made."""
+    if ticket.ns_id != ns.ns_id:
+        raise InvalidArgumentError(f"the claim is of namespace {ticket.ns_id}, not of {ns.ns_id}")
+    response = pb.ReserveResponse.FromString(ticket.response)
+    _, arena = yield from conn.arena_for_data()
+    if arena is not None and arena.names_another_arena(response.arena_path):
+        arena = None  # made before the daemon restarted: its lease is gone anyway
+    resumed = Claim(conn, ns, response, ticket.start, arena)
+    resumed.delivered = ticket.delivered
+    return resumed
 
 
 def reserve_request(

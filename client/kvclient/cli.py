@@ -321,15 +321,17 @@ def render_tenants(tenants: list[JSONDict]) -> str:
     rows = [("TENANT", "HOST", "DISK", "NS", "BLOCKS", "HIT RATE", "QUOTA EVICTIONS")]
     for t in tenants:
         looked = t["hits"] + t["misses"]
-        rows.append((
-            t["tenant"] or "(none)",
-            used(t["host_bytes"], t["host_quota"]),
-            used(t["disk_bytes"], t["disk_quota"]),
-            str(t["namespaces"]),
-            str(t["blocks"]),
-            f"{t['hits'] / looked:.0%}" if looked else "-",
-            str(t["quota_evictions"]),
-        ))
+        rows.append(
+            (
+                t["tenant"] or "(none)",
+                used(t["host_bytes"], t["host_quota"]),
+                used(t["disk_bytes"], t["disk_quota"]),
+                str(t["namespaces"]),
+                str(t["blocks"]),
+                f"{t['hits'] / looked:.0%}" if looked else "-",
+                str(t["quota_evictions"]),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
     return "\n".join(line.rstrip() for line in lines)
@@ -529,8 +531,15 @@ def _print_event(data: JSONDict, as_json: bool) -> None:
     print(json.dumps(data) if as_json else render_event(data), flush=True)
 
 
-def tail_events(client: KVClient, from_seq: int, count: int, newest: int,
-                ns_id: str, kinds: Sequence[str], timeout: float) -> tuple[list[JSONDict], int]:
+def tail_events(
+    client: KVClient,
+    from_seq: int,
+    count: int,
+    newest: int,
+    ns_id: str,
+    kinds: Sequence[str],
+    timeout: float,
+) -> tuple[list[JSONDict], int]:
     """The last ``count`` buffered events after ``from_seq`` up to seq ``newest`` (the
     newest when asked) that pass the filters -> (events, seq of the last one read).
 
@@ -596,7 +605,8 @@ def token_of(path: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Look at and manage a running kvstored.",
+        prog=PROG,
+        description="Look at and manage a running kvstored.",
         epilog="--addr and --timeout go before or after the command.",
     )
     _add_connection_arguments(parser, argparse.SUPPRESS)
@@ -624,7 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("lookup", parents=[common], help="how much of a token sequence is cached")
     p.add_argument(
-        "ns_id", metavar="NAMESPACE",
+        "ns_id",
+        metavar="NAMESPACE",
         help="what kvctl ls shows: namespace id, bound name, or model (when unique)",
     )
     p.add_argument("tokens", metavar="TOKENS", nargs="*", help="token ids")
@@ -638,7 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_clear)
 
     p = sub.add_parser(
-        "events", parents=[common], help="follow the event stream, or tail it (--count)",
+        "events",
+        parents=[common],
+        help="follow the event stream, or tail it (--count)",
         description="Without --count: every buffered event (after --from), then new ones "
         "as they come. With --count N: the last N buffered events, then exit.",
     )
@@ -681,7 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_connection_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
     parser.add_argument(
-        "--addr", default=default,
+        "--addr",
+        default=default,
         help=f"daemon address: unix:///path, /path or host:port (default ${ADDR_ENV}, "
         "else the default socket)",
     )
@@ -689,7 +703,9 @@ def _add_connection_arguments(parser: argparse.ArgumentParser, default: Any) -> 
         "--timeout", type=float, default=default, help="seconds per request (default 10)"
     )
     parser.add_argument(
-        "--token-file", default=default, metavar="FILE",
+        "--token-file",
+        default=default,
+        metavar="FILE",
         help="file holding the token (default $KVSTORE_TOKEN, else $KVSTORE_TOKEN_FILE)",
     )
 

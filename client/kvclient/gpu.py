@@ -51,23 +51,25 @@ import grpc
 import numpy as np
 import torch
 
-from kvclient.arena_path import ClientArena
+from kvclient.arena_path import ClientArena, SlotTable
 from kvclient.errors import (
     ArenaUnavailableError,
     InvalidArgumentError,
     KVStoreError,
     _error_kind,
+    error_from_rpc,
 )
+from kvclient.namespace import Namespace
 from kvclient.payloads import as_tokens, check_cover, check_priority
 from kvclient.results import PutResult
-from kvclient.sync_client import KVClient, Namespace, commit_filled
-from kvclient.wire import ExtraKeys, extra_bytes, slots
+from kvclient.sync_client import KVClient
+from kvclient.wire import ExtraKeys, extra_bytes
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
-from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.host import host_id
 from kvstore import pinning
 from kvstore import platform as kv_platform
+from kvstore.arena import ArenaMapping
 from kvstore.errors import InvalidArgument
 from kvstore.mover import DTYPE_NAMES, HFKV, KVCache, Mover, PagedKV, device_alias
 
@@ -274,8 +276,9 @@ def layout_message(kv: KVCache | SharedKV) -> gpb.KVLayout:
         raise InvalidArgumentError(f"KV tensors on {kv.device} cannot be registered")
     tensors = []
     for t in kv.tensors:
-        msg = gpb.KVTensor(shape=list(t.shape), stride=list(t.stride()),
-                           storage_offset=t.storage_offset())
+        msg = gpb.KVTensor(
+            shape=list(t.shape), stride=list(t.stride()), storage_offset=t.storage_offset()
+        )
         if device == "cuda":
             msg.cuda.CopyFrom(_share_cuda(t))
         tensors.append(msg)
@@ -338,7 +341,7 @@ class GpuClient:
     def __init__(self, client: KVClient, *, pin_arena: bool = True) -> None:
         self.client = client
         self.pin_arena = pin_arena
-        self._stub = gpb_grpc.KVGpuStub(client._channel)
+        self._stub = gpb_grpc.KVGpuStub(client.channel)
         self._lock = threading.Lock()
         self._arena: ClientArena | None = None
         self._mover: Mover | None = None
@@ -376,7 +379,7 @@ class GpuClient:
                     details=details,
                     addr=self.client.addr,
                 ) from None
-            raise self.client._error(exc) from None
+            raise error_from_rpc(exc, self.client.addr) from None
 
     # -- the arena, mapped and pinned in this process
 
@@ -419,39 +422,15 @@ class GpuClient:
         extra_keys: ExtraKeys = (),
         stream: Any = None,
     ) -> PutResult:
-        """Store ``kv``'s blocks ``block_ids[i]`` as chain blocks ``start + i`` of ``tokens``.
-
-        Reserve -> gather + copy into the slots on ``stream`` -> wait -> Commit
-        (Abandon on any error). Blocks already stored are not copied.
+        """Store ``kv``'s blocks ``block_ids[i]`` as chain blocks ``start + i`` of ``tokens``:
+        the namespace's one put path (kvclient.writes) with the blocks gathered and
+        copied into the slots on ``stream``, waited for before the commit.
         """
-        arr = as_tokens(tokens)
-        ids = list(block_ids)
-        check_cover(arr, ns.block_tokens, start, len(ids))
-        check_priority(priority)
         _check_kv(ns, kv)
-        _validated(kv, ids)
-        if not ids:
-            return PutResult(stored=0, existing=0, refused=0)
-        mover = self._mover_for(kv)
-        client = self.client
-        request = pb.ReserveRequest(
-            ns_id=ns.ns_id,
-            tokens=arr[: (start + len(ids)) * ns.block_tokens].tolist(),
-            extra_keys=extra_bytes(extra_keys),
-            start_block=start,
-            n_blocks=len(ids),
-            priority=priority,
-        )
-        reserved = client._call(client._stub.Reserve, request)
-        got = slots(reserved.slots)
-
-        def fill() -> None:
-            block_ids = [ids[s.index - start] for s in got]
-            event = _moved(mover.offload, kv, block_ids, [s.offset for s in got], stream)
-            if event is not None:
-                event.synchronize()
-
-        return commit_filled(client, reserved, len(got), fill)
+        ids = _validated(kv, list(block_ids))
+        blocks = _GpuBlocks(self._mover_for(kv), kv, ids, stream)
+        result: PutResult = ns.put(tokens, blocks, start, priority, extra_keys=extra_keys)
+        return result
 
     def onboard(
         self,
@@ -467,8 +446,9 @@ class GpuClient:
     ) -> Onboarding:
         """Copy the cached chain blocks ``start + i`` of ``tokens`` into ``block_ids[i]``.
 
-        Acquire -> copy from the slots and scatter on ``stream`` -> (``wait``: wait,
-        Release). Only the ready prefix is copied: ``result.onboarded`` blocks.
+        Acquire (``Namespace.acquire``) -> copy from the slots and scatter on ``stream``
+        -> (``wait``: wait, Release). Only the ready prefix is copied:
+        ``result.onboarded`` blocks.
         """
         arr = as_tokens(tokens)
         ids = list(block_ids)
@@ -478,36 +458,20 @@ class GpuClient:
         if not ids:
             return Onboarding(None, 0, 0, ns.block_tokens, None)
         mover = self._mover_for(kv)
-        client = self.client
-        request = pb.AcquireRequest(
-            ns_id=ns.ns_id,
-            tokens=arr[: (start + len(ids)) * ns.block_tokens].tolist(),
-            extra_keys=extra_bytes(extra_keys),
-            max_blocks=start + len(ids),
-        )
-        acquired = client._call(client._stub.Acquire, request)
-        lease_id = acquired.lease_id
-        all_slots = slots(acquired.slots)
-        wanted = [s for s in all_slots if s.index >= start]
-
-        def release() -> None:
-            if lease_id:
-                client._call(client._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
-
+        n = start + len(ids)
+        lease = ns.acquire(arr[: n * ns.block_tokens], extra_keys=extra_keys, max_blocks=n)
+        table = lease.slots
+        wanted = np.flatnonzero(table.indices >= start)
         try:
             event = None
-            if wanted:
-                event = _moved(
-                    mover.onboard,
-                    kv,
-                    [ids[s.index - start] for s in wanted],
-                    [s.offset for s in wanted],
-                    stream,
-                )
+            if wanted.size:
+                block_ids = [ids[int(table.indices[k]) - start] for k in wanted]
+                offsets = table.offsets[wanted].tolist()
+                event = _moved(mover.onboard, kv, block_ids, offsets, stream)
         except BaseException:
-            release()
+            lease.release()
             raise
-        result = Onboarding(release, len(all_slots), len(wanted), ns.block_tokens, event)
+        result = Onboarding(lease.release, len(table), int(wanted.size), ns.block_tokens, event)
         if wait or event is None:
             result.release()
         return result
@@ -594,7 +558,11 @@ class Registration:
         reply = self._gpu._call(self._gpu._stub.Offload, request)
         del event  # kept alive until the daemon has waited on it
         return OffloadResult(
-            reply.stored, reply.existing, reply.refused, reply.out_of_space, reply.bytes,
+            reply.stored,
+            reply.existing,
+            reply.refused,
+            reply.out_of_space,
+            reply.bytes,
             reply.copy_s,
         )
 
@@ -639,6 +607,27 @@ class Registration:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _GpuBlocks:
+    """KV blocks of a GPU (or CPU) cache as a put's SlotWriter (kvclient.writes)."""
+
+    def __init__(self, mover: Mover, kv: KVCache, ids: list[int], stream: Any) -> None:
+        self._mover = mover
+        self._kv = kv
+        self._ids = ids
+        self._stream = stream
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def write(self, mapping: ArenaMapping, slots: SlotTable, first_index: int) -> None:
+        """Gather and copy the blocks into the slots (through this process's pinned
+        mapping of the same arena: the offsets are the same), then wait for the copy."""
+        ids = [self._ids[int(i) - first_index] for i in slots.indices]
+        event = _moved(self._mover.offload, self._kv, ids, slots.offsets.tolist(), self._stream)
+        if event is not None:
+            event.synchronize()
 
 
 def _validated(kv: KVCache, ids: list[int]) -> list[int]:

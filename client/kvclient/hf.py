@@ -78,7 +78,8 @@ from kvclient import hf_cache
 from kvclient.claims import Claim
 from kvclient.errors import DaemonUnavailableError, OutOfSpaceError, RequestTimeoutError
 from kvclient.hf_cache import UnsupportedModelError
-from kvclient.sync_client import KVClient, Namespace
+from kvclient.namespace import Namespace
+from kvclient.sync_client import KVClient
 
 log = logging.getLogger(__name__)
 

@@ -168,7 +168,9 @@ class _Hello:
         if uid is not None and uid not in (self.daemon_uid, 0):
             log.warning(
                 "not using %s: it is served by uid %d, not by the daemon's uid %d",
-                self.path, uid, self.daemon_uid,
+                self.path,
+                uid,
+                self.daemon_uid,
             )
             raise LocalCallFailed(
                 f"{self.path} is served by uid {uid}, not the daemon's", sent=False
@@ -468,6 +470,9 @@ class AsyncLocalCalls:
             raise LocalCallFailed(str(exc) or type(exc).__name__, sent=True) from None
         owed.append(_Owed(name, on_answer))
         self._put_back(reader, writer, owed)
+
+    async def poll_owed(self) -> None:
+        """Answers are read as they are awaited (:meth:`read_owed`): nothing to poll."""
 
     async def read_owed(self, timeout: float) -> None:
         """Like :meth:`LocalCalls.read_owed`."""

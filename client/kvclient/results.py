@@ -26,11 +26,13 @@ class PutResult:
     def offered(self) -> int:
         return self.stored + self.existing + self.refused
 
-
-def write_through(info: ServerInfo | None) -> bool:
-    """Whether the daemon answers commits once they are on disk (a put then waits for
-    its Commit's answer, which says how many blocks are durable)."""
-    return info is not None and info.admission == "write-through"
+    def __add__(self, other: PutResult) -> PutResult:
+        return PutResult(
+            self.stored + other.stored,
+            self.existing + other.existing,
+            self.refused + other.refused,
+            self.durable + other.durable,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,8 +60,10 @@ class GrpcSession:
                 self._registered = threading.Event()
                 self._closed = threading.Event()
                 threading.Thread(
-                    target=self._hold, args=(self._id, self._registered, self._closed),
-                    name="kvclient-session", daemon=True,
+                    target=self._hold,
+                    args=(self._id, self._registered, self._closed),
+                    name="kvclient-session",
+                    daemon=True,
                 ).start()
             session_id, registered = self._id, self._registered
         if wait:

@@ -24,7 +24,7 @@ when the counters of its slots still equal the epochs of that answer before and 
 the copy, no slot was freed or refilled since the daemon named them, so they hold the
 same blocks' final bytes, which is what the daemon would answer now (a block leaves
 the index only with its slot freed). The daemon learns of such reads afterwards, in
-batches (:class:`ReadReports`, ``ReportReads``), and counts them as hits and touches
+batches (:mod:`kvclient.accounting`), and counts them as hits and touches
 their blocks for eviction as it does for the reads it serves.
 
 Rows of ``out`` past the blocks returned may be overwritten by the early copy.
@@ -32,24 +32,19 @@ Rows of ``out`` past the blocks returned may be overwritten by the early copy.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
+from kvclient.accounting import ReadKey
 from kvclient.arena_path import ClientArena, Run, SlotTable, read_runs, slot_runs
 from kvclient.payloads import output_array
 from kvclient.results import ServerInfo
 from kvproto.v1 import kvstore_pb2 as pb
-from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
 from kvstore.slot_epochs import READS_IN_ORDER, SlotEpochs
 
 LAST_SLOTS_ENTRIES = 4096  # prefixes remembered per client (a few KiB each at most)
-REPORTED_PREFIXES = 1024  # pending read reports that make the client send them at once
-
-# a get request: namespace, digest of its tokens, extra keys, max_blocks
-ReadKey = tuple[str, bytes, tuple[bytes, ...], int]
 
 
 def wanted_blocks(n_tokens: int, block_tokens: int, max_blocks: int) -> int:
@@ -222,51 +217,3 @@ class UnpinnedGet:
         if not np.array_equal(self._epochs.read(slots.entries), epochs):
             return None
         return rows[:n], slots
-
-
-class ReadReports:
-    """Reads a client served itself, from known slots (:meth:`UnpinnedGet.read_known`)
-    or from the disk file (:mod:`kvclient.disk_index`), not yet told to the daemon:
-    one ``PrefixReads`` per request and source, its count going up with each read.
-    Thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: dict[tuple[ReadKey, bool], pb.PrefixReads] = {}
-        self._full: list[pb.PrefixReads] = []  # counts that reached MAX_READS_PER_PREFIX
-
-    def __bool__(self) -> bool:
-        return bool(self._pending or self._full)
-
-    def add(self, key: ReadKey, tokens: list[int], n_blocks: int, from_disk: bool = False) -> bool:
-        """Count one read of the first ``n_blocks`` blocks of ``key``'s request; True
-        when enough are pending that they should be sent now."""
-        with self._lock:
-            pending = self._pending.get((key, from_disk))
-            if pending is None:
-                ns_id, _, extra, _ = key
-                pending = pb.PrefixReads(
-                    ns_id=ns_id,
-                    tokens=tokens,
-                    extra_keys=extra,
-                    n_blocks=n_blocks,
-                    from_disk=from_disk,
-                )
-                self._pending[key, from_disk] = pending
-            pending.reads += 1
-            if pending.reads >= MAX_READS_PER_PREFIX:  # the most one report may claim
-                self._full.append(self._pending.pop((key, from_disk)))
-            return bool(self._full) or len(self._pending) >= REPORTED_PREFIXES
-
-    def take(self) -> pb.ReportReadsRequest | None:
-        """The request that reports every pending read (which are then no longer
-        pending); None when there are none."""
-        if not self:
-            return None
-        with self._lock:
-            prefixes = self._full + list(self._pending.values())
-            self._pending = {}
-            # the rest (a flusher far behind) goes with the next report
-            self._full = prefixes[MAX_REPORTED_PREFIXES:]
-        prefixes = prefixes[:MAX_REPORTED_PREFIXES]
-        return pb.ReportReadsRequest(prefixes=prefixes) if prefixes else None

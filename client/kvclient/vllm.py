@@ -81,9 +81,10 @@ from kvclient.errors import (
     LeaseError,
     OutOfSpaceError,
 )
+from kvclient.namespace import Namespace
 from kvclient.puts_ahead import PendingPut
 from kvclient.security import read_token_file
-from kvclient.sync_client import KVClient, Namespace
+from kvclient.sync_client import KVClient
 from kvclient.vllm_blocks import PagedLayers
 from kvclient.vllm_plan import LoadSpec, RequestState, SaveSpec, StepPlan
 from kvstore.keys import DTYPE_BYTES, MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS

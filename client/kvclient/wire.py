@@ -1,10 +1,9 @@
 """Protobuf <-> client types: the only module besides the clients that touches ``kvproto``.
 
 Requests are built from already-validated Python values; responses become the frozen
-dataclasses of :mod:`kvclient.results`. No I/O here, so the sync and the asyncio
-client share every conversion and differ only in how they await calls.
+dataclasses of :mod:`kvclient.results`. No I/O here.
 
-Data chunks skip protobuf objects: the clients call Get and Put with identity
+Data chunks skip protobuf objects: the client calls Get and Put with identity
 (de)serializers, :func:`put_messages` frames each chunk itself (one copy from the
 caller's array into the message) and :func:`data_of` finds the bytes inside a
 received ``GetResponse`` without copying them (see ``kvproto.v1.data_frames``). The bytes on
@@ -33,9 +32,6 @@ from kvclient.results import (
 )
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.data_frames import data_prefix, data_span
-
-GET_METHOD = "/kvstore.v1.KVStore/Get"
-PUT_METHOD = "/kvstore.v1.KVStore/Put"
 
 ExtraKeys = Sequence[bytes | str | int]
 

@@ -563,6 +563,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 checked.append(
                     (spec.ns_id, keys[: prefix.n_blocks], prefix.reads, prefix.from_disk)
                 )
+            self._release_done(request.release_lease_ids)
             counted = 0
             for ns_id, keys, reads, from_disk in checked:
                 counted += self._store.note_reads(ns_id, keys, reads, from_disk) * reads

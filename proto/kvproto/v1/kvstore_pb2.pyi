@@ -314,10 +314,12 @@ class PrefixReads(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., n_blocks: _Optional[int] = ..., reads: _Optional[int] = ..., from_disk: _Optional[bool] = ...) -> None: ...
 
 class ReportReadsRequest(_message.Message):
-    __slots__ = ("prefixes",)
+    __slots__ = ("prefixes", "release_lease_ids")
     PREFIXES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     prefixes: _containers.RepeatedCompositeFieldContainer[PrefixReads]
-    def __init__(self, prefixes: _Optional[_Iterable[_Union[PrefixReads, _Mapping]]] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prefixes: _Optional[_Iterable[_Union[PrefixReads, _Mapping]]] = ..., release_lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportReadsResponse(_message.Message):
     __slots__ = ("blocks_counted",)

@@ -1,0 +1,227 @@
+"""The handle of one namespace, for both clients.
+
+Each method builds its op (:mod:`kvclient.reads`, :mod:`kvclient.writes`,
+:mod:`kvclient.claims`) and hands it to the client's driver: with
+:class:`kvclient.KVClient` it returns the result, with :class:`kvclient.AsyncKVClient`
+an awaitable of it (``await ns.get(tokens)``). Tokens: a list or ndarray of ints (the
+whole prompt from its first token); blocks: ``[n_blocks, block_bytes]`` array or a
+sequence of bytes-likes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvclient import claims, reads, writes
+from kvclient.arena_path import BlockViews, ClientArena, SlotTable
+from kvclient.claims import ClaimTicket
+from kvclient.connection import Connection
+from kvclient.effects import Op
+from kvclient.results import NamespaceInfo
+from kvclient.wire import ExtraKeys, extra_bytes
+
+if TYPE_CHECKING:
+    from kvclient.async_client import AsyncKVClient
+    from kvclient.sync_client import KVClient
+
+Tokens = Sequence[int] | np.ndarray
+
+
+class Namespace:
+    """Data calls of one namespace (see the module docstring)."""
+
+    def __init__(
+        self, client: KVClient | AsyncKVClient, conn: Connection, info: NamespaceInfo
+    ) -> None:
+        self.client = client
+        self.info = info
+        self.ns_id = info.ns_id
+        self.block_tokens = info.block_tokens
+        self.block_bytes = info.block_bytes
+        self._conn = conn
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.ns_id!r}, block_tokens={self.block_tokens}, "
+            f"block_bytes={self.block_bytes})"
+        )
+
+    def _drive(self, op: Op[Any]) -> Any:
+        return self._conn.drive(op)
+
+    # -- read side ------------------------------------------------------------------
+
+    def lookup(
+        self, tokens: Tokens, *, extra_keys: ExtraKeys = (), wait_pending_s: float = 0.0
+    ) -> Any:
+        """Longest cached prefix of ``tokens`` (and what other sessions are computing):
+        a LookupResult. ``wait_pending_s``: wait that long for pending blocks."""
+        return self._drive(reads.lookup(self._conn, self.info, tokens, extra_keys, wait_pending_s))
+
+    def get(
+        self, tokens: Tokens, *, extra_keys: ExtraKeys = (), out: np.ndarray | None = None
+    ) -> Any:
+        """Bytes of the longest cached prefix: a GetResult (``uint8[n_blocks, block_bytes]``).
+
+        ``out`` (``uint8[k, block_bytes]``, C-contiguous) is filled instead of a new
+        array, and caps the blocks returned at k: reuse it across calls.
+        """
+        return self._drive(reads.Get(self._conn, self.info, tokens, extra_keys, out).run())
+
+    def acquire(
+        self,
+        tokens: Tokens,
+        *,
+        extra_keys: ExtraKeys = (),
+        max_blocks: int = 0,
+        ttl_s: float | None = None,
+    ) -> Any:
+        """Pin the cached prefix of ``tokens`` and see its blocks in place, no copy::
+
+            with ns.acquire(tokens) as lease:      # async: async with ns.acquire(...)
+                for block in lease.views:          # read-only uint8[block_bytes] each
+                    ...                            # e.g. copy to the GPU
+            # released here: the views must not be used any more
+
+        Shared arena only (:class:`ArenaUnavailableError` otherwise). The lease lasts
+        ``ttl_s`` (the daemon's default when None) unless released first. With the
+        asyncio client, ``await ns.acquire(...)`` gives the lease too.
+        """
+        request = reads.acquire_request(self.info, tokens, extra_keys, max_blocks, ttl_s)
+        return self.client._lease(self._acquire(request))
+
+    def _acquire(self, request: Any) -> Op[BlockLease]:
+        arena, table, lease_id = yield from reads.acquire(self._conn, request)
+        return BlockLease(self._conn, arena, table, self.block_bytes, self.block_tokens, lease_id)
+
+    # -- write side -----------------------------------------------------------------
+
+    def put(
+        self,
+        tokens: Tokens,
+        blocks: Any,
+        start: int = 0,
+        priority: int | None = None,
+        *,
+        extra_keys: ExtraKeys = (),
+    ) -> Any:
+        """Store ``blocks[i]`` as the block ``start + i`` of ``tokens``' chain: a
+        PutResult. Blocks before ``start`` must already be stored (else the offer is
+        refused). ``put_nowait(...).result()``."""
+        put = writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra_keys)
+        return self._drive(writes.put(put))
+
+    def put_nowait(
+        self,
+        tokens: Tokens,
+        blocks: Any,
+        start: int = 0,
+        priority: int | None = None,
+        *,
+        extra_keys: ExtraKeys = (),
+    ) -> Any:
+        """Like :meth:`put`, but return once the bytes are in the daemon's arena: a
+        :class:`kvclient.puts_ahead.PendingPut` whose ``result()`` gives the counts or
+        the daemon's error. Without the arena the put is whole when this returns."""
+        put = writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra_keys)
+        return self._drive(put.send())
+
+    # -- early reuse ----------------------------------------------------------------
+
+    def claim(
+        self,
+        tokens: Tokens,
+        start: int = 0,
+        *,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+        extra_keys: ExtraKeys = (),
+    ) -> Any:
+        """Claim the full blocks of ``tokens`` from ``start`` that nobody has yet: they
+        become pending (other sessions see them and may wait) and this session delivers
+        them with ``Claim.fill`` as it computes them. See :mod:`kvclient.claims`.
+
+        Raises OutOfSpaceError when no block can be claimed for lack of room (compute
+        without storing).
+        """
+        request = claims.reserve_request(
+            self.ns_id, self.block_tokens, tokens, start, ttl_s, priority, extra_bytes(extra_keys)
+        )
+        return self._drive(claims.claim(self._conn, self.info, request, start))
+
+    def resume_claim(self, ticket: ClaimTicket) -> Any:
+        """The claim of ``ticket`` (made by another client, :meth:`Claim.ticket`), to
+        deliver its remaining blocks from this client. No call is made."""
+        return self._drive(claims.resume(self._conn, self.info, ticket))
+
+    # -- management -----------------------------------------------------------------
+
+    def delete(self, tokens: Tokens, start: int = 0, *, extra_keys: ExtraKeys = ()) -> Any:
+        """Remove block ``start`` of the chain and everything below it; returns blocks removed."""
+        return self._drive(writes.delete(self._conn, self.info, tokens, start, extra_keys))
+
+    def set_priority(
+        self,
+        tokens: Tokens,
+        priority: int,
+        duration_s: float | None = None,
+        *,
+        start: int = 0,
+        extra_keys: ExtraKeys = (),
+    ) -> Any:
+        """Set the priority (0..100) of the stored blocks of ``tokens`` from ``start``;
+        after ``duration_s`` they fall back to the default. Returns blocks changed."""
+        return self._drive(
+            writes.set_priority(
+                self._conn, self.info, tokens, priority, duration_s, start, extra_keys
+            )
+        )
+
+
+class AsyncNamespace(Namespace):
+    """The :class:`Namespace` of an :class:`kvclient.AsyncKVClient`: every method
+    returns an awaitable."""
+
+
+class BlockLease(BlockViews):
+    """A read lease on cached blocks with zero-copy views of them (from
+    :meth:`Namespace.acquire`); released by ``with`` / ``async with`` or :meth:`release`."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        arena: ClientArena,
+        table: SlotTable,
+        block_bytes: int,
+        block_tokens: int,
+        lease_id: int,
+    ) -> None:
+        super().__init__(arena.mapping, table, block_bytes, block_tokens, lease_id)
+        self._conn = conn
+
+    def release(self) -> Any:
+        """Give the blocks back (idempotent); the views must not be used after it. With
+        the asyncio client, an awaitable."""
+        return self._conn.drive(self._release())
+
+    def _release(self) -> Op[None]:
+        if not self.released:
+            self._forget()
+            self._conn.accounting.release_later(self.lease_id)
+        return
+        yield  # an op with nothing to wait for
+
+    def __enter__(self) -> BlockLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> BlockLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.release()

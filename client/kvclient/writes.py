@@ -1,0 +1,233 @@
+"""The write side of a namespace, written once as ops (:mod:`kvclient.effects`).
+
+One put path. ``put()`` is ``put_nowait().result()``:
+
+- **Arena** (same host): the put copies its blocks into slots the daemon set aside
+  for this client on an earlier call (staged slots, :mod:`kvclient.staged_slots`) and
+  sends one Reserve that names them and commits them on arrival, without waiting
+  (:mod:`kvclient.puts_ahead`). Without enough staged slots (the namespace's first
+  put, a larger put, a staging lease run out) it first reads the answers it is owed
+  (they bring slots); failing that, the Reserve asks for slots, the blocks are copied
+  into them, and a Commit follows without waiting. Either Reserve asks for two puts'
+  worth of slots for the puts after. Anything raised between a Reserve and its Commit
+  abandons the pending blocks.
+- **Inline** (no arena): Put streams of at most ``max_transfer_bytes`` each, the
+  blocks as data chunks.
+
+What is copied into the slots is up to a :class:`SlotWriter`: numpy rows here, GPU
+blocks in :mod:`kvclient.gpu`.
+
+Claims (:mod:`kvclient.claims`) deliver blocks into slots reserved earlier: the slots
+are written, then a Commit of that many is waited for; inline, a Put carries the
+claim's lease id.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from kvclient import wire
+from kvclient.arena_path import ClientArena, SlotTable, write_slots
+from kvclient.connection import Connection
+from kvclient.effects import Io, Op, Work
+from kvclient.errors import ArenaUnavailableError, KVStoreError
+from kvclient.payloads import (
+    BlockRows,
+    as_blocks,
+    as_tokens,
+    blocks_per_call,
+    check_cover,
+    check_priority,
+    check_start,
+)
+from kvclient.puts_ahead import PendingPut, answer_handler, commit_handler
+from kvclient.results import NamespaceInfo, PutResult, ServerInfo
+from kvclient.staged_slots import put_reserve
+from kvproto.v1 import kvstore_pb2 as pb
+from kvstore.arena import ArenaMapping
+
+log = logging.getLogger(__name__)
+
+
+class SlotWriter(Protocol):
+    """Blocks a put copies into arena slots itself (GPU blocks: kvclient.gpu)."""
+
+    def __len__(self) -> int: ...
+
+    def write(self, mapping: ArenaMapping, slots: SlotTable, first_index: int) -> None:
+        """Copy block ``index - first_index`` into the slot of each chain ``index``."""
+
+
+class _Rows:
+    """Numpy rows as a SlotWriter."""
+
+    def __init__(self, rows: BlockRows, block_bytes: int) -> None:
+        self.rows = rows
+        self._block_bytes = block_bytes
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def write(self, mapping: ArenaMapping, slots: SlotTable, first_index: int) -> None:
+        write_slots(mapping, slots, self.rows, self._block_bytes, first_index)
+
+
+class Put:
+    """One put of blocks ``start .. start + n`` of ``tokens``' chain."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        ns: NamespaceInfo,
+        tokens: Any,
+        blocks: Any,
+        start: int,
+        priority: int | None,
+        extra_keys: wire.ExtraKeys,
+    ) -> None:
+        arr = as_tokens(tokens)
+        if isinstance(blocks, _Rows) or hasattr(blocks, "write"):
+            self.blocks: _Rows | SlotWriter = blocks
+        else:
+            self.blocks = _Rows(as_blocks(blocks, ns.block_bytes), ns.block_bytes)
+        self.n = len(self.blocks)
+        check_cover(arr, ns.block_tokens, start, self.n)
+        check_priority(priority)
+        self.conn = conn
+        self.ns = ns
+        self.tokens = arr[: (start + self.n) * ns.block_tokens].tolist()
+        self.extra = wire.extra_bytes(extra_keys)
+        self.start = start
+        self.priority = priority
+
+    def send(self) -> Op[PendingPut]:
+        """The put, sent: its outcome pending where the arena carries it."""
+        conn = self.conn
+        if self.n == 0:
+            return conn.resolved(PutResult(stored=0, existing=0, refused=0))
+        info, arena = yield from conn.arena_for_data()
+        if arena is not None:
+            return (yield from self.into_arena(arena))
+        return conn.resolved((yield from self.inline(info)))
+
+    def into_arena(self, arena: ClientArena) -> Op[PendingPut]:
+        conn = self.conn
+        stash = conn.stash(self.ns.ns_id)
+        if len(stash) < self.n and conn.local is not None:
+            yield Io(conn.local.poll_owed)  # answers of earlier puts bring more slots
+            if len(stash) < self.n:
+                yield from conn.read_owed()
+        request, staged = put_reserve(
+            stash, arena, self.ns.ns_id, self.tokens, self.extra, self.start, self.n,
+            self.priority, ahead=True,
+        )  # fmt: skip
+        sent_at = time.monotonic()
+        release = conn.accounting.release_later
+        if staged is not None:  # copy into the staged slots, then one Reserve that commits
+            try:
+                yield Work(self.blocks.write, (arena.mapping, staged, self.start))
+            except BaseException:
+                stash.drop(request, release)
+                raise
+            pending = conn.pending_put()
+            on_answer = answer_handler(pending, stash, request, sent_at, conn.checked, release)
+            yield from conn.send("Reserve", request, on_answer)
+            return pending
+        reserved = yield from conn.call("Reserve", request)
+        if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
+            if reserved.lease_id:
+                yield from abandon_quietly(conn, reserved.lease_id)
+            conn.forget_arena()
+            return conn.resolved((yield from self.inline(None)))
+        stash.answered(sent_at, request, reserved)
+        slots = wire.slot_table(reserved)
+        if not reserved.lease_id:
+            return conn.resolved(wire.committed_put(reserved, 0, None))
+        try:
+            yield Work(self.blocks.write, (arena.mapping, slots, self.start))
+        except BaseException:
+            yield from abandon_quietly(conn, reserved.lease_id)
+            raise
+        pending = conn.pending_put()
+        commit = pb.CommitRequest(lease_id=reserved.lease_id)
+        yield from conn.send("Commit", commit, commit_handler(pending, reserved, len(slots)))
+        return pending
+
+    def inline(self, info: ServerInfo | None) -> Op[PutResult]:
+        conn = self.conn
+        if not isinstance(self.blocks, _Rows):
+            raise ArenaUnavailableError(
+                f"these blocks go through the shared arena of kvstored at {conn.addr}, "
+                "which cannot be mapped here",
+                addr=conn.addr,
+            )
+        if info is None:
+            info, _ = yield from conn.refresh()
+        rows = self.blocks.rows
+        chunk = info.max_chunk_bytes or wire.DEFAULT_CHUNK_BYTES
+        block_tokens = self.ns.block_tokens
+        per_call = blocks_per_call(
+            info.max_transfer_bytes, info.max_blocks_per_request, self.ns.block_bytes
+        )
+        total = PutResult(stored=0, existing=0, refused=0)
+        done = 0
+        while done < len(rows):
+            n = min(per_call, len(rows) - done)
+            header = pb.PutHeader(
+                ns_id=self.ns.ns_id, tokens=self.tokens[: (self.start + done + n) * block_tokens],
+                extra_keys=self.extra, start_block=self.start + done, n_blocks=n,
+                priority=self.priority,
+            )  # fmt: skip
+            yield from conn.settle()
+            messages = wire.put_messages(header, rows[done : done + n], chunk)
+            result = wire.put_result((yield from conn.over_grpc(Io(conn.grpc.put, (messages,)))))
+            total = total + result
+            done += n
+            if result.refused:  # the chain is broken: later blocks have no parent
+                total = total + PutResult(stored=0, existing=0, refused=len(rows) - done)
+                break
+        return total
+
+
+def put(put: Put) -> Op[PutResult]:
+    """A put that waits for its outcome."""
+    pending = yield from put.send()
+    return (yield from pending.wait(None))
+
+
+def abandon_quietly(conn: Connection, lease_id: int) -> Op[None]:
+    """Drop a write lease after a failed copy; the lease expiring does it otherwise."""
+    try:
+        yield from conn.call("Abandon", pb.AbandonRequest(lease_id=lease_id))
+    except KVStoreError as exc:
+        log.warning("abandon of lease %d failed (%s); it expires on its own", lease_id, exc)
+
+
+def delete(
+    conn: Connection, ns: NamespaceInfo, tokens: Any, start: int, extra_keys: wire.ExtraKeys
+) -> Op[int]:
+    request = pb.DeleteRequest(
+        ns_id=ns.ns_id, tokens=as_tokens(tokens).tolist(),
+        extra_keys=wire.extra_bytes(extra_keys), start_block=check_start(start),
+    )  # fmt: skip
+    return int((yield from conn.call("Delete", request)).removed)
+
+
+def set_priority(
+    conn: Connection,
+    ns: NamespaceInfo,
+    tokens: Any,
+    priority: int,
+    duration_s: float | None,
+    start: int,
+    extra_keys: wire.ExtraKeys,
+) -> Op[int]:
+    check_priority(priority)
+    request = pb.SetPriorityRequest(
+        ns_id=ns.ns_id, tokens=as_tokens(tokens).tolist(),
+        extra_keys=wire.extra_bytes(extra_keys), start_block=check_start(start),
+        priority=priority, duration_s=duration_s or 0.0,
+    )  # fmt: skip
+    return int((yield from conn.call("SetPriority", request)).changed)
