@@ -197,6 +197,8 @@ class _Counters:
     lost_on_disk: int = 0
     known_slot_gets: int = 0  # gets clients served from slots they knew (note_reads)
     disk_file_gets: int = 0  # gets clients served from the disk tier's file (note_reads)
+    # gets read again, pinned, after an unpinned copy failed its slot epoch check
+    repeated_gets: int = 0
 
 
 _ENDED_LEASES_KEPT = 4096
@@ -492,6 +494,9 @@ class Store:
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         ttl = self._ttl(ttl_s)
+        if not count:
+            with self._lock:
+                self._c.repeated_gets += 1
         if disk_direct and self._disk is not None:
             direct = self._acquire_direct(entry, keys, ttl, self._disk, count)
             if direct is not None:
@@ -1158,6 +1163,7 @@ class Store:
                     "lost_on_disk": c.lost_on_disk,
                     "known_slot_gets": c.known_slot_gets,
                     "disk_file_gets": c.disk_file_gets,
+                    "repeated_gets": c.repeated_gets,
                     "event_seq": self._seq,  # the newest event's seq (kvctl events --count)
                     **disk_counters,
                 },

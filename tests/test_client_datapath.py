@@ -177,9 +177,20 @@ class FramedDaemon(Daemon):
 SETTINGS = {"max_transfer_bytes": "1MiB", "metrics_listen": None}
 
 
+
+@pytest.fixture(scope="module", autouse=True, params=["unpinned", "pinned"])
+def get_route(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test runs with both get routes, each against a daemon of its own: unpinned
+    reads checked by slot epochs, and pinned reads only, the route of hosts whose CPU
+    may reorder loads (GH200), switched on here by KVCLIENT_READS
+    (kvclient.unpinned_reads.epoch_table)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVCLIENT_READS", request.param)
+        yield str(request.param)
+
 @pytest.fixture(scope="module", params=["generated", "framed"])
 def daemon(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, get_route: str
 ) -> Iterator[Daemon]:
     kind = FramedDaemon if request.param == "framed" else Daemon
     d = kind(Path(tmp_path_factory.mktemp(f"kv-{request.param}")), SETTINGS,
@@ -332,3 +343,18 @@ def test_release_and_acquire_take_lists_of_leases(daemon: Daemon) -> None:
     assert stub.Stats(pb.StatsRequest(), timeout=5).leases == 2
     stub.Release(pb.ReleaseRequest(lease_id=again.lease_id, more_lease_ids=[ids[3]]), timeout=5)
     assert stub.Stats(pb.StatsRequest(), timeout=5).leases == 0
+
+
+def test_the_get_route_is_the_one_switched_on(daemon: Daemon, get_route: str) -> None:
+    """KVCLIENT_READS=pinned turns the slot epoch table off: every get pins."""
+    with KVClient(daemon.addr, use_arena=True) as client:
+        ns = client.namespace("route", BLOCK_TOKENS, BB)
+        tokens = prompt(4_000_000, 2)
+        ns.put(tokens, blocks_of(9, 2))
+        assert ns.get(tokens).n_blocks == 2
+        assert (client._conn.epochs is None) == (get_route == "pinned")
+        known = client.stats().counters["known_slot_gets"]
+        for _ in range(3):
+            ns.get(tokens)
+        later = client.stats().counters["known_slot_gets"]
+        assert (later == known) == (get_route == "pinned")

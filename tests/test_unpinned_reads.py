@@ -12,13 +12,14 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 from conftest import Daemon, kv_stub
 
-from kvclient import AsyncKVClient, KVClient
+from kvclient import AsyncKVClient, KVClient, unpinned_reads
 from kvclient.arena_path import ClientArena
 from kvclient.unpinned_reads import LastSlots, Slots, UnpinnedGet
 from kvproto.v1 import kvstore_pb2 as pb
@@ -72,9 +73,7 @@ def store() -> Iterator[Store]:
 
 
 def open_ns(store: Store) -> str:
-    return store.open_namespace(
-        NamespaceSpec("m", block_tokens=TOKENS, block_bytes=BLOCK)
-    ).ns_id
+    return store.open_namespace(NamespaceSpec("m", block_tokens=TOKENS, block_bytes=BLOCK)).ns_id
 
 
 def payloads(tag: int, n: int) -> list[bytes]:
@@ -452,10 +451,23 @@ def test_async_gets_are_unpinned_too(kvstored: Daemon) -> None:
     asyncio.run(run())
 
 
-def test_concurrent_eviction_never_returns_other_bytes(kvstored_factory) -> None:  # noqa: ANN001
+def test_concurrent_eviction_never_returns_other_bytes(
+    kvstored_factory,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
     """A writer cycles prompts through a small arena (each put evicts others) while a
-    reader gets them: every block returned is the one asked for."""
+    reader gets them: every block returned is the one asked for. The race this guards
+    must happen: the reader's copies are slowed (as on a loaded host) and it goes on
+    until some of them failed their epoch check and were read again, pinned (the
+    daemon's ``repeated_gets``)."""
     daemon = kvstored_factory(host_bytes="4MiB", disk_bytes=0)
+    copy = unpinned_reads.read_runs
+
+    def slow_copy(*args: Any, **kwargs: Any) -> None:
+        copy(*args, **kwargs)
+        time.sleep(0.002)  # the slot may be evicted and refilled meanwhile
+
+    monkeypatch.setattr(unpinned_reads, "read_runs", slow_copy)
     size, n_blocks, prompts = 512 << 10, 2, 10  # 10 MiB of prompts in a 4 MiB arena
     stop = threading.Event()
     errors: list[str] = []
@@ -471,27 +483,31 @@ def test_concurrent_eviction_never_returns_other_bytes(kvstored_factory) -> None
                 ns.put(tokens_of(p), np.stack([block_of(p, i, size) for i in range(n_blocks)]))
                 p = (p + 1) % prompts
 
-    checked = 0
+    checked = repeated = 0
     writer = threading.Thread(target=write)
     writer.start()
     try:
         with KVClient(daemon.addr) as client:
             ns = client.namespace("churn", block_tokens=TOKENS, block_bytes=size)
             out = np.empty((n_blocks, size), np.uint8)
-            deadline = time.monotonic() + 3.0
-            p = 0
-            while time.monotonic() < deadline:
+            deadline = time.monotonic() + 60.0
+            p = gets = 0
+            while time.monotonic() < deadline and (repeated < 3 or checked < 200):
                 got = ns.get(tokens_of(p), out=out)
                 for i in range(got.tokens // TOKENS):
                     if not np.array_equal(got.blocks[i], block_of(p, i, size)):
                         errors.append(f"prompt {p} block {i}: wrong bytes")
                 checked += got.tokens // TOKENS
-                p = (p + 5) % prompts
+                p = (p + 3) % prompts
+                gets += 1
+                if gets % 50 == 0:
+                    repeated = client.stats().counters["repeated_gets"]
     finally:
         stop.set()
         writer.join(timeout=30)
     assert not errors, errors[:5]
     assert checked > 0
+    assert repeated >= 3, f"{repeated} of {gets} gets failed their check in 60 s: no race ran"
 
 
 # -- gets from known slots: no call at all -----------------------------------------------
@@ -583,12 +599,21 @@ def test_report_reads_refuses_bad_prefixes_and_changes_nothing(kvstored: Daemon)
         hits = client.stats().tier("host").hits
         good = pb.PrefixReads(ns_id=ns.ns_id, tokens=tokens, n_blocks=2, reads=2)
         cases = [
-            (pb.PrefixReads(ns_id=ns.ns_id, tokens=tokens, n_blocks=3, reads=1),
-             grpc.StatusCode.INVALID_ARGUMENT, "prefixes[1]: n_blocks=3"),
-            (pb.PrefixReads(ns_id="no-such-ns", tokens=tokens, n_blocks=1, reads=1),
-             grpc.StatusCode.NOT_FOUND, "no-such-ns"),
-            (pb.PrefixReads(tokens=tokens, n_blocks=1, reads=1),
-             grpc.StatusCode.INVALID_ARGUMENT, "ns_id is required"),
+            (
+                pb.PrefixReads(ns_id=ns.ns_id, tokens=tokens, n_blocks=3, reads=1),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "prefixes[1]: n_blocks=3",
+            ),
+            (
+                pb.PrefixReads(ns_id="no-such-ns", tokens=tokens, n_blocks=1, reads=1),
+                grpc.StatusCode.NOT_FOUND,
+                "no-such-ns",
+            ),
+            (
+                pb.PrefixReads(tokens=tokens, n_blocks=1, reads=1),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "ns_id is required",
+            ),
         ]
         for bad, code, words in cases:
             with pytest.raises(grpc.RpcError) as refused:

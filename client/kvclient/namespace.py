@@ -100,14 +100,9 @@ class Namespace:
     # -- write side -----------------------------------------------------------------
 
     def put(
-        self,
-        tokens: Tokens,
-        blocks: Any,
-        start: int = 0,
-        priority: int | None = None,
-        *,
+        self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
         extra_keys: ExtraKeys = (),
-    ) -> Any:
+    ) -> Any:  # fmt: skip
         """Store ``blocks[i]`` as the block ``start + i`` of ``tokens``' chain: a
         PutResult. Blocks before ``start`` must already be stored (else the offer is
         refused). ``put_nowait(...).result()``."""
@@ -115,19 +110,15 @@ class Namespace:
         return self._drive(writes.put(put))
 
     def put_nowait(
-        self,
-        tokens: Tokens,
-        blocks: Any,
-        start: int = 0,
-        priority: int | None = None,
-        *,
+        self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
         extra_keys: ExtraKeys = (),
-    ) -> Any:
+    ) -> Any:  # fmt: skip
         """Like :meth:`put`, but return once the bytes are in the daemon's arena: a
         :class:`kvclient.puts_ahead.PendingPut` whose ``result()`` gives the counts or
         the daemon's error. Without the arena the put is whole when this returns."""
-        put = writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra_keys)
-        return self._drive(put.send())
+        return self._drive(
+            writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra_keys).send()
+        )
 
     # -- early reuse ----------------------------------------------------------------
 
