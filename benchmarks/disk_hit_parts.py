@@ -17,7 +17,10 @@ call, so that the host's drift hits every mode alike), each reading chains of it
   transaction, the ``meta`` records, then the reads and checks
   (``DiskFile.read_cached``);
 - ``chain keys``: ``kvstore.keys.chain_keys`` of the chain (SHA-256 per block);
-- ``get``: ``ns.get(tokens, out=buffer)``, the whole call as an engine makes it.
+- ``get``: ``ns.get(tokens, out=buffer)``, the whole call as an engine makes it;
+- ``get, no index``: the same from a client that opens no disk index of its own
+  (``KVCLIENT_DISK_INDEX=0``): its Acquire asks the daemon for the blocks' extents in
+  the file, then it reads them (the A/B of :mod:`kvclient.disk_index`).
 
 The differences between rows are what each layer adds: the check, the lookups, the
 keys and the rest of the get. A row's ratio is memcpy's p50 over its own.
@@ -28,12 +31,13 @@ keys and the rest of the get. A row's ratio is memcpy's p50 over its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -60,8 +64,10 @@ from kvclient.disk_reads import DiskFile  # noqa: E402
 from kvstore.disk import DiskExtent  # noqa: E402
 from kvstore.keys import NamespaceSpec, chain_keys  # noqa: E402
 
-MODES = ("memcpy", "pread", "pread+check", "index read", "chain keys", "get")
-CHAIN_MODES = ("pread", "pread+check", "index read", "get")  # each reads chains of its own
+MODES = ("memcpy", "pread", "pread+check", "index read", "chain keys", "get", "get, no index")
+# each reads chains of its own
+CHAIN_MODES = ("pread", "pread+check", "index read", "get", "get, no index")
+WRITE_BACK_LAG = 16 * MiB  # queued write-back bytes after which the puts wait
 SOURCES = 8  # call-sized sources that memcpy and the puts cycle through
 
 
@@ -107,6 +113,12 @@ def put_chains(
                 if time.monotonic() > deadline:
                     raise RuntimeError("the daemon refused puts for 60 s")
                 time.sleep(0.01)
+            # keep pace with the write-back: a host block evicted while the disk queue
+            # is full is dropped, not written (the daemon never waits for the disk there)
+            while client.stats().disk_queue_bytes > WRITE_BACK_LAG:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the disk write queue did not drain for 60 s")
+                time.sleep(0.005)
     daemon.stop()
     daemon.start()
 
@@ -133,16 +145,18 @@ def measure_case(workdir: Path, layout_name: str, batch: int, calls: int) -> dic
         put_chains(daemon, ns_name, layout, every_chain, sources)
         out = aligned_buffer(call_bytes).reshape(batch, size)
         print(f"  {warm_page_cache(str(daemon.disk_dir / 'data.mdb'), out.reshape(-1))}")
-        with KVClient(daemon.addr) as client:
+        with KVClient(daemon.addr) as client, KVClient(daemon.addr) as other:
             info = client.server_info()
             ns = client.namespace(ns_name, layout.block_tokens, **layout.spec())
             ns.get(spare, out=out[:1])  # the client's one-time costs: its index, the specs
+            with index_off():  # maps the arena and opens no index
+                ns_other = other.namespace(ns_name, layout.block_tokens, **layout.spec())
             disk = DiskFile.open(info.disk_path)
             if disk is None:
                 raise RuntimeError(f"this process cannot read the disk tier ({info.disk_path})")
             fd = os.open(info.disk_path, os.O_RDONLY)
             try:
-                times = time_modes(disk, fd, ns, chains, sources, out, calls)
+                times = time_modes(disk, fd, ns, ns_other, chains, sources, out, calls)
             finally:
                 os.close(fd)
                 disk.close()
@@ -151,10 +165,27 @@ def measure_case(workdir: Path, layout_name: str, batch: int, calls: int) -> dic
         daemon.cleanup()
 
 
+@contextlib.contextmanager
+def index_off() -> Iterator[None]:
+    """A client connecting meanwhile asks the daemon for the extents of a first disk
+    read (``KVCLIENT_DISK_INDEX=0``: it opens no index of its own): the A/B of the
+    client's index."""
+    before = os.environ.get("KVCLIENT_DISK_INDEX")
+    os.environ["KVCLIENT_DISK_INDEX"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVCLIENT_DISK_INDEX"]
+        else:
+            os.environ["KVCLIENT_DISK_INDEX"] = before
+
+
 def time_modes(
     disk: DiskFile,
     fd: int,
     ns: Namespace,
+    ns_other: Namespace,
     chains: dict[str, list[np.ndarray]],
     sources: np.ndarray,
     out: np.ndarray,
@@ -176,10 +207,10 @@ def time_modes(
         if not index.read(index_keys[i], out, disk):
             raise RuntimeError("a warm disk block could not be read with no call")
 
-    def get(i: int) -> None:
-        n = ns.get(chains["get"][i], out=out).n_blocks
+    def get(i: int, mode: str = "get", handle: Namespace = ns) -> None:
+        n = handle.get(chains[mode][i], out=out).n_blocks
         if n != batch:
-            raise RuntimeError(f"get found {n} of {batch} blocks")
+            raise RuntimeError(f"{mode} found {n} of {batch} blocks")
 
     runs: dict[str, Callable[[int], object]] = {
         "memcpy": lambda i: np.copyto(out, sources[i % SOURCES]),
@@ -188,6 +219,7 @@ def time_modes(
         "index read": index_read,
         "chain keys": lambda i: chain_keys(spec, chains["index read"][i]),
         "get": get,
+        "get, no index": lambda i: get(i, "get, no index", ns_other),
     }
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for i in range(calls + 1):  # call 0 of each mode warms up, untimed
@@ -235,6 +267,12 @@ def render(cases: list[tuple[str, int, dict[str, list[float]]]], calls: int) -> 
             f"and the `meta` records {p50['index read'] - p50['pread+check']:.3f} ms, the "
             f"chain keys {p50['chain keys']:.3f} ms, and the rest of the get {rest:.3f} ms. "
             f"The 0.5x target allows {2 * p50['memcpy']:.3f} ms per call."
+        )
+        gain = p50["get, no index"] / p50["get"] - 1
+        readings.append(
+            f"- {label}, A/B of the client's own disk index: a first read with it "
+            f"{p50['get']:.3f} ms, asking the daemon for the extents instead "
+            f"{p50['get, no index']:.3f} ms: the index makes the get {gain:+.0%} faster."
         )
     lines += [
         "",

@@ -183,10 +183,10 @@ def test_disk_hit_parts_program_measures_every_part(tmp_path: Path) -> None:
     run_program("disk_hit_parts.py", "--cases", "llama2:2", "--calls", "3", "--out", out)
     text = out.read_text()
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 2 x 256 KiB")]
-    modes = ["memcpy", "pread", "pread+check", "index read", "chain keys", "get"]
+    modes = ["memcpy", "pread", "pread+check", "index read", "chain keys", "get", "get, no index"]
     assert [row[1] for row in rows] == modes
     assert all(float(row[2]) > 0 for row in rows)  # p50 ms of every part
-    assert "The 0.5x target allows" in text
+    assert "The 0.5x target allows" in text and "A/B of the client's own disk index" in text
 
 
 def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
