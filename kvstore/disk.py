@@ -112,19 +112,30 @@ from kvstore.disk_files import (
     move_aside,
     scan_in_child,
 )
+from kvstore.disk_format import (
+    DB_NAMES,
+    DIGEST_SIZE,
+    EXTENT,
+    EXTENT_AT,
+    FORMAT,
+    FORMAT_KEY,
+    MAX_PRIORITY,
+    META,
+    META_DB,
+    META_V1,
+    NAMESPACES_DB,
+    DiskExtent,
+    DiskRecord,
+    check_record,
+    committed_extent,
+    open_here,
+    open_here_lock,
+    pack_record,
+    unpack_record,
+)
 
 log = logging.getLogger(__name__)
 
-_META = struct.Struct("<B32sB32sQQBdQ")  # version 2: + the payload's offset in data.mdb
-_META_V1 = struct.Struct("<B32sB32sQQBd")  # records written before version 2 (still read)
-_META_VERSION = 2
-_EXTENT = struct.Struct("<QQ")  # size and checksum fields of _META (and of _META_V1) ...
-_EXTENT_AT = 1 + 32 + 1 + 32  # ... at this byte
-_OFFSET = struct.Struct("<Q")  # the payload offset field of _META ...
-_OFFSET_AT = _META.size - 8  # ... at this byte
-_KEY_SIZES = (16, 32)
-_DIGEST_SIZE = 32
-_MAX_PRIORITY = 100
 MAX_SNAPSHOTS = 64  # read transactions open for readers in other processes, at most
 _PAGE_HEADER = 16  # LMDB's header in front of an overflow run (PAGEHDRSZ)
 _MAP_HEADROOM = 64 << 20  # fixed headroom: meta pages, B-tree branches, free list
@@ -136,9 +147,6 @@ _SCAN_CHUNK = 1024  # records() reads this many records per read transaction
 _CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
 _FAULT_RETRY_S = 1.0  # while commits fail: the writer retries the queue this often
 _RESERVE_MIN, _RESERVE_MAX = 4 << 20, 64 << 20  # disk space kept aside (disk_files)
-META_DB = b"meta"  # the named databases a reader in another process opens ...
-NAMESPACES_DB = b"namespaces"
-DB_NAMES = (META_DB, b"payload", NAMESPACES_DB, b"info")  # ... and all of them
 _WRITEBACK_POLL_S = 0.002  # while a commit runs: start writeback of its pages this often
 _READER_CHECK_S = 30.0  # the writer frees reader slots of dead processes this often
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
@@ -148,7 +156,6 @@ _M_TRIM_THRESHOLD = -1  # <malloc.h> mallopt parameters
 _M_MMAP_THRESHOLD = -3
 _MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bit)
 _MALLOC_TRIM_THRESHOLD = 128 << 20  # above a thread arena's 64 MiB heap: never shrunk
-_FORMAT_KEY = b"format"
 # what LMDB raises for an environment that is damaged (as opposed to I/O failing)
 _DAMAGE_ERRORS = (
     lmdb.CorruptedError,
@@ -158,33 +165,6 @@ _DAMAGE_ERRORS = (
     lmdb.PanicError,
     lmdb.BadValsizeError,
 )
-_FORMAT = b"kvstore.disk.v1"
-
-# Directories of the DiskTiers open in this process. LMDB must not be opened twice in
-# one process (closing one handle drops the other's file locks), so a reader of the
-# same environment (kvclient.disk_index) checks here first.
-_open_here: set[str] = set()
-_open_here_lock = threading.Lock()
-
-
-def open_in_this_process(directory: str) -> bool:
-    """Whether a DiskTier of this process has the environment at ``directory`` open."""
-    with _open_here_lock:
-        return os.path.realpath(directory) in _open_here
-
-
-@dataclass(frozen=True, slots=True)
-class DiskRecord:
-    """Metadata of one block on disk."""
-
-    key: bytes  # BlockKey (16 or 32 bytes)
-    ns_digest: bytes  # NamespaceSpec.digest (32 bytes) of its namespace
-    parent: bytes  # parent BlockKey, b"" for the first block of a chain
-    size: int  # payload bytes
-    checksum: int  # xxhash.xxh3_64_intdigest(payload)
-    priority: int  # 0..100
-    last_access: float  # wall-clock seconds (time.time())
-    offset: int = 0  # of the payload in data.mdb, once committed (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,16 +192,6 @@ class DiskStats:
     @property
     def writable(self) -> bool:
         return not self.fault
-
-
-@dataclass(frozen=True, slots=True)
-class DiskExtent:
-    """Where a committed payload lies in ``data.mdb``: ``size`` bytes from byte
-    ``offset``, whose xxh3-64 is ``checksum`` (what a reader checks after reading)."""
-
-    offset: int
-    size: int
-    checksum: int
 
 
 class DiskSnapshot:
@@ -351,66 +321,6 @@ class _ResizeGuard:
 
 def _round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
-
-
-def _pack(rec: DiskRecord) -> bytes:
-    return _META.pack(
-        _META_VERSION,
-        rec.ns_digest,
-        len(rec.parent),
-        rec.parent,
-        rec.size,
-        rec.checksum,
-        rec.priority,
-        rec.last_access,
-        rec.offset,
-    )
-
-
-def _unpack(key: bytes, raw: bytes | memoryview) -> DiskRecord:
-    """Decode a ``meta`` value. Raises ValueError (or struct.error) if it is malformed."""
-    offset = 0
-    if len(raw) == _META_V1.size and raw[0] == 1:
-        fields = _META_V1.unpack(raw)
-    else:
-        *fields, offset = _META.unpack(raw)
-    version, ns_digest, parent_len, parent, size, checksum, priority, last = fields
-    if version not in (1, _META_VERSION) or parent_len not in (0, *_KEY_SIZES):
-        raise ValueError(f"bad meta record (version {version}, parent length {parent_len})")
-    return DiskRecord(
-        key=bytes(key),
-        ns_digest=ns_digest,
-        parent=parent[:parent_len],
-        size=size,
-        checksum=checksum,
-        priority=priority,
-        last_access=last,
-        offset=offset,
-    )
-
-
-def committed_extent(raw: bytes | memoryview) -> DiskExtent | None:
-    """Where the payload of a ``meta`` record lies in ``data.mdb``, for a reader with its
-    own read transaction (the record and its payload are of one snapshot); None for a
-    record that does not say (version 1, offset not known) or is malformed."""
-    if len(raw) != _META.size or raw[0] != _META_VERSION:
-        return None
-    size, checksum = _EXTENT.unpack_from(raw, _EXTENT_AT)
-    (offset,) = _OFFSET.unpack_from(raw, _OFFSET_AT)
-    return DiskExtent(offset, size, checksum) if offset else None
-
-
-def _check_record(rec: DiskRecord) -> None:
-    if len(rec.key) not in _KEY_SIZES:
-        raise ValueError(f"key must be 16 or 32 bytes, got {len(rec.key)}")
-    if len(rec.ns_digest) != _DIGEST_SIZE:
-        raise ValueError(f"ns_digest must be {_DIGEST_SIZE} bytes, got {len(rec.ns_digest)}")
-    if len(rec.parent) not in (0, *_KEY_SIZES):
-        raise ValueError(f"parent must be empty or 16/32 bytes, got {len(rec.parent)}")
-    if not 0 <= rec.priority <= _MAX_PRIORITY:
-        raise ValueError(f"priority must be in [0, {_MAX_PRIORITY}], got {rec.priority}")
-    if not 0 <= rec.checksum < 1 << 64:
-        raise ValueError("checksum must be an unsigned 64-bit integer")
 
 
 def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
@@ -612,8 +522,8 @@ class DiskTier:
                 self._writeback = _EarlyWriteback(self.data_path)
             except OSError:
                 log.warning("early writeback off: cannot open data.mdb", exc_info=True)
-        with _open_here_lock:
-            _open_here.add(os.path.realpath(directory))
+        with open_here_lock:
+            open_here.add(os.path.realpath(directory))
         self._writer = threading.Thread(
             target=self._run_writer, name="kvstore-disk-writer", daemon=True
         )
@@ -695,7 +605,7 @@ class DiskTier:
         the block is readable at once. ``record.checksum`` must be
         ``xxh3_64_intdigest(payload)``: it is what every read verifies against.
         """
-        _check_record(record)
+        check_record(record)
         src = _byte_view(payload)
         size = src.nbytes
         if size != record.size:
@@ -751,17 +661,13 @@ class DiskTier:
         deadline = time.monotonic() + timeout
         with self._cond:
             while (
-                any(key in self._unflushed for key in keys)
-                and not self._fault
-                and not self._closed
+                any(key in self._unflushed for key in keys) and not self._fault and not self._closed
             ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            return sum(
-                1 for key in keys if key in self._sizes and key not in self._unflushed
-            )
+            return sum(1 for key in keys if key in self._sizes and key not in self._unflushed)
 
     def refuse(self) -> None:
         """Count a write its caller did not attempt because :attr:`fault` is set."""
@@ -791,8 +697,8 @@ class DiskTier:
 
     def touch(self, key: bytes, priority: int, last_access: float) -> None:
         """Queue a metadata update (coalesced; committed with the next batch)."""
-        if not 0 <= priority <= _MAX_PRIORITY:
-            raise ValueError(f"priority must be in [0, {_MAX_PRIORITY}], got {priority}")
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [0, {MAX_PRIORITY}], got {priority}")
         key = bytes(key)
         with self._cond:
             self._check_accepting()
@@ -817,8 +723,8 @@ class DiskTier:
         """Queue a namespace's declared fields for the next commit (does not wait: the
         queue commits in order, so it lands no later than the first block written after
         it, which is all a restart needs)."""
-        if len(ns_digest) != _DIGEST_SIZE:
-            raise ValueError(f"ns_digest must be {_DIGEST_SIZE} bytes, got {len(ns_digest)}")
+        if len(ns_digest) != DIGEST_SIZE:
+            raise ValueError(f"ns_digest must be {DIGEST_SIZE} bytes, got {len(ns_digest)}")
         blob = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
         with self._cond:
             self._check_accepting()
@@ -916,7 +822,7 @@ class DiskTier:
                 if raw is None:
                     return None
                 try:
-                    record = _unpack(key, raw)
+                    record = unpack_record(key, raw)
                 except (ValueError, struct.error):
                     record = None
                 view = txn.get(key, db=self._payload)
@@ -1005,12 +911,12 @@ class DiskTier:
         in this snapshot's record is where this snapshot's payload lies. Records
         without one (version 1) are looked up in ``payload``."""
         raw = txn.get(key, db=self._meta)
-        if raw is None or len(raw) not in (_META.size, _META_V1.size):
+        if raw is None or len(raw) not in (META.size, META_V1.size):
             return None
         extent = committed_extent(raw)
         if extent is not None:
             return extent
-        size, checksum = _EXTENT.unpack_from(raw, _EXTENT_AT)
+        size, checksum = EXTENT.unpack_from(raw, EXTENT_AT)
         view = txn.get(key, db=self._payload)
         if view is None or len(view) != size:
             return None
@@ -1086,7 +992,7 @@ class DiskTier:
                 if isinstance(op, _Write | _Delete):
                     continue  # deleted, or yielded below in its queued version
                 try:
-                    record = _unpack(key, raw)
+                    record = unpack_record(key, raw)
                 except (ValueError, struct.error):
                     log.warning("skipping malformed disk metadata for %s", key.hex())
                     continue
@@ -1130,8 +1036,8 @@ class DiskTier:
                     self._env.close()
                     os.close(self._read_fd)
                     os.close(self._owner_fd)
-                    with _open_here_lock:
-                        _open_here.discard(os.path.realpath(self.directory))
+                    with open_here_lock:
+                        open_here.discard(os.path.realpath(self.directory))
                     with self._cond:
                         self._closed = True
                         self._cond.notify_all()
@@ -1271,7 +1177,11 @@ class DiskTier:
                 "disk tier stopped taking writes: a commit failed (%s); %d operations stay "
                 "queued and are retried every %.0f s (deletes first, with the %.0f MiB "
                 "reserve given back); effective disk capacity is now %.1f MiB",
-                reason, held, _FAULT_RETRY_S, freed / 2**20, self._capacity / 2**20,
+                reason,
+                held,
+                _FAULT_RETRY_S,
+                freed / 2**20,
+                self._capacity / 2**20,
                 extra={"event": "disk_fault"},
             )
         else:
@@ -1286,7 +1196,9 @@ class DiskTier:
         self._regain_capacity()
         log.warning(
             "disk tier takes writes again (a commit succeeded); effective disk capacity "
-            "is %.1f MiB", self._capacity / 2**20, extra={"event": "disk_recovered"},
+            "is %.1f MiB",
+            self._capacity / 2**20,
+            extra={"event": "disk_recovered"},
         )
 
     def _regain_capacity(self) -> None:
@@ -1299,9 +1211,7 @@ class DiskTier:
         try:
             vfs = os.statvfs(self.directory)
             free = vfs.f_bavail * vfs.f_frsize
-            if free > 2 * self._reserve_bytes and make_reserve(
-                self.directory, self._reserve_bytes
-            ):
+            if free > 2 * self._reserve_bytes and make_reserve(self.directory, self._reserve_bytes):
                 free -= self._reserve_bytes
         except OSError:
             return
@@ -1339,7 +1249,7 @@ class DiskTier:
                     stored = txn.get(op.key, db=self._payload)
                     offset = self._file_offset(stored) if stored is not None else None
                     record = replace(op.record, offset=offset or 0)
-                    txn.put(op.key, _pack(record), db=self._meta)
+                    txn.put(op.key, pack_record(record), db=self._meta)
                 elif isinstance(op, _Delete):
                     txn.delete(op.key, db=self._payload)
                     txn.delete(op.key, db=self._meta)
@@ -1347,9 +1257,11 @@ class DiskTier:
                     raw = txn.get(op.key, db=self._meta)
                     if raw is not None:
                         record = replace(
-                            _unpack(op.key, raw), priority=op.priority, last_access=op.last_access
+                            unpack_record(op.key, raw),
+                            priority=op.priority,
+                            last_access=op.last_access,
                         )
-                        txn.put(op.key, _pack(record), db=self._meta)
+                        txn.put(op.key, pack_record(record), db=self._meta)
                 else:
                     txn.put(op.digest, op.blob, db=self._ns)
 
@@ -1401,7 +1313,10 @@ class DiskTier:
         log.error(
             "disk writer: gave up at close after %d failed commits: %d queued operations, "
             "%d of them block writes, were not persisted (%s)",
-            _CLOSE_RETRIES, len(self._ops), lost, self._fault or "no fault recorded",
+            _CLOSE_RETRIES,
+            len(self._ops),
+            lost,
+            self._fault or "no fault recorded",
             extra={"event": "disk_writes_lost"},
         )
         self._ops.clear()
@@ -1509,7 +1424,7 @@ class DiskTier:
     def _bump(self) -> None:
         """Commit a one-record transaction (rewrites the format marker)."""
         with self._env.begin(write=True) as txn:
-            txn.put(_FORMAT_KEY, _FORMAT, db=self._info)
+            txn.put(FORMAT_KEY, FORMAT, db=self._info)
 
     def _drop_write(self, op: _Write) -> None:
         with self._cond:
@@ -1543,7 +1458,10 @@ class DiskTier:
         log.error(
             "disk tier in %s was damaged (%s); moved it aside to %s and started with an "
             "empty disk tier",
-            self.directory, damage, moved, extra={"event": "disk_damaged"},
+            self.directory,
+            damage,
+            moved,
+            extra={"event": "disk_damaged"},
         )
         self._sizes.clear()
         self._used = 0
@@ -1579,13 +1497,13 @@ class DiskTier:
 
     def _check_format(self) -> None:
         with self._env.begin(write=True) as txn:
-            found = txn.get(_FORMAT_KEY, db=self._info)
+            found = txn.get(FORMAT_KEY, db=self._info)
             if found is None:
-                txn.put(_FORMAT_KEY, _FORMAT, db=self._info)
-        if found is not None and found != _FORMAT:
+                txn.put(FORMAT_KEY, FORMAT, db=self._info)
+        if found is not None and found != FORMAT:
             raise ValueError(
                 f"{self.directory} holds an LMDB disk tier of format {found!r}, "
-                f"this build reads {_FORMAT!r}"
+                f"this build reads {FORMAT!r}"
             )
 
     def _load_sizes(self) -> None:
@@ -1594,7 +1512,7 @@ class DiskTier:
         with self._env.begin() as txn:
             for key, raw in txn.cursor(db=self._meta):
                 try:
-                    record = _unpack(key, raw)
+                    record = unpack_record(key, raw)
                 except (ValueError, struct.error):
                     bad.append(bytes(key))
                     continue

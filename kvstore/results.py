@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.disk import DiskExtent
+from kvstore.disk_format import DiskExtent
 from kvstore.keys import BlockKey
 from kvstore.tenants import TenantUsage
 

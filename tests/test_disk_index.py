@@ -29,7 +29,7 @@ from conftest import Daemon, damage_in_disk_file, in_forked_child
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient
 from kvclient.disk_index import DiskFirstReads, DiskIndex
 from kvclient.disk_reads import DiskFile, read_first_from_file
-from kvstore import disk
+from kvstore import disk_format
 from kvstore.disk import DiskExtent, DiskRecord, DiskTier, committed_extent
 from kvstore.keys import chain_keys
 
@@ -318,10 +318,12 @@ def test_a_prefix_is_read_from_the_file_once_per_client() -> None:
 
 def test_a_record_names_its_extent_only_once_it_says_where() -> None:
     rec = DiskRecord(b"k" * 16, b"n" * 32, b"", 4096, 1234, 35, 0.0, offset=8192)
-    assert committed_extent(disk._pack(rec)) == DiskExtent(8192, 4096, 1234)
-    assert committed_extent(disk._pack(replace(rec, offset=0))) is None  # not committed
-    assert committed_extent(disk._pack(rec)[:-8]) is None  # a version 1 record
-    assert committed_extent(b"\x07" + disk._pack(rec)[1:]) is None  # an unknown version
+    assert committed_extent(disk_format.pack_record(rec)) == DiskExtent(8192, 4096, 1234)
+    unknown = replace(rec, offset=0)  # not committed
+    assert committed_extent(disk_format.pack_record(unknown)) is None
+    assert committed_extent(disk_format.pack_record(rec)[:-8]) is None  # a version 1 record
+    # an unknown version
+    assert committed_extent(b"\x07" + disk_format.pack_record(rec)[1:]) is None
 
 
 def test_the_switch_turns_reads_with_no_call_off(

@@ -28,7 +28,9 @@ def test_each_package_lives_in_the_folder_of_its_name() -> None:
 
 
 def test_the_client_imports_nothing_of_the_daemon() -> None:
-    """Every module of kvclient imported in a fresh process: no kvstored module loads."""
+    """Every module of kvclient imported in a fresh process: no kvstored module loads,
+    nor the disk tier's engine (kvstore.disk: its writer thread and LMDB handling; the
+    client reads the format alone, kvstore.disk_format)."""
     modules = sorted(
         f"kvclient.{p.stem}" for p in (REPO / "client" / "kvclient").glob("*.py")
         if p.stem not in ("__main__", "vllm", "hf", "gpu")  # need torch / vllm, below
@@ -39,7 +41,8 @@ def test_the_client_imports_nothing_of_the_daemon() -> None:
         "for name in ('kvclient.hf', 'kvclient.gpu', 'kvclient.vllm'):\n"
         "    try: importlib.import_module(name)\n"
         "    except ImportError: pass\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kvstored'))\n"
+        "print(sorted(m for m in sys.modules\n"
+        "             if m.split('.')[0] == 'kvstored' or m == 'kvstore.disk'))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True

@@ -61,8 +61,8 @@ import lmdb
 import numpy as np
 
 from kvclient.fork_safety import renew_in_child
-from kvstore.disk import DB_NAMES, META_DB, NAMESPACES_DB, DiskExtent, committed_extent
-from kvstore.disk import open_in_this_process as _tier_open_here
+from kvstore.disk_format import DB_NAMES, META_DB, NAMESPACES_DB, DiskExtent, committed_extent
+from kvstore.disk_format import open_in_this_process as _tier_open_here
 from kvstore.errors import StoreError
 from kvstore.keys import BlockKey, NamespaceSpec
 
