@@ -111,9 +111,7 @@ def find_damage(directory: str) -> str | None:
     current = first if second is None or first.txn_id >= second.txn_id else second
     needed = (current.last_page + 1) * current.page_size
     if size < needed:
-        return (
-            f"{DATA_FILE} is {size} bytes but its pages end at byte {needed}: truncated"
-        )
+        return f"{DATA_FILE} is {size} bytes but its pages end at byte {needed}: truncated"
     return None
 
 

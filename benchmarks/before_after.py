@@ -1,0 +1,125 @@
+"""``kvctl bench`` of two checkouts, in turns, on one machine: a change's before/after.
+
+A program, not a test. ``--before`` is another checkout of this repository (for
+instance ``git worktree add /tmp/before <commit>``; copy the built
+``kvstore/_streamcopy*.so`` into it); ``--after`` defaults to this one. Each round runs
+``python -m kvbench`` once per checkout (its own daemon, client and harness, with
+``PYTHONPATH`` naming that checkout's packages), the order reversed every other round,
+so that the host's drift hits both alike. Per kvstore case (op, path, tier, layout,
+batch) the best GB/s over the rounds is kept (blocks/s for lookups), and the table
+gives after / before; the spread of the memcpy baseline between the runs is the noise
+to read it against.
+
+    .venv/bin/python benchmarks/before_after.py --before /tmp/before --rounds 2 \\
+        -- --layouts llama2 llama8 --batches 1 16 --no-disk --no-redis
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("client", "daemon", "proto", ".", "benchmarks")
+Case = tuple[str, str, str, str, int]  # op, path, tier, layout, batch
+
+
+def run_bench(tree: Path, bench_args: list[str], out: Path) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(str(tree / p) for p in PACKAGES)
+    cmd = [sys.executable, "-m", "kvbench", *bench_args, "--json", str(out)]
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def best(runs: list[dict[str, Any]], system: str) -> dict[Case, float]:
+    """Per case, the best rate over the runs (GB/s, or blocks/s where no bytes move)."""
+    rates: dict[Case, float] = {}
+    for run in runs:
+        for r in run["results"]:
+            if r["system"] != system or r["note"].startswith("only"):
+                continue
+            case = (r["op"], r["path"], r["tier"], r["layout"], r["batch"])
+            rate = r["gbps"] or r["blocks_per_s"]
+            rates[case] = max(rates.get(case, 0.0), rate)
+    return rates
+
+
+def render(
+    before: list[dict[str, Any]], after: list[dict[str, Any]], args: argparse.Namespace
+) -> str:
+    b, a = best(before, "kvstore"), best(after, "kvstore")
+    memcpy = [
+        r["gbps"] for run in before + after for r in run["results"] if r["system"] == "memcpy"
+    ]
+    lines = [
+        "# Before / after: `kvctl bench` of two checkouts in turns",
+        "",
+        f"Measured by `benchmarks/before_after.py` on {time.strftime('%Y-%m-%d %H:%M')}: "
+        f"before = `{args.before_label}`, after = `{args.after_label}`, {args.rounds} "
+        f"rounds, the order reversed every other round; bench arguments "
+        f"`{' '.join(args.bench_args)}`.",
+        "",
+        f"- machine: {after[-1]['machine']}",
+        "- each row: the best pass of each checkout over the rounds; GB/s of block bytes "
+        "(blocks/s for lookups); after / before above 1 is faster",
+        f"- noise: one-thread memcpy of the same cases ranged {min(memcpy):.2f} to "
+        f"{max(memcpy):.2f} GB/s over the runs"
+        if memcpy
+        else "- noise: no memcpy rows",
+        "",
+        "| op | path | tier | layout | batch | before | after | after / before |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in sorted(set(b) & set(a)):
+        op, path, tier, layout, batch = case
+        unit = "GB/s" if op not in ("lookup", "miss") else "blocks/s"
+        fmt = "{:.2f}" if unit == "GB/s" else "{:,.0f}"
+        lines.append(
+            f"| {op} | {path} | {tier} | {layout} | {batch} | {fmt.format(b[case])} "
+            f"| {fmt.format(a[case])} | {a[case] / b[case]:.2f} |"
+        )
+    ratios = [a[c] / b[c] for c in set(a) & set(b) if b[c]]
+    if ratios:
+        lines += ["", f"Cases: {len(ratios)}; after / before from {min(ratios):.2f} to "
+                  f"{max(ratios):.2f}, median {sorted(ratios)[len(ratios) // 2]:.2f}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", type=Path, required=True, help="the old checkout")
+    parser.add_argument("--after", type=Path, default=REPO, help="the new checkout")
+    parser.add_argument("--before-label", default="before")
+    parser.add_argument("--after-label", default="after")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default="docs/benchmarks/before_after.md")
+    parser.add_argument("bench_args", nargs="*", help="after --: arguments of kvctl bench")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    with tempfile.TemporaryDirectory(prefix="kvbeforeafter-") as tmp:
+        for r in range(args.rounds):
+            order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
+            for side in order:
+                print(f"round {r + 1}: {side}", flush=True)
+                out = Path(tmp) / f"{side}-{r}.json"
+                runs[side].append(run_bench(trees[side], args.bench_args, out))
+    text = render(runs["before"], runs["after"], args)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,519 @@
+"""The disk tier's state, its queue operations and the helpers its parts share.
+
+:class:`DiskState` names every field of a :class:`kvstore.disk.DiskTier`; the parts
+stack on it: :class:`kvstore.disk_snapshots.DiskReads` (reads, snapshots and
+extents), :class:`kvstore.disk_writer.DiskWriter` (the queue and the writer thread),
+and :class:`kvstore.disk.DiskTier` on top (accounting, the write calls, lifecycle,
+start-up). The protocol is in :mod:`kvstore.disk`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import os
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+import numpy as np
+
+from kvstore.disk_format import (
+    DiskRecord,
+)
+
+if TYPE_CHECKING:
+    from kvstore.disk_snapshots import DiskReads
+
+log = logging.getLogger(__name__)
+
+
+MAX_SNAPSHOTS = 64  # read transactions open for readers in other processes, at most
+_PAGE_HEADER = 16  # LMDB's header in front of an overflow run (PAGEHDRSZ)
+_MAP_HEADROOM = 64 << 20  # fixed headroom: meta pages, B-tree branches, free list
+_MAP_FACTOR = 1.25  # proportional headroom: copy-on-write and free-list fragmentation
+_MAX_GROWTH = 0.5  # the map may grow by at most this fraction of its initial size
+_CAPACITY_CUT = 0.9  # on map full: effective capacity <= this fraction of what failed to fit
+_NS_PREFIX = b"ns:"  # queue keys of namespace saves: prefix + digest + seq (43 bytes)
+_SCAN_CHUNK = 1024  # records() reads this many records per read transaction
+_CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
+_FAULT_RETRY_S = 1.0  # while commits fail: the writer retries the queue this often
+_RESERVE_MIN, _RESERVE_MAX = 4 << 20, 64 << 20  # disk space kept aside (disk_files)
+_WRITEBACK_POLL_S = 0.002  # while a commit runs: start writeback of its pages this often
+_READER_CHECK_S = 30.0  # the writer frees reader slots of dead processes this often
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+_OVERFLOW_HEADER = struct.Struct("<QHHI")  # MDB_page of an overflow run: pgno, pad, flags, pages
+_P_OVERFLOW = 0x04
+_M_TRIM_THRESHOLD = -1  # <malloc.h> mallopt parameters
+_M_MMAP_THRESHOLD = -3
+_MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bit)
+_MALLOC_TRIM_THRESHOLD = 128 << 20  # above a thread arena's 64 MiB heap: never shrunk
+# what LMDB raises for an environment that is damaged (as opposed to I/O failing)
+_DAMAGE_ERRORS = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.VersionMismatchError,
+    lmdb.PanicError,
+    lmdb.BadValsizeError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStats:
+    """Counters since this tier was opened, and occupancy now."""
+
+    capacity_bytes: int  # effective capacity (lowered after map-full events)
+    used_bytes: int
+    records: int
+    queue_bytes: int  # payload bytes held by the write queue right now
+    writes: int  # payloads committed
+    bytes_written: int
+    reads: int  # reads that returned a payload
+    bytes_read: int
+    corrupt_reads: int
+    map_full_events: int
+    read_misses: int = 0
+    dropped_writes: int = 0  # queued writes that could not fit even after growing the map
+    map_size_bytes: int = 0
+    revoked_snapshots: int = 0  # open snapshots a map resize ended (see DiskSnapshot)
+    fault: str = ""  # why the tier takes no writes now (disk full, I/O errors); "" if it does
+    refused_writes: int = 0  # writes refused: not writable, or no room in the queue
+    lost_writes: int = 0  # queued writes given up at close (never committed)
+
+    @property
+    def writable(self) -> bool:
+        return not self.fault
+
+
+class DiskSnapshot:
+    """One open LMDB read transaction, handed out with the extents read in it.
+
+    LMDB never reuses a page that an open read transaction can see, so the bytes at
+    those extents stay what they were for as long as the snapshot is open, whatever is
+    deleted or written meanwhile: another process may pread them from ``data.mdb``.
+    :meth:`close` ends it (idempotent, any thread).
+
+    A map resize needs every read transaction closed, and does not wait for snapshots:
+    it revokes them (closes them itself, counted in ``revoked_snapshots``). A holder may
+    have crashed (its read lease would hold the writer, and every put that demotes
+    behind it, until the lease's TTL). After a revocation the pages behind the extents
+    may be reused by later commits, so a reader must check each block's checksum after
+    reading it, and drop the block on a mismatch, as :mod:`kvclient.disk_reads` does.
+    """
+
+    def __init__(self, tier: DiskReads, txn: Any) -> None:
+        self._tier = tier
+        self._txn: Any = txn
+
+    def close(self) -> None:
+        self._tier._close_snapshot(self)
+
+
+# --- queue operations ------------------------------------------------------------
+# One pending operation per key (later calls coalesce into it). ``seq`` orders them:
+# the queue dict is kept in seq order, so flush() can tell when everything it saw
+# is committed.
+
+
+@dataclass(slots=True, eq=False)
+class _Write:
+    seq: int
+    key: bytes
+    record: DiskRecord
+    buf: bytes | bytearray  # the payload: our copy, or the caller's immutable bytes
+    inflight: bool = False  # taken by the writer for the current batch
+    touched: tuple[int, float] | None = None  # touch that arrived while in flight
+    live: bool = True  # still the readable copy of its key (in _unflushed)
+    pins: int = 0  # readers copying out of buf right now
+    released: bool = False  # buf handed back (queue accounting dropped)
+
+
+@dataclass(slots=True, eq=False)
+class _Delete:
+    seq: int
+    key: bytes
+    inflight: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Touch:
+    seq: int
+    key: bytes
+    priority: int
+    last_access: float
+    inflight: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _SaveNamespace:
+    seq: int
+    key: bytes
+    digest: bytes
+    blob: bytes
+    inflight: bool = False
+
+
+_Op = _Write | _Delete | _Touch | _SaveNamespace
+
+
+class _ResizeGuard:
+    """Many read transactions at once, or one map resize with none open."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._exclusive = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def try_enter(self) -> bool:
+        """Count one more reader unless a resize is waiting or running (no waiting)."""
+        with self._cond:
+            if self._exclusive:
+                return False
+            self._readers += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self, on_waiting: Callable[[], object] | None = None) -> Iterator[None]:
+        """Wait until no reader is in, then hold them all out. ``on_waiting`` runs once
+        new readers are held out and before the wait (it may make readers leave)."""
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._exclusive = True  # new readers wait from here on
+        if on_waiting is not None:
+            on_waiting()
+        with self._cond:
+            while self._readers:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
+
+
+def _byte_view(buffer: bytes | bytearray | memoryview) -> memoryview:
+    """A flat unsigned-byte view of ``buffer`` (which must be C-contiguous)."""
+    view = memoryview(buffer)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+def _copy(dst: memoryview, src: bytes | bytearray | memoryview) -> None:
+    """``dst[:] = src`` for flat byte buffers, with the GIL released (numpy drops it for
+    large copies): the writer thread and readers copy megabytes while other threads
+    need the interpreter, and a copy under the GIL stalls them by up to a switch
+    interval (5 ms) each time they want it back."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        sync_file_range = libc.sync_file_range
+        sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        sync_file_range.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _load_libc()
+_malloc_tuned = False
+
+
+def _tune_malloc() -> None:
+    """Let glibc keep the memory LMDB's writer frees (process-wide, once).
+
+    Without MDB_WRITEMAP, LMDB malloc()s the dirty overflow pages of every value in a
+    write transaction and frees them at commit. The writer thread allocates from its
+    own glibc arena, whose heaps glibc shrinks (MADV_DONTNEED) once the free top exceeds
+    the trim threshold, and large chunks above the mmap threshold are fresh mmap()s; so
+    every batch faulted all its pages in again (~1 ms/MiB on a VM: half the write-back
+    time, see ``docs/benchmarks/disk.md``). A fixed mmap threshold of 32 MiB (glibc's
+    maximum) and a trim threshold above a thread heap's size (64 MiB) keep freed pages
+    for the next batch. Values of 32 MiB or more still get their own mappings. Not
+    applied when the operator set either threshold in the environment.
+    """
+    global _malloc_tuned
+    if _malloc_tuned or _LIBC is None:
+        return
+    _malloc_tuned = True
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    mallopt = getattr(_LIBC, "mallopt", None)
+    if mallopt is None:  # not glibc
+        return
+    mallopt(_M_MMAP_THRESHOLD, _MALLOC_MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _MALLOC_TRIM_THRESHOLD)
+
+
+class _EarlyWriteback:
+    """While the writer commits, keep asking the kernel to start writing the data
+    file's dirty pages (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait).
+
+    LMDB's commit writes the batch's pages into the page cache and then fdatasyncs;
+    without help the device sits idle until that fdatasync, then the commit waits for
+    all of it. Started early, most of the batch is on its way while LMDB is still
+    writing it, and the fdatasync waits only for the tail. This changes nothing about
+    durability or ordering: the kernel may write dirty pages back at any moment anyway,
+    LMDB's own fdatasync still decides what is durable, and the meta page is still
+    written only after the data pages are synced.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._cond = threading.Condition()
+        self._active = False
+        self._stopped = False
+        self._thread = threading.Thread(
+            target=self._run, name="kvstore-disk-writeback", daemon=True
+        )
+        self._thread.start()
+
+    @contextmanager
+    def during(self) -> Iterator[None]:
+        with self._cond:
+            self._active = True
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join()
+        os.close(self._fd)
+
+    def _run(self) -> None:
+        sync_file_range = _LIBC.sync_file_range
+        while True:
+            with self._cond:
+                while not self._active and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+            if sync_file_range(self._fd, 0, 0, _SYNC_FILE_RANGE_WRITE) != 0:
+                log.warning(
+                    "sync_file_range failed (%s); early writeback off",
+                    os.strerror(ctypes.get_errno()),
+                )
+                return
+            time.sleep(_WRITEBACK_POLL_S)
+
+
+class DiskState:
+    """The fields of a DiskTier and its accounting (see the module docstring)."""
+
+    directory: str
+    data_path: str
+    configured_capacity_bytes: int
+    _queue_limit: int
+    _batch_bytes: int
+    _metasync: bool
+    _readahead: bool
+    _owner_fd: int
+    _resize: _ResizeGuard
+    _snapshots: set[DiskSnapshot]  # open ones (see extents())
+    _revoked_snapshots: int
+    _cond: threading.Condition  # guards the queue and the counters
+    _ops: dict[bytes, _Op]  # pending operation per key, in seq order
+    _unflushed: dict[bytes, _Write]  # written, not committed yet: read from here
+    _sizes: dict[bytes, int]  # every live record (committed or queued): size
+    _used: int
+    _queued_bytes: int
+    _pool: dict[int, list[bytearray]]  # recycled payload buffers by size
+    _pool_bytes: int
+    _seq: int
+    _shrunk_pending: bool
+    _stopping: bool
+    _closed: bool
+    _close_lock: threading.Lock
+    _writes: int
+    _bytes_written: int
+    _reads: int
+    _bytes_read: int
+    _read_misses: int
+    _corrupt_reads: int
+    _map_full_events: int
+    _dropped_writes: int
+    _fault: str  # see DiskTier.fault
+    _refused_writes: int
+    _lost_writes: int
+    _map_size: int
+    _max_map_size: int
+    _capacity_floor: int
+    _capacity: int
+    _reserve_bytes: int
+    _ceiling: int
+    _read_fd: int
+    _writeback: _EarlyWriteback | None
+    _writer: threading.Thread
+    _env: Any  # lmdb.Environment
+    _meta: Any  # its named databases
+    _payload: Any
+    _ns: Any
+    _info: Any
+    _psize: int
+
+    # --- accounting ------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        """Effective capacity: the configured one, lowered after map-full events."""
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def footprint(self, size: int) -> int:
+        """Bytes a record with a ``size``-byte payload is accounted as.
+
+        The payload's overflow pages (LMDB puts a 16-byte header in front of the run, so
+        a 2 MiB payload needs 513 pages of 4 KiB) plus one page for the key, the
+        metadata record and the B-tree nodes that point at them.
+        """
+        pages = -(-(size + _PAGE_HEADER) // self._psize)
+        return (pages + 1) * self._psize
+
+    @property
+    def open_snapshots(self) -> int:
+        """Snapshots handed out by :meth:`extents` and not closed yet."""
+        with self._cond:
+            return len(self._snapshots)
+
+    def drain_shrunk(self) -> bool:
+        """True once after the effective capacity went down (a map-full event, a disk
+        fault): the store evicts until used_bytes <= capacity_bytes."""
+        with self._cond:
+            pending, self._shrunk_pending = self._shrunk_pending, False
+            return pending
+
+    def stats(self) -> DiskStats:
+        with self._cond:
+            return DiskStats(
+                capacity_bytes=self._capacity,
+                used_bytes=self._used,
+                records=len(self._sizes),
+                queue_bytes=self._queued_bytes,
+                writes=self._writes,
+                bytes_written=self._bytes_written,
+                reads=self._reads,
+                bytes_read=self._bytes_read,
+                corrupt_reads=self._corrupt_reads,
+                map_full_events=self._map_full_events,
+                read_misses=self._read_misses,
+                dropped_writes=self._dropped_writes,
+                map_size_bytes=self._map_size,
+                revoked_snapshots=self._revoked_snapshots,
+                fault=self._fault,
+                refused_writes=self._refused_writes,
+                lost_writes=self._lost_writes,
+            )
+
+    # --- internals: queue --------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"disk tier at {self.directory} is closed")
+
+    def _check_accepting(self) -> None:
+        if self._stopping or self._closed:
+            raise RuntimeError(f"disk tier at {self.directory} is closed")
+
+    def _set_op(self, key: bytes, op: _Op) -> None:
+        """Make ``op`` the pending operation of ``key``, at the end of the queue."""
+        self._ops.pop(key, None)
+        self._ops[key] = op
+        self._cond.notify_all()
+
+    def _delete_locked(self, key: bytes) -> None:
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return
+        self._used -= self.footprint(size)
+        queued = self._unflushed.pop(key, None)
+        if queued is not None:
+            queued.live = False
+            self._maybe_release(queued)
+        # Always queue the delete: an older version may be committed under this key.
+        self._seq += 1
+        self._set_op(key, _Delete(self._seq, key))
+
+    def _min_pending_seq(self) -> float:
+        # The queue is in seq order, and an operation superseded while in flight is
+        # superseded by a later one that flush() waits for anyway.
+        first = next(iter(self._ops.values()), None)
+        return math.inf if first is None else first.seq
+
+    def _pool_take(self, size: int) -> bytearray:
+        """A buffer of exactly ``size`` bytes, recycled when possible: fresh memory costs
+        far more to fault in than to copy into."""
+        free = self._pool.get(size)
+        if free:
+            self._pool_bytes -= size
+            buf = free.pop()
+            if not free:
+                del self._pool[size]
+            return buf
+        if self._pool:  # the pooled sizes are not the ones in use now: shrink the pool
+            stale_size, stale = next(iter(self._pool.items()))
+            stale.pop()
+            self._pool_bytes -= stale_size
+            if not stale:
+                del self._pool[stale_size]
+        return bytearray(size)
+
+    def _maybe_release(self, op: _Write) -> None:
+        """Hand a write's buffer back once nothing needs it (not readable, not being
+        committed, not being copied by a reader)."""
+        if op.released or op.live or op.inflight or op.pins:
+            return
+        op.released = True
+        size = len(op.buf)
+        self._queued_bytes -= size
+        # Keep it while the queue plus the pool stay within queue_bytes.
+        if (
+            isinstance(op.buf, bytearray)
+            and self._pool_bytes + self._queued_bytes + size <= self._queue_limit
+        ):
+            self._pool.setdefault(size, []).append(op.buf)
+            self._pool_bytes += size
+        self._cond.notify_all()

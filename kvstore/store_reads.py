@@ -1,0 +1,458 @@
+"""The read side of the store: lookup, read, acquire, locate and the reads clients
+report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import overload
+
+import numpy as np
+
+from kvstore.disk import DiskTier
+from kvstore.errors import (
+    InvalidArgument,
+)
+from kvstore.index import READY, NamespaceEntry, Node
+from kvstore.keys import BlockKey
+from kvstore.leases import Leases
+from kvstore.results import (
+    Acquisition,
+    Located,
+    LookupResult,
+)
+from kvstore.store_state import (
+    PARALLEL_PROMOTE_BYTES,
+    PROMOTE_THREADS,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Reads(Leases):
+    """The read side (see the module docstring)."""
+
+    # ------------------------------------------------------------------ read side
+    def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> LookupResult:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        with self._lock:
+            self._expire()
+            return self._lookup(keys)
+
+    def read(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        out: memoryview | None = None,
+        start: int = 0,
+    ) -> tuple[int, memoryview]:
+        """Copy ready blocks ``keys[start:]`` of the longest ready prefix into ``out`` (or
+        a new buffer) -> (blocks copied, view of the bytes written). Blocks before
+        ``start`` are not copied (the caller has them) but must be ready too. Disk hits
+        are verified and promoted into the host tier (parents first) when room can be
+        made. Raises InvalidArgument if ``out`` cannot hold len(keys) - start blocks."""
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        size = entry.spec.block_bytes
+        if not 0 <= start <= len(keys):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        wanted = len(keys) - start
+        if out is not None:
+            out = memoryview(out).cast("B")
+            if out.readonly or out.nbytes < wanted * size:
+                raise InvalidArgument(
+                    f"out must be a writable buffer of >= {wanted * size} bytes "
+                    f"({wanted} blocks x {size}), got {out.nbytes}"
+                    + (" (read-only)" if out.readonly else "")
+                )
+        pinned = self._pin_prefix(entry, keys, promote_all=False)
+        assert pinned is not None  # None only for host_only
+        nodes, fresh = pinned
+        if out is None:
+            out = memoryview(bytearray(max(len(nodes) - start, 0) * size))
+        ok = len(nodes)
+        try:
+            ok = self._copy_out(nodes, fresh, out, size, start)
+        finally:
+            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=False, start=start)
+        copied = max(ok - start, 0)
+        return copied, out[: copied * size]
+
+    @overload
+    def acquire(
+        self, ns_id: str, keys: Sequence[BlockKey], ttl_s: float | None = None
+    ) -> Acquisition: ...
+
+    @overload
+    def acquire(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        ttl_s: float | None,
+        host_only: bool,
+        disk_direct: bool = False,
+        count: bool = True,
+    ) -> Acquisition | None: ...
+
+    def acquire(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        ttl_s: float | None = None,
+        host_only: bool = False,
+        disk_direct: bool = False,
+        count: bool = True,
+    ) -> Acquisition | None:
+        """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
+        its disk-only blocks. ``host_only``: None, having changed nothing, when one would
+        need promoting (for a caller that must not wait on the disk).
+
+        ``disk_direct`` (for a reader that preads the disk file itself): when every
+        disk-only block of the prefix is on its first read since it reached the disk
+        tier, they are not promoted but answered as extents of the disk file
+        (``Acquisition.disk``), kept valid by the lease; reading them waits on no disk
+        I/O here, so this answers ``host_only`` callers too. A block read again takes
+        the promoting path: a block earns its host slot back by being read twice, and a
+        one-off scan of the disk tier does not flush the host tier.
+
+        ``count=False`` for a read counted already (the same get acquiring again): no
+        hits or misses are counted, the blocks are touched as by any read."""
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        ttl = self._ttl(ttl_s)
+        if not count:
+            with self._lock:
+                self._c.repeated_gets += 1
+        if disk_direct and self._disk is not None:
+            direct = self._acquire_direct(entry, keys, ttl, self._disk, count)
+            if direct is not None:
+                return direct
+        pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
+        if pinned is None:
+            return None
+        nodes, fresh = pinned
+        ok = len(nodes)
+        try:
+            ok = self._fill_promotions(nodes, fresh)
+        finally:
+            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
+        kept = nodes[:ok]
+        with self._lock:
+            size = entry.spec.block_bytes
+            if not kept:
+                return Acquisition(0, 0.0, (), (), size)
+            lease = self._new_lease(entry, kept, write=False, ttl=ttl)
+            keys = tuple([node.key for node in kept])
+            offsets = tuple([node.host_offset for node in kept])
+            return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
+
+    def _acquire_direct(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        ttl: float,
+        disk: DiskTier,
+        count: bool = True,
+    ) -> Acquisition | None:
+        """:meth:`acquire` with ``disk_direct``; None, having changed nothing, when the
+        prefix has no disk-only block, one of them was read before, or the disk tier
+        cannot give an extent for each (queued writes, too many snapshots open ...)."""
+        with self._lock:
+            self._check_open()
+            self._expire()
+            nodes = self._ready_prefix(keys)
+            on_disk = [i for i, node in enumerate(nodes) if not node.in_host]
+            if not on_disk or any(nodes[i].hits for i in on_disk):
+                return None
+            for node in nodes:
+                node.pins += 1
+        got = None
+        try:  # pinned: the blocks stay indexed; the snapshot keeps their pages in place
+            got = disk.extents([nodes[i].key for i in on_disk])
+        finally:
+            if got is None:
+                with self._lock:
+                    for node in nodes:
+                        node.pins -= 1
+        if got is None:
+            return None
+        snapshot, extents = got
+        try:
+            self._finish_pinned(entry, keys, nodes, {}, len(nodes), keep_pins=True, count=count)
+        except BaseException:
+            snapshot.close()
+            raise
+        with self._lock:
+            lease = self._new_lease(entry, nodes, write=False, ttl=ttl)
+            lease.snapshot = snapshot
+            direct = set(on_disk)
+            offsets = tuple(
+                [-1 if i in direct else node.host_offset for i, node in enumerate(nodes)]
+            )
+            return Acquisition(
+                lease.lease_id,
+                lease.expires_at,
+                tuple([node.key for node in nodes]),
+                offsets,
+                entry.spec.block_bytes,
+                tuple(zip(on_disk, extents, strict=True)),
+            )
+
+    def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
+        """The host slots of the ready prefix of ``keys`` and their epochs, pinning
+        nothing (an unpinned read: see :mod:`kvstore.slot_epochs`). Counts the hits and
+        touches the prefix as a read does. None, having changed nothing, when a block of
+        the prefix is on disk only (the caller acquires instead)."""
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        with self._lock:
+            self._check_open()
+            self._expire()
+            nodes, on_disk = self._host_prefix(keys)
+            if on_disk:
+                return None
+            self._count_reads(entry, nodes, len(keys), reads=1, host_hits=len(nodes))
+            offsets = [node.host_offset for node in nodes]
+            epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
+            return Located(tuple(offsets), epochs, entry.spec.block_bytes)
+
+    def note_reads(
+        self, ns_id: str, keys: Sequence[BlockKey], reads: int, from_disk: bool = False
+    ) -> int:
+        """Count ``reads`` reads of the prefix ``keys`` that a client served itself, with
+        no call of its own: hits, and a touch for eviction, as :meth:`locate` gives each
+        read. From slots it knew (checked by their epochs): blocks that left the host
+        tier since (and all after them) are not counted. ``from_disk``: read from the
+        disk tier's file under the client's own LMDB transaction
+        (:mod:`kvclient.disk_index`): the ready prefix is counted wherever it is now,
+        its disk-only blocks as disk hits read directly (not promoted). Returns blocks
+        counted per read."""
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        if reads <= 0:
+            return 0
+        with self._lock:
+            self._check_open()
+            if from_disk:
+                self._c.disk_file_gets += reads
+                nodes = self._ready_prefix(keys)
+                host_hits = sum(1 for node in nodes if node.in_host)
+            else:
+                self._c.known_slot_gets += reads
+                nodes, _ = self._host_prefix(keys)
+                host_hits = len(nodes)
+            if nodes:
+                self._count_reads(entry, nodes, len(nodes), reads, host_hits)
+            return len(nodes)
+
+    def note_misses(self, ns_id: str, blocks: int) -> None:
+        """Count ``blocks`` asked for and not found, for a caller that read only the
+        ready prefix it had looked up (the daemon's Get): hit rates stay honest."""
+        if blocks <= 0:
+            return
+        entry = self._entry(ns_id)
+        with self._lock:
+            entry.misses += blocks
+            self._c.host_misses += blocks
+            self._c.disk_misses += blocks
+
+    # --- pinned reads -----------------------------------------------------------
+    def _pin_prefix(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        promote_all: bool,
+        host_only: bool = False,
+    ) -> tuple[list[Node], dict[int, int]] | None:
+        """Pin the ready prefix and reserve host slots for its disk-only blocks.
+
+        Returns the pinned nodes and {position: fresh host offset} for blocks to promote.
+        With ``promote_all`` the prefix is cut at the first block that gets no slot
+        (acquire needs every block in host); otherwise that block is read from disk.
+        With ``host_only``, None (nothing pinned) when a block is not in the host tier.
+        """
+        with self._lock:
+            self._check_open()
+            self._expire()
+            nodes = self._ready_prefix(keys)
+            all_host = all(node.host_offset >= 0 for node in nodes)
+            if host_only and not all_host:
+                return None
+            for node in nodes:
+                node.pins += 1
+            if all_host:
+                return nodes, {}
+            fresh: dict[int, int] = {}
+            for i, node in enumerate(nodes):
+                if node.in_host:
+                    continue
+                offset = self._alloc_host(node.size, node.ns.group)
+                if offset is None:
+                    if promote_all:
+                        for late in nodes[i:]:
+                            late.pins -= 1
+                        del nodes[i:]
+                    break
+                fresh[i] = offset
+            return nodes, fresh
+
+    def _copy_out(
+        self, nodes: list[Node], fresh: dict[int, int], out: memoryview, size: int, start: int
+    ) -> int:
+        """Copy pinned blocks ``nodes[start:]`` into ``out`` and fill the promotion slots
+        of all of them (no lock held); returns how many of ``nodes`` are good."""
+        array = self._arena.array()
+        dst = np.frombuffer(out, dtype=np.uint8)
+        for i, node in enumerate(nodes):
+            target = dst[(i - start) * size : (i - start + 1) * size] if i >= start else None
+            if node.in_host:
+                if target is not None:
+                    target[:] = array[node.host_offset : node.host_offset + size]
+                continue
+            assert self._disk is not None
+            if i in fresh:
+                slot = self._arena.view(fresh[i], size)
+                if self._disk.read(node.key, out=slot) is None:
+                    return i
+                if target is not None:
+                    target[:] = array[fresh[i] : fresh[i] + size]
+            elif target is not None:
+                window = out[(i - start) * size : (i - start + 1) * size]
+                if self._disk.read(node.key, out=window) is None:
+                    return i
+        return len(nodes)
+
+    def _fill_promotions(self, nodes: list[Node], fresh: dict[int, int]) -> int:
+        """Read disk-only blocks into their fresh host slots (no lock held); the number
+        of leading ``nodes`` that are good.
+
+        A disk read is a pread and a checksum pass, both without the GIL: promotions
+        of ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once."""
+        disk = self._disk
+        todo = sorted(fresh)
+
+        def fill(i: int) -> bool:
+            assert disk is not None
+            slot = self._arena.view(fresh[i], nodes[i].size)
+            return disk.read(nodes[i].key, out=slot) is not None
+
+        def fill_all(part: list[int]) -> int | None:
+            """The first block of ``part`` that failed, or None."""
+            for i in part:
+                if not fill(i):
+                    return i
+            return None
+
+        if len(todo) > 1 and sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES:
+            # one share per thread (a hand-off per block would cost more than it saves)
+            share = -(-len(todo) // PROMOTE_THREADS)
+            parts = [todo[k : k + share] for k in range(0, len(todo), share)]
+            pool = self._promote_pool()
+            futures = [pool.submit(fill_all, part) for part in parts[1:]]
+            failed = [fill_all(parts[0])] + [f.result() for f in futures]
+            bad = [i for i in failed if i is not None]
+            return min(bad) if bad else len(nodes)
+        first_bad = fill_all(todo)
+        return len(nodes) if first_bad is None else first_bad
+
+    def _promote_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._promoters is None:
+                self._promoters = ThreadPoolExecutor(
+                    PROMOTE_THREADS, thread_name_prefix="kvstore-promote"
+                )
+            return self._promoters
+
+    def _finish_pinned(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        nodes: list[Node],
+        fresh: dict[int, int],
+        ok: int,
+        keep_pins: bool,
+        start: int = 0,
+        count: bool = True,
+    ) -> None:
+        """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits of the
+        blocks the caller asked for (``start`` on; not with ``count=False``), unpin."""
+        with self._lock:
+            host_hits = sum(1 for node in nodes[start:ok] if node.host_offset >= 0)
+            promoted = 0  # served blocks read into a fresh slot (the rest came from host)
+            for i, offset in fresh.items():
+                node = nodes[i]
+                if start <= i < ok and not node.in_host:
+                    promoted += 1
+                if i < ok and not node.in_host and not self._closed:
+                    self._publish_promotion(node, offset)
+                else:
+                    self._arena.free(offset)
+            for node in nodes[ok:] if keep_pins else nodes:
+                node.pins -= 1
+            if ok < len(nodes) and nodes[ok].on_disk:
+                self._lost_on_disk(nodes[ok])
+            if count:
+                self._count_served(
+                    entry, len(keys) - start, max(ok - start, 0), host_hits, promoted
+                )
+                for node in nodes[:ok]:
+                    node.hits += 1
+            # blocks deleted while pinned are not touched: their subtrees went with them,
+            # so the still indexed ones are a prefix of the chain
+            end = ok
+            while end and self._index.get(nodes[end - 1].key) is not nodes[end - 1]:
+                end -= 1
+            self._touch(nodes[:end])
+
+    def _count_served(
+        self, entry: NamespaceEntry, wanted: int, served: int, host_hits: int, promoted: int = 0
+    ) -> None:
+        """Hit and miss counters of a read that asked for ``wanted`` blocks and served
+        ``served`` (``host_hits`` of them from host, ``promoted`` read into a fresh host
+        slot, the rest straight from disk). Under the lock."""
+        c = self._c
+        c.host_hits += host_hits
+        c.host_misses += wanted - host_hits
+        c.disk_hits += served - host_hits
+        c.disk_misses += wanted - served
+        c.host_bytes_out += host_hits * entry.spec.block_bytes
+        direct = served - host_hits - promoted  # read from disk without promoting
+        c.disk_bytes_out += direct * entry.spec.block_bytes  # promotions counted above
+        entry.hits += served
+        entry.misses += wanted - served
+
+    def _ready_prefix(self, keys: Sequence[BlockKey]) -> list[Node]:
+        """The ready blocks of ``keys``' prefix, in any tier. Under the lock."""
+        nodes: list[Node] = []
+        for node in self._index.walk(keys):
+            if node.state != READY:
+                break
+            nodes.append(node)
+        return nodes
+
+    def _host_prefix(self, keys: Sequence[BlockKey]) -> tuple[list[Node], bool]:
+        """(the ready blocks of ``keys``' prefix up to the first one not in the host
+        tier, whether that one is ready on disk only). Under the lock."""
+        nodes: list[Node] = []
+        for node in self._index.walk(keys):
+            if node.state != READY:
+                break
+            if node.host_offset < 0:
+                return nodes, True
+            nodes.append(node)
+        return nodes, False
+
+    def _count_reads(
+        self, entry: NamespaceEntry, nodes: list[Node], wanted: int, reads: int, host_hits: int
+    ) -> None:
+        """Count ``reads`` reads that asked for ``wanted`` blocks each and were served
+        ``nodes`` (``host_hits`` of them from host slots, the rest straight from disk),
+        and touch them as used. Under the lock."""
+        n = len(nodes)
+        self._count_served(entry, wanted * reads, n * reads, host_hits * reads)
+        for node in nodes:
+            node.hits += reads
+        self._touch(nodes)

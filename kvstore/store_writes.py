@@ -1,0 +1,463 @@
+"""The write side of the store: put, reserve (with staged slots), commit, fill,
+abandon, delete, clear and priorities.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from kvstore.errors import (
+    InvalidArgument,
+    LeaseError,
+)
+from kvstore.index import PENDING, READY, NamespaceEntry, Node
+from kvstore.keys import BlockKey
+from kvstore.results import (
+    EventKind,
+    PutResult,
+    Reservation,
+    SlotRef,
+    Tier,
+)
+from kvstore.store_reads import Reads
+from kvstore.store_state import (
+    DELETE_COMMIT_TIMEOUT_S,
+    Lease,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Writes(Reads):
+    """The write side (see the module docstring)."""
+
+    # ----------------------------------------------------------------- write side
+    def put(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        payloads: Sequence[bytes | bytearray | memoryview],
+        start: int = 0,
+        priority: int | None = None,
+    ) -> PutResult:
+        entry = self._entry(ns_id)
+        size = entry.spec.block_bytes
+        self._check_keys(entry, keys)
+        if not 0 <= start <= len(keys) or start + len(payloads) > len(keys):
+            raise InvalidArgument(
+                f"{len(payloads)} payloads from block {start} do not fit a chain of "
+                f"{len(keys)} blocks"
+            )
+        views = [memoryview(p).cast("B") for p in payloads]
+        for i, view in enumerate(views):
+            if view.nbytes != size:
+                raise InvalidArgument(
+                    f"payload {i} is {view.nbytes} bytes; namespace {ns_id} stores "
+                    f"blocks of {size} bytes"
+                )
+        chain = keys[: start + len(views)]
+        reservation = self.reserve(ns_id, chain, start, priority=priority)
+        reserved = len(reservation.offsets)
+        try:
+            array = self._arena.array()
+            first = reservation.first_index - start
+            for i, offset in enumerate(reservation.offsets):
+                array[offset : offset + size] = np.frombuffer(views[first + i], dtype=np.uint8)
+        except BaseException:
+            if reserved:
+                self.abandon(reservation.lease_id)
+            raise
+        if reserved:
+            self.commit(reservation.lease_id)
+        return PutResult(
+            reserved,
+            reservation.existing,
+            reservation.refused,
+            reservation.out_of_space,
+        )
+
+    def reserve(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        start: int = 0,
+        ttl_s: float | None = None,
+        priority: int | None = None,
+        *,
+        stage_lease_id: int = 0,
+        staged_offsets: Sequence[int] = (),
+        stage_more: int = 0,
+    ) -> Reservation:
+        """Reserve the blocks ``keys[start:]`` that are not stored yet (pending, each in
+        a host slot, under a write lease).
+
+        With ``staged_offsets`` (one per offered block, in chain order; slots of the
+        staging lease ``stage_lease_id``) each new block takes its staged slot instead
+        of a fresh one; the slots of blocks that turn out to exist stay staged. With
+        ``stage_more`` the call also sets aside that many empty slots for the caller's
+        next put (fewer when the lease's limit or the room runs out; a new staging
+        lease when ``stage_lease_id`` is 0). See the module docstring.
+        """
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        if not 0 <= start <= len(keys):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        if staged_offsets and len(staged_offsets) != len(keys) - start:
+            raise InvalidArgument(
+                f"{len(staged_offsets)} staged slots for {len(keys) - start} offered blocks"
+            )
+        if not 0 <= stage_more <= self.config.max_blocks_per_request:
+            raise InvalidArgument(
+                f"stage_more={stage_more} is outside [0, {self.config.max_blocks_per_request}]"
+            )
+        prio = self._priority(priority)
+        ttl = self._ttl(ttl_s)
+        with self._lock:
+            self._check_open()
+            self._expire()
+            staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
+            reservation = self._reserve_locked(
+                entry, keys, start, prio, ttl, staging, staged_offsets
+            )
+            if staging is None and stage_more == 0:
+                return reservation
+            if staging is None:
+                staging = self._new_lease(entry, [], write=False, ttl=ttl)
+                staging.staged, staging.ttl = set(), ttl
+            granted = self._stage(staging, stage_more)
+            staging.expires_at = self._clock() + staging.ttl  # _expire sees the renewal
+            return replace(
+                reservation,
+                stage_lease_id=staging.lease_id,
+                staged=tuple(granted),
+                stage_ttl_s=staging.ttl,
+            )
+
+    def _staging_lease(
+        self, entry: NamespaceEntry, lease_id: int, offsets: Sequence[int]
+    ) -> Lease | None:
+        """The staging lease a reserve names (None for 0), after checking that it is
+        one of this namespace and that ``offsets`` are distinct slots it holds."""
+        if not lease_id:
+            if offsets:
+                raise InvalidArgument("staged slots need the staging lease that holds them")
+            return None
+        lease = self._lease(lease_id)
+        if lease.staged is None:
+            raise LeaseError(f"lease {lease_id} is a {lease.kind} lease, not a staging lease")
+        if lease.entry is not entry:
+            raise LeaseError(
+                f"staging lease {lease_id} holds slots of namespace {lease.entry.spec.ns_id}"
+            )
+        if offsets:
+            unknown = [o for o in offsets if o not in lease.staged]
+            if unknown:
+                raise InvalidArgument(
+                    f"{len(unknown)} of the staged slots (first: offset {unknown[0]}) are not "
+                    f"held by staging lease {lease_id}"
+                )
+            if len(set(offsets)) != len(offsets):
+                raise InvalidArgument("a staged slot is named twice")
+        return lease
+
+    def _stage(self, lease: Lease, count: int) -> list[int]:
+        """Set aside up to ``count`` more empty slots under a staging lease (evicting
+        leaves as a put would), within the lease's limit; the offsets granted."""
+        assert lease.staged is not None
+        size = lease.entry.spec.block_bytes
+        room = self.config.staged_bytes_limit // size - len(lease.staged)
+        count = max(0, min(count, room))
+        group = lease.entry.group
+        if count and group.quota.host_bytes:
+            count = self._quota_blocks(group, count, size)
+        if count == 0:
+            return []
+        offsets = self._arena.alloc_run(size, count)
+        group.staged_bytes += len(offsets) * size
+        while len(offsets) < count:
+            offset = self._alloc_host(size, group)
+            if offset is None:
+                break
+            offsets.append(offset)
+            group.staged_bytes += size
+        lease.staged.update(offsets)
+        return offsets
+
+    def _reserve_locked(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        start: int,
+        prio: int,
+        ttl: float,
+        staging: Lease | None,
+        staged_offsets: Sequence[int],
+    ) -> Reservation:
+        walk = self._index.walk(keys)
+        offered = len(keys) - start
+        if start > 0 and (len(walk) < start or not walk[start - 1].ready):
+            return Reservation(0, 0.0, existing=0, refused=offered)
+        existing = 0
+        for node in walk[start:]:
+            if not node.ready:  # another owner is computing it: wait or recompute
+                return Reservation(0, 0.0, existing, offered - existing)
+            existing += 1
+        for node in walk:
+            node.pins += 1
+        created: list[Node] = []
+        run: list[int] = []
+        try:
+            parent = walk[-1] if walk else None
+            # new blocks go to host, so their prefix must be there too (parents first)
+            promoted = all(self._promote_now(node) for node in walk if not node.in_host)
+            out_of_space = not promoted
+            first_new = max(start, len(walk))
+            end = len(keys) if promoted else first_new
+            size = entry.spec.block_bytes
+            if entry.group.quota.host_bytes and end > first_new and not staged_offsets:
+                # (blocks going into staged slots were counted when the slots were staged)
+                fits = self._quota_blocks(entry.group, end - first_new, size)
+                out_of_space = out_of_space or fits < end - first_new
+                end = first_new + fits
+            # staged slots, or one carve for the whole batch when a free extent holds
+            # it (then one pass makes the run's nodes), else slot by slot (evicting)
+            if staged_offsets:
+                run = list(staged_offsets[first_new - start : end - start])
+            elif end > first_new:
+                run = self._arena.alloc_run(size, end - first_new)
+            if run:
+                created = self._add_pending_run(entry, keys[first_new:end], parent, prio, run)
+                if staging is not None and staging.staged is not None:
+                    staging.staged.difference_update(run)
+                    staging.entry.group.staged_bytes -= len(run) * size
+            for i in range(first_new + len(created), end):
+                offset = self._alloc_host(size, entry.group)
+                if offset is None:
+                    out_of_space = True
+                    break
+                created += self._add_pending_run(entry, keys[i : i + 1], parent, prio, [offset])
+                parent = created[-1]
+        finally:
+            if not staged_offsets:
+                for offset in run[len(created) :]:  # only if something above raised
+                    self._arena.free(offset)
+            for node in walk:
+                node.pins -= 1
+        self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
+        refused = offered - existing - len(created)
+        if not created:
+            return Reservation(0, 0.0, existing, refused, out_of_space)
+        self._pending += len(created)
+        lease = self._new_lease(entry, created, write=True, ttl=ttl)
+        first = len(keys) - refused - len(created)
+        lease.first_index = first
+        return Reservation(
+            lease.lease_id,
+            lease.expires_at,
+            existing,
+            refused,
+            out_of_space,
+            first,
+            tuple(keys[first : first + len(created)]),
+            tuple([node.host_offset for node in created]),
+            size,
+        )
+
+    def _add_pending_run(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        parent: Node | None,
+        prio: int,
+        offsets: Sequence[int],
+    ) -> list[Node]:
+        """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
+        the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
+        by the write lease to come: what ``Index.add`` and ``_host_add`` do per block,
+        in one pass (a put's blocks are one such run; a slot-by-slot reserve makes
+        runs of one)."""
+        nodes: list[Node] = []
+        for key, offset in zip(keys, offsets, strict=True):
+            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset)
+            nodes.append(node)
+            parent = node
+        self._index.add_chain(nodes)
+        self._host_blocks += len(nodes)
+        entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
+        for holder in nodes[:-1]:
+            holder.host_children = 1
+        if nodes[0].parent is not None:
+            nodes[0].parent.host_children += 1
+        return nodes
+
+    def commit(self, lease_id: int, count: int | None = None) -> int:
+        """Make the next ``count`` (default: all) reserved blocks of a write lease ready;
+        how many. See :meth:`commit_durably` for what write-through adds."""
+        return self.commit_durably(lease_id, count)[0]
+
+    def commit_durably(self, lease_id: int, count: int | None = None) -> tuple[int, int]:
+        """:meth:`commit`, and how many of the committed blocks are durable when it
+        returns: with write-through admission the blocks go to the disk writer and this
+        waits (lock released, at most ``write_through_wait_s``, never past a disk fault)
+        until they are committed to disk; a block the disk tier refused (a fault, no
+        room, below ``disk_min_priority``) is stored but not durable. (ready, durable);
+        durable is 0 with the other admission modes, which promise nothing on a crash."""
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id, write=True)
+            remaining = len(lease.nodes) - lease.committed
+            n = remaining if count is None else count
+            if not 0 <= n <= remaining:
+                raise InvalidArgument(
+                    f"count={count} is outside [0, {remaining}] for lease {lease_id}"
+                )
+            batch = lease.nodes[lease.committed : lease.committed + n]
+            self._arena.epochs.bump([node.host_offset for node in batch])  # final bytes now
+            for node in batch:
+                node.state = READY
+                node.pins -= 1
+            self._pending -= n
+            self._c.host_bytes_in += n * lease.entry.spec.block_bytes
+            lease.committed += n
+            disk = self._disk
+            through = self.config.admission == "write-through" and disk is not None
+            if batch:
+                self._insert_used(batch)
+                self._emit_all(EventKind.STORED, batch, Tier.HOST)
+                if through:
+                    for node in batch:
+                        self._write_to_disk(node)
+            if lease.committed == len(lease.nodes):
+                self._forget_lease(lease, "committed")
+            self._changed.notify_all()
+            on_disk = [node.key for node in batch if node.on_disk]
+        if not through or not on_disk:
+            return n, 0
+        assert disk is not None
+        return n, disk.wait_committed(on_disk, self.config.write_through_wait_s)
+
+    def claimed_slots(self, lease_id: int, count: int) -> tuple[SlotRef, ...]:
+        """The next ``count`` uncommitted blocks of a write lease (chain order), for a
+        caller that fills them and then commits ``count``: the arena writer, or the
+        daemon delivering an inline Put into a claim."""
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id, write=True)
+            remaining = len(lease.nodes) - lease.committed
+            if not 0 < count <= remaining:
+                raise InvalidArgument(
+                    f"{count} blocks for lease {lease_id}, which has {remaining} left"
+                )
+            first = lease.first_index + lease.committed
+            nodes = lease.nodes[lease.committed : lease.committed + count]
+            return tuple(
+                SlotRef(first + i, node.key, node.host_offset, node.size)
+                for i, node in enumerate(nodes)
+            )
+
+    def fill(self, lease_id: int, payloads: Sequence[bytes | bytearray | memoryview]) -> int:
+        """Write ``payloads`` into the next reserved blocks of a write lease and commit
+        them: the inline twin of "write the arena slots, then commit" for clients that
+        cannot map the arena. Returns how many became ready."""
+        slots = self.claimed_slots(lease_id, len(payloads)) if payloads else ()
+        views = [memoryview(p).cast("B") for p in payloads]
+        for i, (view, slot) in enumerate(zip(views, slots, strict=True)):
+            if view.nbytes != slot.size:
+                raise InvalidArgument(
+                    f"payload {i} is {view.nbytes} bytes; the lease's blocks are {slot.size}"
+                )
+        # the pending blocks stay pinned by the lease while their bytes are copied
+        array = self._arena.array()
+        for slot, view in zip(slots, views, strict=True):
+            array[slot.offset : slot.offset + slot.size] = np.frombuffer(view, dtype=np.uint8)
+        return self.commit(lease_id, len(views))
+
+    def abandon(self, lease_id: int) -> int:
+        with self._lock:
+            self._expire()
+            lease = self._lease(lease_id, write=True)
+            dropped = len(lease.nodes) - lease.committed
+            self._end_lease(lease, "abandoned")
+            return dropped
+
+    def delete(self, ns_id: str, keys: Sequence[BlockKey], start: int = 0) -> int:
+        """Drop block ``start`` of the chain and its descendants (busy ones stay); the
+        number dropped. Returns once their deletions from disk are committed."""
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        if not 0 <= start < max(len(keys), 1):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+
+        def drop() -> int:
+            walk = self._index.walk(keys)
+            return self._delete_subtree(walk[start]) if len(walk) > start else 0
+
+        return self._drop_and_commit(drop)
+
+    def clear(self, ns_id: str | None = None) -> int:
+        """Drop every block of a namespace (of all when None; busy ones stay); the number
+        dropped. Returns once their deletions from disk are committed."""
+        entries = [self._entry(ns_id)] if ns_id is not None else None
+
+        def drop() -> int:
+            removed = 0
+            for entry in entries or list(self._namespaces.values()):
+                for key in list(entry.roots):
+                    root = self._index.get(key)
+                    if root is not None:
+                        removed += self._delete_subtree(root)
+            return removed
+
+        return self._drop_and_commit(drop)
+
+    def _drop_and_commit(self, drop: Callable[[], int]) -> int:
+        """Run ``drop`` (it removes blocks; returns how many) under the lock, then, once
+        the lock is released, wait until the disk deletions it queued are committed: a
+        restart does not bring the blocks back, and a same-host client reading the disk
+        file itself (kvclient.disk_index) no longer finds them."""
+        with self._lock:
+            self._expire()
+            on_disk = self._disk_blocks
+            removed = drop()
+            deleted_on_disk = self._disk_blocks < on_disk
+        if not deleted_on_disk:
+            return removed
+        assert self._disk is not None
+        try:
+            self._disk.flush(timeout=DELETE_COMMIT_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as exc:  # the blocks are gone from the index
+            log.warning("disk deletions not committed yet: %s", exc)
+        return removed
+
+    def set_priority(
+        self,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        priority: int,
+        duration_s: float | None = None,
+        start: int = 0,
+    ) -> int:
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        prio = self._priority(priority)
+        if duration_s is not None and not duration_s > 0:
+            raise InvalidArgument(f"duration_s must be > 0 when given, got {duration_s}")
+        if not 0 <= start <= len(keys):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        with self._lock:
+            self._expire()
+            until = self._clock() + duration_s if duration_s else 0.0
+            changed = self._index.walk(keys)[start:]
+            for node in changed:
+                self._set_node_priority(node, prio)
+                if until:
+                    self._priority_until[node] = until
+                    heapq.heappush(self._priority_heap, (until, next(self._priority_seq), node))
+                else:
+                    self._priority_until.pop(node, None)
+            return len(changed)
