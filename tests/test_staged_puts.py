@@ -44,12 +44,12 @@ def test_puts_after_the_first_use_staged_slots_and_read_back(daemon: Daemon) -> 
         ns = client.namespace("staged", block_tokens=BT, block_bytes=8192)
         stash = client._conn.stash(ns.ns_id)
         data = [blocks(i, 6, ns.block_bytes) for i in range(4)]
-        # first put: fresh slots, and two puts' worth staged for the next ones
+        # first put: fresh slots, and 6 staged for the next one
         assert ns.put(tokens(0, 6), data[0]).stored == 6
-        assert len(stash) == 12 and staged_bytes(client) == 12 * 8192
-        for i in range(1, 4):  # each put uses staged slots and stages as many again
+        assert len(stash) == 6 and staged_bytes(client) == 6 * 8192
+        for i in range(1, 4):  # each put uses the staged slots and stages as many again
             assert ns.put(tokens(1000 * i, 6), data[i]).stored == 6
-            assert len(stash) == 12
+            assert len(stash) == 6
             # read-your-writes: the commit sent without waiting runs before this get
             got = ns.get(tokens(1000 * i, 6))
             assert got.n_blocks == 6 and np.array_equal(got.blocks, data[i])
@@ -70,7 +70,7 @@ def test_blocks_that_exist_keep_their_bytes_and_their_slots_stay_staged(
         ns = client.namespace("overlap", block_tokens=BT, block_bytes=8192)
         first, second = blocks(1, 4, 8192), blocks(2, 8, 8192)
         ns.put(tokens(0, 4), first)
-        ns.put(tokens(500, 8), second)  # stages 16
+        ns.put(tokens(500, 8), second)  # stages 8
         # the first 4 blocks exist: staged slots hold copies of them, never committed
         result = ns.put(tokens(0, 8), second)
         assert (result.stored, result.existing, result.refused) == (4, 4, 0)
@@ -78,8 +78,8 @@ def test_blocks_that_exist_keep_their_bytes_and_their_slots_stay_staged(
         assert np.array_equal(got.blocks[:4], first)  # not overwritten by the put
         assert np.array_equal(got.blocks[4:], second[4:])
         # the put asked for 8 more before it knew 4 blocks existed: their 4 slots come
-        # back on top of the 16 - 8 + 8 staged
-        assert len(client._conn.stash(ns.ns_id)) == 20
+        # back on top (a stash stays under two puts' worth)
+        assert len(client._conn.stash(ns.ns_id)) == 12
 
 
 def test_another_client_sees_the_blocks_once_committed(daemon: Daemon) -> None:
@@ -100,7 +100,7 @@ def test_a_forked_child_does_not_write_the_parents_staged_slots(daemon: Daemon) 
     with KVClient(daemon.addr, use_arena=True) as client:
         ns = client.namespace("fork", block_tokens=BT, block_bytes=8192)
         parent_data = blocks(5, 4, 8192)
-        ns.put(tokens(0, 4), blocks(6, 4, 8192))  # stages 8
+        ns.put(tokens(0, 4), blocks(6, 4, 8192))  # stages 4
         staged = list(client._conn.stash(ns.ns_id)._offsets)
 
         def child() -> bool:  # its puts must take slots of its own
@@ -126,8 +126,8 @@ def test_async_client_puts_into_staged_slots(daemon: Daemon) -> None:
                 assert (await ns.put(tokens(100 * i, 3), data[i])).stored == 3
                 got = await ns.get(tokens(100 * i, 3))
                 assert np.array_equal(got.blocks, data[i])
-            assert len(client._conn.stash(ns.ns_id)) == 6
-            assert (await client.stats()).staged_bytes == 6 * 8192
+            assert len(client._conn.stash(ns.ns_id)) == 3
+            assert (await client.stats()).staged_bytes == 3 * 8192
         async with AsyncKVClient(daemon.addr) as other:
             assert (await other.stats()).staged_bytes == 0
 
@@ -137,7 +137,7 @@ def test_async_client_puts_into_staged_slots(daemon: Daemon) -> None:
 def test_bad_staged_slots_are_refused_over_grpc_and_change_nothing(daemon: Daemon) -> None:
     with KVClient(daemon.addr, use_arena=True) as client:
         ns = client.namespace("bad", block_tokens=BT, block_bytes=8192)
-        ns.put(tokens(0, 2), blocks(8, 2, 8192))  # stages 4
+        ns.put(tokens(0, 2), blocks(8, 2, 8192))  # stages 2
         stash = client._conn.stash(ns.ns_id)
         lease, staged = stash._lease_id, list(stash._offsets)
         stub = kv_stub(daemon)

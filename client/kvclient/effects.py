@@ -28,7 +28,6 @@ The effects:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -74,7 +73,7 @@ LOCKS = ("refresh", "settle")
 
 class _Steps:
     """An op between two effects: iterate for its effects, hand each one's outcome
-    back with :meth:`answer` (inside :meth:`answering`, which hands it an exception
+    back with :meth:`answer` inside ``with steps:`` (which hands the op an exception
     instead); ``result`` is the op's value once the iteration ends."""
 
     def __init__(self, op: Op[Any]) -> None:
@@ -95,19 +94,20 @@ class _Steps:
     def answer(self, value: Any) -> None:
         self._value = value
 
-    @contextlib.contextmanager
-    def answering(self) -> Iterator[None]:
-        """An exception raised inside (cancellation too) goes to the op, which may
-        handle it."""
-        try:
-            yield
-        except BaseException as exc:
-            self._error = exc
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, error: BaseException | None, tb: object) -> bool:
+        """An exception raised inside ``with steps:`` (cancellation too) goes to the op,
+        which may handle it. (A class, not contextlib: this runs once per effect.)"""
+        if error is not None:
+            self._error = error
+        return True
 
     def run(self, do: Callable[[Effect], Any]) -> Any:
         """The blocking loop: ``do`` each effect."""
         for effect in self:
-            with self.answering():
+            with self:
                 self.answer(do(effect))
         return self.result
 
@@ -134,7 +134,7 @@ async def run_async(op: Op[T], locks: dict[str, asyncio.Lock]) -> T:
     """Run ``op`` to its end on the running event loop."""
     steps = _Steps(op)
     for effect in steps:
-        with steps.answering():
+        with steps:
             steps.answer(await _do_async(effect, locks))
     return steps.result  # type: ignore[no-any-return]
 

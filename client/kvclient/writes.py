@@ -102,30 +102,36 @@ class Put:
         self.start = start
         self.priority = priority
 
-    def send(self) -> Op[PendingPut]:
-        """The put, sent: its outcome pending where the arena carries it."""
+    def send(self, wait: bool = False) -> Op[PendingPut]:
+        """The put, sent: its outcome pending where the arena carries it. ``wait``:
+        the caller waits for the outcome (see :meth:`into_arena`)."""
         conn = self.conn
         if self.n == 0:
             return conn.resolved(PutResult(stored=0, existing=0, refused=0))
         info, arena = yield from conn.arena_for_data()
         if arena is not None:
-            return (yield from self.into_arena(arena))
+            return (yield from self.into_arena(arena, wait))
         return conn.resolved((yield from self.inline(info)))
 
-    def into_arena(self, arena: ClientArena) -> Op[PendingPut]:
+    def into_arena(self, arena: ClientArena, wait: bool) -> Op[PendingPut]:
+        """Sent ahead (``wait`` False) with enough staged slots: copy, then one Reserve
+        that commits on arrival. Otherwise a Reserve whose answer is read first (the
+        counts are in it), the copy running while it flies when the slots are staged,
+        and a Commit that nothing waits for (but a caller waiting under write-through
+        admission, whose answer says what is durable)."""
         conn = self.conn
         stash = conn.stash(self.ns.ns_id)
         if len(stash) < self.n and conn.local is not None:
             yield Io(conn.local.poll_owed)  # answers of earlier puts bring more slots
-            if len(stash) < self.n:
+            if len(stash) < self.n and not wait:
                 yield from conn.read_owed()
         request, staged = put_reserve(
             stash, arena, self.ns.ns_id, self.tokens, self.extra, self.start, self.n,
-            self.priority, ahead=True,
+            self.priority, ahead=not wait,
         )  # fmt: skip
         sent_at = time.monotonic()
         release = conn.accounting.release_later
-        if staged is not None:  # copy into the staged slots, then one Reserve that commits
+        if staged is not None and not wait:  # copy into the staged slots, then commit
             try:
                 yield Work(self.blocks.write, (arena.mapping, staged, self.start))
             except BaseException:
@@ -135,7 +141,17 @@ class Put:
             on_answer = answer_handler(pending, stash, request, sent_at, conn.checked, release)
             yield from conn.send("Reserve", request, on_answer)
             return pending
-        reserved = yield from conn.call("Reserve", request)
+        copy = (
+            None
+            if staged is None
+            else (lambda: self.blocks.write(arena.mapping, staged, self.start))
+        )
+        try:
+            reserved = yield from conn.call("Reserve", request, during=copy)
+        except BaseException:
+            if staged is not None:
+                stash.drop(request, release)
+            raise
         if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
             if reserved.lease_id:
                 yield from abandon_quietly(conn, reserved.lease_id)
@@ -145,14 +161,18 @@ class Put:
         slots = wire.slot_table(reserved)
         if not reserved.lease_id:
             return conn.resolved(wire.committed_put(reserved, 0, None))
-        try:
-            yield Work(self.blocks.write, (arena.mapping, slots, self.start))
-        except BaseException:
-            yield from abandon_quietly(conn, reserved.lease_id)
-            raise
+        if staged is None:
+            try:
+                yield Work(self.blocks.write, (arena.mapping, slots, self.start))
+            except BaseException:
+                yield from abandon_quietly(conn, reserved.lease_id)
+                raise
         pending = conn.pending_put()
         commit = pb.CommitRequest(lease_id=reserved.lease_id)
         yield from conn.send("Commit", commit, commit_handler(pending, reserved, len(slots)))
+        if wait and not (conn.info is not None and conn.info.admission == "write-through"):
+            # this client's next call on the connection reads the Commit's answer first
+            return conn.resolved(PutResult(len(slots), reserved.existing, reserved.refused))
         return pending
 
     def inline(self, info: ServerInfo | None) -> Op[PutResult]:
@@ -193,7 +213,7 @@ class Put:
 
 def put(put: Put) -> Op[PutResult]:
     """A put that waits for its outcome."""
-    pending = yield from put.send()
+    pending = yield from put.send(wait=True)
     return (yield from pending.wait(None))
 
 
