@@ -31,14 +31,14 @@ keys and the rest of the get. A row's ratio is memcpy's p50 over its own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import xxhash
@@ -149,7 +149,9 @@ def measure_case(workdir: Path, layout_name: str, batch: int, calls: int) -> dic
             info = client.server_info()
             ns = client.namespace(ns_name, layout.block_tokens, **layout.spec())
             ns.get(spare, out=out[:1])  # the client's one-time costs: its index, the specs
-            with index_off():  # maps the arena and opens no index
+            # KVCLIENT_DISK_INDEX=0 while it connects: it maps the arena and opens no disk
+            # index of its own, so its first disk reads ask the daemon for the extents
+            with mock.patch.dict(os.environ, {"KVCLIENT_DISK_INDEX": "0"}):
                 ns_other = other.namespace(ns_name, layout.block_tokens, **layout.spec())
             disk = DiskFile.open(info.disk_path)
             if disk is None:
@@ -163,22 +165,6 @@ def measure_case(workdir: Path, layout_name: str, batch: int, calls: int) -> dic
         return times
     finally:
         daemon.cleanup()
-
-
-@contextlib.contextmanager
-def index_off() -> Iterator[None]:
-    """A client connecting meanwhile asks the daemon for the extents of a first disk
-    read (``KVCLIENT_DISK_INDEX=0``: it opens no index of its own): the A/B of the
-    client's index."""
-    before = os.environ.get("KVCLIENT_DISK_INDEX")
-    os.environ["KVCLIENT_DISK_INDEX"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["KVCLIENT_DISK_INDEX"]
-        else:
-            os.environ["KVCLIENT_DISK_INDEX"] = before
 
 
 def time_modes(

@@ -300,6 +300,18 @@ def kvstored_module(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
 # (import with ``from conftest import ...``; they return protobuf messages or bytes)
 
 
+@pytest.fixture(scope="module", params=["unpinned", "pinned"])
+def get_route(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Both get routes, for a module that asks for them with ``pytestmark =
+    pytest.mark.usefixtures("get_route")`` (its daemon fixture depends on this one, so
+    each route gets a daemon of its own): unpinned reads checked by slot epochs, and
+    pinned reads only, the route of hosts whose CPU may reorder loads (GH200),
+    switched on here by KVCLIENT_READS (kvclient.unpinned_reads.epoch_table)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVCLIENT_READS", request.param)
+        yield str(request.param)
+
+
 def raw_call(client: Any, name: str, request: Any) -> Any:
     """One unary call with a request built by hand, through the client's core (local
     socket or gRPC, as the client's own calls), its error as a KVStoreError: for

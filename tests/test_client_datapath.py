@@ -177,16 +177,8 @@ class FramedDaemon(Daemon):
 SETTINGS = {"max_transfer_bytes": "1MiB", "metrics_listen": None}
 
 
+pytestmark = pytest.mark.usefixtures("get_route")
 
-@pytest.fixture(scope="module", autouse=True, params=["unpinned", "pinned"])
-def get_route(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test runs with both get routes, each against a daemon of its own: unpinned
-    reads checked by slot epochs, and pinned reads only, the route of hosts whose CPU
-    may reorder loads (GH200), switched on here by KVCLIENT_READS
-    (kvclient.unpinned_reads.epoch_table)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVCLIENT_READS", request.param)
-        yield str(request.param)
 
 @pytest.fixture(scope="module", params=["generated", "framed"])
 def daemon(

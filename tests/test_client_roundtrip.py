@@ -31,16 +31,8 @@ BLOCK_BYTES = 16 << 10  # page multiple: adjacent arena slots are copied as one 
 PATHS = [pytest.param(True, id="arena"), pytest.param(False, id="inline")]
 
 
+pytestmark = pytest.mark.usefixtures("get_route")
 
-@pytest.fixture(scope="module", autouse=True, params=["unpinned", "pinned"])
-def get_route(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test runs with both get routes, each against a daemon of its own: unpinned
-    reads checked by slot epochs, and pinned reads only, the route of hosts whose CPU
-    may reorder loads (GH200), switched on here by KVCLIENT_READS
-    (kvclient.unpinned_reads.epoch_table)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVCLIENT_READS", request.param)
-        yield str(request.param)
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, get_route: str) -> Iterator[Daemon]:

@@ -57,9 +57,12 @@ class Accounting:
         self._lock = threading.Lock()
         self._done, self._reads, self._full, self.sending = [], {}, [], 0
 
+    def _queued(self) -> bool:
+        return bool(self._done or self._reads or self._full)
+
     def pending(self) -> bool:
         """Whether anything is queued or being sent."""
-        return bool(self._done or self._reads or self._full or self.sending)
+        return self._queued() or bool(self.sending)
 
     def release_later(self, lease_id: int) -> None:
         with self._lock:
@@ -96,7 +99,7 @@ class Accounting:
     def take(self) -> pb.ReportReadsRequest | None:
         """The message that tells everything pending (then no longer pending); None
         when nothing is."""
-        if not (self._done or self._reads or self._full):
+        if not self._queued():
             return None
         with self._lock:
             done, self._done = self._done, []
@@ -110,11 +113,11 @@ class Accounting:
 
     def due_in(self) -> float | None:
         """Seconds until the pending work is due (<= 0: now); None when there is none."""
-        if not (self._done or self._reads or self._full):
+        if not self._queued():
             return None
         return self._since + DELAY_S - time.monotonic()
 
     def _mark(self) -> None:
         """Under the lock, before queueing: start the delay if nothing was queued."""
-        if not (self._done or self._reads or self._full):
+        if not self._queued():
             self._since = time.monotonic()

@@ -167,12 +167,14 @@ class Put:
             except BaseException:
                 yield from abandon_quietly(conn, reserved.lease_id)
                 raise
-        pending = conn.pending_put()
         commit = pb.CommitRequest(lease_id=reserved.lease_id)
-        yield from conn.send("Commit", commit, commit_handler(pending, reserved, len(slots)))
         if wait and not (conn.info is not None and conn.info.admission == "write-through"):
             # this client's next call on the connection reads the Commit's answer first
+            # (an error in it is logged: kvclient.local_calls)
+            yield from conn.send("Commit", commit)
             return conn.resolved(PutResult(len(slots), reserved.existing, reserved.refused))
+        pending = conn.pending_put()
+        yield from conn.send("Commit", commit, commit_handler(pending, reserved, len(slots)))
         return pending
 
     def inline(self, info: ServerInfo | None) -> Op[PutResult]:
