@@ -596,7 +596,6 @@ def test_report_reads_refuses_bad_prefixes_and_changes_nothing(kvstored: Daemon)
         ns = client.namespace("report", block_tokens=TOKENS, block_bytes=BLOCK)
         tokens = list(range(2 * TOKENS))
         ns.put(np.array(tokens), np.stack([block_of(1, i, BLOCK) for i in range(2)]))
-        hits = client.stats().tier("host").hits
         good = pb.PrefixReads(ns_id=ns.ns_id, tokens=tokens, n_blocks=2, reads=2)
         cases = [
             (
@@ -615,12 +614,20 @@ def test_report_reads_refuses_bad_prefixes_and_changes_nothing(kvstored: Daemon)
                 "ns_id is required",
             ),
         ]
+        # a read lease the reports carry for release (the batched accounting message)
+        held = stub.Acquire(pb.AcquireRequest(ns_id=ns.ns_id, tokens=tokens), timeout=10)
+        leases = client.stats().leases
+        hits = client.stats().tier("host").hits
         for bad, code, words in cases:
+            request = pb.ReportReadsRequest(prefixes=[good, bad], release_lease_ids=[held.lease_id])
             with pytest.raises(grpc.RpcError) as refused:
-                stub.ReportReads(pb.ReportReadsRequest(prefixes=[good, bad]), timeout=10)
+                stub.ReportReads(request, timeout=10)
             assert refused.value.code() == code
             assert words in (refused.value.details() or "")
             assert client.stats().tier("host").hits == hits  # the good one was not counted
-        answer = stub.ReportReads(pb.ReportReadsRequest(prefixes=[good]), timeout=10)
+            assert client.stats().leases == leases  # nor the lease released
+        request = pb.ReportReadsRequest(prefixes=[good], release_lease_ids=[held.lease_id])
+        answer = stub.ReportReads(request, timeout=10)
         assert answer.blocks_counted == 4
         assert client.stats().tier("host").hits == hits + 4
+        assert client.stats().leases == leases - 1
