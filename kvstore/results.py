@@ -1,21 +1,21 @@
-"""Plain result types returned by :class:`kvstore.store.Store`.
+"""The store's own result types: leases, slots and prefixes, which carry keys and
+arena offsets that only the daemon sees.
 
-They carry no references into the store (no nodes, no locks): the daemon turns them
-into protobuf messages, tests compare them directly.
+They carry no references into the store (no nodes, no locks). What crosses the wire
+as it is (put counts, stats, events) is in :mod:`kvproto.v1.results`, one set for the
+store, the daemon and the client.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
 
 import numpy as np
 
 from kvstore.disk_format import DiskExtent
 from kvstore.keys import BlockKey
-from kvstore.tenants import TenantUsage
 
 
 class Tier(str, Enum):
@@ -32,21 +32,9 @@ class EventKind(str, Enum):
     CORRUPT = "corrupt"  # a disk record failed its checksum and was dropped
 
 
-class Event(NamedTuple):
-    """One change of a block's tier (a tuple: the store makes one per block it stores,
-    moves or drops, under its lock, and a tuple costs a third of a frozen dataclass)."""
-
-    seq: int  # strictly increasing from 1 within one store lifetime
-    kind: EventKind
-    ns_id: str
-    key: BlockKey
-    tier: Tier | None
-    timestamp: float  # wall clock (time.time())
-
-
 @dataclass(frozen=True, slots=True)
-class LookupResult:
-    """Longest usable prefix of a key chain.
+class ReadyPrefix:
+    """Longest usable prefix of a key chain (the daemon answers a Lookup with its counts).
 
     ``ready_blocks`` counts blocks from the root that are ready and stored with all
     their ancestors; ``host_blocks + disk_blocks == ready_blocks`` (a block held in
@@ -58,16 +46,6 @@ class LookupResult:
     host_blocks: int
     disk_blocks: int
     pending_keys: tuple[BlockKey, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PutResult:
-    """What a put did with each offered block (counts add up to the blocks offered)."""
-
-    stored: int  # newly stored and ready
-    existing: int  # already ready (or pending under another owner): nothing written
-    refused: int  # not admitted: no room, or an ancestor is missing
-    out_of_space: bool = False  # a block was refused because no room could be made
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,44 +129,3 @@ class Located:
     offsets: tuple[int, ...]  # host arena offsets of blocks 0 .. n-1 of the chain
     epochs: np.ndarray  # uint64, one per offset
     block_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    name: Tier
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
-    hits: int
-    misses: int
-    evictions: int
-    bytes_in: int
-    bytes_out: int
-
-
-@dataclass(frozen=True, slots=True)
-class NamespaceStats:
-    ns_id: str
-    model: str
-    block_tokens: int
-    block_bytes: int
-    blocks: int
-    bytes: int
-    hits: int
-    misses: int
-
-
-@dataclass(frozen=True, slots=True)
-class StoreStats:
-    tiers: tuple[TierStats, ...]
-    namespaces: tuple[NamespaceStats, ...]
-    demotions: int
-    promotions: int
-    pending_blocks: int
-    leases: int
-    corrupt_reads: int
-    disk_queue_bytes: int
-    counters: dict[str, int] = field(default_factory=dict)
-    staged_bytes: int = 0  # host slots set aside for writers' next puts (staging leases)
-    disk_fault: str = ""  # why the disk tier takes no writes now ("" when it does)
-    tenants: tuple[TenantUsage, ...] = ()  # per tenant group (kvstore.tenants); () if none

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvproto.v1.results import Event, NamespaceStats, Stats, TenantStats, TierStats
 from kvstore.arena import HostArena, PinHook
 from kvstore.disk import DiskTier
 from kvstore.errors import (
@@ -46,15 +47,7 @@ from kvstore.errors import (
 from kvstore.index import Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
 from kvstore.policy import GroupedPolicy
-from kvstore.results import (
-    Event,
-    EventKind,
-    LookupResult,
-    NamespaceStats,
-    StoreStats,
-    Tier,
-    TierStats,
-)
+from kvstore.results import EventKind, ReadyPrefix, Tier
 from kvstore.store_state import (
     ADMISSION_POLICIES,
     DEFAULT_PRIORITY,
@@ -64,7 +57,7 @@ from kvstore.store_state import (
     StoreConfig,
 )
 from kvstore.store_writes import Writes
-from kvstore.tenants import Group, TenantUsage
+from kvstore.tenants import Group
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +98,7 @@ class Store(Writes):
         self._priority_seq = itertools.count()
         # events as plain tuples in Event's field order (Event._make when read: a block
         # stored makes one, under the lock, and a plain tuple costs half a NamedTuple)
-        self._events: deque[tuple[int, EventKind, str, BlockKey, Tier | None, float]] = deque(
+        self._events: deque[tuple[int, EventKind, str, BlockKey, str, float]] = deque(
             maxlen=config.event_buffer
         )
         self._seq = 0
@@ -260,13 +253,15 @@ class Store(Writes):
         return chain_keys(spec, arr, extra)
 
     # -------------------------------------------------------------- observability
-    def stats(self) -> StoreStats:
+    def stats(self) -> Stats:
+        """The store's part of the daemon's Stats (platform, uptime and bound names are
+        the daemon's to fill in)."""
         with self._lock:
             self._expire()
             c = self._c
             tiers = [
                 TierStats(
-                    Tier.HOST,
+                    Tier.HOST.value,
                     self._arena.capacity_bytes,
                     self._arena.used_bytes,
                     self._host_blocks,
@@ -292,7 +287,7 @@ class Store(Writes):
                 }
                 tiers.append(
                     TierStats(
-                        Tier.DISK,
+                        Tier.DISK.value,
                         self._disk.capacity_bytes,
                         self._disk.used_bytes,
                         self._disk_blocks,
@@ -316,7 +311,7 @@ class Store(Writes):
                 )
                 for ns_id, e in self._namespaces.items()
             )
-            return StoreStats(
+            return Stats(
                 tiers=tuple(tiers),
                 namespaces=namespaces,
                 demotions=c.demotions,
@@ -343,7 +338,7 @@ class Store(Writes):
                 tenants=self._tenant_usage(),
             )
 
-    def _tenant_usage(self) -> tuple[TenantUsage, ...]:
+    def _tenant_usage(self) -> tuple[TenantStats, ...]:
         """Each group's usage (under the lock); none when no namespace has a tenant."""
         if not any(self._groups):
             return ()
@@ -351,7 +346,7 @@ class Store(Writes):
         for entry in self._namespaces.values():
             entries[entry.group.name].append(entry)
         return tuple(
-            TenantUsage(
+            TenantStats(
                 name,
                 group.host_held,
                 group.disk_bytes,
@@ -380,7 +375,7 @@ class Store(Writes):
             begin = max(seq + 1 - first, 0)
             return [Event._make(e) for e in itertools.islice(self._events, begin, begin + limit)]
 
-    def wait_ready(self, ns_id: str, keys: Sequence[BlockKey], timeout: float) -> LookupResult:
+    def wait_ready(self, ns_id: str, keys: Sequence[BlockKey], timeout: float) -> ReadyPrefix:
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         deadline = self._clock() + max(timeout, 0.0)

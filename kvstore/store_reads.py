@@ -21,7 +21,7 @@ from kvstore.leases import Leases
 from kvstore.results import (
     Acquisition,
     Located,
-    LookupResult,
+    ReadyPrefix,
 )
 from kvstore.store_state import (
     PARALLEL_PROMOTE_BYTES,
@@ -35,7 +35,7 @@ class Reads(Leases):
     """The read side (see the module docstring)."""
 
     # ------------------------------------------------------------------ read side
-    def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> LookupResult:
+    def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> ReadyPrefix:
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         with self._lock:

@@ -33,8 +33,7 @@ from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.policy import MAX_PRIORITY, POLICIES, GroupedPolicy
 from kvstore.results import (
     EventKind,
-    LookupResult,
-    Tier,
+    ReadyPrefix,
 )
 from kvstore.tenants import NAME_RE, Group, Quota, tenant_of
 
@@ -209,7 +208,7 @@ class StoreState:
     _priority_until: dict[Node, float]  # blocks whose priority is timed
     _priority_seq: Iterator[int]
     # events as plain tuples in Event's field order (Event._make when read)
-    _events: deque[tuple[int, EventKind, str, BlockKey, Tier | None, float]]
+    _events: deque[tuple[int, EventKind, str, BlockKey, str, float]]
     _seq: int
     _host_blocks: int
     _disk_blocks: int
@@ -273,7 +272,7 @@ class StoreState:
             )
         return ttl_s
 
-    def _lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+    def _lookup(self, keys: Sequence[BlockKey]) -> ReadyPrefix:
         walk = self._index.walk(keys)
         ready = host = 0
         for node in walk:  # attributes, not the properties: this runs per block per call
@@ -285,7 +284,7 @@ class StoreState:
         pending = tuple(
             node.key for node in itertools.takewhile(lambda n: not n.ready, walk[ready:])
         )
-        return LookupResult(ready, host, ready - host, pending)
+        return ReadyPrefix(ready, host, ready - host, pending)
 
     # --- tiers ----------------------------------------------------------------------
     def _host_add(self, node: Node, offset: int) -> None:
@@ -332,7 +331,7 @@ class StoreState:
         self._index.remove(node)
         self._priority_until.pop(node, None)
         self._c.dropped += 1
-        self._emit(EventKind.REMOVED, node, None)
+        self._emit(EventKind.REMOVED, node, "")
 
     def _delete_subtree(self, root: Node) -> int:
         """Drop ``root`` and its descendants, keeping busy blocks and their ancestors."""
@@ -390,11 +389,12 @@ class StoreState:
             self._touch((parent,))  # a prefix-aware touch of a block is one of its prefix
 
     # --- events ---------------------------------------------------------------------
-    def _emit(self, kind: EventKind, node: Node, tier: Tier | None) -> None:
+    def _emit(self, kind: EventKind, node: Node, tier: str) -> None:
         self._emit_all(kind, (node,), tier)
 
-    def _emit_all(self, kind: EventKind, nodes: Sequence[Node], tier: Tier | None) -> None:
-        """One event per node, in order; waiters are woken once."""
+    def _emit_all(self, kind: EventKind, nodes: Sequence[Node], tier: str) -> None:
+        """One event per node, in order, in ``tier`` (a Tier, or "" when it left the
+        store); waiters are woken once."""
         now = self._wall()
         seq = self._seq
         self._events.extend(

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvproto.v1.results import PutResult
 from kvstore.errors import (
     InvalidArgument,
     LeaseError,
@@ -19,7 +20,6 @@ from kvstore.index import PENDING, READY, NamespaceEntry, Node
 from kvstore.keys import BlockKey
 from kvstore.results import (
     EventKind,
-    PutResult,
     Reservation,
     SlotRef,
     Tier,
@@ -78,7 +78,7 @@ class Writes(Reads):
             reserved,
             reservation.existing,
             reservation.refused,
-            reservation.out_of_space,
+            out_of_space=reservation.out_of_space,
         )
 
     def reserve(

@@ -62,19 +62,3 @@ class Group:
     def host_held(self) -> int:
         """What counts against its host quota: its blocks and its staged slots."""
         return self.host_bytes + self.staged_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class TenantUsage:
-    """One group's part of the store, for stats (``kvctl status --tenants``)."""
-
-    tenant: str
-    host_bytes: int
-    disk_bytes: int
-    host_quota: int
-    disk_quota: int
-    namespaces: int
-    blocks: int
-    hits: int
-    misses: int
-    quota_evictions: int

@@ -210,7 +210,8 @@ def test_first_read_is_served_from_the_file_and_the_second_promotes(tmp_path: Pa
         for position, extent in got.disk:
             assert pread(s.disk_path, extent.offset, extent.size) == block(position)
         stats = s.stats()
-        disk = next(t for t in stats.tiers if t.name.value == "disk")
+        disk = stats.tier("disk")
+        assert disk is not None
         assert (stats.promotions, disk.hits, stats.leases) == (0, 6, 1)
         assert s.lookup(ns, keys).disk_blocks == 6  # still on disk only
         s.release(got.lease_id)

@@ -11,9 +11,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvproto.v1.results import Event
 from kvstore.errors import InvalidArgument, LeaseError, UnknownNamespace
 from kvstore.keys import NamespaceSpec
-from kvstore.results import Event, EventKind, Tier
+from kvstore.results import EventKind, Tier
 from kvstore.store import Store, StoreConfig
 
 BLOCK = 4096

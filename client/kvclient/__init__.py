@@ -30,9 +30,11 @@ from kvclient.errors import (
 )
 from kvclient.namespace import AsyncNamespace, BlockLease, Namespace
 from kvclient.puts_ahead import PendingPut
-from kvclient.results import (
+from kvclient.results import GetResult
+from kvclient.security import TLS
+from kvclient.sync_client import KVClient
+from kvproto.v1.results import (
     Event,
-    GetResult,
     LookupResult,
     NamespaceInfo,
     NamespaceStats,
@@ -42,8 +44,6 @@ from kvclient.results import (
     TenantStats,
     TierStats,
 )
-from kvclient.security import TLS
-from kvclient.sync_client import KVClient
 
 __all__ = [
     "Claim",

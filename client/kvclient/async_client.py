@@ -21,7 +21,7 @@ from kvclient.connection import events_of
 from kvclient.effects import LOCKS, Op, run_async
 from kvclient.local_calls import AsyncLocalCalls
 from kvclient.namespace import AsyncNamespace, BlockLease
-from kvclient.results import Event
+from kvproto.v1.results import Event
 
 T = TypeVar("T")
 

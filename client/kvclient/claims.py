@@ -39,8 +39,8 @@ from kvclient.connection import Connection
 from kvclient.effects import Io, Op, Work
 from kvclient.errors import InvalidArgumentError, LeaseError
 from kvclient.payloads import as_blocks, as_tokens, check_priority
-from kvclient.results import NamespaceInfo
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.results import NamespaceInfo
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,9 +48,9 @@ from typing import Any, TextIO
 
 from kvclient.address import ADDR_ENV, resolve_address
 from kvclient.errors import InvalidArgumentError, KVStoreError
-from kvclient.results import Event, NamespaceStats, TierStats
 from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
+from kvproto.v1.results import Event, NamespaceStats, TierStats
 
 PROG = "kvctl"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

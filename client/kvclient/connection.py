@@ -47,13 +47,14 @@ from kvclient.errors import (
 from kvclient.fork_safety import renew_in_child
 from kvclient.local_calls import LocalCallFailed, LocalCallStatus, OnAnswer, raise_local_failure
 from kvclient.puts_ahead import PendingPut
-from kvclient.results import Event, NamespaceInfo, PutResult, ServerInfo, Stats
 from kvclient.staged_slots import SlotStash
 from kvclient.transport import GrpcTransport
 from kvclient.unpinned_reads import LastSlots, epoch_table
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1 import result_messages
 from kvproto.v1.host import host_id
 from kvproto.v1.local_calls import UNARY_METHODS
+from kvproto.v1.results import Event, NamespaceInfo, PutResult, ServerInfo, Stats
 from kvstore.slot_epochs import SlotEpochs
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class Connection:
         if info is not None and (arena is None or arena.is_current()):
             return info, arena  # another caller refreshed meanwhile
         io = Io(self.grpc.call, ("ServerInfo", pb.ServerInfoRequest()))
-        info = wire.server_info((yield from self.over_grpc(io)))
+        info = result_messages.server_info((yield from self.over_grpc(io)))
         arena = None
         if self.use_arena is not False:
             arena = ClientArena.open(info.arena_path, info.host_id, host_id())
@@ -287,10 +288,12 @@ class Connection:
     # -- daemon-wide calls ----------------------------------------------------------
 
     def server_info(self) -> Op[ServerInfo]:
-        return wire.server_info((yield from self.call("ServerInfo", pb.ServerInfoRequest())))
+        return result_messages.server_info(
+            (yield from self.call("ServerInfo", pb.ServerInfoRequest()))
+        )
 
     def stats(self) -> Op[Stats]:
-        return wire.stats((yield from self.call("Stats", pb.StatsRequest())))
+        return result_messages.stats((yield from self.call("Stats", pb.StatsRequest())))
 
     def namespaces(self) -> Op[list[NamespaceInfo]]:
         response = yield from self.call("ListNamespaces", pb.ListNamespacesRequest())
@@ -316,7 +319,7 @@ class Connection:
         try:
             request = pb.WatchEventsRequest(
                 from_seq=from_seq, from_now=from_now, ns_id=ns_id,
-                kinds=wire.event_kind_values(kinds),
+                kinds=result_messages.event_kind_values(kinds),
             )  # fmt: skip
         except KeyError as exc:
             raise InvalidArgumentError(f"unknown event kind {exc}") from None
@@ -343,4 +346,4 @@ class Connection:
 def events_of(msg: pb.WatchEventsResponse) -> list[Event]:
     if msg.missed:
         log.warning("kvstored dropped %d events before they were sent", msg.missed)
-    return wire.events(msg)
+    return result_messages.events(msg)

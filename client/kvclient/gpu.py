@@ -61,12 +61,12 @@ from kvclient.errors import (
 )
 from kvclient.namespace import Namespace
 from kvclient.payloads import as_tokens, check_cover, check_priority
-from kvclient.results import PutResult
 from kvclient.sync_client import KVClient
 from kvclient.wire import ExtraKeys, extra_bytes
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
 from kvproto.v1.host import host_id
+from kvproto.v1.results import PutResult
 from kvstore import pinning
 from kvstore import platform as kv_platform
 from kvstore.arena import ArenaMapping

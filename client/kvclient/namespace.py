@@ -20,8 +20,8 @@ from kvclient.arena_path import BlockViews, ClientArena, SlotTable
 from kvclient.claims import ClaimTicket
 from kvclient.connection import Connection
 from kvclient.effects import Op
-from kvclient.results import NamespaceInfo
 from kvclient.wire import ExtraKeys, extra_bytes
+from kvproto.v1.results import NamespaceInfo
 
 if TYPE_CHECKING:
     from kvclient.async_client import AsyncKVClient

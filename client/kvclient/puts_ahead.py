@@ -30,9 +30,9 @@ from kvclient import wire
 from kvclient.effects import Op, Wait
 from kvclient.errors import DaemonUnavailableError, KVStoreError, RequestTimeoutError
 from kvclient.local_calls import LocalCallFailed, LocalCallStatus, OnAnswer
-from kvclient.results import PutResult
 from kvclient.staged_slots import SlotStash
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.results import PutResult
 
 if TYPE_CHECKING:
     from kvclient.connection import Connection

@@ -35,9 +35,11 @@ from kvclient.disk_reads import read_answer, read_first_from_file
 from kvclient.effects import Op, Stream, Work
 from kvclient.errors import ArenaUnavailableError, InvalidArgumentError, KVStoreError
 from kvclient.payloads import as_tokens, check_out, output_array
-from kvclient.results import GetResult, LookupResult, NamespaceInfo
+from kvclient.results import GetResult
 from kvclient.unpinned_reads import UnpinnedGet, wanted_blocks
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1 import result_messages
+from kvproto.v1.results import LookupResult, NamespaceInfo
 
 
 def lookup(
@@ -49,7 +51,7 @@ def lookup(
         extra_keys=wire.extra_bytes(extra_keys),
         wait_pending_s=wait_s,
     )
-    return wire.lookup_result((yield from conn.call("Lookup", request)))
+    return result_messages.lookup_result((yield from conn.call("Lookup", request)))
 
 
 class Get:

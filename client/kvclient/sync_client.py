@@ -11,7 +11,7 @@ The arena is used when ``use_arena`` is None (auto) or True and the daemon's
 ``ServerInfo.host_id`` equals this host's and its arena file maps; ``use_arena=True``
 raises :class:`ArenaUnavailableError` otherwise, ``False`` always goes inline.
 Every failure is a :class:`kvclient.errors.KVStoreError`; results are the frozen
-dataclasses of :mod:`kvclient.results`.
+dataclasses of :mod:`kvproto.v1.results`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kvclient.effects import LOCKS, Op, run_blocking
 from kvclient.fork_safety import renew_in_child
 from kvclient.local_calls import LocalCalls
 from kvclient.namespace import BlockLease
-from kvclient.results import Event
+from kvproto.v1.results import Event
 
 __all__ = ["DEFAULT_TIMEOUT_S", "KVClient"]
 

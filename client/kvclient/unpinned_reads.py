@@ -41,8 +41,8 @@ import xxhash
 from kvclient.accounting import ReadKey
 from kvclient.arena_path import ClientArena, Run, SlotTable, read_runs, slot_runs
 from kvclient.payloads import output_array
-from kvclient.results import ServerInfo
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.results import ServerInfo
 from kvstore.slot_epochs import READS_IN_ORDER, SlotEpochs
 
 READS_ENV = "KVCLIENT_READS"

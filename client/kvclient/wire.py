@@ -1,7 +1,8 @@
 """Protobuf <-> client types: the only module besides the clients that touches ``kvproto``.
 
-Requests are built from already-validated Python values; responses become the frozen
-dataclasses of :mod:`kvclient.results`. No I/O here.
+Requests are built from already-validated Python values; answers become the shared
+result types of :mod:`kvproto.v1.results` through :mod:`kvproto.v1.result_messages`
+(written once for both sides), except the arena paths' slot tables here. No I/O here.
 
 Data chunks skip protobuf objects: the client calls Get and Put with identity
 (de)serializers, :func:`put_messages` frames each chunk itself (one copy from the
@@ -19,31 +20,11 @@ import numpy as np
 from kvclient.arena_path import Slot, SlotTable
 from kvclient.disk_reads import DiskExtents
 from kvclient.errors import InvalidArgumentError, KVStoreError
-from kvclient.results import (
-    Event,
-    LookupResult,
-    NamespaceInfo,
-    NamespaceStats,
-    PutResult,
-    ServerInfo,
-    Stats,
-    TenantStats,
-    TierStats,
-)
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.data_frames import data_prefix, data_span
+from kvproto.v1.results import NamespaceInfo, PutResult
 
 ExtraKeys = Sequence[bytes | str | int]
-
-EVENT_KINDS: dict[int, str] = {
-    pb.EVENT_KIND_STORED: "stored",
-    pb.EVENT_KIND_REMOVED: "removed",
-    pb.EVENT_KIND_DEMOTED: "demoted",
-    pb.EVENT_KIND_PROMOTED: "promoted",
-    pb.EVENT_KIND_PENDING_DROPPED: "pending_dropped",
-    pb.EVENT_KIND_CORRUPT: "corrupt",
-}
-TIERS: dict[int, str] = {pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 
 # Layout fields a caller may pass to KVClient.namespace(), with their wire defaults.
 LAYOUT_FIELDS = (
@@ -130,59 +111,16 @@ def namespace_info(msg: pb.NamespaceInfo) -> NamespaceInfo:
     )
 
 
-def server_info(msg: pb.ServerInfoResponse) -> ServerInfo:
-    return ServerInfo(
-        version=msg.version,
-        host_id=msg.host_id,
-        platform=msg.platform,
-        arena_path=msg.arena_path,
-        arena_bytes=msg.arena_bytes,
-        pid=msg.pid,
-        uptime_s=msg.uptime_s,
-        default_lease_ttl_s=msg.default_lease_ttl_s,
-        max_blocks_per_request=msg.max_blocks_per_request,
-        max_message_bytes=msg.max_message_bytes,
-        max_chunk_bytes=msg.max_chunk_bytes,
-        max_transfer_bytes=msg.max_transfer_bytes,
-        local_socket=msg.local_socket,
-        slot_epochs_offset=msg.slot_epochs_offset,
-        slot_epochs_count=msg.slot_epochs_count,
-        arena_prefaulted=msg.arena_prefaulted,
-        disk_path=msg.disk_path,
-        admission=msg.admission,
-        uid=msg.uid if msg.version else None,
-        tenant=msg.tenant,
-    )
-
-
-def lookup_result(msg: pb.LookupResponse) -> LookupResult:
-    return LookupResult(
-        tokens=msg.ready_tokens,
-        blocks=msg.ready_blocks,
-        host_blocks=msg.host_blocks,
-        disk_blocks=msg.disk_blocks,
-        pending_blocks=msg.pending_blocks,
-    )
-
-
-def put_result(msg: pb.PutResponse) -> PutResult:
-    return PutResult(
-        stored=msg.stored, existing=msg.existing, refused=msg.refused, durable=msg.durable
-    )
-
-
 def committed_put(
     reserved: pb.ReserveResponse, n_slots: int, commit: pb.CommitResponse | None
 ) -> PutResult:
     """What an arena put did: its Reserve answered ``n_slots`` slots, and ``commit``
     (None: nothing to commit) made some of them ready; the slots not committed are
     refused with the blocks the Reserve refused."""
-    committed = commit.committed if commit is not None else 0
-    return PutResult(
-        stored=committed,
-        existing=reserved.existing,
-        refused=reserved.refused + n_slots - committed,
-        durable=commit.durable if commit is not None else 0,
+    if commit is None:
+        return PutResult.of_reservation(reserved.existing, reserved.refused, n_slots, 0)
+    return PutResult.of_reservation(
+        reserved.existing, reserved.refused, n_slots, commit.committed, commit.durable
     )
 
 
@@ -222,86 +160,6 @@ def split_disk_blocks(
     keep = np.ones(len(slots), dtype=bool)
     keep[extents.positions] = False
     return SlotTable(slots.indices[keep], slots.offsets[keep]), extents
-
-
-def _tier_stats(msg: pb.TierStats) -> TierStats:
-    return TierStats(
-        name=msg.name,
-        capacity_bytes=msg.capacity_bytes,
-        used_bytes=msg.used_bytes,
-        blocks=msg.blocks,
-        hits=msg.hits,
-        misses=msg.misses,
-        evictions=msg.evictions,
-        bytes_in=msg.bytes_in,
-        bytes_out=msg.bytes_out,
-    )
-
-
-def _namespace_stats(msg: pb.NamespaceStats) -> NamespaceStats:
-    return NamespaceStats(
-        ns_id=msg.ns_id,
-        name=msg.name,
-        model=msg.model,
-        block_tokens=msg.block_tokens,
-        block_bytes=msg.block_bytes,
-        blocks=msg.blocks,
-        bytes=msg.bytes,
-        hits=msg.hits,
-        misses=msg.misses,
-    )
-
-
-def stats(msg: pb.StatsResponse) -> Stats:
-    return Stats(
-        platform=msg.platform,
-        uptime_s=msg.uptime_s,
-        tiers=tuple(_tier_stats(t) for t in msg.tiers),
-        namespaces=tuple(_namespace_stats(n) for n in msg.namespaces),
-        demotions=msg.demotions,
-        promotions=msg.promotions,
-        pending_blocks=msg.pending_blocks,
-        leases=msg.leases,
-        corrupt_reads=msg.corrupt_reads,
-        disk_queue_bytes=msg.disk_queue_bytes,
-        counters=dict(msg.counters),
-        staged_bytes=msg.staged_bytes,
-        disk_fault="" if msg.disk_writable else msg.disk_fault,
-        tenants=tuple(
-            TenantStats(
-                tenant=t.tenant,
-                host_bytes=t.host_bytes,
-                disk_bytes=t.disk_bytes,
-                host_quota=t.host_quota,
-                disk_quota=t.disk_quota,
-                namespaces=t.namespaces,
-                blocks=t.blocks,
-                hits=t.hits,
-                misses=t.misses,
-                quota_evictions=t.quota_evictions,
-            )
-            for t in msg.tenants
-        ),
-    )
-
-
-def events(msg: pb.WatchEventsResponse) -> list[Event]:
-    return [
-        Event(
-            seq=e.seq,
-            kind=EVENT_KINDS.get(e.kind, "unknown"),
-            ns_id=e.ns_id,
-            key=e.key,
-            tier=TIERS.get(e.tier, ""),
-            timestamp=e.timestamp,
-        )
-        for e in msg.events
-    ]
-
-
-def event_kind_values(kinds: Sequence[str]) -> list[int]:
-    by_name = {name: value for value, name in EVENT_KINDS.items()}
-    return [by_name[k] for k in kinds]
 
 
 def put_messages(

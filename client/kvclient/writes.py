@@ -43,9 +43,10 @@ from kvclient.payloads import (
     check_start,
 )
 from kvclient.puts_ahead import PendingPut, answer_handler, commit_handler
-from kvclient.results import NamespaceInfo, PutResult, ServerInfo
 from kvclient.staged_slots import put_reserve
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1 import result_messages
+from kvproto.v1.results import NamespaceInfo, PutResult, ServerInfo
 from kvstore.arena import ArenaMapping
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,9 @@ class Put:
             )  # fmt: skip
             yield from conn.settle()
             messages = wire.put_messages(header, rows[done : done + n], chunk)
-            result = wire.put_result((yield from conn.over_grpc(Io(conn.grpc.put, (messages,)))))
+            result = result_messages.put_result(
+                (yield from conn.over_grpc(Io(conn.grpc.put, (messages,))))
+            )
             total = total + result
             done += n
             if result.refused:  # the chain is broken: later blocks have no parent

@@ -28,38 +28,12 @@ from typing import Any
 import numpy as np
 
 from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.results import NamespaceStats
 from kvstore.errors import InvalidArgument
 from kvstore.keys import DEFAULT_BLOCK_TOKENS, NamespaceSpec
-from kvstore.results import (
-    Acquisition,
-    Event,
-    EventKind,
-    Located,
-    LookupResult,
-    NamespaceStats,
-    PutResult,
-    Reservation,
-    SlotRef,
-    StoreStats,
-    Tier,
-)
+from kvstore.results import Acquisition, Located, ReadyPrefix, Reservation, SlotRef
 
 MAX_PRIORITY = 100
-
-EVENT_KINDS: dict[EventKind, int] = {
-    EventKind.STORED: pb.EVENT_KIND_STORED,
-    EventKind.REMOVED: pb.EVENT_KIND_REMOVED,
-    EventKind.DEMOTED: pb.EVENT_KIND_DEMOTED,
-    EventKind.PROMOTED: pb.EVENT_KIND_PROMOTED,
-    EventKind.PENDING_DROPPED: pb.EVENT_KIND_PENDING_DROPPED,
-    EventKind.CORRUPT: pb.EVENT_KIND_CORRUPT,
-}
-TIERS: dict[Tier | None, int] = {
-    None: pb.TIER_UNSPECIFIED,
-    Tier.HOST: pb.TIER_HOST,
-    Tier.DISK: pb.TIER_DISK,
-}
-
 
 # --- namespaces ----------------------------------------------------------------------
 
@@ -184,10 +158,6 @@ def _add_slots(container: Any, refs: Iterable[SlotRef]) -> None:
         slot.key = ref.key
 
 
-def put_response(result: PutResult) -> pb.PutResponse:
-    return pb.PutResponse(stored=result.stored, existing=result.existing, refused=result.refused)
-
-
 def reserve_response(
     res: Reservation, arena_path: str, compact: bool = False
 ) -> pb.ReserveResponse:
@@ -233,15 +203,13 @@ def acquire_response(
 
 def located_response(got: Located, block_tokens: int, arena_path: str) -> pb.AcquireResponse:
     """An unpinned Acquire's answer: no lease, the slots and their epochs."""
-    msg = pb.AcquireResponse(
-        ready_tokens=len(got.offsets) * block_tokens, arena_path=arena_path
-    )
+    msg = pb.AcquireResponse(ready_tokens=len(got.offsets) * block_tokens, arena_path=arena_path)
     msg.slot_offsets.extend(got.offsets)
     msg.slot_epochs.extend(got.epochs.tolist())
     return msg
 
 
-def lookup_response(result: LookupResult, block_tokens: int, total: int) -> pb.LookupResponse:
+def lookup_response(result: ReadyPrefix, block_tokens: int, total: int) -> pb.LookupResponse:
     return pb.LookupResponse(
         ready_blocks=result.ready_blocks,
         ready_tokens=result.ready_blocks * block_tokens,
@@ -249,77 +217,4 @@ def lookup_response(result: LookupResult, block_tokens: int, total: int) -> pb.L
         disk_blocks=result.disk_blocks,
         pending_blocks=len(result.pending_keys),
         total_blocks=total,
-    )
-
-
-def stats_response(
-    stats: StoreStats, platform: str, uptime_s: float, names: dict[str, str]
-) -> pb.StatsResponse:
-    return pb.StatsResponse(
-        tiers=[
-            pb.TierStats(
-                name=t.name.value,
-                capacity_bytes=t.capacity_bytes,
-                used_bytes=t.used_bytes,
-                blocks=t.blocks,
-                hits=t.hits,
-                misses=t.misses,
-                evictions=t.evictions,
-                bytes_in=t.bytes_in,
-                bytes_out=t.bytes_out,
-            )
-            for t in stats.tiers
-        ],
-        namespaces=[
-            pb.NamespaceStats(
-                ns_id=n.ns_id,
-                model=n.model,
-                block_tokens=n.block_tokens,
-                block_bytes=n.block_bytes,
-                blocks=n.blocks,
-                bytes=n.bytes,
-                hits=n.hits,
-                misses=n.misses,
-                name=names.get(n.ns_id, ""),
-            )
-            for n in stats.namespaces
-        ],
-        demotions=stats.demotions,
-        promotions=stats.promotions,
-        pending_blocks=stats.pending_blocks,
-        leases=stats.leases,
-        corrupt_reads=stats.corrupt_reads,
-        disk_queue_bytes=stats.disk_queue_bytes,
-        disk_writable=not stats.disk_fault,
-        disk_fault=stats.disk_fault,
-        platform=platform,
-        uptime_s=uptime_s,
-        counters=stats.counters,
-        staged_bytes=stats.staged_bytes,
-        tenants=[
-            pb.TenantStats(
-                tenant=u.tenant,
-                host_bytes=u.host_bytes,
-                disk_bytes=u.disk_bytes,
-                host_quota=u.host_quota,
-                disk_quota=u.disk_quota,
-                namespaces=u.namespaces,
-                blocks=u.blocks,
-                hits=u.hits,
-                misses=u.misses,
-                quota_evictions=u.quota_evictions,
-            )
-            for u in stats.tenants
-        ],
-    )
-
-
-def event(e: Event) -> pb.Event:
-    return pb.Event(
-        seq=e.seq,
-        kind=EVENT_KINDS[e.kind],  # type: ignore[arg-type]
-        ns_id=e.ns_id,
-        key=e.key,
-        tier=TIERS[e.tier],  # type: ignore[arg-type]
-        timestamp=e.timestamp,
     )

@@ -43,7 +43,7 @@ from prometheus_client.core import (
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from kvstore.results import StoreStats, Tier
+from kvproto.v1.results import Stats
 
 log = logging.getLogger("kvstored.metrics")
 
@@ -54,7 +54,7 @@ RPC_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
 )
 
-# Store counters that StoreStats carries in its ``counters`` dict, by metric name.
+# Store counters that Stats carries in its ``counters`` dict, by metric name.
 STORE_COUNTERS = {
     "disk_refused_writes": (
         "kvstore_disk_refused_writes",
@@ -98,7 +98,7 @@ class StoreCollector(Collector):
 
     def __init__(
         self,
-        stats: Callable[[], StoreStats],
+        stats: Callable[[], Stats],
         version: str,
         platform: Callable[[], str],
         namespaces: bool = True,
@@ -127,7 +127,7 @@ class StoreCollector(Collector):
         yield from _store_families(stats)
 
 
-def _tier_families(stats: StoreStats) -> Iterator[Metric]:
+def _tier_families(stats: Stats) -> Iterator[Metric]:
     labels = ["tier"]
     gauges = (
         ("kvstore_tier_capacity_bytes", "Configured capacity of the tier.", "capacity_bytes"),
@@ -158,7 +158,7 @@ def _tier_families(stats: StoreStats) -> Iterator[Metric]:
         yield family
 
 
-def _namespace_families(stats: StoreStats) -> Iterator[Metric]:
+def _namespace_families(stats: Stats) -> Iterator[Metric]:
     labels = ["namespace"]
     info = InfoMetricFamily(
         "kvstore_namespace", "Model and block geometry of each namespace.", labels=labels
@@ -194,7 +194,7 @@ def _namespace_families(stats: StoreStats) -> Iterator[Metric]:
     yield from (info, blocks, size, hits, misses)
 
 
-def _store_families(stats: StoreStats) -> Iterator[Metric]:
+def _store_families(stats: Stats) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "kvstore_demotions", "Blocks moved from the host tier to the disk tier.",
         value=stats.demotions,
@@ -223,7 +223,7 @@ def _store_families(stats: StoreStats) -> Iterator[Metric]:
         "kvstore_disk_queue_bytes", "Block bytes queued for the disk writer, not yet in LMDB.",
         value=stats.disk_queue_bytes,
     )
-    if any(tier.name is Tier.DISK for tier in stats.tiers):
+    if any(tier.name == "disk" for tier in stats.tiers):
         yield GaugeMetricFamily(
             "kvstore_disk_writable",
             "1 while the disk tier takes writes, 0 while its commits fail (disk full, I/O "
@@ -399,7 +399,7 @@ class DaemonMetrics:
 
     def __init__(
         self,
-        stats: Callable[[], StoreStats],
+        stats: Callable[[], Stats],
         version: str,
         platform: Callable[[], str],
         namespaces: bool = True,

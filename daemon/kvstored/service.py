@@ -61,13 +61,14 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from kvproto.v1 import data_frames
+from kvproto.v1 import data_frames, result_messages
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
 from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
+from kvproto.v1.results import Event, PutResult
 from kvstore.errors import InvalidArgument, LeaseError, OutOfSpace, StoreError, UnknownNamespace
 from kvstore.keys import BlockKey, NamespaceSpec
-from kvstore.results import Event, Reservation, SlotRef
+from kvstore.results import Reservation, SlotRef
 from kvstore.store import Store
 from kvstored import convert, hostinfo
 from kvstored.auth import Access, Caller
@@ -338,7 +339,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             return
         if ended:
             log.info(
-                "released %d leases of a client that went away (%s)", ended, owner,
+                "released %d leases of a client that went away (%s)",
+                ended,
+                owner,
                 extra={"event": "client_gone"},
             )
 
@@ -395,13 +398,9 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                         " s while the bytes were being sent; call again"
                     )
 
-    def _open_read(
-        self, request: pb.GetRequest, caller: Caller, quick: bool = False
-    ) -> _ReadPlan:
+    def _open_read(self, request: pb.GetRequest, caller: Caller, quick: bool = False) -> _ReadPlan:
         """Find what a Get sends and pin it: the header and the bytes."""
-        spec, keys = self._chain(
-            request.ns_id, request.tokens, request.extra_keys, caller, quick
-        )
+        spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, caller, quick)
         start, bb = request.start_block, spec.block_bytes
         if start > len(keys):
             raise InvalidArgument(
@@ -636,11 +635,14 @@ class KVStoreService(pb_grpc.KVStoreServicer):
                 f"no room for any of the {head.n_blocks} blocks: the store is full "
                 "of leased or pending blocks"
             )
-        return pb.PutResponse(
-            stored=committed,
-            existing=reservation.existing,
-            refused=reservation.refused + len(reservation.offsets) - committed,
-            durable=durable,
+        return result_messages.put_response(
+            PutResult.of_reservation(
+                reservation.existing,
+                reservation.refused,
+                len(reservation.offsets),
+                committed,
+                durable,
+            )
         )
 
     async def _put_into_claim(
@@ -878,11 +880,15 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         if not caller.admin:  # a tenant sees its own namespaces, and no tenant's usage
             own = tuple(n for n in stats.namespaces if self.access.visible(caller, n.ns_id))
             stats = dataclasses.replace(stats, namespaces=own, tenants=())
-        return convert.stats_response(
-            stats,
-            self._store.platform,
-            time.monotonic() - self._started,
-            self._names.names_by_ns_id(),
+        names = self._names.names_by_ns_id()
+        named = tuple(dataclasses.replace(n, name=names.get(n.ns_id, "")) for n in stats.namespaces)
+        return result_messages.stats_response(
+            dataclasses.replace(
+                stats,
+                namespaces=named,
+                platform=self._store.platform,
+                uptime_s=time.monotonic() - self._started,
+            )
         )
 
     @grpc_errors
@@ -893,7 +899,7 @@ class KVStoreService(pb_grpc.KVStoreServicer):
         ns_filter = self.access.spec(request.ns_id, caller).ns_id if request.ns_id else ""
         kinds = set(request.kinds)
         for kind in kinds:
-            if kind not in convert.EVENT_KINDS.values():
+            if kind not in result_messages.EVENT_KINDS.values():
                 raise InvalidArgument(f"kinds: unknown event kind {kind}")
         seq = await self._run(self._latest_seq) if request.from_now else request.from_seq
         while not self._stopping.is_set():
@@ -905,10 +911,10 @@ class KVStoreService(pb_grpc.KVStoreServicer):
             missed = max(0, events[0].seq - seq - 1)
             seq = events[-1].seq
             out = [
-                convert.event(e)
+                result_messages.event_message(e)
                 for e in events
                 if (not ns_filter or e.ns_id == ns_filter)
-                and (not kinds or convert.EVENT_KINDS[e.kind] in kinds)
+                and (not kinds or result_messages.EVENT_KINDS[e.kind] in kinds)
                 and self.access.visible(caller, e.ns_id)
             ]
             if out or missed:
