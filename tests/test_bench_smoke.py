@@ -63,7 +63,10 @@ def test_bench_quick_run_writes_every_case(tmp_path: Path, capsys: pytest.Captur
     assert ok and all(r["gbps"] > 0 and not r["note"] for r in ok)
 
     text = report.read_text()
-    assert harness.BEGIN_MARK in text and "### Targets" in text and "| kvstore | get |" in text
+    assert harness.BEGIN_MARK in text and "### Targets" in text
+    # the case tables: a row per layout and batch, the get's figure beside its ratio
+    get_row = next(line for line in text.splitlines() if line.startswith("| tiny/2 | 2 KiB | 1 |"))
+    assert "x) |" in get_row and "### Time per call: p50 ms" in text
     # a second run replaces only its own part of an existing document
     report.write_text("# kept\n\nhand-written\n\n" + text[text.index(harness.BEGIN_MARK) :])
     reports.write_report(report, "new body\n")

@@ -14,7 +14,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -37,12 +37,9 @@ BLOCK_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
     # host tier of 1 MiB and no disk: 256 slots of 4 KiB, easy to fill
-    d = Daemon(tmp_path_factory.mktemp("kvstored"), {"host_bytes": "1MiB", "disk_bytes": 0})
-    d.start()
-    yield d
-    d.cleanup()
+    return kvstored_module_factory(host_bytes="1MiB", disk_bytes=0)
 
 
 def test_client_side_checks(daemon: Daemon) -> None:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +125,8 @@ def start_worker(role: str, **spec: object) -> subprocess.Popen[str]:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("kvstored"), {})
-    d.start()
-    yield d
-    d.cleanup()
+def daemon(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
+    return kvstored_module_factory()
 
 
 def test_processes_share_overlapping_prefixes(daemon: Daemon) -> None:

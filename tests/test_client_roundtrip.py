@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -35,11 +35,9 @@ pytestmark = pytest.mark.usefixtures("get_route")
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, get_route: str) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("kvstored"), {"max_transfer_bytes": "1MiB"})
-    d.start()
-    yield d
-    d.cleanup()
+def daemon(kvstored_module_factory: Callable[..., Daemon], get_route: str) -> Daemon:
+    """A daemon per get route (the route is the client's, set by the fixture)."""
+    return kvstored_module_factory(max_transfer_bytes="1MiB")
 
 
 def prompt(first: int, n_tokens: int) -> list[int]:

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +32,8 @@ NAME = "ctl-bound"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("kvstored"), {})
-    d.start()
-    yield d
-    d.cleanup()
+def daemon(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
+    return kvstored_module_factory()
 
 
 @pytest.fixture(scope="module")

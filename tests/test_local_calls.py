@@ -11,7 +11,7 @@ import asyncio
 import os
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -36,11 +36,8 @@ BLOCK_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("kvstored"), {"host_bytes": "8MiB", "disk_bytes": 0})
-    d.start()
-    yield d
-    d.cleanup()
+def daemon(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
+    return kvstored_module_factory(host_bytes="8MiB", disk_bytes=0)
 
 
 def local_path(daemon: Daemon) -> str:

@@ -238,6 +238,83 @@ def machine_line() -> str:
     )
 
 
+# The report's case tables: a row per layout and batch, a column per (system, op, path,
+# tier); every row of the run is in ``--json`` and in the printed table.
+Column = tuple[str, str, str, str, str]  # title, system, op, path, tier
+THROUGHPUT: list[Column] = [
+    ("get", "kvstore", "get", "arena", "host"),
+    ("get inline", "kvstore", "get", "inline", "host"),
+    ("put", "kvstore", "put", "arena", "host"),
+    ("put sent ahead", "kvstore", "put-nowait", "arena", "host"),
+    ("put inline", "kvstore", "put", "inline", "host"),
+    ("disk warm get", "kvstore", "get", "arena", "disk-warm"),
+    ("disk cold get", "kvstore", "get", "arena", "disk-cold"),
+]
+PER_CALL: list[Column] = [
+    ("lookup", "kvstore", "lookup", "arena", "host"),
+    ("lookup + get", "kvstore", "lookup+get", "arena", "host"),
+    ("acquire", "kvstore", "acquire", "arena", "host"),
+    ("miss", "kvstore", "miss", "arena", "miss"),
+    ("get", "kvstore", "get", "arena", "host"),
+    ("put", "kvstore", "put", "arena", "host"),
+    ("put sent ahead", "kvstore", "put-nowait", "arena", "host"),
+]
+BASELINES: list[Column] = [
+    ("memcpy", "memcpy", "get", "-", "-"),
+    ("stream", "stream", "put", "-", "-"),
+    ("pread", "pread", "get", "-", "disk-warm"),
+    ("grpc raw pull", "grpc-raw", "get", "inline", "-"),
+    ("grpc raw push", "grpc-raw", "put", "inline", "-"),
+    ("redis get", "redis", "get", "-", "host"),
+    ("redis put", "redis", "put", "-", "host"),
+]
+
+
+def _gbps_cell(r: Result, results: Sequence[Result]) -> str:
+    if r.system != "kvstore":
+        return _num(r.gbps)
+    if r.path == "inline":
+        base = _baseline(results, "grpc-raw", r.op, r)
+    else:
+        base = _baseline(results, "memcpy", "get", r)
+    return f"{_num(r.gbps)} ({_ratio(r.gbps, base.gbps) if base else '-'})"
+
+
+def _p50_cell(r: Result, results: Sequence[Result]) -> str:
+    return _num(r.percentile(50), 3)
+
+
+def case_table(
+    results: Sequence[Result],
+    columns: Sequence[Column],
+    cell: Callable[[Result, Sequence[Result]], str],
+) -> str:
+    """``columns`` of each (layout, batch) of the run as one markdown table ("" when
+    none of them was measured)."""
+    cases = list(dict.fromkeys((r.layout, r.block_bytes, r.batch) for r in results if r.batch))
+    present = [
+        c
+        for c in columns
+        if any(_find(results, **_match(c), layout=lay, batch=b) for lay, _, b in cases)
+    ]
+    rows = []
+    for layout, block, batch in cases:
+        found = [_find(results, **_match(c), layout=layout, batch=batch) for c in present]
+        if any(found):
+            rows.append(
+                [layout, _fmt_size(block), str(batch)]
+                + [cell(r, results) if r else "-" for r in found]
+            )
+    if not present or not rows:
+        return ""
+    return markdown_table(["layout", "block", "batch", *(c[0] for c in present)], rows)
+
+
+def _match(column: Column) -> dict[str, str]:
+    _, system, op, path, tier = column
+    return dict(system=system, op=op, path=path, tier=tier)
+
+
 def render_markdown(bench: Bench, argv: Sequence[str], elapsed: float, png: str | None) -> str:
     results = bench.results
     lines = [
@@ -285,24 +362,18 @@ def render_markdown(bench: Bench, argv: Sequence[str], elapsed: float, png: str 
     )
     if png:
         lines += ["", f"![throughput against block size]({png})"]
-    sections = [
-        ("Get, host hit", lambda r: r.op == "get" and r.tier in ("host", "-")),
-        (
-            "Get, disk hit (warm and cold page cache)",
-            lambda r: r.op == "get" and r.tier.startswith("disk"),
-        ),
-        ("Put", lambda r: r.op in ("put", "put-nowait")),
-        (
-            "Lookup, lookup + get, acquire (zero-copy views), miss",
-            lambda r: r.op in ("lookup", "lookup+get", "acquire", "miss"),
-        ),
-        ("Raw gRPC echo (both directions, one message)", lambda r: r.op == "echo"),
-        ("Sustained write-back", lambda r: r.op == "write-back"),
-    ]
-    for title, keep in sections:
-        chosen = [r for r in results if keep(r)]
-        if chosen:
-            lines += ["", f"### {title}", "", markdown_table(HEADERS, result_rows(chosen, results))]
+    for title, columns, cell in (
+        ("Throughput per case: GB/s (x memcpy; inline: x grpc raw)", THROUGHPUT, _gbps_cell),
+        ("Time per call: p50 ms", PER_CALL, _p50_cell),
+        ("Baselines per case: GB/s", BASELINES, _gbps_cell),
+    ):
+        table = case_table(results, columns, cell)
+        if table:
+            lines += ["", f"### {title}", "", table]
+    backs = [r for r in results if r.op == "write-back"]
+    if backs:
+        lines += ["", "### Sustained write-back", ""]
+        lines += [f"- {r.system}, {r.tier}: {_num(r.gbps)} GB/s {r.note}".rstrip() for r in backs]
     return "\n".join(lines) + "\n"
 
 
