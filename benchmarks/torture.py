@@ -32,8 +32,6 @@ import json
 import os
 import random
 import resource
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,124 +46,29 @@ from typing import Any
 
 import grpc
 
+from kvbench.torture_kit import (
+    TOKENS,
+    Kvstored,
+    Section,
+    block_of,
+    chain_bytes,
+    damage_btree,
+    damage_value,
+    local_call,
+    mutate,
+    percentile,
+    tokens_of,
+    valid_requests,
+)
 from kvclient import KVClient
 from kvclient.errors import KVStoreError
-from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import local_calls as frames
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = ("crash", "client", "diskfull", "damage", "fuzz", "load")
 MODEL = "torture"
-TOKENS = 4  # per block
 BAD_CODES = ("UNKNOWN", "INTERNAL")
-
-
-# --- a daemon -----------------------------------------------------------------------------
-
-
-class Kvstored:
-    """One kvstored child: socket, arena and disk dir under ``work``; log in work/log."""
-
-    def __init__(self, work: Path, preexec: Callable[[], None] | None = None, **settings: Any):
-        self.work = work
-        work.mkdir(parents=True, exist_ok=True)
-        self.sock_dir = Path(tempfile.mkdtemp(prefix="kvt", dir="/tmp"))  # short path
-        self.addr = f"unix://{self.sock_dir}/kvstored.sock"
-        self.disk_dir = str(settings.pop("disk_dir", work / "disk"))
-        self.log = work / "kvstored.log"
-        self.settings = {
-            "listen": self.addr, "disk_dir": self.disk_dir, "arena_dir": str(work),
-            "host_bytes": "32MiB", "disk_bytes": "1GiB", "metrics_listen": "off",
-            "grace_s": 2, "workers": 4, **settings,
-        }
-        self.preexec = preexec
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout: float = 60) -> float:
-        """Start and wait until it answers; the seconds that took."""
-        started = time.monotonic()
-        args = [a for k, v in self.settings.items() for a in (f"--{k}", str(v))]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvstored", *args], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, preexec_fn=self.preexec,
-            )
-        with KVClient(self.addr, timeout=2) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvstored exited {self.proc.returncode}: {self.tail()}")
-                with contextlib.suppress(KVStoreError):
-                    client.server_info()
-                    return time.monotonic() - started
-                if time.monotonic() - started > timeout:
-                    raise RuntimeError(f"kvstored did not answer in {timeout} s: {self.tail()}")
-                time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return -1 if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return -9
-
-    def tail(self, lines: int = 5) -> str:
-        try:
-            return " | ".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def rss_bytes(self) -> int:
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()  # type: ignore[union-attr]
-        except OSError:
-            return 0
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    def close(self) -> None:
-        self.kill()
-        shutil.rmtree(self.sock_dir, ignore_errors=True)
-
-
-def tokens_of(seed: int, blocks: int) -> list[int]:
-    return [seed * 1000 + i for i in range(blocks * TOKENS)]
-
-
-def block_of(seed: int, index: int, size: int) -> bytes:
-    rng = random.Random(seed * 7919 + index)
-    return rng.randbytes(64) * (size // 64)
-
-
-def chain_bytes(seed: int, blocks: int, size: int) -> bytes:
-    return b"".join(block_of(seed, i, size) for i in range(blocks))
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-@dataclass
-class Section:
-    title: str
-    body: list[str]
-    checks: list[tuple[str, str, bool]] = field(default_factory=list)  # (target, measured, ok)
 
 
 # --- crash: kill -9 cycles ----------------------------------------------------------------
@@ -250,9 +153,7 @@ def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
             last_cycle_first = max(chains.tried, default=0) + 1
             stop = threading.Event()
             threads = [
-                threading.Thread(
-                    target=writer, args=(daemon.addr, k, chains, seeds, stop), name=k
-                )
+                threading.Thread(target=writer, args=(daemon.addr, k, chains, seeds, stop), name=k)
                 for k in ("arena", "ahead", "inline")
             ]
             for thread in threads:
@@ -270,18 +171,24 @@ def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
     finally:
         daemon.close()
     return {
-        "admission": admission, "cycles": cycles, "tried_chains": len(chains.tried),
-        **final, "worst_corrupt": max(worst["corrupt"], final.get("corrupt", 0)),
+        "admission": admission,
+        "cycles": cycles,
+        "tried_chains": len(chains.tried),
+        **final,
+        "worst_corrupt": max(worst["corrupt"], final.get("corrupt", 0)),
         "worst_orphans": max(worst["orphans"], final.get("orphans", 0)),
         "worst_durable_lost": max(worst["durable_lost"], final.get("durable_lost", 0)),
-        "restart_p50_s": statistics.median(starts), "restart_max_s": max(starts),
+        "restart_p50_s": statistics.median(starts),
+        "restart_max_s": max(starts),
     }
 
 
 def part_crash(work: Path, quick: bool) -> Section:
     cycles = 3 if quick else 100
-    rows = [crash_cycles(work / f"crash-{mode}", mode, cycles) for mode in
-            ("write-back", "write-through")]
+    rows = [
+        crash_cycles(work / f"crash-{mode}", mode, cycles)
+        for mode in ("write-back", "write-through")
+    ]
     body = [
         "| admission | kill -9 cycles | chains tried | blocks acked | answered durable | "
         "durable lost | acked, not durable, lost | corrupt served | orphans held | "
@@ -297,17 +204,20 @@ def part_crash(work: Path, quick: bool) -> Section:
             f"{r['restart_p50_s']:.2f} / {r['restart_max_s']:.2f} s |"
         )
         bad = r["worst_corrupt"] + r["worst_orphans"] + r["worst_durable_lost"]
-        checks.append((
-            f"{r['admission']}: {cycles} kill cycles, 0 corrupt, 0 orphans, 0 durable lost",
-            f"corrupt {r['worst_corrupt']}, orphans {r['worst_orphans']}, durable lost "
-            f"{r['worst_durable_lost']}", bad == 0 and r["cycles"] >= cycles,
-        ))
+        checks.append(
+            (
+                f"{r['admission']}: {cycles} kill cycles, 0 corrupt, 0 orphans, 0 durable lost",
+                f"corrupt {r['worst_corrupt']}, orphans {r['worst_orphans']}, durable lost "
+                f"{r['worst_durable_lost']}",
+                bad == 0 and r["cycles"] >= cycles,
+            )
+        )
     body += [
         "",
         "Writers: three threads (arena put, put sent ahead, inline put) of 1-4 block chains "
         "of 16 KiB, killed 0.2-0.6 s into each cycle. After each restart the last cycle's "
-        "chains and 100 older ones are read back (\"corrupt\" and \"durable lost\": the "
-        "worst after any restart); after the last one every chain is, and \"orphans\" "
+        'chains and 100 older ones are read back ("corrupt" and "durable lost": the '
+        'worst after any restart); after the last one every chain is, and "orphans" '
         "compares the blocks the daemon indexes with those reachable from a chain's root. "
         "Write-back loses what was only in the host tier by design (the Durability table).",
     ]
@@ -356,7 +266,8 @@ def part_client(work: Path, quick: bool) -> Section:
             for op in ("put", "get", "acquire", "claim", "claim-inline"):
                 for _ in range(rounds):
                     child = subprocess.Popen(
-                        [sys.executable, "-c", CLIENT, daemon.addr, op], stdout=subprocess.PIPE,
+                        [sys.executable, "-c", CLIENT, daemon.addr, op],
+                        stdout=subprocess.PIPE,
                         text=True,
                     )
                     assert child.stdout is not None and child.stdout.readline().strip() == "go"
@@ -377,17 +288,29 @@ def part_client(work: Path, quick: bool) -> Section:
         daemon.close()
     body = ["| killed mid | kills | released p50 | released max |", "|---|---|---|---|"]
     for op, times in released.items():
-        body.append(f"| {op} | {len(times)} | {statistics.median(times) * 1000:.0f} ms | "
-                    f"{max(times) * 1000:.0f} ms |")
+        body.append(
+            f"| {op} | {len(times)} | {statistics.median(times) * 1000:.0f} ms | "
+            f"{max(times) * 1000:.0f} ms |"
+        )
     worst = max(max(t) for t in released.values())
-    body += ["", "\"Released\": from the kill until the daemon holds no lease, pending block "
-             "or staged slot of the client (lease TTL 60 s: without the release it would be "
-             "60 s). `claim-inline` makes its claims over gRPC (its Session ends them); the "
-             "others over the local-call socket."]
-    return Section("Killed clients", body, [(
-        "the store usable within 1 s after a client is killed", f"worst {worst * 1000:.0f} ms",
-        worst <= 1.0,
-    )])
+    body += [
+        "",
+        '"Released": from the kill until the daemon holds no lease, pending block '
+        "or staged slot of the client (lease TTL 60 s: without the release it would be "
+        "60 s). `claim-inline` makes its claims over gRPC (its Session ends them); the "
+        "others over the local-call socket.",
+    ]
+    return Section(
+        "Killed clients",
+        body,
+        [
+            (
+                "the store usable within 1 s after a client is killed",
+                f"worst {worst * 1000:.0f} ms",
+                worst <= 1.0,
+            )
+        ],
+    )
 
 
 # --- diskfull ----------------------------------------------------------------------------
@@ -398,10 +321,15 @@ def small_disk(where: Path, size_mib: int) -> Iterator[tuple[str, Callable[[], N
     """A directory on a full-able disk: a tmpfs of ``size_mib`` when we may mount one,
     else a plain directory and a file size limit for the daemon."""
     where.mkdir(parents=True, exist_ok=True)
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)],
-        capture_output=True, check=False,
-    ).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)],
+            capture_output=True,
+            check=False,
+        ).returncode
+        == 0
+    )
     if mounted:
         try:
             yield f"tmpfs of {size_mib} MiB (ENOSPC)", None
@@ -422,8 +350,12 @@ def part_diskfull(work: Path, quick: bool) -> Section:
     errors = Counter[str]()
     with small_disk(work / "diskfull-mnt", 48) as (how, preexec):
         daemon = Kvstored(
-            work / "diskfull", preexec=preexec, host_bytes="16MiB", disk_bytes="256MiB",
-            admission="write-through", disk_dir=work / "diskfull-mnt" / "disk",
+            work / "diskfull",
+            preexec=preexec,
+            host_bytes="16MiB",
+            disk_bytes="256MiB",
+            admission="write-through",
+            disk_dir=work / "diskfull-mnt" / "disk",
             arena_dir=work / "diskfull",
         )
         daemon.start()
@@ -432,6 +364,7 @@ def part_diskfull(work: Path, quick: bool) -> Section:
         try:
             with KVClient(daemon.addr, timeout=30) as client:
                 ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=size)
+
                 def put(s: int) -> Any:
                     return ns.put(tokens_of(s, 4), [block_of(s, i, size) for i in range(4)])
 
@@ -464,52 +397,48 @@ def part_diskfull(work: Path, quick: bool) -> Section:
     faults = log.count("disk tier stopped taking writes")
     recoveries = log.count("disk tier takes writes again")
     worst = max(max(v) for v in latencies.values())
-    body = [f"The disk tier on a {how}, write-through, {seconds} s of puts of 1 MiB "
-            "chains with a get, a lookup, ServerInfo and Stats after each.", "",
-            "| call | calls | p50 | p99 | max |", "|---|---|---|---|---|"]
+    body = [
+        f"The disk tier on a {how}, write-through, {seconds} s of puts of 1 MiB "
+        "chains with a get, a lookup, ServerInfo and Stats after each.",
+        "",
+        "| call | calls | p50 | p99 | max |",
+        "|---|---|---|---|---|",
+    ]
     for name, values in latencies.items():
-        body.append(f"| {name} | {len(values)} | {percentile(values, 0.5) * 1000:.1f} ms | "
-                    f"{percentile(values, 0.99) * 1000:.1f} ms | {max(values) * 1000:.1f} ms |")
-    body += ["", f"Blocks stored {stored}, answered durable {durable}; disk faults logged "
-             f"{faults}, recoveries {recoveries}; errors: {dict(errors) or 'none'}; "
-             f"exit code at stop {code} (3: blocks due on disk could not be written).",
-             "", "Each fault gives back the disk tier's reserve (kvstore.disk_files): LMDB "
-             "writes even a delete as new pages, so on a full file system the evictions "
-             "could not commit without it. With it they do, and the tier goes on at the size "
-             "that fits; it takes the reserve back once the file system has room for it."]
-    return Section("A full disk", body, [
-        ("no call slower than 1 s while the disk is full", f"slowest {worst * 1000:.0f} ms",
-         worst <= 1.0 and not errors and faults > 0),
-        ("a full disk: the disk tier resumes by itself at the size that fits",
-         f"{faults} faults, {recoveries} recoveries, {durable} of {stored} blocks durable",
-         recoveries > 0),
-    ])
+        body.append(
+            f"| {name} | {len(values)} | {percentile(values, 0.5) * 1000:.1f} ms | "
+            f"{percentile(values, 0.99) * 1000:.1f} ms | {max(values) * 1000:.1f} ms |"
+        )
+    body += [
+        "",
+        f"Blocks stored {stored}, answered durable {durable}; disk faults logged "
+        f"{faults}, recoveries {recoveries}; errors: {dict(errors) or 'none'}; "
+        f"exit code at stop {code} (3: blocks due on disk could not be written).",
+        "",
+        "Each fault gives back the disk tier's reserve (kvstore.disk_files): LMDB "
+        "writes even a delete as new pages, so on a full file system the evictions "
+        "could not commit without it. With it they do, and the tier goes on at the size "
+        "that fits; it takes the reserve back once the file system has room for it.",
+    ]
+    return Section(
+        "A full disk",
+        body,
+        [
+            (
+                "no call slower than 1 s while the disk is full",
+                f"slowest {worst * 1000:.0f} ms",
+                worst <= 1.0 and not errors and faults > 0,
+            ),
+            (
+                "a full disk: the disk tier resumes by itself at the size that fits",
+                f"{faults} faults, {recoveries} recoveries, {durable} of {stored} blocks durable",
+                recoveries > 0,
+            ),
+        ],
+    )
 
 
 # --- damage -------------------------------------------------------------------------------
-
-
-def damage_btree(path: Path) -> int:
-    """Fill every B-tree branch and leaf page of data.mdb (not the meta pages, not
-    value pages) with noise; how many (tests/test_faults.py uses it too)."""
-    raw = bytearray(path.read_bytes())
-    hit = 0
-    for number in range(2, len(raw) // 4096):
-        at = number * 4096
-        flags = int.from_bytes(raw[at + 10 : at + 12], "little")
-        if flags & 0x03 and not flags & 0x04:  # P_BRANCH | P_LEAF, not P_OVERFLOW
-            raw[at + 16 : at + 4096] = os.urandom(4096 - 16)
-            hit += 1
-    path.write_bytes(raw)
-    return hit
-
-
-def damage_value(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    marker = block_of(1, 1, 64)[:64]
-    at = raw.find(marker)
-    raw[at + 100 : at + 164] = b"\xee" * 64
-    path.write_bytes(raw)
 
 
 DAMAGES: dict[str, Callable[[Path], None]] = {
@@ -523,8 +452,10 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
 
 def part_damage(work: Path, quick: bool) -> Section:
     size = 64 << 10
-    body = ["| damage | started | moved aside | ERROR line | blocks served | corrupt served |",
-            "|---|---|---|---|---|---|"]
+    body = [
+        "| damage | started | moved aside | ERROR line | blocks served | corrupt served |",
+        "|---|---|---|---|---|---|",
+    ]
     all_ok = True
     for name, damage in DAMAGES.items():
         daemon = Kvstored(work / f"damage-{len(body)}", admission="write-through")
@@ -552,82 +483,34 @@ def part_damage(work: Path, quick: bool) -> Section:
                             corrupt += got.n_blocks
             aside = any(f.startswith("data.mdb.damaged-") for f in os.listdir(daemon.disk_dir))
             error_line = "was damaged" in daemon.text() or "is damaged" in daemon.text()
-            body.append(f"| {name} | {'yes' if started else 'NO'} | {'yes' if aside else 'no'} | "
-                        f"{'yes' if error_line else 'no'} | {served} of 20 | {corrupt} |")
+            body.append(
+                f"| {name} | {'yes' if started else 'NO'} | {'yes' if aside else 'no'} | "
+                f"{'yes' if error_line else 'no'} | {served} of 20 | {corrupt} |"
+            )
             all_ok &= started and corrupt == 0
         finally:
             daemon.stop()
             daemon.close()
-    body += ["", "Five chains of four 64 KiB blocks, put write-through, then the daemon is "
-             "stopped, data.mdb damaged, the daemon started again. A damaged value is caught "
-             "by its checksum when read (a miss; the block and its descendants are dropped)."]
-    return Section("Damaged files", body, [
-        ("start-up never dies on a damaged file; nothing corrupt served",
-         "see the table", all_ok)])
+    body += [
+        "",
+        "Five chains of four 64 KiB blocks, put write-through, then the daemon is "
+        "stopped, data.mdb damaged, the daemon started again. A damaged value is caught "
+        "by its checksum when read (a miss; the block and its descendants are dropped).",
+    ]
+    return Section(
+        "Damaged files",
+        body,
+        [
+            (
+                "start-up never dies on a damaged file; nothing corrupt served",
+                "see the table",
+                all_ok,
+            )
+        ],
+    )
 
 
 # --- fuzz ---------------------------------------------------------------------------------
-
-
-def valid_requests(ns_id: str) -> dict[str, Any]:
-    tokens = list(range(32))
-    return {
-        "OpenNamespace": pb.OpenNamespaceRequest(
-            spec=pb.NamespaceSpec(model="fuzz", block_tokens=4, block_bytes=4096)),
-        "Lookup": pb.LookupRequest(ns_id=ns_id, tokens=tokens),
-        "Acquire": pb.AcquireRequest(ns_id=ns_id, tokens=tokens),
-        "Release": pb.ReleaseRequest(lease_id=12345),
-        "ReportReads": pb.ReportReadsRequest(
-            prefixes=[pb.PrefixReads(ns_id=ns_id, tokens=tokens, n_blocks=2, reads=1)]),
-        "Reserve": pb.ReserveRequest(ns_id=ns_id, tokens=tokens, n_blocks=2),
-        "Commit": pb.CommitRequest(lease_id=12345),
-        "Abandon": pb.AbandonRequest(lease_id=12345),
-        "Delete": pb.DeleteRequest(ns_id=ns_id, tokens=tokens),
-        "SetPriority": pb.SetPriorityRequest(ns_id=ns_id, tokens=tokens, priority=50),
-        "Stats": pb.StatsRequest(),
-        "ServerInfo": pb.ServerInfoRequest(),
-        "DescribeNamespace": pb.DescribeNamespaceRequest(ns_id=ns_id),
-        "ListNamespaces": pb.ListNamespacesRequest(),
-    }
-
-
-def mutate(raw: bytes, rng: random.Random) -> bytes:
-    kind = rng.randrange(4)
-    if kind == 0 or not raw:
-        return rng.randbytes(rng.randrange(0, 300))
-    data = bytearray(raw)
-    if kind == 1:
-        for _ in range(rng.randrange(1, 6)):
-            data[rng.randrange(len(data))] = rng.randrange(256)
-    elif kind == 2:
-        data = data[: rng.randrange(len(data))]
-    else:
-        at = rng.randrange(len(data))
-        data[at:at] = rng.randbytes(rng.randrange(1, 40))
-    return bytes(data)
-
-
-def local_call(path: str, frame: bytes, noise: bool, timeout: float = 10) -> str:
-    """Send one frame; the status name answered, or what happened to the connection.
-    After ``noise`` (which may announce more bytes than it has) the sending side is
-    shut, as a client that went away would leave it."""
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
-        sock.sendall(frame)
-        if noise:
-            sock.shutdown(socket.SHUT_WR)
-        head = b""
-        while len(head) < frames.HEADER.size:
-            more = sock.recv(frames.HEADER.size - len(head))
-            if not more:
-                return "closed"
-            head += more
-        _, status = frames.HEADER.unpack(head)
-    return grpc.StatusCode.OK.name if status == 0 else next(
-        (c.name for c in grpc.StatusCode if c.value[0] == status), f"status {status}")
 
 
 def part_fuzz(work: Path, quick: bool) -> Section:
@@ -668,19 +551,32 @@ def part_fuzz(work: Path, quick: bool) -> Section:
         tracebacks = daemon.text().count("Traceback")
         daemon.close()
     bad = sum(c[b] for c in codes.values() for b in BAD_CODES)
-    body = [f"{count} requests, half over each socket: valid requests of every unary method "
-            "with random bytes changed, cut or inserted, or noise; on the local-call socket "
-            "also malformed frames (the daemon closes such a connection).", "",
-            "| socket | answers |", "|---|---|"]
+    body = [
+        f"{count} requests, half over each socket: valid requests of every unary method "
+        "with random bytes changed, cut or inserted, or noise; on the local-call socket "
+        "also malformed frames (the daemon closes such a connection).",
+        "",
+        "| socket | answers |",
+        "|---|---|",
+    ]
     for sock, counter in codes.items():
         body.append(f"| {sock} | " + ", ".join(f"{k} {v}" for k, v in counter.most_common()) + " |")
-    body += ["", f"Daemon alive afterwards: {'yes' if alive else 'NO'}; tracebacks in its log: "
-             f"{tracebacks}; exit code at stop {code}."]
-    return Section("Request fuzzing", body, [(
-        "fuzzing: 0 UNKNOWN or INTERNAL, 0 crashes",
-        f"{bad} UNKNOWN/INTERNAL, alive {alive}, tracebacks {tracebacks}",
-        bad == 0 and alive and tracebacks == 0,
-    )])
+    body += [
+        "",
+        f"Daemon alive afterwards: {'yes' if alive else 'NO'}; tracebacks in its log: "
+        f"{tracebacks}; exit code at stop {code}.",
+    ]
+    return Section(
+        "Request fuzzing",
+        body,
+        [
+            (
+                "fuzzing: 0 UNKNOWN or INTERNAL, 0 crashes",
+                f"{bad} UNKNOWN/INTERNAL, alive {alive}, tracebacks {tracebacks}",
+                bad == 0 and alive and tracebacks == 0,
+            )
+        ],
+    )
 
 
 # --- load ---------------------------------------------------------------------------------
@@ -759,28 +655,47 @@ def part_load(work: Path, quick: bool) -> Section:
         errors.update(out.get("errors", {}))
     failed = sum(1 for out in outputs if "lat" not in out)
     total = sum(len(v) for v in lat.values())
-    body = [f"{procs} processes, {seconds:.0f} s, one namespace of 64 KiB blocks, 200 "
-            "prompts of 4 blocks shared by all (so gets hit, puts mostly find their blocks "
-            f"there), {total} calls ({total / seconds:.0f}/s).", "",
-            "| call | calls | p50 | p99 |", "|---|---|---|---|"]
+    body = [
+        f"{procs} processes, {seconds:.0f} s, one namespace of 64 KiB blocks, 200 "
+        "prompts of 4 blocks shared by all (so gets hit, puts mostly find their blocks "
+        f"there), {total} calls ({total / seconds:.0f}/s).",
+        "",
+        "| call | calls | p50 | p99 |",
+        "|---|---|---|---|",
+    ]
     for op, values in sorted(lat.items()):
-        body.append(f"| {op} | {len(values)} | {percentile(values, 0.5) * 1000:.2f} ms | "
-                    f"{percentile(values, 0.99) * 1000:.2f} ms |")
-    body += ["", f"Errors: {dict(errors) or 'none'}; client processes that failed: {failed}; "
-             f"daemon RSS {rss[0] >> 20} MiB at start, peak {max(rss) >> 20} MiB, "
-             f"{rss[-1] >> 20} MiB at the end (host arena 128 MiB, shared memory)."]
-    return Section("Mixed load", body, [(
-        f"{procs} processes of mixed traffic: no errors, daemon alive",
-        f"{sum(errors.values())} errors, {failed} failed processes, alive {alive}",
-        not errors and not failed and alive,
-    )])
+        body.append(
+            f"| {op} | {len(values)} | {percentile(values, 0.5) * 1000:.2f} ms | "
+            f"{percentile(values, 0.99) * 1000:.2f} ms |"
+        )
+    body += [
+        "",
+        f"Errors: {dict(errors) or 'none'}; client processes that failed: {failed}; "
+        f"daemon RSS {rss[0] >> 20} MiB at start, peak {max(rss) >> 20} MiB, "
+        f"{rss[-1] >> 20} MiB at the end (host arena 128 MiB, shared memory).",
+    ]
+    return Section(
+        "Mixed load",
+        body,
+        [
+            (
+                f"{procs} processes of mixed traffic: no errors, daemon alive",
+                f"{sum(errors.values())} errors, {failed} failed processes, alive {alive}",
+                not errors and not failed and alive,
+            )
+        ],
+    )
 
 
 # --- report -------------------------------------------------------------------------------
 
 RUNNERS: dict[str, Callable[[Path, bool], Section]] = {
-    "crash": part_crash, "client": part_client, "diskfull": part_diskfull,
-    "damage": part_damage, "fuzz": part_fuzz, "load": part_load,
+    "crash": part_crash,
+    "client": part_client,
+    "diskfull": part_diskfull,
+    "damage": part_damage,
+    "fuzz": part_fuzz,
+    "load": part_load,
 }
 
 
@@ -800,8 +715,12 @@ def render(sections: list[Section], quick: bool, elapsed: float, command: str) -
     for section in sections:
         for target, measured, ok in section.checks:
             lines.append(f"| {target} | {measured} | {'yes' if ok else '**NO**'} |")
-    lines += ["", "The durability each admission mode promises is in README.md (Durability) "
-              "and deploy/README.md; the crash part checks it.", ""]
+    lines += [
+        "",
+        "The durability each admission mode promises is in README.md (Durability) "
+        "and deploy/README.md; the crash part checks it.",
+        "",
+    ]
     for section in sections:
         lines += [f"## {section.title}", "", *section.body, ""]
     return "\n".join(lines)

@@ -40,7 +40,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvstore.arena import ArenaMapping
+from kvstore.arena_mapping import ArenaMapping
 from kvstore.platform import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, PlatformInfo
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ also runs it on a small tmpfs where it may mount one.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import resource
 import signal
@@ -31,6 +30,7 @@ from conftest import (
     store_snapshot,
 )
 
+from kvbench.torture_kit import damage_btree
 from kvproto.v1 import kvstore_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -303,13 +303,7 @@ def test_a_truncated_disk_file_is_moved_aside_at_start(
 
 def overwrite_btree_pages(disk_dir: str) -> int:
     """benchmarks/torture.py's damage_btree on the daemon's data.mdb; pages hit."""
-    spec = importlib.util.spec_from_file_location("torture", ROOT / "benchmarks" / "torture.py")
-    assert spec is not None and spec.loader is not None
-    torture = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("torture", torture)  # its dataclasses look their module up
-    spec.loader.exec_module(torture)
-    hit: int = torture.damage_btree(Path(disk_dir) / "data.mdb")
-    return hit
+    return damage_btree(Path(disk_dir) / "data.mdb")
 
 
 def test_damaged_btree_pages_are_found_at_start(

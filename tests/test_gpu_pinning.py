@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from test_platform import GH200, H100_PCIE
 
-from kvstore.arena import HostArena, map_arena
+from kvstore.arena import HostArena
+from kvstore.arena_mapping import map_arena
 from kvstore.pinning import CudaPin, arena_pin_hook, buffer_address, cuda_pin_hook, pin_mapping
 from kvstore.platform import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, PlatformInfo, Profile
 from kvstore.store import Store, StoreConfig

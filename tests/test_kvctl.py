@@ -23,7 +23,8 @@ import pytest
 from conftest import Daemon
 
 from kvclient import KVClient
-from kvclient.cli import human_bytes, main, render_status
+from kvclient.cli import main
+from kvclient.cli_views import human_bytes, render_status
 
 BLOCK_TOKENS = 4
 BLOCK_BYTES = 8 << 10

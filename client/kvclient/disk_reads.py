@@ -36,7 +36,7 @@ from kvclient.arena_path import (
 )
 from kvclient.disk_index import DiskFirstReads, DiskIndex
 from kvclient.payloads import output_array
-from kvstore.arena import ArenaMapping
+from kvstore.arena_mapping import ArenaMapping
 from kvstore.disk_format import DiskExtent
 from kvstore.errors import StoreError
 from kvstore.keys import chain_keys

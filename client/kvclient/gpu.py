@@ -69,7 +69,7 @@ from kvproto.v1.host import host_id
 from kvproto.v1.results import PutResult
 from kvstore import pinning
 from kvstore import platform as kv_platform
-from kvstore.arena import ArenaMapping
+from kvstore.arena_mapping import ArenaMapping
 from kvstore.errors import InvalidArgument
 from kvstore.mover import DTYPE_NAMES, HFKV, KVCache, Mover, PagedKV, device_alias
 

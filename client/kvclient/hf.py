@@ -61,29 +61,34 @@ path are interchangeable.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from kvclient import hf_cache
 from kvclient.claims import Claim
 from kvclient.errors import DaemonUnavailableError, OutOfSpaceError, RequestTimeoutError
 from kvclient.hf_cache import UnsupportedModelError
+from kvclient.hf_layout import (
+    DEFAULT_BLOCK_TOKENS,
+    KVLayout,
+    blocks_from_cache,
+    cache_from_blocks,
+    config_fingerprint,
+    model_device,
+    text_config,
+)
+from kvclient.hf_models import LLAMA_PRESETS, random_llama, save_random_llama
 from kvclient.namespace import Namespace
 from kvclient.sync_client import KVClient
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_CHUNK_TOKENS = 512  # early reuse: tokens per forward pass, blocks delivered after each
 DEFAULT_WAIT_S = 10.0  # early reuse: wait for pending blocks before any prefill was timed
 MAX_WAIT_S = 60.0
@@ -91,30 +96,6 @@ CLAIM_ATTEMPTS = 3  # early reuse: wait-load-claim rounds before computing regar
 
 # Failures a cache may have without the answer failing: recompute instead.
 _RECOVERABLE = (DaemonUnavailableError, RequestTimeoutError, OutOfSpaceError)
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-}
-
-# Config entries that do not change what K/V a model computes (runtime switches,
-# bookkeeping); the dtype is part of the layout already.
-_FINGERPRINT_SKIP = frozenset(
-    {
-        "transformers_version",
-        "name_or_path",
-        "use_cache",
-        "torch_dtype",
-        "dtype",
-        "output_attentions",
-        "output_hidden_states",
-        "return_dict",
-        "tie_word_embeddings",
-    }
-)
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
@@ -132,162 +113,6 @@ __all__ = [
     "random_llama",
     "save_random_llama",
 ]
-
-
-# -- layout ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of a model's KV cache as kvstore blocks (see the module docstring)."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
-
-    @classmethod
-    def from_model(
-        cls, model: torch.nn.Module, block_tokens: int = DEFAULT_BLOCK_TOKENS
-    ) -> KVLayout:
-        config = _text_config(model.config)
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(
-            num_layers=config.num_hidden_layers,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            dtype=_model_dtype(model),
-            block_tokens=block_tokens,
-        )
-
-    @property
-    def dtype_name(self) -> str:
-        """The dtype as kvstore's NamespaceSpec names it."""
-        try:
-            return _DTYPE_NAMES[self.dtype]
-        except KeyError:
-            raise UnsupportedModelError(f"KV dtype {self.dtype} has no kvstore name") from None
-
-    @property
-    def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """``[layers, K|V, kv_heads, tokens, head_dim]``: one block, C order."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
-
-    @property
-    def block_bytes(self) -> int:
-        """2 * layers * kv_heads * head_dim * dtype bytes * tokens per block."""
-        return (
-            2
-            * self.num_layers
-            * self.num_kv_heads
-            * self.head_dim
-            * self.dtype_bytes
-            * self.block_tokens
-        )
-
-    def namespace_fields(self) -> dict[str, Any]:
-        """The layout fields of ``KVClient.namespace`` (the daemon checks block_bytes)."""
-        return {
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype_name,
-        }
-
-
-def _text_config(config: PretrainedConfig) -> PretrainedConfig:
-    if hasattr(config, "get_text_config"):
-        return config.get_text_config(decoder=True)
-    return config  # pragma: no cover
-
-
-def _model_dtype(model: torch.nn.Module) -> torch.dtype:
-    dtype = getattr(model, "dtype", None)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return next(model.parameters()).dtype  # pragma: no cover
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    device = getattr(model, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    return next(model.parameters()).device  # pragma: no cover
-
-
-def config_fingerprint(config: PretrainedConfig) -> str:
-    """Hex SHA-256 of the config entries that shape the K/V (stable across processes)."""
-    entries = {
-        k: v
-        for k, v in config.to_dict().items()
-        if k not in _FINGERPRINT_SKIP and not k.startswith("_")
-    }
-    text = json.dumps(entries, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-# -- cache <-> blocks -----------------------------------------------------------------
-
-
-def blocks_from_cache(
-    cache: Any, layout: KVLayout, start_block: int, end_block: int
-) -> torch.Tensor:
-    """Blocks ``[start_block, end_block)`` of ``cache`` as ``uint8[n, block_bytes]``, on
-    the cache's device (one gather per layer and K/V into one buffer)."""
-    n = end_block - start_block
-    L, H, T, D = layout.num_layers, layout.num_kv_heads, layout.block_tokens, layout.head_dim
-    lo, hi = start_block * T, end_block * T
-    first, _ = hf_cache.layer_kv(cache, 0)
-    out = torch.empty((n, L, 2, H, T, D), dtype=layout.dtype, device=first.device)
-    for layer in range(L):
-        for kv, tensor in enumerate(hf_cache.layer_kv(cache, layer)):
-            if tensor.dim() != 4 or tensor.shape[0] != 1 or tensor.shape[1] != H:
-                raise ValueError(
-                    f"layer {layer}: expected [1, {H}, seq, {D}] K/V, got {tuple(tensor.shape)}"
-                )
-            if tensor.shape[2] < hi or tensor.dtype != layout.dtype:
-                raise ValueError(
-                    f"layer {layer}: cache holds {tensor.shape[2]} tokens of {tensor.dtype}, "
-                    f"need {hi} of {layout.dtype}"
-                )
-            # [H, n*T, D] -> [H, n, T, D] -> [n, H, T, D]
-            out[:, layer, kv].copy_(tensor[0, :, lo:hi].unflatten(1, (n, T)).transpose(0, 1))
-    return out.view(torch.uint8).reshape(n, layout.block_bytes)
-
-
-def cache_from_blocks(
-    blocks: np.ndarray | torch.Tensor,
-    layout: KVLayout,
-    config: PretrainedConfig,
-    device: torch.device | str = "cpu",
-) -> Any:
-    """A ``DynamicCache`` holding the ``n * block_tokens`` tokens of ``blocks``
-    (``uint8[n, block_bytes]``), on ``device``.
-
-    GPU path: today the bytes move with ``.to(device)`` (pageable memory); later they are
-    copied from pinned arena slots on a side stream, or scattered by the daemon.
-    """
-    data = torch.from_numpy(blocks) if isinstance(blocks, np.ndarray) else blocks
-    if data.dim() != 2 or data.shape[1] != layout.block_bytes or data.dtype != torch.uint8:
-        raise ValueError(
-            f"blocks must be uint8[n, {layout.block_bytes}], got {data.dtype} {tuple(data.shape)}"
-        )
-    n = data.shape[0]
-    L, H, T, D = layout.num_layers, layout.num_kv_heads, layout.block_tokens, layout.head_dim
-    data = data.to(device)
-    kv = data.view(layout.dtype).view(n, *layout.block_shape)  # [n, L, 2, H, T, D]
-    # One gather: [n, L, 2, H, T, D] -> [L, 2, H, n, T, D] contiguous -> [L, 2, 1, H, n*T, D]
-    per_layer = kv.permute(1, 2, 3, 0, 4, 5).contiguous().view(L, 2, 1, H, n * T, D)
-    return hf_cache.cache_from_layers(
-        config, [(per_layer[layer, 0], per_layer[layer, 1]) for layer in range(L)]
-    )
 
 
 # -- the adapter ----------------------------------------------------------------------
@@ -375,7 +200,7 @@ class HFPrefixCache:
         ns_model = model_id
         if fingerprint_config:
             ns_model = f"{model_id}#{config_fingerprint(model.config)[:16]}"
-        vocab = getattr(_text_config(model.config), "vocab_size", 0) or 0
+        vocab = getattr(text_config(model.config), "vocab_size", 0) or 0
         self.namespace: Namespace = client.namespace(
             ns_model,
             block_tokens,
@@ -391,7 +216,7 @@ class HFPrefixCache:
 
     @property
     def device(self) -> torch.device:
-        return _model_device(self.model)
+        return model_device(self.model)
 
     # -- prefill ----------------------------------------------------------------------
 
@@ -711,109 +536,3 @@ def _as_ids(input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-# -- random-weight models (examples, tests, benchmarks: nothing is downloaded) ---------
-
-LLAMA_PRESETS: dict[str, dict[str, Any]] = {
-    # tests: a few layers, GQA, fp32 in milliseconds
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=4096,
-    ),
-    # examples: still fast on two CPU cores
-    "small": dict(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=4096,
-        max_position_embeddings=16384,
-    ),
-    # CPU TTFT benchmark: ~250M parameters, 16 layers, GQA 16/4; prefill dominates and
-    # 512..8192-token prompts take minutes, not hours, on two cores
-    "cpu-250m": dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        max_position_embeddings=16384,
-    ),
-    # vLLM tests and benchmark (save_random_llama): 2 KiB of KV a token in bfloat16
-    "vllm-tiny": dict(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=32000,
-        max_position_embeddings=32768,
-    ),
-    # Llama-3-8B's shape (random weights): the GPU benchmark
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-    ),
-}
-
-
-def random_llama(
-    preset: str = "tiny",
-    *,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    attn_implementation: str = "sdpa",
-    **overrides: Any,
-) -> LlamaForCausalLM:
-    """A Llama with seeded random weights from ``LLAMA_PRESETS[preset]`` (+ overrides),
-    in eval mode. The same arguments give the same weights in every CPU process."""
-    config = LlamaConfig(**{**LLAMA_PRESETS[preset], **overrides})
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # initialise in the target dtype: no fp32 copy of 8B
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    return model.eval()
-
-
-def save_random_llama(directory: str | Path, preset: str = "vllm-tiny", *, seed: int = 0) -> Path:
-    """Save a seeded random Llama (bfloat16) and a word-level tokenizer (token ``i`` is
-    the word ``t<i>``) to ``directory``, as a model directory that vLLM and
-    transformers load offline; idempotent."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = Path(directory)
-    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
-        return path
-    model = random_llama(preset, seed=seed, dtype=torch.bfloat16)
-    model.config.dtype = "bfloat16"
-    model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    vocab["<unk>"] = 0
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="t1", eos_token="t2"
-    ).save_pretrained(path)
-    return path

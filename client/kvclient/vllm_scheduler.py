@@ -1,0 +1,181 @@
+"""The scheduler side of the vLLM connector: lookups, claims and each step's plan
+(the protocol: :mod:`kvclient.vllm`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvclient.claims import Claim
+from kvclient.errors import (
+    KVStoreError,
+    LayoutMismatchError,
+    OutOfSpaceError,
+)
+from kvclient.sync_client import KVClient
+from kvclient.vllm_plan import RequestState, StepPlan
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+from kvclient.vllm_setup import (
+    POLL_PENDING_S,
+    ConnectorSettings,
+    EngineLayout,
+    EngineNamespaces,
+    Warnings,
+)
+
+log = logging.getLogger("kvclient.vllm")
+
+
+class SchedulerSide:
+    """Lookups, claims and the per-step plans (see the module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings, layout: EngineLayout) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.client = KVClient(
+            settings.addr, timeout=settings.lookup_timeout_s, token=settings.token()
+        )
+        self.namespaces = EngineNamespaces(self.client, layout, rank=0, name=settings.namespace)
+        self.requests: dict[str, RequestState] = {}
+        self.claims: dict[str, Claim] = {}
+        self.warnings = Warnings()
+        self._down_until = 0.0
+        try:  # a layout clash is a start-up error; a daemon not there yet is not
+            self.namespaces.get("")
+        except LayoutMismatchError:
+            self.client.close()
+            raise
+        except KVStoreError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: KVStoreError) -> None:
+        self._down_until = time.monotonic() + self.settings.retry_after_s
+        self.warnings.warn(
+            "daemon",
+            "kvstore at %s: %s; requests compute their prefixes (no reuse) until it answers",
+            self.client.addr,
+            exc,
+        )
+
+    def _usable(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def matched(self, request: Request, local_tokens: int) -> int | None:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            state = RequestState(
+                salt=request.cache_salt or "",
+                prompt=list(request.prompt_token_ids or ()),
+                block_size=self.layout.block_tokens,
+            )
+            self.requests[request.request_id] = state
+        if state.full_blocks == 0 or not self._usable():
+            return state.matched(local_tokens, 0)
+        now = time.monotonic()
+        if state.waiting_since is not None and now - state.last_lookup < POLL_PENDING_S:
+            return None  # waiting for another engine: do not ask the daemon every step
+        state.last_lookup = now
+        try:
+            stored, pending_elsewhere = self._stored_blocks(request.request_id, state)
+        except KVStoreError as exc:
+            self._failed(exc)
+            return state.matched(local_tokens, 0)
+        if pending_elsewhere and stored < state.loadable_blocks:
+            if state.waiting_since is None:
+                state.waiting_since = now
+            if now - state.waiting_since < self.settings.early_reuse_wait_s:
+                return None  # ask again later: another engine computes these blocks
+        return state.matched(local_tokens, stored)
+
+    def _stored_blocks(self, req_id: str, state: RequestState) -> tuple[int, bool]:
+        """Blocks of the prompt kvstore holds, and whether the next ones are being
+        computed by another engine. With early reuse this is a claim (one Reserve):
+        the blocks nobody holds become this request's to compute, so that two engines
+        asking at once never both compute them."""
+        ns = self.namespaces.get(state.salt)
+        prefix = state.prompt[: state.full_blocks * state.block_size]
+        if self.settings.early_reuse and req_id not in self.claims:
+            try:
+                claim = ns.claim(prefix, 0, priority=self.settings.priority)
+            except OutOfSpaceError:  # no room to claim in: a plain lookup
+                pass
+            else:
+                if claim.blocks:
+                    self.claims[req_id] = claim
+                    state.claim = claim.ticket()
+                return claim.existing, claim.pending_elsewhere and not claim.blocks
+        hit = ns.lookup(prefix)
+        # blocks pending under this request's own claim (resumed after a preemption)
+        # are not worth waiting for: nobody else computes them
+        waiting = self.settings.early_reuse and req_id not in self.claims
+        return hit.blocks, waiting and hit.pending_blocks > 0
+
+    def allocated(self, request: Request, external_tokens: int) -> None:
+        state = self.requests.get(request.request_id)
+        if state is not None:
+            state.allocated(external_tokens)
+
+    def plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        plan = StepPlan()
+        down = not self._usable()  # no saves for a daemon that just failed a call
+        computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            computed[new.req_id] = new.num_computed_tokens
+            load = state.take_load(new.req_id)
+            if load is not None:
+                plan.loads.append(load)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                load = state.take_load(req_id)
+                if load is not None:
+                    plan.loads.append(load)
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self.requests.get(req_id)
+            if state is None or req_id not in computed:
+                continue
+            save = state.take_save(req_id, computed[req_id] + scheduled)
+            if save is not None and not down:
+                plan.saves.append(save)
+        return plan
+
+    def failed(self, block_ids: set[int]) -> None:
+        """Blocks a worker could not load: vLLM recomputes them, and the steps that do
+        store them again (they were missing or damaged in kvstore)."""
+        for state in self.requests.values():
+            for i, block_id in enumerate(state.block_ids[: state.saved]):
+                if block_id in block_ids:
+                    state.saved = i
+                    break
+
+    def finished(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        claim = self.claims.pop(req_id, None)
+        if state is not None and claim is not None and state.saved >= claim.first + claim.blocks:
+            return  # the worker was told to deliver all of it: nothing left to drop
+        if claim is not None:
+            try:
+                claim.abandon()  # what the worker did not deliver: waiters compute it
+            except KVStoreError as exc:
+                log.debug("abandon of request %s's claim failed: %s", req_id, exc)
+
+    def close(self) -> None:
+        for req_id in list(self.claims):
+            self.finished(req_id)
+        self.client.close()

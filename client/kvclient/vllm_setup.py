@@ -1,0 +1,217 @@
+"""What both sides of the vLLM connector share: its settings, the vLLM versions it
+supports, the engine's KV layout as a kvstore block, the namespaces of one engine and
+rate-limited warnings (the protocol: :mod:`kvclient.vllm`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import vllm
+
+from kvclient.errors import (
+    InvalidArgumentError,
+    LayoutMismatchError,
+)
+from kvclient.namespace import Namespace
+from kvclient.security import read_token_file
+from kvclient.sync_client import KVClient
+from kvstore.keys import DTYPE_BYTES, MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("kvclient.vllm")
+
+# vLLM releases this connector is tested with: [first, end)
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+WARN_EVERY_S = 60.0  # one warning of a kind per this many seconds
+POLL_PENDING_S = 0.02  # early reuse: least time between two lookups of a waiting request
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` keys (all optional)."""
+
+    addr: str | None = None  # kvstored address; default: KVSTORE_ADDR or the default socket
+    priority: int | None = None  # of stored blocks (0..100); default: the daemon's
+    early_reuse: bool = True  # wait for blocks another engine is computing; claim ours
+    early_reuse_wait_s: float = 10.0  # longest a request waits for another engine
+    lookup_timeout_s: float = 0.5  # scheduler's calls (lookup, claim): deadline each
+    io_timeout_s: float = 10.0  # worker's calls (loads, saves): deadline each
+    retry_after_s: float = 5.0  # after a failed call, answer misses this long
+    model: str | None = None  # model id in the namespace; default: vLLM's model name
+    namespace: str = ""  # a name to bind the (unsalted) namespace to, checked at start
+    load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy
+    # a daemon with tenants: the file holding this engine's token (default
+    # KVSTORE_TOKEN / KVSTORE_TOKEN_FILE). No key takes the token itself: vLLM logs
+    # its configuration, kv_connector_extra_config included.
+    token_file: str = ""
+
+    def token(self) -> str | None:
+        """The token from ``token_file``; None: the client's default (environment)."""
+        if not self.token_file:
+            return None
+        try:
+            return read_token_file(self.token_file, "token_file")
+        except InvalidArgumentError as exc:
+            raise ValueError(f"KVStoreConnector: {exc}") from None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"KVStoreConnector: unknown kv_connector_extra_config key(s) {unknown}; "
+                f"known: {sorted(known)}"
+            )
+        settings = cls(**extra)
+        for name in ("early_reuse_wait_s", "lookup_timeout_s", "io_timeout_s"):
+            if not float(getattr(settings, name)) > 0:
+                raise ValueError(f"KVStoreConnector: {name} must be > 0")
+        if settings.priority is not None and not 0 <= int(settings.priority) <= 100:
+            raise ValueError("KVStoreConnector: priority must be in 0..100")
+        if settings.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("KVStoreConnector: load_failure_policy is 'recompute' or 'fail'")
+        return settings
+
+
+def check_vllm_version(version: str = vllm.__version__) -> None:
+    """One clear error at start-up for a vLLM this connector was not tested with."""
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        major_minor = (-1, -1)
+    first, end = SUPPORTED_VLLM
+    if not first <= major_minor < end:
+        raise RuntimeError(
+            f"KVStoreConnector supports vLLM >= {first[0]}.{first[1]}, < {end[0]}.{end[1]}; "
+            f"this is vLLM {version}"
+        )
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """What makes this engine's blocks interchangeable with another's (the namespace)."""
+
+    model: str
+    block_tokens: int
+    block_bytes: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    world_size: int
+    layer_names: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
+    ) -> EngineLayout:
+        groups = kv_cache_config.kv_cache_groups
+        spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+        if spec is None or type(spec).__name__ != "FullAttentionSpec":
+            kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+            raise ValueError(
+                f"KVStoreConnector supports models with one full-attention KV cache group; "
+                f"this model has {kinds}"
+            )
+        block_tokens = int(spec.block_size)
+        if not MIN_BLOCK_TOKENS <= block_tokens <= MAX_BLOCK_TOKENS:
+            raise ValueError(
+                f"KVStoreConnector: vLLM's block_size {block_tokens} is outside kvstore's "
+                f"{MIN_BLOCK_TOKENS}..{MAX_BLOCK_TOKENS} tokens per block"
+            )
+        layer_names = tuple(groups[0].layer_names)
+        dtype = str(spec.dtype).removeprefix("torch.")
+        device = vllm_config.device_config.device_type
+        page_layout = kv_cache_config.kv_cache_layout or "default"
+        model = settings.model or vllm_config.model_config.model
+        parallel = vllm_config.parallel_config
+        return cls(
+            model=f"{model}:vllm-{device}-{page_layout}",
+            block_tokens=block_tokens,
+            block_bytes=int(spec.page_size_bytes) * len(layer_names),
+            num_layers=len(layer_names),
+            num_kv_heads=int(spec.num_kv_heads),
+            head_dim=int(spec.head_size),
+            dtype=dtype,
+            world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
+            layer_names=layer_names,
+        )
+
+    def namespace_fields(self, rank: int, salt: str) -> dict[str, Any]:
+        """Arguments of ``KVClient.namespace``; the layout fields only when they account
+        for every byte of a page (a padded page is described by ``block_bytes``)."""
+        layout: dict[str, Any] = {
+            "model": self.model,
+            "block_tokens": self.block_tokens,
+            "block_bytes": self.block_bytes,
+            "rank": rank,
+            "world_size": self.world_size,
+            "tenant_salt": salt,
+        }
+        dtype_bytes = DTYPE_BYTES.get(self.dtype)
+        implied = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_tokens
+        if dtype_bytes is not None and implied * dtype_bytes == self.block_bytes:
+            layout.update(
+                num_layers=self.num_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+            )
+        return layout
+
+    def describe(self) -> str:
+        return (
+            f"model={self.model} block_tokens={self.block_tokens} "
+            f"block_bytes={self.block_bytes} num_layers={self.num_layers} "
+            f"num_kv_heads={self.num_kv_heads} head_dim={self.head_dim} dtype={self.dtype} "
+            f"world_size={self.world_size}"
+        )
+
+
+class Warnings:
+    """At most one warning of each kind per WARN_EVERY_S (a broken daemon is seen by
+    every request; the log should say so once, not thousands of times)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def warn(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._last[kind] = now
+            log.warning(message, *args)
+
+
+class EngineNamespaces:
+    """The namespaces of one connector side, by ``cache_salt``, opened on first use."""
+
+    def __init__(self, client: KVClient, layout: EngineLayout, rank: int, name: str = "") -> None:
+        self.client = client
+        self.layout = layout
+        self.rank = rank
+        self.name = name
+        self._open: dict[str, Namespace] = {}
+
+    def get(self, salt: str) -> Namespace:
+        ns = self._open.get(salt)
+        if ns is None:
+            try:
+                ns = self.client.namespace(
+                    name=self.name if not salt else "",
+                    **self.layout.namespace_fields(self.rank, salt),
+                )
+            except LayoutMismatchError as exc:
+                raise LayoutMismatchError(
+                    f"kvstore namespace {self.name!r} is bound to another layout than "
+                    f"this engine's ({self.layout.describe()}): {exc}",
+                    addr=self.client.addr,
+                ) from None
+            self._open[salt] = ns
+        return ns

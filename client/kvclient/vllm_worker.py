@@ -1,0 +1,217 @@
+"""The worker side of the vLLM connector: the copies between vLLM's paged cache and
+kvstore that a step's plan asks for (the protocol: :mod:`kvclient.vllm`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvclient.claims import Claim
+from kvclient.errors import (
+    ArenaUnavailableError,
+    KVStoreError,
+    LeaseError,
+)
+from kvclient.namespace import Namespace
+from kvclient.puts_ahead import PendingPut
+from kvclient.sync_client import KVClient
+from kvclient.vllm_blocks import PagedLayers
+from kvclient.vllm_plan import LoadSpec, SaveSpec, StepPlan
+
+if TYPE_CHECKING:
+    pass
+from kvclient.vllm_setup import (
+    ConnectorSettings,
+    EngineLayout,
+    EngineNamespaces,
+    Warnings,
+)
+
+log = logging.getLogger("kvclient.vllm")
+
+
+class WorkerSide:
+    """Copies between vLLM's paged cache and kvstore (see the module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings, layout: EngineLayout, rank: int) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.client = KVClient(settings.addr, timeout=settings.io_timeout_s, token=settings.token())
+        self.namespaces = EngineNamespaces(self.client, layout, rank, name=settings.namespace)
+        self.layers: PagedLayers | None = None
+        self.warnings = Warnings()
+        self.failed_blocks: set[int] = set()
+        self.claims: dict[str, Claim | None] = {}  # None: the claim was lost, plain puts
+        self._down_until = 0.0  # after a failed call, no saves until then
+        self.pending: deque[PendingPut] = deque()
+        self._rows = torch.empty((0, layout.block_bytes), dtype=torch.uint8)
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        missing = [name for name in self.layout.layer_names if name not in kv_caches]
+        if missing:
+            raise ValueError(f"KVStoreConnector: no KV cache for layers {missing}")
+        layers = [kv_caches[name] for name in self.layout.layer_names]
+        self.layers = PagedLayers(layers, num_blocks)
+        if self.layers.block_bytes != self.layout.block_bytes:
+            raise ValueError(
+                f"KVStoreConnector: the KV cache tensors hold {self.layers.block_bytes} bytes "
+                f"per block, the KV cache spec says {self.layout.block_bytes}"
+            )
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Connect, map the arena and open the namespace now, at start-up: else the
+        first request to load pays for them (a cost of the process, not of the load)."""
+        try:
+            if self.client.arena_in_use:
+                self.namespaces.get("")
+        except KVStoreError as exc:  # the daemon is not there yet: first use connects
+            log.debug("kvstore not reachable at start-up: %s", exc)
+
+    def _rows_for(self, n: int) -> torch.Tensor:
+        """A reused host buffer of at least n block rows (pinned where CUDA runs)."""
+        if self._rows.shape[0] < n:
+            size = max(n, 2 * self._rows.shape[0])
+            pin = self.layers is not None and self.layers.device.type == "cuda"
+            self._rows = torch.empty(
+                (size, self.layout.block_bytes), dtype=torch.uint8, pin_memory=pin
+            )
+        return self._rows
+
+    # -- loads ----------------------------------------------------------------------
+
+    def load(self, plan: StepPlan) -> None:
+        for spec in plan.loads:
+            started = time.perf_counter()
+            loaded = self._load(spec)
+            if loaded < len(spec.block_ids):
+                self.failed_blocks.update(spec.block_ids[loaded:])
+            log.debug(
+                "request %s: loaded %d of %d blocks in %.2f ms",
+                spec.req_id, loaded, len(spec.block_ids), (time.perf_counter() - started) * 1e3,
+            )  # fmt: skip
+
+    def _load(self, spec: LoadSpec) -> int:
+        """Load one request's blocks -> how many of ``spec.block_ids`` were loaded."""
+        assert self.layers is not None
+        end = spec.start + len(spec.block_ids)
+        try:
+            ns = self.namespaces.get(spec.salt)
+            try:
+                with ns.acquire(spec.tokens, max_blocks=end) as lease:
+                    got = max(min(lease.n_blocks, end) - spec.start, 0)
+                    if got:
+                        self.layers.scatter(
+                            spec.block_ids[:got], self._leased_rows(lease, spec.start, got)
+                        )
+                    return got
+            except ArenaUnavailableError:  # another host: the bytes come inline
+                rows = self._rows_for(end)
+                result = ns.get(spec.tokens, out=rows.numpy()[:end])
+                got = max(result.n_blocks - spec.start, 0)
+                if got:
+                    self.layers.scatter(spec.block_ids[:got], rows[spec.start : spec.start + got])
+                return got
+        except KVStoreError as exc:
+            self.warnings.warn("load", "kvstore load failed (%s); vLLM recomputes the blocks", exc)
+            return 0
+
+    def _leased_rows(self, lease: Any, first: int, n: int) -> torch.Tensor:
+        """Blocks ``first .. first + n`` of a lease as one uint8 tensor: the arena's own
+        bytes when the slots form one run, else copied into the reused buffer."""
+        run = lease.blocks
+        with warnings.catch_warnings():  # the arena's views are read-only; only read here
+            warnings.simplefilter("ignore", UserWarning)
+            if run is not None:
+                return torch.from_numpy(run[first : first + n])
+            rows = self._rows_for(n)
+            lease.copy_to(rows.numpy(), first, n)
+            return rows[:n]
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self.failed_blocks = self.failed_blocks, set()
+        return failed
+
+    # -- saves ----------------------------------------------------------------------
+
+    def save(self, plan: StepPlan) -> None:
+        self._reap()
+        for spec in plan.saves:
+            if time.monotonic() < self._down_until:
+                return  # a daemon that just failed: do not stall steps on it
+            started = time.perf_counter()
+            try:
+                self._save(spec)
+            except KVStoreError as exc:
+                self._drop_claim(spec.req_id)
+                self._down_until = time.monotonic() + self.settings.retry_after_s
+                self.warnings.warn("save", "kvstore did not take blocks (%s)", exc)
+            log.debug(
+                "request %s: stored blocks %d..%d in %.2f ms",
+                spec.req_id, spec.start, spec.start + len(spec.block_ids),
+                (time.perf_counter() - started) * 1e3,
+            )  # fmt: skip
+
+    def _save(self, spec: SaveSpec) -> None:
+        assert self.layers is not None
+        n = len(spec.block_ids)
+        rows = self.layers.gather(spec.block_ids, self._rows_for(n)).numpy()
+        ns = self.namespaces.get(spec.salt)
+        start, end = spec.start, spec.start + n
+        claim = self._claim(spec, ns)
+        if claim is not None:
+            first = claim.first + claim.delivered
+            last = claim.first + claim.blocks
+            if first < start:  # a gap the claim can never fill: give the rest back
+                self._drop_claim(spec.req_id)
+            elif first < end:
+                upto = min(end, last)
+                try:
+                    claim.fill(rows[first - start : upto - start])
+                except LeaseError:  # its lease ran out (a long prefill): plain puts now
+                    self.claims[spec.req_id] = None
+                    upto = first
+                if upto >= end:
+                    return
+                rows, start = rows[upto - start :], upto
+            else:
+                return  # delivered already, or ready before the claim was made
+        pending = ns.put_nowait(spec.tokens, rows, start, priority=self.settings.priority)
+        self.pending.append(pending)
+
+    def _claim(self, spec: SaveSpec, ns: Namespace) -> Claim | None:
+        if spec.claim is None:
+            return None
+        if spec.req_id not in self.claims:
+            self.claims[spec.req_id] = ns.resume_claim(spec.claim)
+        claim = self.claims[spec.req_id]
+        return claim if claim is not None and (claim.remaining or claim.delivered) else None
+
+    def _drop_claim(self, req_id: str) -> None:
+        claim = self.claims.get(req_id)
+        self.claims[req_id] = None  # this request stores with plain puts from now on
+        if claim is not None:
+            with contextlib.suppress(KVStoreError):  # else its lease runs out on its own
+                claim.abandon()
+
+    def _reap(self) -> None:
+        """Read the answers of earlier puts that came; warn of a refused one."""
+        while self.pending and self.pending[0].done():
+            try:
+                self.pending.popleft().result(timeout=0)
+            except KVStoreError as exc:
+                self.warnings.warn("put", "kvstore refused a put sent ahead: %s", exc)
+
+    def finished(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self.claims.pop(req_id, None)
+
+    def close(self) -> None:
+        self.claims.clear()
+        self.client.close()

@@ -1,0 +1,300 @@
+"""The write side of the KVStore servicer: Put (a stream copied into reserved slots
+as it arrives), puts into a claim, Reserve, Commit and Abandon."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from kvproto.v1 import data_frames, result_messages
+from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.results import PutResult
+from kvstore.errors import InvalidArgument, OutOfSpace, StoreError
+from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.results import Reservation, SlotRef
+from kvstored import convert
+from kvstored.auth import Caller
+from kvstored.config import MAX_CHUNK_BYTES
+from kvstored.errors import grpc_errors
+from kvstored.read_handlers import ReadHandlers
+from kvstored.service_base import (
+    NeedsPool,
+)
+
+
+class WriteHandlers(ReadHandlers):
+    # --- write side -------------------------------------------------------------------
+
+    @grpc_errors
+    async def Put(
+        self,
+        request_iterator: AsyncIterable[pb.PutRequest | bytes],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.PutResponse:
+        caller = self.access.caller(context)
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        head = self._put_header(first)
+        if head.lease_id:
+            return await self._put_into_claim(head, messages, caller)
+        prio = convert.optional_priority(head)
+
+        def check_header(quick: bool = False) -> tuple[NamespaceSpec, list[BlockKey]]:
+            spec, keys = self._chain(head.ns_id, head.tokens, head.extra_keys, caller, quick)
+            end = convert.block_range(head.start_block, head.n_blocks, len(keys))
+            if head.n_blocks == 0:
+                raise InvalidArgument("n_blocks must be > 0")
+            return spec, keys[:end]
+
+        spec, keys = await self._run_quick(check_header)
+        bb = spec.block_bytes
+        expected = head.n_blocks * bb
+        if expected > self._config.max_transfer_bytes:
+            raise OutOfSpace(
+                f"put of {head.n_blocks} blocks x {bb} bytes = {expected} bytes exceeds "
+                f"max_transfer_bytes={self._config.max_transfer_bytes}; split it"
+            )
+
+        def reserve(quick: bool = False) -> Reservation:
+            if quick:
+                self._check_room(spec.ns_id, keys, head.n_blocks)
+            return self._store.reserve(
+                spec.ns_id, keys, head.start_block, self._config.max_lease_ttl_s, prio
+            )
+
+        reservation = await self._run_quick(reserve)
+        lease = reservation.lease_id
+        sink = _SlotSink(self._store.arena.array(), reservation.slots, head.start_block, bb)
+        committed = durable = 0
+        try:
+            await self._receive(messages, sink, head.n_blocks, bb)
+            if lease:
+                committed, durable = await self._commit(lease, None)
+        except BaseException:
+            if lease and not committed:
+                with contextlib.suppress(StoreError):
+                    self._store.abandon(lease)  # short, and safe while being cancelled
+            raise
+        # Refused outright: a missing parent or another owner computing the first
+        # block is an ordinary answer; only lack of room is an error.
+        if reservation.out_of_space and committed == 0 and reservation.existing == 0:
+            raise OutOfSpace(
+                f"no room for any of the {head.n_blocks} blocks: the store is full "
+                "of leased or pending blocks"
+            )
+        return result_messages.put_response(
+            PutResult.of_reservation(
+                reservation.existing,
+                reservation.refused,
+                len(reservation.offsets),
+                committed,
+                durable,
+            )
+        )
+
+    async def _put_into_claim(
+        self,
+        head: pb.PutHeader,
+        messages: AsyncIterator[pb.PutRequest | bytes],
+        caller: Caller,
+    ) -> pb.PutResponse:
+        """Deliver the next ``n_blocks`` blocks of a claim (a write lease) and commit them.
+
+        A malformed delivery (wrong byte count, oversized chunk) is refused and changes
+        nothing; a broken transfer (cancelled, failed) abandons the claim: its waiters
+        compute for themselves rather than wait for bytes that are not coming.
+        """
+        lease = convert.lease_id(head.lease_id)
+        spec = self.access.spec(head.ns_id, caller)
+        if head.n_blocks == 0:
+            raise InvalidArgument("n_blocks must be > 0")
+        slots = self._store.claimed_slots(lease, head.n_blocks)
+        if any(slot.size != spec.block_bytes for slot in slots):
+            raise InvalidArgument(f"lease {lease} is not a lease of namespace {head.ns_id}")
+        bb = spec.block_bytes
+        sink = _SlotSink(self._store.arena.array(), slots, slots[0].index, bb)
+        try:
+            await self._receive(messages, sink, head.n_blocks, bb)
+            committed, durable = await self._commit(lease, head.n_blocks)
+        except InvalidArgument:
+            raise  # a malformed delivery changes nothing: the claim stays, pending
+        except BaseException:
+            with contextlib.suppress(StoreError):
+                self._store.abandon(lease)
+            raise
+        return pb.PutResponse(stored=committed, durable=durable)
+
+    async def _receive(
+        self,
+        messages: AsyncIterator[pb.PutRequest | bytes],
+        sink: _SlotSink,
+        n_blocks: int,
+        block_bytes: int,
+    ) -> None:
+        """Copy a Put's data chunks into ``sink``; exactly n_blocks x block_bytes bytes."""
+        expected = n_blocks * block_bytes
+        received = 0
+        async for msg in messages:
+            chunk = self._put_data(msg)
+            size = len(chunk)
+            if size > MAX_CHUNK_BYTES:
+                raise InvalidArgument(
+                    f"data chunk of {size} bytes exceeds max_chunk_bytes={MAX_CHUNK_BYTES}"
+                )
+            if received + size > expected:
+                raise InvalidArgument(
+                    f"Put data exceeds n_blocks x block_bytes = {n_blocks} x {block_bytes} "
+                    f"= {expected} bytes (got at least {received + size})"
+                )
+            sink.write(received, chunk)
+            received += size
+        if received != expected:
+            raise InvalidArgument(
+                f"Put data is {received} bytes, expected n_blocks x block_bytes = "
+                f"{n_blocks} x {block_bytes} = {expected}"
+            )
+
+    def _put_header(self, first: pb.PutRequest | bytes | None) -> pb.PutHeader:
+        msg = self._put_message(first) if isinstance(first, bytes) else first
+        if msg is None or msg.WhichOneof("kind") != "header":
+            raise InvalidArgument("the first Put message must be a header")
+        return msg.header
+
+    def _put_data(self, msg: pb.PutRequest | bytes) -> bytes | memoryview:
+        """The bytes of a Put data message (a view into a framed message: no copy)."""
+        if isinstance(msg, bytes):
+            span = data_frames.data_span(msg)
+            if span is not None:
+                offset, size = span
+                return memoryview(msg)[offset : offset + size]
+            msg = self._put_message(msg)
+        if msg.WhichOneof("kind") != "data":
+            raise InvalidArgument("Put sends one header, then only data chunks")
+        return msg.data
+
+    @staticmethod
+    def _put_message(raw: bytes) -> pb.PutRequest:
+        try:
+            return pb.PutRequest.FromString(raw)
+        except DecodeError:
+            raise InvalidArgument("a Put message is not a valid PutRequest") from None
+
+    @grpc_errors
+    async def Reserve(
+        self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReserveResponse:
+        caller = self.access.caller(context)
+        ttl = convert.seconds(request.ttl_s, "ttl_s")
+        prio = convert.optional_priority(request)
+
+        staged = list(request.staged_offsets)
+        if request.commit and not staged:
+            raise InvalidArgument(
+                "commit=true needs staged_offsets: only blocks already written into their "
+                "staged slots can be committed on arrival"
+            )
+
+        owner = self.owner_of(context)
+
+        def reserve(quick: bool = False) -> pb.ReserveResponse:
+            spec, keys = self._chain(
+                request.ns_id, request.tokens, request.extra_keys, caller, quick
+            )
+            end = convert.block_range(request.start_block, request.n_blocks, len(keys))
+            if quick:  # staged slots are allocated already: only stage_more needs room
+                if request.commit and self._write_through():
+                    raise NeedsPool  # the commit queues disk writes, which may wait
+                fresh = 0 if staged else end - request.start_block
+                self._check_room(spec.ns_id, keys[:end], fresh + request.stage_more)
+            res = self._store.reserve(
+                spec.ns_id,
+                keys[:end],
+                start=request.start_block,
+                ttl_s=ttl,
+                priority=prio,
+                stage_lease_id=request.stage_lease_id,
+                staged_offsets=staged,
+                stage_more=request.stage_more,
+            )
+            if res.out_of_space and not res.offsets and not res.existing:
+                raise OutOfSpace(
+                    f"no room to reserve any of the {end - request.start_block} blocks: the "
+                    "store is full of leased or pending blocks"
+                )
+            durable = 0
+            if request.commit and res.lease_id:
+                durable = self._store.commit_durably(res.lease_id)[1]
+            else:
+                self._own(owner, (res.lease_id,))
+            self._own(owner, (res.stage_lease_id,))
+            response = convert.reserve_response(
+                res, self._store.arena_path or "", request.compact_slots
+            )
+            response.durable = durable
+            return response
+
+        return await self._run_quick(reserve)
+
+    @grpc_errors
+    async def Commit(
+        self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CommitResponse:
+        self.access.caller(context)
+        lease = convert.lease_id(request.lease_id)
+        count = request.count if request.HasField("count") else None
+        committed, durable = await self._commit(lease, count)
+        return pb.CommitResponse(committed=committed, durable=durable)
+
+    async def _commit(self, lease: int, count: int | None) -> tuple[int, int]:
+        """(committed, durable): see Store.commit_durably."""
+        if self._write_through():  # commit waits for the disk
+            return await self._run(self._store.commit_durably, lease, count)
+        return self._store.commit_durably(lease, count)
+
+    @grpc_errors
+    async def Abandon(
+        self, request: pb.AbandonRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbandonResponse:
+        self.access.caller(context)
+        lease = convert.lease_id(request.lease_id)
+        return pb.AbandonResponse(dropped=self._store.abandon(lease))  # no disk I/O
+
+
+class _SlotSink:
+    """Where the bytes of an inline Put go: data offset -> arena offset of the reserved
+    slots. Bytes of blocks that already existed or were refused are dropped."""
+
+    def __init__(
+        self, arena: np.ndarray, slots: Sequence[SlotRef], start: int, block_bytes: int
+    ) -> None:
+        self._arena = arena
+        self._starts: list[int] = []  # data offset where each run begins
+        self._runs: list[tuple[int, int, int]] = []  # (data offset, arena offset, bytes)
+        for slot in slots:
+            data = (slot.index - start) * block_bytes
+            if self._runs:
+                d, a, n = self._runs[-1]
+                if d + n == data and a + n == slot.offset:
+                    self._runs[-1] = (d, a, n + block_bytes)
+                    continue
+            self._runs.append((data, slot.offset, block_bytes))
+            self._starts.append(data)
+
+    def write(self, position: int, chunk: bytes | memoryview) -> None:
+        """Copy the parts of ``chunk`` (data bytes from ``position``) that have slots."""
+        end = position + len(chunk)
+        i = max(bisect.bisect_right(self._starts, position) - 1, 0)
+        while i < len(self._runs):
+            data, arena, size = self._runs[i]
+            if data >= end:
+                break
+            lo, hi = max(position, data), min(end, data + size)
+            if lo < hi:
+                src = np.frombuffer(chunk, np.uint8, hi - lo, lo - position)
+                self._arena[arena + lo - data : arena + hi - data] = src
+            i += 1
