@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import lmdb
@@ -125,12 +125,16 @@ class DiskSnapshot:
 
 
 @dataclass(slots=True, eq=False)
-class _Write:
+class _Queued:
     seq: int
     key: bytes
+    inflight: bool = field(default=False, kw_only=True)  # taken by the writer's batch
+
+
+@dataclass(slots=True, eq=False)
+class _Write(_Queued):
     record: DiskRecord
     buf: bytes | bytearray  # the payload: our copy, or the caller's immutable bytes
-    inflight: bool = False  # taken by the writer for the current batch
     touched: tuple[int, float] | None = None  # touch that arrived while in flight
     live: bool = True  # still the readable copy of its key (in _unflushed)
     pins: int = 0  # readers copying out of buf right now
@@ -138,28 +142,20 @@ class _Write:
 
 
 @dataclass(slots=True, eq=False)
-class _Delete:
-    seq: int
-    key: bytes
-    inflight: bool = False
+class _Delete(_Queued):
+    pass
 
 
 @dataclass(slots=True, eq=False)
-class _Touch:
-    seq: int
-    key: bytes
+class _Touch(_Queued):
     priority: int
     last_access: float
-    inflight: bool = False
 
 
 @dataclass(slots=True, eq=False)
-class _SaveNamespace:
-    seq: int
-    key: bytes
+class _SaveNamespace(_Queued):
     digest: bytes
     blob: bytes
-    inflight: bool = False
 
 
 _Op = _Write | _Delete | _Touch | _SaveNamespace

@@ -520,22 +520,7 @@ class Mover:
         wait_current: bool = True,
     ) -> torch.cuda.Event | None:
         """Blocks ``block_ids[i]`` of ``kv`` -> the slot at ``offsets[i]``."""
-        ids, bb = self._check(kv, block_ids, offsets)
-        n = len(offsets)
-        if n == 0:
-            return None
-        runs = slot_runs(offsets, bb)
-        with _on_stream(kv.device, stream, wait_current) as s:
-            ids = ids.to(kv.device, non_blocking=True)
-            near = self._arena_on(kv.device)
-            if near is not None and len(runs) == 1:
-                off = offsets[0]
-                kv.gather(ids, near[off : off + n * bb].view(kv.shape.dtype))
-            else:
-                with self._staging(n * bb, kv.device) as staging:
-                    kv.gather(ids, staging.view(kv.shape.dtype))
-                    self._to_slots(staging.view(n, bb), offsets, runs, near)
-            return _record(s)
+        return self._move(kv, block_ids, offsets, True, stream, wait_current)
 
     def onboard(
         self,
@@ -547,6 +532,20 @@ class Mover:
         wait_current: bool = True,
     ) -> torch.cuda.Event | None:
         """The slot at ``offsets[i]`` -> block ``block_ids[i]`` of ``kv``."""
+        return self._move(kv, block_ids, offsets, False, stream, wait_current)
+
+    def _move(
+        self,
+        kv: KVCache,
+        block_ids: Any,
+        offsets: Sequence[int],
+        to_slots: bool,
+        stream: Any,
+        wait_current: bool,
+    ) -> torch.cuda.Event | None:
+        """Offload (``to_slots``) or onboard: straight between the blocks and the arena
+        when it is mapped on the device and the slots are one run, else through a
+        staging buffer on the device and one copy per run of slots."""
         ids, bb = self._check(kv, block_ids, offsets)
         n = len(offsets)
         if n == 0:
@@ -557,11 +556,16 @@ class Mover:
             near = self._arena_on(kv.device)
             if near is not None and len(runs) == 1:
                 off = offsets[0]
-                kv.scatter(ids, near[off : off + n * bb].view(kv.shape.dtype))
+                arena_run = near[off : off + n * bb].view(kv.shape.dtype)
+                kv.gather(ids, arena_run) if to_slots else kv.scatter(ids, arena_run)
             else:
                 with self._staging(n * bb, kv.device) as staging:
-                    self._from_slots(staging.view(n, bb), offsets, runs, near)
-                    kv.scatter(ids, staging.view(kv.shape.dtype))
+                    if to_slots:
+                        kv.gather(ids, staging.view(kv.shape.dtype))
+                        self._to_slots(staging.view(n, bb), offsets, runs, near)
+                    else:
+                        self._from_slots(staging.view(n, bb), offsets, runs, near)
+                        kv.scatter(ids, staging.view(kv.shape.dtype))
             return _record(s)
 
     @contextmanager

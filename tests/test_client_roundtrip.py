@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from kvclient import (
     ArenaUnavailableError,
     AsyncKVClient,
     KVClient,
+    Namespace,
     PutResult,
 )
 
@@ -42,6 +44,13 @@ def daemon(kvstored_module_factory: Callable[..., Daemon], get_route: str) -> Da
 
 def prompt(first: int, n_tokens: int) -> list[int]:
     return list(range(first, first + n_tokens))
+
+
+@contextmanager
+def rt_namespace(daemon: Daemon, use_arena: bool) -> Iterator[Namespace]:
+    """The tests' namespace, through a client of the given path."""
+    with KVClient(daemon.addr, use_arena=use_arena) as client:
+        yield client.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
 
 
 def blocks_for(tokens: list[int], n_blocks: int, block_bytes: int = BLOCK_BYTES) -> np.ndarray:
@@ -82,8 +91,7 @@ def test_put_get_round_trip_is_byte_exact(daemon: Daemon, use_arena: bool) -> No
 def test_blocks_as_bytes_or_any_dtype(daemon: Daemon, use_arena: bool) -> None:
     tokens = prompt(2_000 + 10_000 * use_arena, 6 * BLOCK_TOKENS)
     raw = blocks_for(tokens, 6)
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
-        ns = client.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
+    with rt_namespace(daemon, use_arena) as ns:
         # a list of bytes-likes for the first three, a float16 array for the rest
         as_bytes = [bytes(raw[0]), bytearray(raw[1]), memoryview(raw[2])]
         assert ns.put(tokens, as_bytes).stored == 3
@@ -96,8 +104,7 @@ def test_blocks_as_bytes_or_any_dtype(daemon: Daemon, use_arena: bool) -> None:
 def test_put_continues_a_stored_prefix(daemon: Daemon, use_arena: bool) -> None:
     tokens = prompt(3_000 + 10_000 * use_arena, 8 * BLOCK_TOKENS)
     blocks = blocks_for(tokens, 8)
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
-        ns = client.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
+    with rt_namespace(daemon, use_arena) as ns:
         # blocks 6..7 without their parents are refused: a block needs its ancestors
         refused = ns.put(tokens, blocks[6:], start=6)
         assert refused.stored == 0 and refused.refused == 2
@@ -113,8 +120,7 @@ def test_put_continues_a_stored_prefix(daemon: Daemon, use_arena: bool) -> None:
 def test_get_returns_the_longest_cached_prefix(daemon: Daemon, use_arena: bool) -> None:
     tokens = prompt(4_000 + 10_000 * use_arena, 5 * BLOCK_TOKENS)
     blocks = blocks_for(tokens, 5)
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
-        ns = client.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
+    with rt_namespace(daemon, use_arena) as ns:
         ns.put(tokens, blocks)
 
         # a prompt that diverges inside block 2 shares blocks 0 and 1 only
@@ -162,8 +168,7 @@ def test_both_paths_see_the_same_blocks(daemon: Daemon) -> None:
 @pytest.mark.parametrize("use_arena", PATHS)
 def test_delete_and_set_priority(daemon: Daemon, use_arena: bool) -> None:
     tokens = prompt(8_000 + 10_000 * use_arena, 6 * BLOCK_TOKENS)
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
-        ns = client.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
+    with rt_namespace(daemon, use_arena) as ns:
         ns.put(tokens, blocks_for(tokens, 6))
         assert ns.set_priority(tokens, 90, duration_s=60) == 6
         # deleting block 4 removes it and everything below it

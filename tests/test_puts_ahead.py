@@ -22,7 +22,8 @@ import pytest
 from conftest import Daemon, in_forked_child, kv_stub, raw_call, store_snapshot
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, LeaseError
-from kvclient.local_calls import LocalCallFailed, LocalCalls
+from kvclient.effects import run_blocking
+from kvclient.local_calls import BLOCKING_SOCKETS, LocalCallFailed, LocalCalls
 from kvclient.puts_ahead import PendingPut
 from kvclient.staged_slots import SlotStash
 from kvproto.v1 import kvstore_pb2 as pb
@@ -232,16 +233,17 @@ def test_answers_lost_with_their_connection_reach_the_sender(tmp_path: Path) -> 
 
     thread = threading.Thread(target=serve)
     thread.start()
-    calls = LocalCalls(path)
+    calls = LocalCalls(path, BLOCKING_SOCKETS)
     outcomes: list[tuple[Any, Exception | None]] = []
     try:
         for _ in range(2):
-            calls.send(
+            sent = calls.send(
                 "ServerInfo", pb.ServerInfoRequest(), 5.0, lambda r, e: outcomes.append((r, e))
             )
+            run_blocking(sent, {})
         assert taken.wait(5)
         thread.join(5)
-        calls.read_owed(5.0)
+        run_blocking(calls.read_owed(5.0), {})
     finally:
         calls.close()
         server.close()

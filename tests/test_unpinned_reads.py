@@ -208,6 +208,18 @@ class _Harness:
         offsets = np.array(answer.slot_offsets, np.int64)
         return Slots.of(offsets, self.epochs, BLOCK, np.array(answer.slot_epochs, np.uint64))
 
+    def stored(self, first_token: int, tag: int, n: int) -> list:
+        """Keys of ``n`` blocks from ``first_token`` on, put with payloads of ``tag``."""
+        keys = self.store.keys_for(self.ns, list(range(first_token, first_token + n * TOKENS)))
+        self.store.put(self.ns, keys, payloads(tag, n))
+        return keys
+
+    def copied_early(self, last: Slots | None) -> UnpinnedGet:
+        """A get that copied the slots it remembered (``last``) before any answer."""
+        get = UnpinnedGet(self.epochs, self.arena, last, None, BLOCK, 0, 0)
+        get.copy_early()
+        return get
+
     def close(self) -> None:
         self.arena.close()
         self.store.close()
@@ -221,12 +233,8 @@ def harness(tmp_path) -> Iterator[_Harness]:  # noqa: ANN001
 
 
 def test_early_copy_of_unchanged_slots_is_kept(harness: _Harness) -> None:
-    s = harness.store
-    keys = s.keys_for(harness.ns, list(range(3 * TOKENS)))
-    s.put(harness.ns, keys, payloads(1, 3))
-    last = harness.slots(harness.answer(keys))
-    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0, 0)
-    get.copy_early()
+    keys = harness.stored(0, 1, 3)
+    get = harness.copied_early(harness.slots(harness.answer(keys)))
     done = get.finish(harness.answer(keys))
     assert done is not None
     assert done[0].tobytes() == b"".join(payloads(1, 3))
@@ -236,14 +244,10 @@ def test_slots_reused_by_other_blocks_before_the_answer_are_copied_again(
     harness: _Harness,
 ) -> None:
     s, ns = harness.store, harness.ns
-    keys = s.keys_for(ns, list(range(2 * TOKENS)))
-    s.put(ns, keys, payloads(1, 2))
-    last = harness.slots(harness.answer(keys))
-    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0, 0)
-    get.copy_early()  # copies blocks of tag 1 ...
+    keys = harness.stored(0, 1, 2)
+    get = harness.copied_early(harness.slots(harness.answer(keys)))  # blocks of tag 1 ...
     s.delete(ns, keys)  # ... whose slots now go to other blocks
-    other = s.keys_for(ns, list(range(500, 500 + 2 * TOKENS)))
-    s.put(ns, other, payloads(7, 2))
+    harness.stored(500, 7, 2)
     s.put(ns, keys, payloads(1, 2))  # the prefix is back, in other slots or the same
     done = get.finish(harness.answer(keys))
     assert done is not None
@@ -254,15 +258,12 @@ def test_an_early_copy_of_another_block_in_the_same_slot_is_not_kept(
     harness: _Harness,
 ) -> None:
     s, ns = harness.store, harness.ns
-    a = s.keys_for(ns, list(range(2 * TOKENS)))
-    b = s.keys_for(ns, list(range(700, 700 + 2 * TOKENS)))
-    s.put(ns, a, payloads(1, 2))
+    a = harness.stored(0, 1, 2)
     last = harness.slots(harness.answer(a))
     s.delete(ns, a)
-    s.put(ns, b, payloads(2, 2))  # b takes a's slots ...
+    b = harness.stored(700, 2, 2)  # b takes a's slots ...
     assert harness.slots(harness.answer(b)).offsets.tolist() == last.offsets.tolist()
-    get = UnpinnedGet(harness.epochs, harness.arena, last, None, BLOCK, 0, 0)
-    get.copy_early()  # ... so this copies b's bytes
+    get = harness.copied_early(last)  # ... so this copies b's bytes
     s.delete(ns, b)
     s.put(ns, a, payloads(1, 2))  # and a is back in the very same slots
     answer = harness.answer(a)
@@ -274,11 +275,9 @@ def test_an_early_copy_of_another_block_in_the_same_slot_is_not_kept(
 
 def test_a_slot_rewritten_during_the_copy_is_never_returned(harness: _Harness) -> None:
     s, ns = harness.store, harness.ns
-    keys = s.keys_for(ns, list(range(2 * TOKENS)))
-    s.put(ns, keys, payloads(1, 2))
+    keys = harness.stored(0, 1, 2)
     answer = harness.answer(keys)  # the daemon answered: slots and epochs
-    get = UnpinnedGet(harness.epochs, harness.arena, None, None, BLOCK, 0, 0)
-    get.copy_early()  # nothing remembered: the copy happens in finish
+    get = harness.copied_early(None)  # nothing remembered: the copy happens in finish
 
     real_read = harness.epochs.read
     calls = 0

@@ -13,13 +13,13 @@ Create the client inside the running event loop (``async with AsyncKVClient() as
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
 from kvclient.base_client import BaseClient
 from kvclient.connection import events_of
 from kvclient.effects import LOCKS, Op, run_async
-from kvclient.local_calls import AsyncLocalCalls
+from kvclient.local_calls import ASYNC_SOCKETS
 from kvclient.namespace import AsyncNamespace, BlockLease
 from kvproto.v1.results import Event
 
@@ -31,7 +31,7 @@ class AsyncKVClient(BaseClient):
 
     namespace_class = AsyncNamespace
     blocking = False
-    local_calls = AsyncLocalCalls
+    sockets = ASYNC_SOCKETS
     event_class = asyncio.Event
 
     def _start_driver(self) -> None:
@@ -79,18 +79,10 @@ class AsyncKVClient(BaseClient):
         """Whether data calls go through the shared arena (asks the daemon once)."""
         return await self._drive(self._conn.arena_in_use())
 
-    async def events(
-        self,
-        from_seq: int = 0,
-        *,
-        ns_id: str = "",
-        kinds: Sequence[str] = (),
-        from_now: bool = False,
-        duration_s: float | None = None,
+    async def _follow(
+        self, start: Callable[[], Any], duration_s: float | None
     ) -> AsyncIterator[Event]:
-        """Events with seq > ``from_seq``, following the stream until the caller stops
-        (or ``duration_s`` passes). Leaving the ``async for`` cancels the call."""
-        call = self._conn.watch(from_seq, ns_id, kinds, from_now, duration_s)
+        call = start()
         with self._conn.watching(call, duration_s):
             async for msg in call:
                 for event in events_of(msg):

@@ -9,12 +9,13 @@ stream, the accounting timer, the zero-copy lease's form.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
 from kvclient.connection import Connection
 from kvclient.effects import Op
+from kvclient.local_calls import Sockets
 from kvclient.namespace import Namespace
 from kvclient.security import TLS, Credentials
 from kvclient.session import GrpcSession
@@ -30,7 +31,7 @@ class BaseClient:
 
     namespace_class: type[Namespace] = Namespace
     blocking = True  # a blocking gRPC channel, else grpc.aio
-    local_calls: Callable[[str, str, int | None], Any]  # the local transport's class
+    sockets: Sockets  # the I/O of its local calls (kvclient.local_calls)
     event_class: Callable[[], Any]  # what a Wait effect waits on
 
     def __init__(
@@ -56,7 +57,7 @@ class BaseClient:
         session = GrpcSession(self.addr, CHANNEL_OPTIONS, credentials)
         transport = GrpcTransport(self.channel, session, timeout, wait=self.blocking)
         self._conn = Connection(
-            self.addr, transport, self.local_calls, credentials.token,
+            self.addr, transport, self.sockets, credentials.token,
             use_arena=use_arena, timeout=timeout, wake=self._wake, drive=self._drive,
             new_event=self.event_class,
         )  # fmt: skip
@@ -74,7 +75,28 @@ class BaseClient:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.addr!r}, use_arena={self.use_arena})"
 
+    def _follow(self, start: Callable[[], Any], duration_s: float | None) -> Any:
+        """The events of the stream ``start()`` begins once iterated: an iterator, or
+        an async iterator."""
+        raise NotImplementedError
+
     # -- daemon-wide calls ----------------------------------------------------------
+
+    def events(
+        self,
+        from_seq: int = 0,
+        *,
+        ns_id: str = "",
+        kinds: Sequence[str] = (),
+        from_now: bool = False,
+        duration_s: float | None = None,
+    ) -> Any:
+        """Events with seq > ``from_seq``, following the stream until the caller stops
+        (or ``duration_s`` passes): an iterator of Event from KVClient, an async
+        iterator from AsyncKVClient. Leaving the loop cancels the call."""
+        return self._follow(
+            lambda: self._conn.watch(from_seq, ns_id, kinds, from_now, duration_s), duration_s
+        )
 
     def server_info(self) -> Any:
         """The daemon's ServerInfo."""

@@ -45,7 +45,14 @@ from kvclient.errors import (
     error_from_rpc,
 )
 from kvclient.fork_safety import renew_in_child
-from kvclient.local_calls import LocalCallFailed, LocalCallStatus, OnAnswer, raise_local_failure
+from kvclient.local_calls import (
+    LocalCallFailed,
+    LocalCalls,
+    LocalCallStatus,
+    OnAnswer,
+    Sockets,
+    raise_local_failure,
+)
 from kvclient.puts_ahead import PendingPut
 from kvclient.staged_slots import SlotStash
 from kvclient.transport import GrpcTransport
@@ -67,7 +74,7 @@ class Connection:
         self,
         addr: str,
         grpc_transport: GrpcTransport,
-        local_calls: Callable[[str, str, int | None], Any],
+        sockets: Sockets,
         token: str,
         *,
         use_arena: bool | None,
@@ -76,21 +83,21 @@ class Connection:
         drive: Callable[[Op[Any]], Any],
         new_event: Callable[[], Any],
     ) -> None:
-        """What the driver supplies: ``local_calls(path, token, daemon_uid)`` makes its
-        local transport, ``wake`` is its accounting timer (kvclient.accounting),
-        ``drive`` runs an op (returning the result, or an awaitable of it) and
-        ``new_event`` makes an event its Wait effect waits on."""
+        """What the driver supplies: ``sockets`` does the I/O of its local calls,
+        ``wake`` is its accounting timer (kvclient.accounting), ``drive`` runs an op
+        (returning the result, or an awaitable of it) and ``new_event`` makes an event
+        its Wait effect waits on."""
         self.drive = drive
         self.new_event = new_event
         self.addr = addr
         self.use_arena = use_arena
         self.timeout = timeout
         self.grpc = grpc_transport
-        self._local_calls = local_calls
+        self._sockets = sockets
         self._token = token
         self.info: ServerInfo | None = None  # None: ask the daemon again
         self.arena: ClientArena | None = None
-        self.local: Any = None  # LocalCalls / AsyncLocalCalls while the arena is mapped
+        self.local: LocalCalls | None = None  # while the arena is mapped
         # unpinned gets (kvclient.unpinned_reads): the arena's epoch table, last slots
         self.epochs: SlotEpochs | None = None
         self.last_slots = LastSlots()
@@ -133,7 +140,7 @@ class Connection:
         local = self.local
         if local is not None and name in UNARY_METHODS:
             try:
-                return (yield Io(local.call, (name, request, self.timeout, during)))
+                return (yield from local.call(name, request, self.timeout, during))
             except LocalCallStatus as exc:
                 raise self.checked(exc.error(self.addr)) from None
             except LocalCallFailed as exc:
@@ -156,7 +163,7 @@ class Connection:
         try:
             if local is not None:
                 try:
-                    yield Io(local.send, (name, request, self.timeout, on_answer))
+                    yield from local.send(name, request, self.timeout, on_answer)
                     return
                 except LocalCallFailed as exc:
                     self._local_failed(local, exc)  # raises unless gRPC may take the call
@@ -172,7 +179,7 @@ class Connection:
         """Read the answers of calls sent without waiting (kvclient.local_calls)."""
         local = self.local
         if local is not None:
-            yield Io(local.read_owed, (self.timeout,))
+            yield from local.read_owed(self.timeout)
 
     def settle(self) -> Op[None]:
         """Send the pending accounting now, after any message already being sent: a
@@ -229,7 +236,7 @@ class Connection:
             arena = ClientArena.open(info.arena_path, info.host_id, host_id())
         local = None
         if arena is not None and info.local_socket:
-            local = self._local_calls(info.local_socket, self._token, info.uid)
+            local = LocalCalls(info.local_socket, self._sockets, self._token, info.uid)
         old = (self.arena, self.local, self.disk)
         self.info, self.arena, self.local = info, arena, local
         self.epochs = epoch_table(arena, info) if arena is not None else None

@@ -3,9 +3,11 @@
 The framing, and why it exists, are in :mod:`kvproto.v1.local_calls`. A client uses
 local calls only where it maps the daemon's arena (same host, same user), for every
 unary call once it knows the socket (``ServerInfo.local_socket``); streams stay on
-gRPC. Each connection carries one call at a time; a channel keeps the idle ones for
-the next call (:class:`LocalCalls` for threads, :class:`AsyncLocalCalls` for one event
-loop).
+gRPC. Each connection carries one call at a time; :class:`LocalCalls` keeps the idle
+ones for the next call. Its calls are ops of the client's core (:mod:`kvclient.effects`):
+they yield each connect, send and receive as an :class:`Io` of the driver's sockets
+(:data:`BLOCKING_SOCKETS` in the caller's thread, :data:`ASYNC_SOCKETS` on the event
+loop), so both clients share one implementation.
 
 Failures are of two kinds. A status other than OK raises :class:`LocalCallStatus`,
 which the client turns into the same :class:`kvclient.errors.KVStoreError` gRPC would
@@ -30,16 +32,18 @@ the daemon may or may not have run those calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
+from kvclient.effects import Io, Op, Work
 from kvclient.errors import (
     DaemonUnavailableError,
     KVStoreError,
@@ -50,8 +54,7 @@ from kvclient.fork_safety import renew_in_child
 from kvproto.v1 import local_calls as frames
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-# what asyncio.wait_for raises when time runs out: TimeoutError only from Python 3.11 on
-_TIMED_OUT = (TimeoutError, asyncio.TimeoutError)
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -183,45 +186,103 @@ class _Hello:
             raise LocalCallStatus(_CODES.get(status), message, kind)
 
 
+class BlockingSockets:
+    """Socket I/O in the caller's thread: the blocking client's."""
+
+    @staticmethod
+    def connect(sock: socket.socket, path: str, timeout: float) -> None:
+        sock.settimeout(timeout)
+        sock.connect(path)
+
+    @staticmethod
+    def sendall(sock: socket.socket, data: bytes, timeout: float) -> None:
+        if sock.gettimeout() != timeout:
+            sock.settimeout(timeout)
+        sock.sendall(data)
+
+    @staticmethod
+    def recv(sock: socket.socket, size: int, timeout: float) -> bytes:
+        if sock.gettimeout() != timeout:
+            sock.settimeout(timeout)
+        return sock.recv(size)
+
+
+class AsyncSockets:
+    """Socket I/O on the running event loop: the asyncio client's (the socket is
+    non-blocking; running out of time raises TimeoutError as a blocking socket does)."""
+
+    @staticmethod
+    async def connect(sock: socket.socket, path: str, timeout: float) -> None:
+        sock.setblocking(False)
+        await _in_time(asyncio.get_running_loop().sock_connect(sock, path), timeout)
+
+    @staticmethod
+    async def sendall(sock: socket.socket, data: bytes, timeout: float) -> None:
+        await _in_time(asyncio.get_running_loop().sock_sendall(sock, data), timeout)
+
+    @staticmethod
+    async def recv(sock: socket.socket, size: int, timeout: float) -> bytes:
+        return await _in_time(asyncio.get_running_loop().sock_recv(sock, size), timeout)
+
+
+async def _in_time(work: Awaitable[T], timeout: float) -> T:
+    try:
+        return await asyncio.wait_for(work, timeout)
+    except asyncio.TimeoutError:  # not TimeoutError before Python 3.11
+        raise TimeoutError(f"no answer within {timeout} s") from None
+
+
+Sockets = BlockingSockets | AsyncSockets
+BLOCKING_SOCKETS = BlockingSockets()
+ASYNC_SOCKETS = AsyncSockets()
+
+
 @dataclass(eq=False)
 class _Connection:
     """One local-call connection: its socket, bytes received past the last answer read,
     and the calls sent on it whose answers have not been read (in order)."""
 
     sock: socket.socket
+    sockets: Sockets
     buffer: bytearray = field(default_factory=bytearray)
     owed: list[_Owed] = field(default_factory=list)
 
-    def receive(self) -> tuple[int, bytes]:
-        """The next response frame: (status, body). Usually a single recv."""
-        self._fill(frames.HEADER.size)
-        return self._frame()
+    def send(self, frame: bytes, timeout: float) -> Op[None]:
+        yield Io(self.sockets.sendall, (self.sock, frame, timeout))
 
-    def read_owed(self) -> None:
+    def receive(self, timeout: float) -> Op[tuple[int, bytes]]:
+        """The next response frame: (status, body). Usually a single recv."""
+        yield from self._fill(frames.HEADER.size, timeout)
+        body_len, status = frames.HEADER.unpack_from(self.buffer)
+        end = frames.HEADER.size + body_len
+        yield from self._fill(end, timeout)
+        body = bytes(self.buffer[frames.HEADER.size : end])
+        del self.buffer[:end]
+        return status, body
+
+    def read_owed(self, timeout: float) -> Op[None]:
         """Read the answers of the calls sent without waiting (see _Owed.answered)."""
         while self.owed:
-            status, body = self.receive()
+            status, body = yield from self.receive(timeout)
             self.owed.pop(0).answered(status, body)
 
     def poll_owed(self) -> None:
-        """Read the owed answers that have arrived, without waiting for the others."""
-        # a socket with a timeout polls for readiness before each recv, MSG_DONTWAIT or
-        # not: only a non-blocking one returns at once
+        """Read the owed answers that have arrived, without waiting for the others (the
+        socket is read non-blocking, whichever driver owns it)."""
         timeout = self.sock.gettimeout()
         self.sock.setblocking(False)
         try:
             while self.owed:
-                if not self._has_frame():
-                    try:
-                        more = self.sock.recv(1 << 16)
-                    except (BlockingIOError, InterruptedError):
-                        return
-                    if not more:
-                        raise ConnectionResetError(0, "the daemon closed the connection")
-                    self.buffer += more
+                if self._has_frame():
+                    self.owed.pop(0).answered(*_run_now(self.receive(0.0)))
                     continue
-                status, body = self._frame()
-                self.owed.pop(0).answered(status, body)
+                try:
+                    more = self.sock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    return
+                if not more:
+                    raise ConnectionResetError(0, "the daemon closed the connection")
+                self.buffer += more
         finally:
             self.sock.settimeout(timeout)
 
@@ -236,33 +297,37 @@ class _Connection:
         body_len, _ = frames.HEADER.unpack_from(self.buffer)
         return len(self.buffer) >= frames.HEADER.size + body_len
 
-    def _frame(self) -> tuple[int, bytes]:
-        """The frame at the head of the buffer (its header is there)."""
-        body_len, status = frames.HEADER.unpack_from(self.buffer)
-        end = frames.HEADER.size + body_len
-        self._fill(end)
-        body = bytes(self.buffer[frames.HEADER.size : end])
-        del self.buffer[:end]
-        return status, body
-
-    def _fill(self, need: int) -> None:
+    def _fill(self, need: int, timeout: float) -> Op[None]:
         while len(self.buffer) < need:
-            more = self.sock.recv(max(need - len(self.buffer), 1 << 16))
+            size = max(need - len(self.buffer), 1 << 16)
+            more = yield Io(self.sockets.recv, (self.sock, size, timeout))
             if not more:
                 raise ConnectionResetError(0, "the daemon closed the local-call connection")
             self.buffer += more
 
 
-class LocalCalls:
-    """Blocking local calls to one daemon socket. Thread-safe, and safe across fork:
-    a child process never uses its parent's connections (their answers would be read
-    by whichever process reads first); it opens its own."""
+def _run_now(op: Op[T]) -> T:
+    """An op that needs no I/O (its bytes are buffered already)."""
+    try:
+        effect = next(op)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    raise AssertionError(f"a buffered frame asked for I/O: {effect}")
 
-    def __init__(self, path: str, token: str = "", daemon_uid: int | None = None) -> None:
+
+class LocalCalls:
+    """Local calls to one daemon socket, for either driver (``sockets``). Thread-safe,
+    and safe across fork: a child process never uses its parent's connections (their
+    answers would be read by whichever process reads first); it opens its own."""
+
+    def __init__(
+        self, path: str, sockets: Sockets, token: str = "", daemon_uid: int | None = None
+    ) -> None:
         self.path = path
+        self._sockets = sockets
         self._hello = _Hello(path, token, daemon_uid)
         self._idle: list[_Connection] = []  # the last one put back is taken first
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # never held across a yield
         self._closed = False
         self._pid = os.getpid()
         renew_in_child(self)
@@ -272,27 +337,22 @@ class LocalCalls:
 
     def call(
         self, name: str, request: Any, timeout: float, during: Callable[[], None] | None = None
-    ) -> Any:
+    ) -> Op[Any]:
         """``name``'s response to ``request``, or LocalCallStatus / LocalCallFailed.
-        ``during`` runs once the request is sent, before the answer is read."""
+        ``during`` (a Work effect) runs once the request is sent, before the answer is
+        read."""
         frame = _request(name, request)
-        conn = self._take(timeout)
+        conn = yield from self._take(timeout)
         sent = False
         try:
-            conn.sock.settimeout(timeout)
             # a send fails only when the daemon's end is closed (an idle connection to a
             # daemon that stopped): then it has not seen the request
-            conn.sock.sendall(frame)
+            yield from conn.send(frame, timeout)
             sent = True
             if during is not None:
-                try:
-                    during()
-                except BaseException:
-                    # its answer is still coming: the connection is spent
-                    conn.close("the call's connection was abandoned")
-                    raise
-            conn.read_owed()
-            status, body = conn.receive()
+                yield Work(during)
+            yield from conn.read_owed(timeout)
+            status, body = yield from conn.receive(timeout)
             if conn.buffer:  # one call at a time: nothing may follow its answer
                 raise ConnectionResetError(0, "the daemon sent more than one answer")
         except TimeoutError:
@@ -303,57 +363,66 @@ class LocalCalls:
         except OSError as exc:
             conn.close(exc.strerror or str(exc))
             raise LocalCallFailed(exc.strerror or str(exc), sent=sent) from None
+        except BaseException:
+            # cancelled, or ``during`` failed: the answer still coming would confuse the
+            # next call, so the connection is spent
+            conn.close("a call on the connection was abandoned")
+            raise
         self._put_back(conn)
         return _response(status, body, name)
 
     def send(
         self, name: str, request: Any, timeout: float, on_answer: OnAnswer | None = None
-    ) -> None:
+    ) -> Op[None]:
         """Send ``name(request)`` and return at once: its answer is read by the next
         call on the same connection, or by :meth:`poll_owed` / :meth:`read_owed`, and
         handed to ``on_answer`` (see the module docstring). LocalCallFailed when it
         could not be sent."""
         frame = _request(name, request)
-        conn = self._take(timeout)
+        conn = yield from self._take(timeout)
         try:
-            conn.sock.settimeout(timeout)
-            conn.sock.sendall(frame)
+            yield from conn.send(frame, timeout)
         except OSError as exc:
             conn.close(exc.strerror or str(exc))
             raise LocalCallFailed(exc.strerror or str(exc), sent=False) from None
+        except BaseException:
+            conn.close("a send on the connection was abandoned")
+            raise
         conn.owed.append(_Owed(name, on_answer))
         self._put_back(conn)
 
     def poll_owed(self) -> None:
         """Read the owed answers that have arrived on the idle connections, without
         waiting for the rest (a connection that fails is closed: see _Owed.lost)."""
-        self._each_owing(lambda conn: conn.poll_owed())
+        for conn in self._owing():
+            try:
+                conn.poll_owed()
+            except OSError as exc:
+                conn.close(exc.strerror or str(exc) or type(exc).__name__)
+                continue
+            self._put_back(conn)
 
-    def read_owed(self, timeout: float) -> None:
+    def read_owed(self, timeout: float) -> Op[None]:
         """Read every owed answer of the idle connections, waiting up to ``timeout`` for
         each. Those owed on a connection in use are read by the call using it."""
-
-        def read(conn: _Connection) -> None:
-            conn.sock.settimeout(timeout)
-            conn.read_owed()
-
-        self._each_owing(read)
-
-    def _each_owing(self, read: Callable[[_Connection], None]) -> None:
-        with self._lock:
-            if self._pid != os.getpid():
-                return  # a forked child: nothing it sent is owed on the parent's sockets
-            owing = [conn for conn in self._idle if conn.owed]
-            self._idle = [conn for conn in self._idle if not conn.owed]
-        for conn in owing:
+        for conn in self._owing():
             try:
-                read(conn)
+                yield from conn.read_owed(timeout)
             except OSError as exc:  # timed out or reset: those outcomes are unknown
                 conn.close(exc.strerror or str(exc) or type(exc).__name__)
                 continue
             self._put_back(conn)
 
-    def _take(self, timeout: float) -> _Connection:
+    def _owing(self) -> list[_Connection]:
+        """The idle connections that owe answers, taken out of the idle ones."""
+        with self._lock:
+            if self._pid != os.getpid():
+                return []  # a forked child: nothing it sent is owed on the parent's sockets
+            owing = [conn for conn in self._idle if conn.owed]
+            self._idle = [conn for conn in self._idle if not conn.owed]
+        return owing
+
+    def _take(self, timeout: float) -> Op[_Connection]:
         with self._lock:
             if self._pid != os.getpid():  # forked: the idle sockets are the parent's
                 for inherited in self._idle:
@@ -362,20 +431,22 @@ class LocalCalls:
             if self._idle:
                 return self._idle.pop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
         try:
-            sock.connect(self.path)
+            yield Io(self._sockets.connect, (sock, self.path, timeout))
         except OSError as exc:
             sock.close()
             raise LocalCallFailed(
                 f"cannot connect to {self.path}: {exc.strerror or exc}", sent=False
             ) from None
-        conn = _Connection(sock)
+        except BaseException:
+            sock.close()
+            raise
+        conn = _Connection(sock, self._sockets)
         try:
             self._hello.check_peer(sock)
             if self._hello.frame:
-                sock.sendall(self._hello.frame)
-                self._hello.answered(*conn.receive())
+                yield from conn.send(self._hello.frame, timeout)
+                self._hello.answered(*(yield from conn.receive(timeout)))
         except OSError as exc:
             sock.close()
             raise LocalCallFailed(
@@ -394,8 +465,9 @@ class LocalCalls:
         self._finish(conn)
 
     def close(self) -> None:
-        """Close the idle connections (reading the answers they owe first); those in use
-        close when their call ends."""
+        """Close the idle connections, reading the answers that have arrived first
+        (the client read the rest before: Connection.close); those in use close when
+        their call ends."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
@@ -405,144 +477,9 @@ class LocalCalls:
     @staticmethod
     def _finish(conn: _Connection) -> None:
         if conn.owed:
-            try:
-                conn.read_owed()
-            except OSError as exc:  # timed out or reset: the daemon has the calls all the same
-                conn.close(exc.strerror or str(exc) or type(exc).__name__)
-                return
-        conn.sock.close()
-
-
-class AsyncLocalCalls:
-    """Local calls for one asyncio event loop (the loop of the AsyncKVClient)."""
-
-    def __init__(self, path: str, token: str = "", daemon_uid: int | None = None) -> None:
-        self.path = path
-        self._hello = _Hello(path, token, daemon_uid)
-        # idle connections, the last put back first, with the calls sent on each whose
-        # answers have not been read (see LocalCalls.send)
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter, list[_Owed]]] = []
-        self._closed = False
-
-    async def call(
-        self, name: str, request: Any, timeout: float, during: Callable[[], None] | None = None
-    ) -> Any:
-        """Like :meth:`LocalCalls.call`; ``during`` runs on a worker thread while the
-        answer is awaited, and has finished whenever this returns or raises."""
-        frame = _request(name, request)
-        reader, writer, owed = await self._take(timeout)
-        early: asyncio.Future[None] | None = None
-        try:
-            writer.write(frame)
-            if during is not None:
-                early = asyncio.ensure_future(asyncio.to_thread(during))
-            status, body = await asyncio.wait_for(_areceive(reader, writer, owed), timeout)
-            if early is not None:
-                await early  # its error, if any, spends the connection below
-        except _TIMED_OUT:
-            _close(writer, owed, f"no answer within {timeout} s")
-            raise LocalCallFailed(
-                f"no answer within {timeout} s", sent=True, timed_out=True
-            ) from None
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            _close(writer, owed, str(exc) or type(exc).__name__)
-            raise LocalCallFailed(str(exc) or type(exc).__name__, sent=True) from None
-        except BaseException:  # cancelled mid-call: the answer would confuse the next call
-            _close(writer, owed, "a call on the connection was cancelled")
-            raise
-        finally:
-            if early is not None and not early.done():
-                await asyncio.wait([early])  # never leave a copy running into the caller's rows
-        self._put_back(reader, writer, owed)
-        return _response(status, body, name)
-
-    async def send(
-        self, name: str, request: Any, timeout: float, on_answer: OnAnswer | None = None
-    ) -> None:
-        """Like :meth:`LocalCalls.send`: the answer is read by the next call on the
-        connection, or by :meth:`read_owed`."""
-        reader, writer, owed = await self._take(timeout)
-        try:
-            writer.write(_request(name, request))
-            await asyncio.wait_for(writer.drain(), timeout)
-        except (OSError, *_TIMED_OUT) as exc:
-            _close(writer, owed, str(exc) or type(exc).__name__)
-            raise LocalCallFailed(str(exc) or type(exc).__name__, sent=True) from None
-        owed.append(_Owed(name, on_answer))
-        self._put_back(reader, writer, owed)
-
-    async def poll_owed(self) -> None:
-        """Answers are read as they are awaited (:meth:`read_owed`): nothing to poll."""
-
-    async def read_owed(self, timeout: float) -> None:
-        """Like :meth:`LocalCalls.read_owed`."""
-        owing = [idle for idle in self._idle if idle[2]]
-        self._idle = [idle for idle in self._idle if not idle[2]]
-        for reader, writer, owed in owing:
-            try:
-                while owed:
-                    status, body = await asyncio.wait_for(_read_frame(reader), timeout)
-                    owed.pop(0).answered(status, body)
-            except (OSError, *_TIMED_OUT, asyncio.IncompleteReadError) as exc:
-                _close(writer, owed, str(exc) or type(exc).__name__)
-                continue
-            self._put_back(reader, writer, owed)
-
-    async def _take(
-        self, timeout: float
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, list[_Owed]]:
-        if self._idle:
-            reader, writer, owed = self._idle.pop()
-        else:
-            try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_unix_connection(self.path), timeout
-                )
-            except (OSError, *_TIMED_OUT) as exc:
-                reason = getattr(exc, "strerror", None) or str(exc) or "timed out"
-                raise LocalCallFailed(
-                    f"cannot connect to {self.path}: {reason}", sent=False
-                ) from None
-            owed = []
-            try:
-                self._hello.check_peer(writer.get_extra_info("socket"))
-                if self._hello.frame:
-                    writer.write(self._hello.frame)
-                    status, body = await asyncio.wait_for(_read_frame(reader), timeout)
-                    self._hello.answered(status, body)
-            except (OSError, EOFError, *_TIMED_OUT) as exc:
-                writer.close()
-                raise LocalCallFailed(
-                    f"local-call connection to {self.path} lost: {exc}", sent=False
-                ) from None
-            except BaseException:
-                writer.close()
-                raise
-        if reader.at_eof() or writer.is_closing():  # the daemon closed an idle connection
-            _close(writer, owed, "the local-call connection was closed")
-            raise LocalCallFailed("the local-call connection was closed", sent=False)
-        return reader, writer, owed
-
-    def _put_back(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[_Owed]
-    ) -> None:
-        if self._closed:
-            # the daemon has the calls sent on it all the same, but their answers are lost
-            _close(writer, owed, "the client closed")
-        else:
-            self._idle.append((reader, writer, owed))
-
-    def close(self) -> None:
-        """Close the connections; answers still owed are lost (see :meth:`read_owed`)."""
-        self._closed = True
-        idle, self._idle = self._idle, []
-        for _, writer, owed in idle:
-            _close(writer, owed, "the client closed")
-
-
-def _close(writer: asyncio.StreamWriter, owed: list[_Owed], reason: str) -> None:
-    writer.close()
-    _lose(owed, reason)
+            with contextlib.suppress(OSError):
+                conn.poll_owed()
+        conn.close("the client closed")  # the daemon has the calls all the same
 
 
 def _lose(owed: list[_Owed], reason: str) -> None:
@@ -551,21 +488,3 @@ def _lose(owed: list[_Owed], reason: str) -> None:
     lost, owed[:] = list(owed), []
     for call in lost:
         call.lost(reason)
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    header = await reader.readexactly(frames.HEADER.size)
-    body_len, status = frames.HEADER.unpack(header)
-    return status, await reader.readexactly(body_len)
-
-
-async def _areceive(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, owed: list[_Owed]
-) -> tuple[int, bytes]:
-    """This call's answer, after the answers ``owed`` on the connection."""
-    await writer.drain()
-    while True:
-        status, body = await _read_frame(reader)
-        if not owed:
-            return status, body
-        owed.pop(0).answered(status, body)

@@ -17,14 +17,14 @@ dataclasses of :mod:`kvproto.v1.results`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from kvclient.base_client import DEFAULT_TIMEOUT_S, BaseClient
 from kvclient.connection import events_of
 from kvclient.effects import LOCKS, Op, run_blocking
 from kvclient.fork_safety import renew_in_child
-from kvclient.local_calls import LocalCalls
+from kvclient.local_calls import BLOCKING_SOCKETS
 from kvclient.namespace import BlockLease
 from kvproto.v1.results import Event
 
@@ -36,7 +36,7 @@ T = TypeVar("T")
 class KVClient(BaseClient):
     """Blocking client of one kvstored. Thread-safe; close it (or use ``with``)."""
 
-    local_calls = LocalCalls
+    sockets = BLOCKING_SOCKETS
     event_class = threading.Event
 
     def _start_driver(self) -> None:
@@ -107,18 +107,8 @@ class KVClient(BaseClient):
         """Whether data calls go through the shared arena (asks the daemon once)."""
         return self._drive(self._conn.arena_in_use())
 
-    def events(
-        self,
-        from_seq: int = 0,
-        *,
-        ns_id: str = "",
-        kinds: Sequence[str] = (),
-        from_now: bool = False,
-        duration_s: float | None = None,
-    ) -> Iterator[Event]:
-        """Events with seq > ``from_seq``, following the stream until the caller stops
-        iterating (or ``duration_s`` passes). Breaking out of the loop cancels the call."""
-        call = self._conn.watch(from_seq, ns_id, kinds, from_now, duration_s)
+    def _follow(self, start: Callable[[], Any], duration_s: float | None) -> Iterator[Event]:
+        call = start()
         with self._conn.watching(call, duration_s):
             for msg in call:
                 yield from events_of(msg)

@@ -13,9 +13,9 @@ waits for the answer instead.
 
 :class:`GrpcTransport` serves both drivers: built on a blocking channel its methods
 return answers, on a ``grpc.aio`` channel awaitables of them, which the async driver
-awaits (:mod:`kvclient.effects`). The local socket has one class per driver
-(:class:`kvclient.local_calls.LocalCalls`, :class:`kvclient.local_calls.AsyncLocalCalls`),
-since a blocking socket and an asyncio stream are read differently.
+awaits (:mod:`kvclient.effects`). The local socket is one class for both drivers too
+(:class:`kvclient.local_calls.LocalCalls`): its calls are ops whose socket I/O the
+driver does (blocking in the caller's thread, or on the event loop).
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class Put:
         conn = self.conn
         stash = conn.stash(self.ns.ns_id)
         if len(stash) < self.n and conn.local is not None:
-            yield Io(conn.local.poll_owed)  # answers of earlier puts bring more slots
+            conn.local.poll_owed()  # answers of earlier puts bring more slots
             if len(stash) < self.n and not wait:
                 yield from conn.read_owed()
         request, staged = put_reserve(

@@ -194,35 +194,28 @@ def _namespace_families(stats: Stats) -> Iterator[Metric]:
     yield from (info, blocks, size, hits, misses)
 
 
+# Store-wide figures of Stats, by metric: (family, name, help, Stats field)
+_STORE_FIGURES: tuple[tuple[type[Metric], str, str, str], ...] = (
+    (CounterMetricFamily, "kvstore_demotions",
+     "Blocks moved from the host tier to the disk tier.", "demotions"),
+    (CounterMetricFamily, "kvstore_promotions",
+     "Blocks moved from the disk tier back into the host tier.", "promotions"),
+    (GaugeMetricFamily, "kvstore_pending_blocks",
+     "Blocks reserved by a writer whose bytes are not committed.", "pending_blocks"),
+    (GaugeMetricFamily, "kvstore_leases", "Open read and write leases.", "leases"),
+    (GaugeMetricFamily, "kvstore_staged_bytes",
+     "Host arena bytes set aside for writers' next puts (staged slots, in no block yet).",
+     "staged_bytes"),
+    (CounterMetricFamily, "kvstore_corrupt_reads",
+     "Disk records that failed their checksum (reported as misses).", "corrupt_reads"),
+    (GaugeMetricFamily, "kvstore_disk_queue_bytes",
+     "Block bytes queued for the disk writer, not yet in LMDB.", "disk_queue_bytes"),
+)  # fmt: skip
+
+
 def _store_families(stats: Stats) -> Iterator[Metric]:
-    yield CounterMetricFamily(
-        "kvstore_demotions", "Blocks moved from the host tier to the disk tier.",
-        value=stats.demotions,
-    )
-    yield CounterMetricFamily(
-        "kvstore_promotions", "Blocks moved from the disk tier back into the host tier.",
-        value=stats.promotions,
-    )
-    yield GaugeMetricFamily(
-        "kvstore_pending_blocks", "Blocks reserved by a writer whose bytes are not committed.",
-        value=stats.pending_blocks,
-    )
-    yield GaugeMetricFamily(
-        "kvstore_leases", "Open read and write leases.", value=stats.leases
-    )
-    yield GaugeMetricFamily(
-        "kvstore_staged_bytes",
-        "Host arena bytes set aside for writers' next puts (staged slots, in no block yet).",
-        value=stats.staged_bytes,
-    )
-    yield CounterMetricFamily(
-        "kvstore_corrupt_reads", "Disk records that failed their checksum (reported as misses).",
-        value=stats.corrupt_reads,
-    )
-    yield GaugeMetricFamily(
-        "kvstore_disk_queue_bytes", "Block bytes queued for the disk writer, not yet in LMDB.",
-        value=stats.disk_queue_bytes,
-    )
+    for family, name, doc, field in _STORE_FIGURES:
+        yield family(name, doc, value=getattr(stats, field))  # type: ignore[call-arg]
     if any(tier.name == "disk" for tier in stats.tiers):
         yield GaugeMetricFamily(
             "kvstore_disk_writable",
@@ -397,15 +390,9 @@ class MetricsHTTPServer:
 class DaemonMetrics:
     """The daemon's registry, its RPC interceptor and (once started) its HTTP endpoint."""
 
-    def __init__(
-        self,
-        stats: Callable[[], Stats],
-        version: str,
-        platform: Callable[[], str],
-        namespaces: bool = True,
-    ) -> None:
+    def __init__(self, store: StoreCollector) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(StoreCollector(stats, version, platform, namespaces))
+        self.registry.register(store)
         ProcessCollector(registry=self.registry)  # process_* (RSS, CPU, fds, start time)
         self.interceptor = RpcMetricsInterceptor(self.registry)
         self._http: MetricsHTTPServer | None = None

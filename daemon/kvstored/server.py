@@ -47,7 +47,7 @@ from kvstored.config import (
 )
 from kvstored.gpu_service import KVGpuService
 from kvstored.local_calls import LocalCallServer
-from kvstored.metrics import DaemonMetrics, MetricsBindError
+from kvstored.metrics import DaemonMetrics, MetricsBindError, StoreCollector
 from kvstored.names import NamespaceNames
 from kvstored.preflight import prepare_unix_socket
 from kvstored.service import KVStoreService, add_to_server
@@ -155,7 +155,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     service = KVStoreService(store, config, names, daemon_version(), access)
     health_servicer = health.aio.HealthServicer()
     metrics = DaemonMetrics(
-        store.stats, daemon_version(), lambda: store.platform, config.namespace_metrics
+        StoreCollector(
+            store.stats, daemon_version(), lambda: store.platform, config.namespace_metrics
+        )
     )
     server = grpc.aio.server(options=grpc_options(config), interceptors=[metrics.interceptor])
     add_to_server(service, server)  # Get and Put on framed bytes: fewer copies per chunk
