@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbench.harness import write_program_report
 from kvbench.servers import OwnDaemon
 from kvclient import KVClient
 from kvstore.keys import NamespaceSpec
@@ -207,8 +208,7 @@ def main() -> int:
         "on the GPU path: every block is a separate gather/scatter unit.",
         "",
     ]
-    OUT.write_text("\n".join(doc))
-    print(f"wrote {OUT}", file=sys.stderr)
+    write_program_report(str(OUT), "\n".join(doc))
     return 0
 
 

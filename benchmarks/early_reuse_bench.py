@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from kvbench.harness import write_program_report
 from kvbench.servers import OwnDaemon
 from kvclient import KVClient
 from kvclient.hf import HFPrefixCache, random_llama
@@ -162,8 +163,7 @@ def main() -> int:
         "its chunk is delivered, so waiters start loading before the owner's prefill ends.",
         "",
     ]
-    OUT.write_text("\n".join(doc))
-    print(f"wrote {OUT}", file=sys.stderr)
+    write_program_report(str(OUT), "\n".join(doc))
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbench.harness import write_program_report
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
 
@@ -229,9 +230,7 @@ def main() -> int:
         "in the arena allocator.",
         "",
     ]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text("\n".join(lines))
-    print(f"wrote {OUT}")
+    write_program_report(str(OUT), "\n".join(lines))
     return 0
 
 

@@ -76,7 +76,6 @@ import tempfile
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import TracebackType
 
 import numpy as np
 
@@ -443,12 +442,7 @@ class HostArena:
     def __enter__(self) -> HostArena:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- free-extent bookkeeping

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
 
 import numpy as np
 
@@ -186,12 +185,7 @@ class ArenaMapping:
     def __enter__(self) -> ArenaMapping:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -220,6 +220,13 @@ class _Harness:
         get.copy_early()
         return get
 
+    @staticmethod
+    def finished(get: UnpinnedGet, answer: pb.AcquireResponse) -> bytes:
+        """The bytes a get returns, finished with ``answer`` (it must trust them)."""
+        done = get.finish(answer)
+        assert done is not None
+        return bytes(done[0].tobytes())
+
     def close(self) -> None:
         self.arena.close()
         self.store.close()
@@ -235,9 +242,7 @@ def harness(tmp_path) -> Iterator[_Harness]:  # noqa: ANN001
 def test_early_copy_of_unchanged_slots_is_kept(harness: _Harness) -> None:
     keys = harness.stored(0, 1, 3)
     get = harness.copied_early(harness.slots(harness.answer(keys)))
-    done = get.finish(harness.answer(keys))
-    assert done is not None
-    assert done[0].tobytes() == b"".join(payloads(1, 3))
+    assert harness.finished(get, harness.answer(keys)) == b"".join(payloads(1, 3))
 
 
 def test_slots_reused_by_other_blocks_before_the_answer_are_copied_again(
@@ -249,9 +254,7 @@ def test_slots_reused_by_other_blocks_before_the_answer_are_copied_again(
     s.delete(ns, keys)  # ... whose slots now go to other blocks
     harness.stored(500, 7, 2)
     s.put(ns, keys, payloads(1, 2))  # the prefix is back, in other slots or the same
-    done = get.finish(harness.answer(keys))
-    assert done is not None
-    assert done[0].tobytes() == b"".join(payloads(1, 2))
+    assert harness.finished(get, harness.answer(keys)) == b"".join(payloads(1, 2))
 
 
 def test_an_early_copy_of_another_block_in_the_same_slot_is_not_kept(
@@ -268,9 +271,7 @@ def test_an_early_copy_of_another_block_in_the_same_slot_is_not_kept(
     s.put(ns, a, payloads(1, 2))  # and a is back in the very same slots
     answer = harness.answer(a)
     assert list(answer.slot_offsets) == last.offsets.tolist()
-    done = get.finish(answer)
-    assert done is not None
-    assert done[0].tobytes() == b"".join(payloads(1, 2))
+    assert harness.finished(get, answer) == b"".join(payloads(1, 2))
 
 
 def test_a_slot_rewritten_during_the_copy_is_never_returned(harness: _Harness) -> None:

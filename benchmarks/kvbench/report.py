@@ -241,11 +241,14 @@ def machine_line() -> str:
 # The report's case tables: a row per layout and batch, a column per (system, op, path,
 # tier); every row of the run is in ``--json`` and in the printed table.
 Column = tuple[str, str, str, str, str]  # title, system, op, path, tier
+_GET: Column = ("get", "kvstore", "get", "arena", "host")
+_PUT: Column = ("put", "kvstore", "put", "arena", "host")
+_AHEAD: Column = ("put sent ahead", "kvstore", "put-nowait", "arena", "host")
 THROUGHPUT: list[Column] = [
-    ("get", "kvstore", "get", "arena", "host"),
+    _GET,
     ("get inline", "kvstore", "get", "inline", "host"),
-    ("put", "kvstore", "put", "arena", "host"),
-    ("put sent ahead", "kvstore", "put-nowait", "arena", "host"),
+    _PUT,
+    _AHEAD,
     ("put inline", "kvstore", "put", "inline", "host"),
     ("disk warm get", "kvstore", "get", "arena", "disk-warm"),
     ("disk cold get", "kvstore", "get", "arena", "disk-cold"),
@@ -255,9 +258,9 @@ PER_CALL: list[Column] = [
     ("lookup + get", "kvstore", "lookup+get", "arena", "host"),
     ("acquire", "kvstore", "acquire", "arena", "host"),
     ("miss", "kvstore", "miss", "arena", "miss"),
-    ("get", "kvstore", "get", "arena", "host"),
-    ("put", "kvstore", "put", "arena", "host"),
-    ("put sent ahead", "kvstore", "put-nowait", "arena", "host"),
+    _GET,
+    _PUT,
+    _AHEAD,
 ]
 BASELINES: list[Column] = [
     ("memcpy", "memcpy", "get", "-", "-"),

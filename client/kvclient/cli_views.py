@@ -8,7 +8,6 @@ import dataclasses
 import shutil
 import time
 from collections.abc import Iterable, Sequence
-from types import TracebackType
 from typing import Any, TextIO
 
 from kvclient.sync_client import KVClient
@@ -83,34 +82,16 @@ def _ratio(hits: int, misses: int) -> float | None:
 
 
 def tier_dict(tier: TierStats) -> JSONDict:
-    return {
-        "name": tier.name,
-        "capacity_bytes": tier.capacity_bytes,
-        "used_bytes": tier.used_bytes,
+    """A tier's stats as JSON, with its fill and hit rate."""
+    return dataclasses.asdict(tier) | {
         "used_fraction": tier.used_fraction,
-        "blocks": tier.blocks,
-        "hits": tier.hits,
-        "misses": tier.misses,
         "hit_rate": _ratio(tier.hits, tier.misses),
-        "evictions": tier.evictions,
-        "bytes_in": tier.bytes_in,
-        "bytes_out": tier.bytes_out,
     }
 
 
 def namespace_dict(ns: NamespaceStats) -> JSONDict:
-    return {
-        "ns_id": ns.ns_id,
-        "name": ns.name,
-        "model": ns.model,
-        "block_tokens": ns.block_tokens,
-        "block_bytes": ns.block_bytes,
-        "blocks": ns.blocks,
-        "bytes": ns.bytes,
-        "hits": ns.hits,
-        "misses": ns.misses,
-        "hit_rate": _ratio(ns.hits, ns.misses),
-    }
+    """A namespace's stats as JSON, with its hit rate."""
+    return dataclasses.asdict(ns) | {"hit_rate": _ratio(ns.hits, ns.misses)}
 
 
 def event_dict(event: Event) -> JSONDict:
@@ -375,11 +356,6 @@ class LiveScreen:
         self.stream.write("\x1b[H" + "\n".join(lines) + "\x1b[J")
         self.stream.flush()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stream.write("\x1b[?25h\x1b[?1049l")
         self.stream.flush()

@@ -149,6 +149,23 @@ class LoadedPrefix:
     disk_blocks: int
     load_s: float
 
+    def stats(
+        self, prompt_tokens: int, stored: int, ttft_s: float, store_s: float, waited_s: float = 0.0
+    ) -> ReuseStats:
+        """The stats of a prefill of ``prompt_tokens`` that reused this prefix."""
+        return ReuseStats(
+            prompt_tokens=prompt_tokens,
+            reused_tokens=self.tokens,
+            computed_tokens=prompt_tokens - self.tokens,
+            host_blocks=self.host_blocks,
+            disk_blocks=self.disk_blocks,
+            stored_blocks=stored,
+            load_s=self.load_s,
+            ttft_s=ttft_s,
+            store_s=store_s,
+            waited_s=waited_s,
+        )
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PrefillOutput:
@@ -260,17 +277,7 @@ class HFPrefixCache:
             t0 = time.perf_counter()
             stored = self.store(tokens, cache, reused_blocks, n_tokens // T)
             store_s = time.perf_counter() - t0
-        stats = ReuseStats(
-            prompt_tokens=n_tokens,
-            reused_tokens=reused,
-            computed_tokens=n_tokens - reused,
-            host_blocks=loaded.host_blocks,
-            disk_blocks=loaded.disk_blocks,
-            stored_blocks=stored,
-            load_s=loaded.load_s,
-            ttft_s=ttft_s,
-            store_s=store_s,
-        )
+        stats = loaded.stats(n_tokens, stored, ttft_s, store_s)
         return PrefillOutput(logits=logits, cache=cache, stats=stats)
 
     def _forward(
@@ -350,18 +357,7 @@ class HFPrefixCache:
         finally:
             if claim is not None:
                 claim.abandon()
-        stats = ReuseStats(
-            prompt_tokens=n_tokens,
-            reused_tokens=reused,
-            computed_tokens=n_tokens - reused,
-            host_blocks=loaded.host_blocks,
-            disk_blocks=loaded.disk_blocks,
-            stored_blocks=stored,
-            load_s=loaded.load_s,
-            ttft_s=ttft_s,
-            store_s=store_s,
-            waited_s=waited_s,
-        )
+        stats = loaded.stats(n_tokens, stored, ttft_s, store_s, waited_s)
         return PrefillOutput(logits=logits, cache=cache, stats=stats)
 
     def _wait_for_pending(self, prefix: list[int], wait_s: float | None) -> float:

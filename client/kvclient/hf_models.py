@@ -9,62 +9,31 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-# -- random-weight models (examples, tests, benchmarks: nothing is downloaded) ---------
+
+def _llama(
+    hidden: int, mlp: int, layers: int, heads: int, kv_heads: int, vocab: int, context: int,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A LlamaConfig's shape fields."""
+    return dict(
+        hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+        max_position_embeddings=context, **extra,
+    )  # fmt: skip
+
 
 LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     # tests: a few layers, GQA, fp32 in milliseconds
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=4096,
-    ),
+    "tiny": _llama(64, 128, 3, 4, 2, 512, 4096),
     # examples: still fast on two CPU cores
-    "small": dict(
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=4096,
-        max_position_embeddings=16384,
-    ),
+    "small": _llama(256, 688, 4, 8, 4, 4096, 16384),
     # CPU TTFT benchmark: ~250M parameters, 16 layers, GQA 16/4; prefill dominates and
     # 512..8192-token prompts take minutes, not hours, on two cores
-    "cpu-250m": dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        max_position_embeddings=16384,
-    ),
+    "cpu-250m": _llama(1024, 2816, 16, 16, 4, 32000, 16384),
     # vLLM tests and benchmark (save_random_llama): 2 KiB of KV a token in bfloat16
-    "vllm-tiny": dict(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=32000,
-        max_position_embeddings=32768,
-    ),
+    "vllm-tiny": _llama(256, 512, 4, 4, 2, 32000, 32768, head_dim=64),
     # Llama-3-8B's shape (random weights): the GPU benchmark
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-    ),
+    "llama3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072, rope_theta=5e5),
 }
 
 

@@ -355,19 +355,11 @@ class LocalCalls:
             status, body = yield from conn.receive(timeout)
             if conn.buffer:  # one call at a time: nothing may follow its answer
                 raise ConnectionResetError(0, "the daemon sent more than one answer")
-        except TimeoutError:
-            conn.close(f"no answer within {timeout} s")
-            raise LocalCallFailed(
-                f"no answer within {timeout} s", sent=sent, timed_out=True
-            ) from None
-        except OSError as exc:
-            conn.close(exc.strerror or str(exc))
-            raise LocalCallFailed(exc.strerror or str(exc), sent=sent) from None
-        except BaseException:
-            # cancelled, or ``during`` failed: the answer still coming would confuse the
-            # next call, so the connection is spent
-            conn.close("a call on the connection was abandoned")
-            raise
+        except BaseException as exc:
+            failure = _spent(conn, exc, sent, timeout)
+            if failure is exc:
+                raise
+            raise failure from None
         self._put_back(conn)
         return _response(status, body, name)
 
@@ -382,12 +374,11 @@ class LocalCalls:
         conn = yield from self._take(timeout)
         try:
             yield from conn.send(frame, timeout)
-        except OSError as exc:
-            conn.close(exc.strerror or str(exc))
-            raise LocalCallFailed(exc.strerror or str(exc), sent=False) from None
-        except BaseException:
-            conn.close("a send on the connection was abandoned")
-            raise
+        except BaseException as exc:
+            failure = _spent(conn, exc, False, timeout)
+            if failure is exc:
+                raise
+            raise failure from None
         conn.owed.append(_Owed(name, on_answer))
         self._put_back(conn)
 
@@ -431,27 +422,18 @@ class LocalCalls:
             if self._idle:
                 return self._idle.pop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = _Connection(sock, self._sockets)
+        failed = f"cannot connect to {self.path}"
         try:
             yield Io(self._sockets.connect, (sock, self.path, timeout))
-        except OSError as exc:
-            sock.close()
-            raise LocalCallFailed(
-                f"cannot connect to {self.path}: {exc.strerror or exc}", sent=False
-            ) from None
-        except BaseException:
-            sock.close()
-            raise
-        conn = _Connection(sock, self._sockets)
-        try:
+            failed = f"local-call connection to {self.path} lost"
             self._hello.check_peer(sock)
             if self._hello.frame:
                 yield from conn.send(self._hello.frame, timeout)
                 self._hello.answered(*(yield from conn.receive(timeout)))
         except OSError as exc:
             sock.close()
-            raise LocalCallFailed(
-                f"local-call connection to {self.path} lost: {exc.strerror or exc}", sent=False
-            ) from None
+            raise LocalCallFailed(f"{failed}: {exc.strerror or exc}", sent=False) from None
         except BaseException:
             sock.close()
             raise
@@ -480,6 +462,21 @@ class LocalCalls:
             with contextlib.suppress(OSError):
                 conn.poll_owed()
         conn.close("the client closed")  # the daemon has the calls all the same
+
+
+def _spent(conn: _Connection, error: BaseException, sent: bool, timeout: float) -> BaseException:
+    """Close the connection of a call that broke off (its answer, still coming, would
+    confuse the next call); what to raise: a LocalCallFailed for a timeout or a broken
+    socket, else ``error`` itself (cancelled, or ``during`` failed)."""
+    if isinstance(error, TimeoutError):
+        conn.close(f"no answer within {timeout} s")
+        return LocalCallFailed(f"no answer within {timeout} s", sent=sent, timed_out=True)
+    if isinstance(error, OSError):
+        reason = error.strerror or str(error)
+        conn.close(reason)
+        return LocalCallFailed(reason, sent=sent)
+    conn.close("a call on the connection was abandoned")
+    return error
 
 
 def _lose(owed: list[_Owed], reason: str) -> None:

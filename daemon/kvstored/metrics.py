@@ -288,39 +288,35 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
         record = self._record
         in_flight = self.in_flight.labels(method)
 
+        @contextlib.contextmanager
+        def timed(context: grpc.aio.ServicerContext) -> Iterator[None]:
+            started = time.perf_counter()
+            failure: BaseException | None = None
+            in_flight.inc()
+            try:
+                yield
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                in_flight.dec()
+                record(method, context, failure, started)
+
         if inspect.isasyncgenfunction(behavior):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                started = time.perf_counter()
-                failure: BaseException | None = None
-                in_flight.inc()
-                try:
+                with timed(context):
                     async with contextlib.aclosing(behavior(request, context)) as responses:
                         async for response in responses:
                             yield response
-                except BaseException as exc:
-                    failure = exc
-                    raise
-                finally:
-                    in_flight.dec()
-                    record(method, context, failure, started)
 
             return stream
 
         if inspect.iscoroutinefunction(behavior):
 
             async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                started = time.perf_counter()
-                failure: BaseException | None = None
-                in_flight.inc()
-                try:
+                with timed(context):
                     return await behavior(request, context)
-                except BaseException as exc:
-                    failure = exc
-                    raise
-                finally:
-                    in_flight.dec()
-                    record(method, context, failure, started)
 
             return call
 
