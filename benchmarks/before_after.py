@@ -40,23 +40,25 @@ def run_bench(tree: Path, bench_args: list[str], out: Path) -> dict[str, Any]:
     return data
 
 
-def best(runs: list[dict[str, Any]], system: str) -> dict[Case, float]:
-    """Per case, the best rate over the runs (GB/s, or blocks/s where no bytes move)."""
-    rates: dict[Case, float] = {}
+def by_round(runs: list[dict[str, Any]], system: str) -> dict[Case, list[float]]:
+    """Per case, its rate in each run, in the order of the runs (GB/s, or blocks/s
+    where no bytes move)."""
+    rates: dict[Case, list[float]] = {}
     for run in runs:
         for r in run["results"]:
             if r["system"] != system or r["note"].startswith("only"):
                 continue
             case = (r["op"], r["path"], r["tier"], r["layout"], r["batch"])
-            rate = r["gbps"] or r["blocks_per_s"]
-            rates[case] = max(rates.get(case, 0.0), rate)
+            rates.setdefault(case, []).append(r["gbps"] or r["blocks_per_s"])
     return rates
 
 
 def render(
     before: list[dict[str, Any]], after: list[dict[str, Any]], args: argparse.Namespace
 ) -> str:
-    b, a = best(before, "kvstore"), best(after, "kvstore")
+    b_rounds, a_rounds = by_round(before, "kvstore"), by_round(after, "kvstore")
+    b = {case: max(rates) for case, rates in b_rounds.items()}
+    a = {case: max(rates) for case, rates in a_rounds.items()}
     memcpy = [
         r["gbps"] for run in before + after for r in run["results"] if r["system"] == "memcpy"
     ]
@@ -69,23 +71,26 @@ def render(
         f"`{' '.join(args.bench_args)}`.",
         "",
         f"- machine: {after[-1]['machine']}",
-        "- each row: the best pass of each checkout over the rounds; GB/s of block bytes "
-        "(blocks/s for lookups); after / before above 1 is faster",
+        "- each row: the best pass of each checkout over the rounds, and each round's in "
+        "the order they ran; GB/s of block bytes (blocks/s for lookups); after / before "
+        "above 1 is faster",
         f"- noise: one-thread memcpy of the same cases ranged {min(memcpy):.2f} to "
         f"{max(memcpy):.2f} GB/s over the runs"
         if memcpy
         else "- noise: no memcpy rows",
         "",
-        "| op | path | tier | layout | batch | before | after | after / before |",
-        "|---|---|---|---|---|---|---|---|",
+        "| op | path | tier | layout | batch | before | after | after / before "
+        "| before, by round | after, by round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in sorted(set(b) & set(a)):
         op, path, tier, layout, batch = case
         unit = "GB/s" if op not in ("lookup", "miss") else "blocks/s"
         fmt = "{:.2f}" if unit == "GB/s" else "{:,.0f}"
+        rounds = [" / ".join(fmt.format(x) for x in side[case]) for side in (b_rounds, a_rounds)]
         lines.append(
             f"| {op} | {path} | {tier} | {layout} | {batch} | {fmt.format(b[case])} "
-            f"| {fmt.format(a[case])} | {a[case] / b[case]:.2f} |"
+            f"| {fmt.format(a[case])} | {a[case] / b[case]:.2f} | {rounds[0]} | {rounds[1]} |"
         )
     ratios = [a[c] / b[c] for c in set(a) & set(b) if b[c]]
     if ratios:

@@ -153,7 +153,9 @@ def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
             last_cycle_first = max(chains.tried, default=0) + 1
             stop = threading.Event()
             threads = [
-                threading.Thread(target=writer, args=(daemon.addr, k, chains, seeds, stop), name=k)
+                threading.Thread(
+                    target=writer, args=(daemon.addr, k, chains, seeds, stop), name=k
+                )
                 for k in ("arena", "ahead", "inline")
             ]
             for thread in threads:
@@ -171,24 +173,18 @@ def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
     finally:
         daemon.close()
     return {
-        "admission": admission,
-        "cycles": cycles,
-        "tried_chains": len(chains.tried),
-        **final,
-        "worst_corrupt": max(worst["corrupt"], final.get("corrupt", 0)),
+        "admission": admission, "cycles": cycles, "tried_chains": len(chains.tried),
+        **final, "worst_corrupt": max(worst["corrupt"], final.get("corrupt", 0)),
         "worst_orphans": max(worst["orphans"], final.get("orphans", 0)),
         "worst_durable_lost": max(worst["durable_lost"], final.get("durable_lost", 0)),
-        "restart_p50_s": statistics.median(starts),
-        "restart_max_s": max(starts),
+        "restart_p50_s": statistics.median(starts), "restart_max_s": max(starts),
     }
 
 
 def part_crash(work: Path, quick: bool) -> Section:
     cycles = 3 if quick else 100
-    rows = [
-        crash_cycles(work / f"crash-{mode}", mode, cycles)
-        for mode in ("write-back", "write-through")
-    ]
+    rows = [crash_cycles(work / f"crash-{mode}", mode, cycles) for mode in
+            ("write-back", "write-through")]
     body = [
         "| admission | kill -9 cycles | chains tried | blocks acked | answered durable | "
         "durable lost | acked, not durable, lost | corrupt served | orphans held | "
@@ -204,20 +200,17 @@ def part_crash(work: Path, quick: bool) -> Section:
             f"{r['restart_p50_s']:.2f} / {r['restart_max_s']:.2f} s |"
         )
         bad = r["worst_corrupt"] + r["worst_orphans"] + r["worst_durable_lost"]
-        checks.append(
-            (
-                f"{r['admission']}: {cycles} kill cycles, 0 corrupt, 0 orphans, 0 durable lost",
-                f"corrupt {r['worst_corrupt']}, orphans {r['worst_orphans']}, durable lost "
-                f"{r['worst_durable_lost']}",
-                bad == 0 and r["cycles"] >= cycles,
-            )
-        )
+        checks.append((
+            f"{r['admission']}: {cycles} kill cycles, 0 corrupt, 0 orphans, 0 durable lost",
+            f"corrupt {r['worst_corrupt']}, orphans {r['worst_orphans']}, durable lost "
+            f"{r['worst_durable_lost']}", bad == 0 and r["cycles"] >= cycles,
+        ))
     body += [
         "",
         "Writers: three threads (arena put, put sent ahead, inline put) of 1-4 block chains "
         "of 16 KiB, killed 0.2-0.6 s into each cycle. After each restart the last cycle's "
-        'chains and 100 older ones are read back ("corrupt" and "durable lost": the '
-        'worst after any restart); after the last one every chain is, and "orphans" '
+        "chains and 100 older ones are read back (\"corrupt\" and \"durable lost\": the "
+        "worst after any restart); after the last one every chain is, and \"orphans\" "
         "compares the blocks the daemon indexes with those reachable from a chain's root. "
         "Write-back loses what was only in the host tier by design (the Durability table).",
     ]
@@ -266,8 +259,7 @@ def part_client(work: Path, quick: bool) -> Section:
             for op in ("put", "get", "acquire", "claim", "claim-inline"):
                 for _ in range(rounds):
                     child = subprocess.Popen(
-                        [sys.executable, "-c", CLIENT, daemon.addr, op],
-                        stdout=subprocess.PIPE,
+                        [sys.executable, "-c", CLIENT, daemon.addr, op], stdout=subprocess.PIPE,
                         text=True,
                     )
                     assert child.stdout is not None and child.stdout.readline().strip() == "go"
@@ -288,29 +280,17 @@ def part_client(work: Path, quick: bool) -> Section:
         daemon.close()
     body = ["| killed mid | kills | released p50 | released max |", "|---|---|---|---|"]
     for op, times in released.items():
-        body.append(
-            f"| {op} | {len(times)} | {statistics.median(times) * 1000:.0f} ms | "
-            f"{max(times) * 1000:.0f} ms |"
-        )
+        body.append(f"| {op} | {len(times)} | {statistics.median(times) * 1000:.0f} ms | "
+                    f"{max(times) * 1000:.0f} ms |")
     worst = max(max(t) for t in released.values())
-    body += [
-        "",
-        '"Released": from the kill until the daemon holds no lease, pending block '
-        "or staged slot of the client (lease TTL 60 s: without the release it would be "
-        "60 s). `claim-inline` makes its claims over gRPC (its Session ends them); the "
-        "others over the local-call socket.",
-    ]
-    return Section(
-        "Killed clients",
-        body,
-        [
-            (
-                "the store usable within 1 s after a client is killed",
-                f"worst {worst * 1000:.0f} ms",
-                worst <= 1.0,
-            )
-        ],
-    )
+    body += ["", "\"Released\": from the kill until the daemon holds no lease, pending block "
+             "or staged slot of the client (lease TTL 60 s: without the release it would be "
+             "60 s). `claim-inline` makes its claims over gRPC (its Session ends them); the "
+             "others over the local-call socket."]
+    return Section("Killed clients", body, [(
+        "the store usable within 1 s after a client is killed", f"worst {worst * 1000:.0f} ms",
+        worst <= 1.0,
+    )])
 
 
 # --- diskfull ----------------------------------------------------------------------------
@@ -321,15 +301,10 @@ def small_disk(where: Path, size_mib: int) -> Iterator[tuple[str, Callable[[], N
     """A directory on a full-able disk: a tmpfs of ``size_mib`` when we may mount one,
     else a plain directory and a file size limit for the daemon."""
     where.mkdir(parents=True, exist_ok=True)
-    mounted = (
-        os.geteuid() == 0
-        and subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)],
-            capture_output=True,
-            check=False,
-        ).returncode
-        == 0
-    )
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(where)],
+        capture_output=True, check=False,
+    ).returncode == 0
     if mounted:
         try:
             yield f"tmpfs of {size_mib} MiB (ENOSPC)", None
@@ -350,12 +325,8 @@ def part_diskfull(work: Path, quick: bool) -> Section:
     errors = Counter[str]()
     with small_disk(work / "diskfull-mnt", 48) as (how, preexec):
         daemon = Kvstored(
-            work / "diskfull",
-            preexec=preexec,
-            host_bytes="16MiB",
-            disk_bytes="256MiB",
-            admission="write-through",
-            disk_dir=work / "diskfull-mnt" / "disk",
+            work / "diskfull", preexec=preexec, host_bytes="16MiB", disk_bytes="256MiB",
+            admission="write-through", disk_dir=work / "diskfull-mnt" / "disk",
             arena_dir=work / "diskfull",
         )
         daemon.start()
@@ -364,7 +335,6 @@ def part_diskfull(work: Path, quick: bool) -> Section:
         try:
             with KVClient(daemon.addr, timeout=30) as client:
                 ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=size)
-
                 def put(s: int) -> Any:
                     return ns.put(tokens_of(s, 4), [block_of(s, i, size) for i in range(4)])
 
@@ -397,45 +367,26 @@ def part_diskfull(work: Path, quick: bool) -> Section:
     faults = log.count("disk tier stopped taking writes")
     recoveries = log.count("disk tier takes writes again")
     worst = max(max(v) for v in latencies.values())
-    body = [
-        f"The disk tier on a {how}, write-through, {seconds} s of puts of 1 MiB "
-        "chains with a get, a lookup, ServerInfo and Stats after each.",
-        "",
-        "| call | calls | p50 | p99 | max |",
-        "|---|---|---|---|---|",
-    ]
+    body = [f"The disk tier on a {how}, write-through, {seconds} s of puts of 1 MiB "
+            "chains with a get, a lookup, ServerInfo and Stats after each.", "",
+            "| call | calls | p50 | p99 | max |", "|---|---|---|---|---|"]
     for name, values in latencies.items():
-        body.append(
-            f"| {name} | {len(values)} | {percentile(values, 0.5) * 1000:.1f} ms | "
-            f"{percentile(values, 0.99) * 1000:.1f} ms | {max(values) * 1000:.1f} ms |"
-        )
-    body += [
-        "",
-        f"Blocks stored {stored}, answered durable {durable}; disk faults logged "
-        f"{faults}, recoveries {recoveries}; errors: {dict(errors) or 'none'}; "
-        f"exit code at stop {code} (3: blocks due on disk could not be written).",
-        "",
-        "Each fault gives back the disk tier's reserve (kvstore.disk_files): LMDB "
-        "writes even a delete as new pages, so on a full file system the evictions "
-        "could not commit without it. With it they do, and the tier goes on at the size "
-        "that fits; it takes the reserve back once the file system has room for it.",
-    ]
-    return Section(
-        "A full disk",
-        body,
-        [
-            (
-                "no call slower than 1 s while the disk is full",
-                f"slowest {worst * 1000:.0f} ms",
-                worst <= 1.0 and not errors and faults > 0,
-            ),
-            (
-                "a full disk: the disk tier resumes by itself at the size that fits",
-                f"{faults} faults, {recoveries} recoveries, {durable} of {stored} blocks durable",
-                recoveries > 0,
-            ),
-        ],
-    )
+        body.append(f"| {name} | {len(values)} | {percentile(values, 0.5) * 1000:.1f} ms | "
+                    f"{percentile(values, 0.99) * 1000:.1f} ms | {max(values) * 1000:.1f} ms |")
+    body += ["", f"Blocks stored {stored}, answered durable {durable}; disk faults logged "
+             f"{faults}, recoveries {recoveries}; errors: {dict(errors) or 'none'}; "
+             f"exit code at stop {code} (3: blocks due on disk could not be written).",
+             "", "Each fault gives back the disk tier's reserve (kvstore.disk_files): LMDB "
+             "writes even a delete as new pages, so on a full file system the evictions "
+             "could not commit without it. With it they do, and the tier goes on at the size "
+             "that fits; it takes the reserve back once the file system has room for it."]
+    return Section("A full disk", body, [
+        ("no call slower than 1 s while the disk is full", f"slowest {worst * 1000:.0f} ms",
+         worst <= 1.0 and not errors and faults > 0),
+        ("a full disk: the disk tier resumes by itself at the size that fits",
+         f"{faults} faults, {recoveries} recoveries, {durable} of {stored} blocks durable",
+         recoveries > 0),
+    ])
 
 
 # --- damage -------------------------------------------------------------------------------
@@ -452,10 +403,8 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
 
 def part_damage(work: Path, quick: bool) -> Section:
     size = 64 << 10
-    body = [
-        "| damage | started | moved aside | ERROR line | blocks served | corrupt served |",
-        "|---|---|---|---|---|---|",
-    ]
+    body = ["| damage | started | moved aside | ERROR line | blocks served | corrupt served |",
+            "|---|---|---|---|---|---|"]
     all_ok = True
     for name, damage in DAMAGES.items():
         daemon = Kvstored(work / f"damage-{len(body)}", admission="write-through")
@@ -483,31 +432,18 @@ def part_damage(work: Path, quick: bool) -> Section:
                             corrupt += got.n_blocks
             aside = any(f.startswith("data.mdb.damaged-") for f in os.listdir(daemon.disk_dir))
             error_line = "was damaged" in daemon.text() or "is damaged" in daemon.text()
-            body.append(
-                f"| {name} | {'yes' if started else 'NO'} | {'yes' if aside else 'no'} | "
-                f"{'yes' if error_line else 'no'} | {served} of 20 | {corrupt} |"
-            )
+            body.append(f"| {name} | {'yes' if started else 'NO'} | {'yes' if aside else 'no'} | "
+                        f"{'yes' if error_line else 'no'} | {served} of 20 | {corrupt} |")
             all_ok &= started and corrupt == 0
         finally:
             daemon.stop()
             daemon.close()
-    body += [
-        "",
-        "Five chains of four 64 KiB blocks, put write-through, then the daemon is "
-        "stopped, data.mdb damaged, the daemon started again. A damaged value is caught "
-        "by its checksum when read (a miss; the block and its descendants are dropped).",
-    ]
-    return Section(
-        "Damaged files",
-        body,
-        [
-            (
-                "start-up never dies on a damaged file; nothing corrupt served",
-                "see the table",
-                all_ok,
-            )
-        ],
-    )
+    body += ["", "Five chains of four 64 KiB blocks, put write-through, then the daemon is "
+             "stopped, data.mdb damaged, the daemon started again. A damaged value is caught "
+             "by its checksum when read (a miss; the block and its descendants are dropped)."]
+    return Section("Damaged files", body, [
+        ("start-up never dies on a damaged file; nothing corrupt served",
+         "see the table", all_ok)])
 
 
 # --- fuzz ---------------------------------------------------------------------------------
@@ -551,32 +487,19 @@ def part_fuzz(work: Path, quick: bool) -> Section:
         tracebacks = daemon.text().count("Traceback")
         daemon.close()
     bad = sum(c[b] for c in codes.values() for b in BAD_CODES)
-    body = [
-        f"{count} requests, half over each socket: valid requests of every unary method "
-        "with random bytes changed, cut or inserted, or noise; on the local-call socket "
-        "also malformed frames (the daemon closes such a connection).",
-        "",
-        "| socket | answers |",
-        "|---|---|",
-    ]
+    body = [f"{count} requests, half over each socket: valid requests of every unary method "
+            "with random bytes changed, cut or inserted, or noise; on the local-call socket "
+            "also malformed frames (the daemon closes such a connection).", "",
+            "| socket | answers |", "|---|---|"]
     for sock, counter in codes.items():
         body.append(f"| {sock} | " + ", ".join(f"{k} {v}" for k, v in counter.most_common()) + " |")
-    body += [
-        "",
-        f"Daemon alive afterwards: {'yes' if alive else 'NO'}; tracebacks in its log: "
-        f"{tracebacks}; exit code at stop {code}.",
-    ]
-    return Section(
-        "Request fuzzing",
-        body,
-        [
-            (
-                "fuzzing: 0 UNKNOWN or INTERNAL, 0 crashes",
-                f"{bad} UNKNOWN/INTERNAL, alive {alive}, tracebacks {tracebacks}",
-                bad == 0 and alive and tracebacks == 0,
-            )
-        ],
-    )
+    body += ["", f"Daemon alive afterwards: {'yes' if alive else 'NO'}; tracebacks in its log: "
+             f"{tracebacks}; exit code at stop {code}."]
+    return Section("Request fuzzing", body, [(
+        "fuzzing: 0 UNKNOWN or INTERNAL, 0 crashes",
+        f"{bad} UNKNOWN/INTERNAL, alive {alive}, tracebacks {tracebacks}",
+        bad == 0 and alive and tracebacks == 0,
+    )])
 
 
 # --- load ---------------------------------------------------------------------------------
@@ -655,47 +578,28 @@ def part_load(work: Path, quick: bool) -> Section:
         errors.update(out.get("errors", {}))
     failed = sum(1 for out in outputs if "lat" not in out)
     total = sum(len(v) for v in lat.values())
-    body = [
-        f"{procs} processes, {seconds:.0f} s, one namespace of 64 KiB blocks, 200 "
-        "prompts of 4 blocks shared by all (so gets hit, puts mostly find their blocks "
-        f"there), {total} calls ({total / seconds:.0f}/s).",
-        "",
-        "| call | calls | p50 | p99 |",
-        "|---|---|---|---|",
-    ]
+    body = [f"{procs} processes, {seconds:.0f} s, one namespace of 64 KiB blocks, 200 "
+            "prompts of 4 blocks shared by all (so gets hit, puts mostly find their blocks "
+            f"there), {total} calls ({total / seconds:.0f}/s).", "",
+            "| call | calls | p50 | p99 |", "|---|---|---|---|"]
     for op, values in sorted(lat.items()):
-        body.append(
-            f"| {op} | {len(values)} | {percentile(values, 0.5) * 1000:.2f} ms | "
-            f"{percentile(values, 0.99) * 1000:.2f} ms |"
-        )
-    body += [
-        "",
-        f"Errors: {dict(errors) or 'none'}; client processes that failed: {failed}; "
-        f"daemon RSS {rss[0] >> 20} MiB at start, peak {max(rss) >> 20} MiB, "
-        f"{rss[-1] >> 20} MiB at the end (host arena 128 MiB, shared memory).",
-    ]
-    return Section(
-        "Mixed load",
-        body,
-        [
-            (
-                f"{procs} processes of mixed traffic: no errors, daemon alive",
-                f"{sum(errors.values())} errors, {failed} failed processes, alive {alive}",
-                not errors and not failed and alive,
-            )
-        ],
-    )
+        body.append(f"| {op} | {len(values)} | {percentile(values, 0.5) * 1000:.2f} ms | "
+                    f"{percentile(values, 0.99) * 1000:.2f} ms |")
+    body += ["", f"Errors: {dict(errors) or 'none'}; client processes that failed: {failed}; "
+             f"daemon RSS {rss[0] >> 20} MiB at start, peak {max(rss) >> 20} MiB, "
+             f"{rss[-1] >> 20} MiB at the end (host arena 128 MiB, shared memory)."]
+    return Section("Mixed load", body, [(
+        f"{procs} processes of mixed traffic: no errors, daemon alive",
+        f"{sum(errors.values())} errors, {failed} failed processes, alive {alive}",
+        not errors and not failed and alive,
+    )])
 
 
 # --- report -------------------------------------------------------------------------------
 
 RUNNERS: dict[str, Callable[[Path, bool], Section]] = {
-    "crash": part_crash,
-    "client": part_client,
-    "diskfull": part_diskfull,
-    "damage": part_damage,
-    "fuzz": part_fuzz,
-    "load": part_load,
+    "crash": part_crash, "client": part_client, "diskfull": part_diskfull,
+    "damage": part_damage, "fuzz": part_fuzz, "load": part_load,
 }
 
 
@@ -715,12 +619,8 @@ def render(sections: list[Section], quick: bool, elapsed: float, command: str) -
     for section in sections:
         for target, measured, ok in section.checks:
             lines.append(f"| {target} | {measured} | {'yes' if ok else '**NO**'} |")
-    lines += [
-        "",
-        "The durability each admission mode promises is in README.md (Durability) "
-        "and deploy/README.md; the crash part checks it.",
-        "",
-    ]
+    lines += ["", "The durability each admission mode promises is in README.md (Durability) "
+              "and deploy/README.md; the crash part checks it.", ""]
     for section in sections:
         lines += [f"## {section.title}", "", *section.body, ""]
     return "\n".join(lines)

@@ -192,6 +192,19 @@ def test_disk_hit_parts_program_measures_every_part(tmp_path: Path) -> None:
     assert "The 0.5x target allows" in text and "A/B of the client's own disk index" in text
 
 
+@pytest.mark.slow
+def test_call_cost_program_times_every_op_in_both_checkouts(tmp_path: Path) -> None:
+    """benchmarks/call_cost.py at a tiny size, this checkout against itself: a worker
+    per checkout starts and stops its own daemon, and every op gets a row with times."""
+    out = tmp_path / "call_cost.md"
+    root = Path(__file__).resolve().parent.parent
+    run_program("call_cost.py", "--before", root, "--rounds", "1", "--calls", "20", "--out", out)
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")]
+    by_op = {row[0].strip("| "): row for row in rows[1:]}  # after the header
+    assert sorted(by_op) == ["acquire", "get", "lookup", "miss"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 for row in by_op.values())
+
+
 def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
     """A malformed argument stops the program before it starts a daemon or an engine:
     exit code 2 and a line that names what is wrong."""

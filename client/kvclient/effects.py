@@ -72,9 +72,10 @@ LOCKS = ("refresh", "settle")
 
 
 class _Steps:
-    """An op between two effects: iterate for its effects, hand each one's outcome
-    back with :meth:`answer` inside ``with steps:`` (which hands the op an exception
-    instead); ``result`` is the op's value once the iteration ends."""
+    """The asyncio driver's view of an op between two effects: iterate for its
+    effects, hand each one's outcome back with :meth:`answer` inside ``with steps:``
+    (which hands the op an exception instead); ``result`` is the op's value once the
+    iteration ends."""
 
     def __init__(self, op: Op[Any]) -> None:
         self._op = op
@@ -104,17 +105,22 @@ class _Steps:
             self._error = error
         return True
 
-    def run(self, do: Callable[[Effect], Any]) -> Any:
-        """The blocking loop: ``do`` each effect."""
-        for effect in self:
-            with self:
-                self.answer(do(effect))
-        return self.result
-
 
 def run_blocking(op: Op[T], locks: dict[str, threading.Lock]) -> T:
-    """Run ``op`` to its end in this thread."""
-    return _Steps(op).run(lambda effect: _do_blocking(effect, locks))  # type: ignore[no-any-return]
+    """Run ``op`` to its end in this thread: each effect's outcome (its value, or the
+    exception it raised) goes back into the op. A plain loop: it runs once per effect
+    of every call."""
+    step: Callable[[Any], Any] = op.send
+    outcome: Any = None
+    while True:
+        try:
+            effect = step(outcome)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            step, outcome = op.send, _do_blocking(effect, locks)
+        except BaseException as error:  # handed to the op, which may handle it
+            step, outcome = op.throw, error
 
 
 def _do_blocking(effect: Effect, locks: dict[str, threading.Lock]) -> Any:

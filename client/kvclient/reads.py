@@ -102,7 +102,8 @@ class Get:
         if known is not None:  # no call: the slots still hold the last answer's blocks
             conn.accounting.report_read(key, self.tokens, len(known), False)
             return self._result(known)
-        if last is None:  # a first read: the prefix may be on disk (kvclient.disk_index)
+        if last is None and conn.disk is not None:
+            # a first read: the prefix may be in the disk file (kvclient.disk_index)
             blocks = yield Work(
                 read_first_from_file,
                 (conn.disk, conn.disk_first, ns.ns_id, key, self.token_array, self.extra,
@@ -112,11 +113,15 @@ class Get:
                 conn.accounting.report_read(key, self.tokens, wanted, True)
                 return self._result(blocks)
         request = self._acquire(unpinned=True, disk_direct=conn.disk is not None)
-        answer = yield from conn.call("Acquire", request, during=reader.copy_early)
+        # an effect only where there is work: each one costs the asyncio client a thread
+        early = reader.copy_early if last is not None else None
+        answer = yield from conn.call("Acquire", request, during=early)
         if answer.lease_id or arena.names_another_arena(answer.arena_path):
             # pinned after all (a block was on disk), or from a restarted daemon
             return (yield from self.read_pinned(arena, answer))
-        done = yield Work(reader.finish, (answer,))
+        done = (
+            (yield Work(reader.finish, (answer,))) if answer.slot_offsets else reader.finish(answer)
+        )
         if done is None:
             return None
         blocks, slots = done
