@@ -247,15 +247,14 @@ class _Connection:
     buffer: bytearray = field(default_factory=bytearray)
     owed: list[_Owed] = field(default_factory=list)
 
-    def send(self, frame: bytes, timeout: float) -> Op[None]:
-        yield Io(self.sockets.sendall, (self.sock, frame, timeout))
-
     def receive(self, timeout: float) -> Op[tuple[int, bytes]]:
         """The next response frame: (status, body). Usually a single recv."""
-        yield from self._fill(frames.HEADER.size, timeout)
+        if len(self.buffer) < frames.HEADER.size:
+            yield from self._fill(frames.HEADER.size, timeout)
         body_len, status = frames.HEADER.unpack_from(self.buffer)
         end = frames.HEADER.size + body_len
-        yield from self._fill(end, timeout)
+        if len(self.buffer) < end:
+            yield from self._fill(end, timeout)
         body = bytes(self.buffer[frames.HEADER.size : end])
         del self.buffer[:end]
         return status, body
@@ -333,7 +332,7 @@ class LocalCalls:
         renew_in_child(self)
 
     def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # the idle sockets are dropped by the next _take
+        self._lock = threading.Lock()  # the idle sockets are dropped by the next _idle_one
 
     def call(
         self, name: str, request: Any, timeout: float, during: Callable[[], None] | None = None
@@ -342,16 +341,17 @@ class LocalCalls:
         ``during`` (a Work effect) runs once the request is sent, before the answer is
         read."""
         frame = _request(name, request)
-        conn = yield from self._take(timeout)
+        conn = self._idle_one() or (yield from self._connect(timeout))
         sent = False
         try:
             # a send fails only when the daemon's end is closed (an idle connection to a
             # daemon that stopped): then it has not seen the request
-            yield from conn.send(frame, timeout)
+            yield Io(self._sockets.sendall, (conn.sock, frame, timeout))
             sent = True
             if during is not None:
                 yield Work(during)
-            yield from conn.read_owed(timeout)
+            if conn.owed:
+                yield from conn.read_owed(timeout)
             status, body = yield from conn.receive(timeout)
             if conn.buffer:  # one call at a time: nothing may follow its answer
                 raise ConnectionResetError(0, "the daemon sent more than one answer")
@@ -371,9 +371,9 @@ class LocalCalls:
         handed to ``on_answer`` (see the module docstring). LocalCallFailed when it
         could not be sent."""
         frame = _request(name, request)
-        conn = yield from self._take(timeout)
+        conn = self._idle_one() or (yield from self._connect(timeout))
         try:
-            yield from conn.send(frame, timeout)
+            yield Io(self._sockets.sendall, (conn.sock, frame, timeout))
         except BaseException as exc:
             failure = _spent(conn, exc, False, timeout)
             if failure is exc:
@@ -413,14 +413,17 @@ class LocalCalls:
             self._idle = [conn for conn in self._idle if not conn.owed]
         return owing
 
-    def _take(self, timeout: float) -> Op[_Connection]:
+    def _idle_one(self) -> _Connection | None:
+        """The connection put back last, if any (no I/O)."""
         with self._lock:
             if self._pid != os.getpid():  # forked: the idle sockets are the parent's
                 for inherited in self._idle:
                     inherited.sock.close()  # our copy of the fd only: the parent keeps its own
                 self._idle, self._pid = [], os.getpid()
-            if self._idle:
-                return self._idle.pop()
+            return self._idle.pop() if self._idle else None
+
+    def _connect(self, timeout: float) -> Op[_Connection]:
+        """A new connection, its peer checked and its token sent."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn = _Connection(sock, self._sockets)
         failed = f"cannot connect to {self.path}"
@@ -429,7 +432,7 @@ class LocalCalls:
             failed = f"local-call connection to {self.path} lost"
             self._hello.check_peer(sock)
             if self._hello.frame:
-                yield from conn.send(self._hello.frame, timeout)
+                yield Io(self._sockets.sendall, (sock, self._hello.frame, timeout))
                 self._hello.answered(*(yield from conn.receive(timeout)))
         except OSError as exc:
             sock.close()
