@@ -296,6 +296,29 @@ def kvstored_module(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
     return kvstored_module_factory()
 
 
+ClientMaker = Callable[..., Any]  # KVClient, or what makes a driven AsyncKVClient
+
+
+@pytest.fixture(scope="module", params=["blocking", "asyncio"])
+def kv_client(request: pytest.FixtureRequest) -> Iterator[ClientMaker]:
+    """A maker of clients with KVClient's arguments, of each driver in turn: the
+    asyncio client driven from the test's thread (tests/drivers.py), so a test body
+    checks both. A module's shared daemon asks for it too, so that each driver's
+    tests start from an empty store."""
+    if request.param == "blocking":
+        from kvclient import KVClient
+
+        yield KVClient
+        return
+    from drivers import EventLoop, OnLoop
+
+    loop = EventLoop()
+    try:
+        yield lambda *args, **kwargs: OnLoop.client(loop, *args, **kwargs)
+    finally:
+        loop.close()
+
+
 # --- helpers for tests that speak the raw generated stubs ------------------------------
 # (import with ``from conftest import ...``; they return protobuf messages or bytes)
 

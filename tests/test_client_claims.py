@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import Daemon, raw_put
+from conftest import ClientMaker, Daemon, raw_put
 
 from kvclient import InvalidArgumentError, KVClient, OutOfSpaceError
 
@@ -31,9 +31,9 @@ def content(i: int) -> np.ndarray:
 
 @pytest.mark.parametrize("use_arena", [True, False])
 def test_claim_delivers_chunks_that_become_ready_one_by_one(
-    kvstored: Daemon, use_arena: bool
+    kvstored: Daemon, use_arena: bool, kv_client: ClientMaker
 ) -> None:
-    with KVClient(kvstored.addr, use_arena=use_arena) as owner, KVClient(kvstored.addr) as other:
+    with kv_client(kvstored.addr, use_arena=use_arena) as owner, kv_client(kvstored.addr) as other:
         ns = owner.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
         seen = other.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
         with ns.claim(PROMPT) as claim:
@@ -50,12 +50,12 @@ def test_claim_delivers_chunks_that_become_ready_one_by_one(
 
 @pytest.mark.parametrize("use_arena", [True, False])
 def test_a_claim_made_by_one_client_is_delivered_by_another(
-    kvstored: Daemon, use_arena: bool
+    kvstored: Daemon, use_arena: bool, kv_client: ClientMaker
 ) -> None:
     # a scheduler claims, a worker (its own client) computes and delivers
     with (
-        KVClient(kvstored.addr) as scheduler,
-        KVClient(kvstored.addr, use_arena=use_arena) as worker,
+        kv_client(kvstored.addr) as scheduler,
+        kv_client(kvstored.addr, use_arena=use_arena) as worker,
     ):
         claim = scheduler.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK).claim(PROMPT)
         ns = worker.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
@@ -70,8 +70,8 @@ def test_a_claim_made_by_one_client_is_delivered_by_another(
             other.resume_claim(claim.ticket())
 
 
-def test_second_claimant_gets_nothing_and_waits(kvstored: Daemon) -> None:
-    with KVClient(kvstored.addr) as a, KVClient(kvstored.addr) as b:
+def test_second_claimant_gets_nothing_and_waits(kvstored: Daemon, kv_client: ClientMaker) -> None:
+    with kv_client(kvstored.addr) as a, kv_client(kvstored.addr) as b:
         ns_a = a.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
         ns_b = b.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
         first = ns_a.claim(PROMPT)
@@ -82,8 +82,8 @@ def test_second_claimant_gets_nothing_and_waits(kvstored: Daemon) -> None:
         assert look.blocks == 8 and look.pending_blocks == 0
 
 
-def test_abandoned_claim_releases_the_blocks(kvstored: Daemon) -> None:
-    with KVClient(kvstored.addr) as client:
+def test_abandoned_claim_releases_the_blocks(kvstored: Daemon, kv_client: ClientMaker) -> None:
+    with kv_client(kvstored.addr) as client:
         ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
         with ns.claim(PROMPT) as claim:
             claim.fill(np.stack([content(0), content(1)]))
@@ -95,9 +95,9 @@ def test_abandoned_claim_releases_the_blocks(kvstored: Daemon) -> None:
         again.abandon()
 
 
-def test_claim_in_a_full_store_is_out_of_space(kvstored_factory) -> None:
+def test_claim_in_a_full_store_is_out_of_space(kvstored_factory, kv_client: ClientMaker) -> None:
     daemon = kvstored_factory(host_bytes="1MiB", disk_bytes=0)  # 256 blocks
-    with KVClient(daemon.addr) as client:
+    with kv_client(daemon.addr) as client:
         ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
         holder = ns.claim(list(range(1000, 1000 + 256 * TOKENS)))  # every slot pending
         assert holder.blocks == 256
@@ -216,12 +216,14 @@ def test_async_claim_round_trip(kvstored: Daemon) -> None:
         assert np.array_equal(got, np.stack([content(i) for i in range(8)]))
 
 
-def test_bad_inline_delivery_is_refused_and_changes_nothing(kvstored: Daemon) -> None:
+def test_bad_inline_delivery_is_refused_and_changes_nothing(
+    kvstored: Daemon, kv_client: ClientMaker
+) -> None:
     from kvclient import InvalidArgumentError, LeaseError
     from kvclient import wire as kvwire
     from kvproto.v1 import kvstore_pb2 as pb
 
-    with KVClient(kvstored.addr, use_arena=False) as client:
+    with kv_client(kvstored.addr, use_arena=False) as client:
         ns = client.namespace("claims", block_tokens=TOKENS, block_bytes=BLOCK)
         claim = ns.claim(PROMPT)
 

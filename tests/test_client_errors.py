@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from conftest import Daemon, raw_call
+from conftest import ClientMaker, Daemon, raw_call
 
 from kvclient import (
     DaemonUnavailableError,
@@ -37,13 +37,13 @@ BLOCK_BYTES = 4096
 
 
 @pytest.fixture(scope="module")
-def daemon(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
-    # host tier of 1 MiB and no disk: 256 slots of 4 KiB, easy to fill
+def daemon(kvstored_module_factory: Callable[..., Daemon], kv_client: ClientMaker) -> Daemon:
+    # host tier of 1 MiB and no disk: 256 slots of 4 KiB, easy to fill; one per driver
     return kvstored_module_factory(host_bytes="1MiB", disk_bytes=0)
 
 
-def test_client_side_checks(daemon: Daemon) -> None:
-    with KVClient(daemon.addr) as client:
+def test_client_side_checks(daemon: Daemon, kv_client: ClientMaker) -> None:
+    with kv_client(daemon.addr) as client:
         ns = client.namespace("err-model", 4, BLOCK_BYTES)
         one = np.zeros((1, BLOCK_BYTES), dtype=np.uint8)
         bad_calls = {
@@ -69,8 +69,8 @@ def test_client_side_checks(daemon: Daemon) -> None:
         assert ns.lookup([1, 2, 3, 4]).blocks == 0
 
 
-def test_daemon_side_errors_keep_code_and_details(daemon: Daemon) -> None:
-    with KVClient(daemon.addr) as client:
+def test_daemon_side_errors_keep_code_and_details(daemon: Daemon, kv_client: ClientMaker) -> None:
+    with kv_client(daemon.addr) as client:
         # the daemon judges these: block_tokens out of range, layout contradicting block_bytes
         with pytest.raises(InvalidArgumentError) as info:
             client.namespace("err-model", 1, BLOCK_BYTES)
@@ -95,8 +95,8 @@ def test_daemon_side_errors_keep_code_and_details(daemon: Daemon) -> None:
         assert lease.value.code is grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_full_store_refuses_with_out_of_space(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=False) as client:
+def test_full_store_refuses_with_out_of_space(daemon: Daemon, kv_client: ClientMaker) -> None:
+    with kv_client(daemon.addr, use_arena=False) as client:
         ns = client.namespace("err-full", 4, 64 << 10)  # 16 slots fill the 1 MiB host
         # another session reserves every slot (pending blocks cannot be evicted)
         tokens = list(range(16 * 4))
@@ -114,9 +114,9 @@ def test_full_store_refuses_with_out_of_space(daemon: Daemon) -> None:
         assert ns.put(list(range(1000, 1008)), blocks).stored == 2
 
 
-def test_unreachable_daemon_names_the_address(tmp_path) -> None:
+def test_unreachable_daemon_names_the_address(tmp_path, kv_client: ClientMaker) -> None:
     addr = str(tmp_path / "nobody-listens.sock")
-    with KVClient(addr, timeout=5) as client:
+    with kv_client(addr, timeout=5) as client:
         for call in (
             client.stats,
             client.server_info,

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from conftest import Daemon
+from conftest import ClientMaker, Daemon
 
 from kvclient import (
     ArenaUnavailableError,
@@ -37,8 +37,11 @@ pytestmark = pytest.mark.usefixtures("get_route")
 
 
 @pytest.fixture(scope="module")
-def daemon(kvstored_module_factory: Callable[..., Daemon], get_route: str) -> Daemon:
-    """A daemon per get route (the route is the client's, set by the fixture)."""
+def daemon(
+    kvstored_module_factory: Callable[..., Daemon], get_route: str, kv_client: ClientMaker
+) -> Daemon:
+    """A daemon per get route (the route is the client's, set by the fixture) and
+    driver."""
     return kvstored_module_factory(max_transfer_bytes="1MiB")
 
 
@@ -47,9 +50,9 @@ def prompt(first: int, n_tokens: int) -> list[int]:
 
 
 @contextmanager
-def rt_namespace(daemon: Daemon, use_arena: bool) -> Iterator[Namespace]:
-    """The tests' namespace, through a client of the given path."""
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
+def rt_namespace(kv_client: ClientMaker, daemon: Daemon, use_arena: bool) -> Iterator[Namespace]:
+    """The tests' namespace, through a client of the given driver and path."""
+    with kv_client(daemon.addr, use_arena=use_arena) as client:
         yield client.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
 
 
@@ -65,10 +68,12 @@ def blocks_for(tokens: list[int], n_blocks: int, block_bytes: int = BLOCK_BYTES)
 
 
 @pytest.mark.parametrize("use_arena", PATHS)
-def test_put_get_round_trip_is_byte_exact(daemon: Daemon, use_arena: bool) -> None:
+def test_put_get_round_trip_is_byte_exact(
+    daemon: Daemon, use_arena: bool, kv_client: ClientMaker
+) -> None:
     tokens = prompt(1_000 + 10_000 * use_arena, 12 * BLOCK_TOKENS + 5)  # 12 full blocks
     blocks = blocks_for(tokens, 12)
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
+    with kv_client(daemon.addr, use_arena=use_arena) as client:
         assert client.arena_in_use is use_arena
         ns = client.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
 
@@ -88,10 +93,12 @@ def test_put_get_round_trip_is_byte_exact(daemon: Daemon, use_arena: bool) -> No
 
 
 @pytest.mark.parametrize("use_arena", PATHS)
-def test_blocks_as_bytes_or_any_dtype(daemon: Daemon, use_arena: bool) -> None:
+def test_blocks_as_bytes_or_any_dtype(
+    daemon: Daemon, use_arena: bool, kv_client: ClientMaker
+) -> None:
     tokens = prompt(2_000 + 10_000 * use_arena, 6 * BLOCK_TOKENS)
     raw = blocks_for(tokens, 6)
-    with rt_namespace(daemon, use_arena) as ns:
+    with rt_namespace(kv_client, daemon, use_arena) as ns:
         # a list of bytes-likes for the first three, a float16 array for the rest
         as_bytes = [bytes(raw[0]), bytearray(raw[1]), memoryview(raw[2])]
         assert ns.put(tokens, as_bytes).stored == 3
@@ -101,10 +108,12 @@ def test_blocks_as_bytes_or_any_dtype(daemon: Daemon, use_arena: bool) -> None:
 
 
 @pytest.mark.parametrize("use_arena", PATHS)
-def test_put_continues_a_stored_prefix(daemon: Daemon, use_arena: bool) -> None:
+def test_put_continues_a_stored_prefix(
+    daemon: Daemon, use_arena: bool, kv_client: ClientMaker
+) -> None:
     tokens = prompt(3_000 + 10_000 * use_arena, 8 * BLOCK_TOKENS)
     blocks = blocks_for(tokens, 8)
-    with rt_namespace(daemon, use_arena) as ns:
+    with rt_namespace(kv_client, daemon, use_arena) as ns:
         # blocks 6..7 without their parents are refused: a block needs its ancestors
         refused = ns.put(tokens, blocks[6:], start=6)
         assert refused.stored == 0 and refused.refused == 2
@@ -117,10 +126,12 @@ def test_put_continues_a_stored_prefix(daemon: Daemon, use_arena: bool) -> None:
 
 
 @pytest.mark.parametrize("use_arena", PATHS)
-def test_get_returns_the_longest_cached_prefix(daemon: Daemon, use_arena: bool) -> None:
+def test_get_returns_the_longest_cached_prefix(
+    daemon: Daemon, use_arena: bool, kv_client: ClientMaker
+) -> None:
     tokens = prompt(4_000 + 10_000 * use_arena, 5 * BLOCK_TOKENS)
     blocks = blocks_for(tokens, 5)
-    with rt_namespace(daemon, use_arena) as ns:
+    with rt_namespace(kv_client, daemon, use_arena) as ns:
         ns.put(tokens, blocks)
 
         # a prompt that diverges inside block 2 shares blocks 0 and 1 only
@@ -138,23 +149,25 @@ def test_get_returns_the_longest_cached_prefix(daemon: Daemon, use_arena: bool) 
 
 
 @pytest.mark.parametrize("use_arena", PATHS)
-def test_multi_mib_transfers_are_batched(daemon: Daemon, use_arena: bool) -> None:
+def test_multi_mib_transfers_are_batched(
+    daemon: Daemon, use_arena: bool, kv_client: ClientMaker
+) -> None:
     # 40 x 64 KiB = 2.5 MiB: several Put calls and truncated Gets under the 1 MiB limit
     block_bytes = 64 << 10
     tokens = prompt(5_000 + 10_000 * use_arena, 40 * BLOCK_TOKENS)
     blocks = blocks_for(tokens, 40, block_bytes)
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
+    with kv_client(daemon.addr, use_arena=use_arena) as client:
         ns = client.namespace("rt-big", BLOCK_TOKENS, block_bytes)
         assert ns.put(tokens, blocks).stored == 40
         assert np.array_equal(ns.get(tokens).blocks, blocks)
 
 
-def test_both_paths_see_the_same_blocks(daemon: Daemon) -> None:
+def test_both_paths_see_the_same_blocks(daemon: Daemon, kv_client: ClientMaker) -> None:
     first = prompt(6_000, 4 * BLOCK_TOKENS)
     second = prompt(7_000, 4 * BLOCK_TOKENS)
     with (
-        KVClient(daemon.addr, use_arena=True) as arena,
-        KVClient(daemon.addr, use_arena=False) as inline,
+        kv_client(daemon.addr, use_arena=True) as arena,
+        kv_client(daemon.addr, use_arena=False) as inline,
     ):
         ns_a = arena.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
         ns_i = inline.namespace("rt-model", BLOCK_TOKENS, BLOCK_BYTES)
@@ -166,9 +179,9 @@ def test_both_paths_see_the_same_blocks(daemon: Daemon) -> None:
 
 
 @pytest.mark.parametrize("use_arena", PATHS)
-def test_delete_and_set_priority(daemon: Daemon, use_arena: bool) -> None:
+def test_delete_and_set_priority(daemon: Daemon, use_arena: bool, kv_client: ClientMaker) -> None:
     tokens = prompt(8_000 + 10_000 * use_arena, 6 * BLOCK_TOKENS)
-    with rt_namespace(daemon, use_arena) as ns:
+    with rt_namespace(kv_client, daemon, use_arena) as ns:
         ns.put(tokens, blocks_for(tokens, 6))
         assert ns.set_priority(tokens, 90, duration_s=60) == 6
         # deleting block 4 removes it and everything below it
