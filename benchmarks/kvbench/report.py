@@ -373,6 +373,12 @@ def render_markdown(bench: Bench, argv: Sequence[str], elapsed: float, png: str 
         table = case_table(results, columns, cell)
         if table:
             lines += ["", f"### {title}", "", table]
+    noted = [r for r in results if r.note and r.op != "write-back"]
+    if noted:
+        lines += ["", "### Cases with a note (their figures are not what the case asks)", ""]
+        lines += [
+            f"- {r.system} {r.op} {r.path} {r.tier} {r.layout} x{r.batch}: {r.note}" for r in noted
+        ]
     backs = [r for r in results if r.op == "write-back"]
     if backs:
         lines += ["", "### Sustained write-back", ""]
