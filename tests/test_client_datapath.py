@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Daemon, get_chain, kv_stub, open_ns, put_chain
+from conftest import ClientMaker, Daemon, get_chain, kv_stub, open_ns, put_chain
 
 from kvclient import ArenaUnavailableError, AsyncKVClient, KVClient, wire
 from kvclient import arena_path as ap
@@ -182,8 +182,12 @@ pytestmark = pytest.mark.usefixtures("get_route")
 
 @pytest.fixture(scope="module", params=["generated", "framed"])
 def daemon(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, get_route: str
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    get_route: str,
+    kv_client: ClientMaker,
 ) -> Iterator[Daemon]:
+    """A daemon per server kind, get route and client driver."""
     kind = FramedDaemon if request.param == "framed" else Daemon
     d = kind(Path(tmp_path_factory.mktemp(f"kv-{request.param}")), SETTINGS,
              env={"KVSTORED_METRICS_LISTEN": "off"})  # fmt: skip
@@ -206,13 +210,13 @@ def leases(client: KVClient) -> int:
 
 @pytest.mark.parametrize("use_arena", [True, False])
 def test_inline_and_arena_round_trips_cross_chunk_and_call_limits(
-    daemon: Daemon, use_arena: bool
+    daemon: Daemon, use_arena: bool, kv_client: ClientMaker
 ) -> None:
     # 200 blocks of 8 KiB = 1.6 MiB: two Put calls and two Gets (1 MiB per call), and
     # chunks that end inside blocks
     tokens = prompt(1_000_000 + 100_000 * use_arena, 200)
     blocks = blocks_of(3, 200)
-    with KVClient(daemon.addr, use_arena=use_arena) as client:
+    with kv_client(daemon.addr, use_arena=use_arena) as client:
         ns = client.namespace("dp", BLOCK_TOKENS, BB)
         assert ns.put(tokens, blocks).stored == 200
         out = np.zeros((256, BB), np.uint8)
@@ -222,7 +226,9 @@ def test_inline_and_arena_round_trips_cross_chunk_and_call_limits(
         assert leases(client) == 0  # stats first releases what the get left pending
 
 
-def test_generated_stubs_read_and_write_the_same_wire(daemon: Daemon) -> None:
+def test_generated_stubs_read_and_write_the_same_wire(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
     stub = kv_stub(daemon)
     info = open_ns(stub, model="dp-stub", block_tokens=BLOCK_TOKENS, block_bytes=BB)
     tokens = prompt(2_000_000, 40)
@@ -230,14 +236,16 @@ def test_generated_stubs_read_and_write_the_same_wire(daemon: Daemon) -> None:
     assert reply.stored == 40
     header, got = get_chain(stub, info.ns_id, tokens)
     assert header.n_blocks == 40 and got == data
-    with KVClient(daemon.addr, use_arena=False) as client:  # framed reader, either server
+    with kv_client(daemon.addr, use_arena=False) as client:  # framed reader, either server
         assert client.open_namespace(info.ns_id).get(tokens).blocks.tobytes() == data
 
 
-def test_acquire_gives_read_only_views_of_the_arena_under_a_lease(daemon: Daemon) -> None:
+def test_acquire_gives_read_only_views_of_the_arena_under_a_lease(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
     tokens = prompt(3_000_000, 6)
     blocks = blocks_of(4, 6)
-    with KVClient(daemon.addr, use_arena=True) as client:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("dp", BLOCK_TOKENS, BB)
         ns.put(tokens, blocks)
         with ns.acquire(tokens + [1, 2]) as lease:
@@ -266,8 +274,8 @@ def test_acquire_gives_read_only_views_of_the_arena_under_a_lease(daemon: Daemon
             assert empty.n_blocks == 0 and empty.views == []
 
 
-def test_acquire_needs_the_arena(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=False) as client:
+def test_acquire_needs_the_arena(daemon: Daemon, kv_client: ClientMaker) -> None:
+    with kv_client(daemon.addr, use_arena=False) as client:
         ns = client.namespace("dp", BLOCK_TOKENS, BB)
         with pytest.raises(ArenaUnavailableError):
             ns.acquire(prompt(3_200_000, 1))
@@ -300,10 +308,10 @@ def test_async_acquire_with_and_without_async_with(daemon: Daemon) -> None:
 
 
 def test_a_get_lease_rides_on_the_next_acquire_or_goes_within_the_delay(
-    daemon: Daemon,
+    daemon: Daemon, kv_client: ClientMaker
 ) -> None:
     tokens = prompt(5_000_000, 4)
-    with KVClient(daemon.addr, use_arena=True) as client, KVClient(daemon.addr) as watcher:
+    with kv_client(daemon.addr, use_arena=True) as client, kv_client(daemon.addr) as watcher:
         ns = client.namespace("dp", BLOCK_TOKENS, BB)
         ns.put(tokens, blocks_of(7, 4))
         for _ in range(5):  # each get's lease is released by the next get's Acquire
@@ -315,7 +323,7 @@ def test_a_get_lease_rides_on_the_next_acquire_or_goes_within_the_delay(
         assert watcher.stats().leases == 0  # the flusher released the last one
 
 
-def test_release_and_acquire_take_lists_of_leases(daemon: Daemon) -> None:
+def test_release_and_acquire_take_lists_of_leases(daemon: Daemon, kv_client: ClientMaker) -> None:
     stub = kv_stub(daemon)
     info = open_ns(stub, model="dp-leases", block_tokens=BLOCK_TOKENS, block_bytes=BB)
     tokens = prompt(6_000_000, 2)
@@ -337,9 +345,11 @@ def test_release_and_acquire_take_lists_of_leases(daemon: Daemon) -> None:
     assert stub.Stats(pb.StatsRequest(), timeout=5).leases == 0
 
 
-def test_the_get_route_is_the_one_switched_on(daemon: Daemon, get_route: str) -> None:
+def test_the_get_route_is_the_one_switched_on(
+    daemon: Daemon, get_route: str, kv_client: ClientMaker
+) -> None:
     """KVCLIENT_READS=pinned turns the slot epoch table off: every get pins."""
-    with KVClient(daemon.addr, use_arena=True) as client:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("route", BLOCK_TOKENS, BB)
         tokens = prompt(4_000_000, 2)
         ns.put(tokens, blocks_of(9, 2))

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import Daemon, in_forked_child, kv_stub, raw_call, store_snapshot
+from conftest import ClientMaker, Daemon, in_forked_child, kv_stub, raw_call, store_snapshot
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, LeaseError
 from kvclient.effects import run_blocking
@@ -46,8 +46,10 @@ def tokens(first: int, n_blocks: int) -> list[int]:
     return list(range(first, first + n_blocks * BT))
 
 
-def test_puts_sent_ahead_store_the_bytes_and_resolve_with_the_counts(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as client:
+def test_puts_sent_ahead_store_the_bytes_and_resolve_with_the_counts(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("ahead", block_tokens=BT, block_bytes=BB)
         first = ns.put_nowait(tokens(0, 4), blocks(0, 4))  # nothing staged yet: it waits
         assert first.result().stored == 4
@@ -67,12 +69,14 @@ def test_puts_sent_ahead_store_the_bytes_and_resolve_with_the_counts(daemon: Dae
         stats = client.stats()
         assert stats.pending_blocks == 0 and stats.leases == 0
         assert stats.tier("host").blocks == 36
-    with KVClient(daemon.addr) as other:  # closing released the staging lease
+    with kv_client(daemon.addr) as other:  # closing released the staging lease
         assert other.stats().staged_bytes == 0
 
 
-def test_the_caller_reads_its_own_writes_without_asking_for_the_result(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as client:
+def test_the_caller_reads_its_own_writes_without_asking_for_the_result(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("ryw", block_tokens=BT, block_bytes=BB)
         ns.put(tokens(0, 3), blocks(20, 3))  # stages slots
         rows = blocks(21, 3)
@@ -84,8 +88,10 @@ def test_the_caller_reads_its_own_writes_without_asking_for_the_result(daemon: D
         assert put.result().stored == 3
 
 
-def test_counts_of_existing_and_refused_blocks_come_with_the_result(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as client:
+def test_counts_of_existing_and_refused_blocks_come_with_the_result(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("counts", block_tokens=BT, block_bytes=BB)
         original = blocks(30, 4)
         ns.put(tokens(0, 4), original)
@@ -104,8 +110,10 @@ def test_counts_of_existing_and_refused_blocks_come_with_the_result(daemon: Daem
         assert ns.put_nowait(tokens(6000, 2), blocks(34, 2)).result(timeout=10).stored == 2
 
 
-def test_another_client_sees_the_blocks_once_the_answer_is_in(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as writer, KVClient(daemon.addr) as reader:
+def test_another_client_sees_the_blocks_once_the_answer_is_in(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as writer, kv_client(daemon.addr) as reader:
         ns = writer.namespace("shared-ahead", block_tokens=BT, block_bytes=BB)
         theirs = reader.open_namespace(ns.ns_id)
         ns.put(tokens(0, 5), blocks(40, 5))
@@ -115,11 +123,13 @@ def test_another_client_sees_the_blocks_once_the_answer_is_in(daemon: Daemon) ->
         assert np.array_equal(theirs.get(tokens(100, 5)).blocks, data)
 
 
-def test_a_refused_put_raises_from_its_result_and_stores_nothing(daemon: Daemon) -> None:
+def test_a_refused_put_raises_from_its_result_and_stores_nothing(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
     """The staging lease is gone from the daemon (released behind the client's back, as
     if it had run out): the put sent ahead is refused, its result raises the daemon's
     error, none of its blocks is stored, and the next put stages slots afresh."""
-    with KVClient(daemon.addr, use_arena=True) as client:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("refused-ahead", block_tokens=BT, block_bytes=BB)
         ns.put(tokens(0, 2), blocks(50, 2))
         stash = client._conn.stash(ns.ns_id)
@@ -138,22 +148,26 @@ def test_a_refused_put_raises_from_its_result_and_stores_nothing(daemon: Daemon)
         assert stash._lease_id not in (0, lease)
 
 
-def test_closing_the_client_reads_the_answers_still_owed(daemon: Daemon) -> None:
-    client = KVClient(daemon.addr, use_arena=True)
+def test_closing_the_client_reads_the_answers_still_owed(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    client = kv_client(daemon.addr, use_arena=True)
     ns = client.namespace("close-ahead", block_tokens=BT, block_bytes=BB)
     ns.put(tokens(0, 2), blocks(60, 2))
     pending = [ns.put_nowait(tokens(100 * (i + 1), 2), blocks(61 + i, 2)) for i in range(3)]
     client.close()
     assert all(put.done() for put in pending)
     assert [put.result().stored for put in pending] == [2, 2, 2]
-    with KVClient(daemon.addr) as other:
+    with kv_client(daemon.addr) as other:
         theirs = other.open_namespace(ns.ns_id)
         assert all(theirs.lookup(tokens(100 * (i + 1), 2)).blocks == 2 for i in range(3))
         assert other.stats().staged_bytes == 0
 
 
-def test_bad_input_is_refused_before_anything_is_sent(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as client:
+def test_bad_input_is_refused_before_anything_is_sent(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("bad-ahead", block_tokens=BT, block_bytes=BB)
         ns.put(tokens(0, 2), blocks(70, 2))
         before = store_snapshot(kv_stub(daemon))

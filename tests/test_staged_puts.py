@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import Daemon, in_forked_child, kv_stub, raw_call, store_snapshot
+from conftest import ClientMaker, Daemon, in_forked_child, kv_stub, raw_call, store_snapshot
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, LeaseError
 from kvclient.staged_slots import SlotStash
@@ -39,8 +39,10 @@ def staged_bytes(client: KVClient) -> int:
     return client.stats().staged_bytes
 
 
-def test_puts_after_the_first_use_staged_slots_and_read_back(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as client:
+def test_puts_after_the_first_use_staged_slots_and_read_back(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("staged", block_tokens=BT, block_bytes=8192)
         stash = client._conn.stash(ns.ns_id)
         data = [blocks(i, 6, ns.block_bytes) for i in range(4)]
@@ -58,15 +60,15 @@ def test_puts_after_the_first_use_staged_slots_and_read_back(daemon: Daemon) -> 
         stats = client.stats()
         assert stats.pending_blocks == 0 and stats.leases == 0
     # closing released the staging lease: its slots are free again
-    with KVClient(daemon.addr) as other:
+    with kv_client(daemon.addr) as other:
         assert staged_bytes(other) == 0
         assert other.stats().tier("host").blocks == 24
 
 
 def test_blocks_that_exist_keep_their_bytes_and_their_slots_stay_staged(
-    daemon: Daemon,
+    daemon: Daemon, kv_client: ClientMaker
 ) -> None:
-    with KVClient(daemon.addr, use_arena=True) as client:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("overlap", block_tokens=BT, block_bytes=8192)
         first, second = blocks(1, 4, 8192), blocks(2, 8, 8192)
         ns.put(tokens(0, 4), first)
@@ -82,8 +84,10 @@ def test_blocks_that_exist_keep_their_bytes_and_their_slots_stay_staged(
         assert len(client._conn.stash(ns.ns_id)) == 12
 
 
-def test_another_client_sees_the_blocks_once_committed(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as writer, KVClient(daemon.addr) as reader:
+def test_another_client_sees_the_blocks_once_committed(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as writer, kv_client(daemon.addr) as reader:
         ns = writer.namespace("shared", block_tokens=BT, block_bytes=8192)
         theirs = reader.open_namespace(ns.ns_id)
         data = blocks(3, 5, 8192)
@@ -134,8 +138,10 @@ def test_async_client_puts_into_staged_slots(daemon: Daemon) -> None:
     asyncio.run(main())
 
 
-def test_bad_staged_slots_are_refused_over_grpc_and_change_nothing(daemon: Daemon) -> None:
-    with KVClient(daemon.addr, use_arena=True) as client:
+def test_bad_staged_slots_are_refused_over_grpc_and_change_nothing(
+    daemon: Daemon, kv_client: ClientMaker
+) -> None:
+    with kv_client(daemon.addr, use_arena=True) as client:
         ns = client.namespace("bad", block_tokens=BT, block_bytes=8192)
         ns.put(tokens(0, 2), blocks(8, 2, 8192))  # stages 2
         stash = client._conn.stash(ns.ns_id)
