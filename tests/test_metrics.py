@@ -7,6 +7,7 @@ before health turns SERVING, so it is there when the fixture returns).
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -309,6 +310,15 @@ def test_gets_served_from_the_disk_file_are_counted(kvstored_factory: Any) -> No
             ns.put(chain, blocks_of(4, 7))
     daemon.restart()  # every block on disk only
     url = METRICS_LINE.findall(daemon.output())[-1]  # the restarted daemon's endpoint
+    # reads with no call take pages that are in the page cache and not under writeback
+    # (RWF_NOWAIT); on a loaded machine either may not hold yet: make both hold
+    fd = os.open(os.path.join(daemon.disk_dir, "data.mdb"), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        while os.read(fd, 1 << 20):
+            pass
+    finally:
+        os.close(fd)
     with KVClient(daemon.addr, use_arena=True) as client:
         ns = client.namespace("files", block_tokens=BLOCK_TOKENS, block_bytes=BLOCK_BYTES)
         for chain in chains:
