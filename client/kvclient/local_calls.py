@@ -255,9 +255,7 @@ class _Connection:
         end = frames.HEADER.size + body_len
         if len(self.buffer) < end:
             yield from self._fill(end, timeout)
-        body = bytes(self.buffer[frames.HEADER.size : end])
-        del self.buffer[:end]
-        return status, body
+        return self._pop_frame()
 
     def read_owed(self, timeout: float) -> Op[None]:
         """Read the answers of the calls sent without waiting (see _Owed.answered)."""
@@ -273,7 +271,7 @@ class _Connection:
         try:
             while self.owed:
                 if self._has_frame():
-                    self.owed.pop(0).answered(*_run_now(self.receive(0.0)))
+                    self.owed.pop(0).answered(*self._pop_frame())
                     continue
                 try:
                     more = self.sock.recv(1 << 16)
@@ -290,6 +288,14 @@ class _Connection:
         self.sock.close()
         _lose(self.owed, reason)
 
+    def _pop_frame(self) -> tuple[int, bytes]:
+        """The whole frame at the head of the buffer, taken out of it."""
+        body_len, status = frames.HEADER.unpack_from(self.buffer)
+        end = frames.HEADER.size + body_len
+        body = bytes(self.buffer[frames.HEADER.size : end])
+        del self.buffer[:end]
+        return status, body
+
     def _has_frame(self) -> bool:
         if len(self.buffer) < frames.HEADER.size:
             return False
@@ -303,15 +309,6 @@ class _Connection:
             if not more:
                 raise ConnectionResetError(0, "the daemon closed the local-call connection")
             self.buffer += more
-
-
-def _run_now(op: Op[T]) -> T:
-    """An op that needs no I/O (its bytes are buffered already)."""
-    try:
-        effect = next(op)
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
-    raise AssertionError(f"a buffered frame asked for I/O: {effect}")
 
 
 class LocalCalls:

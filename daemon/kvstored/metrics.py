@@ -29,7 +29,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from enum import Enum
 from typing import Any
 
 import grpc
@@ -89,10 +88,6 @@ STORE_COUNTERS = {
 }
 
 
-def _label(value: object) -> str:
-    return str(value.value) if isinstance(value, Enum) else str(value)
-
-
 class StoreCollector(Collector):
     """Metric families from one ``Store.stats()`` snapshot per scrape."""
 
@@ -149,12 +144,12 @@ def _tier_families(stats: Stats) -> Iterator[Metric]:
     for name, doc, attr in gauges:
         family = GaugeMetricFamily(name, doc, labels=labels)
         for tier in stats.tiers:
-            family.add_metric([_label(tier.name)], getattr(tier, attr))
+            family.add_metric([tier.name], getattr(tier, attr))
         yield family
     for name, doc, attr in counters:
         family = CounterMetricFamily(name, doc, labels=labels)
         for tier in stats.tiers:
-            family.add_metric([_label(tier.name)], getattr(tier, attr))
+            family.add_metric([tier.name], getattr(tier, attr))
         yield family
 
 
