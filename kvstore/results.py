@@ -46,6 +46,7 @@ class ReadyPrefix:
     host_blocks: int
     disk_blocks: int
     pending_keys: tuple[BlockKey, ...] = ()
+    shared_blocks: int = 0  # of host_blocks, pulled from the shared tier by this call
 
 
 @dataclass(frozen=True, slots=True)

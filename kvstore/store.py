@@ -48,6 +48,8 @@ from kvstore.index import Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
 from kvstore.policy import GroupedPolicy
 from kvstore.results import EventKind, ReadyPrefix, Tier
+from kvstore.shared_tier import SharedTier
+from kvstore.store_shared import SharedBlocks
 from kvstore.store_state import (
     ADMISSION_POLICIES,
     DEFAULT_PRIORITY,
@@ -56,7 +58,6 @@ from kvstore.store_state import (
     LeaseIds,
     StoreConfig,
 )
-from kvstore.store_writes import Writes
 from kvstore.tenants import Group
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ADMISSION_POLICIES", "DEFAULT_PRIORITY", "Store", "StoreConfig"]
 
 
-class Store(Writes):
+class Store(SharedBlocks):
     """One process's tiered block store. See the module docstring for the protocol."""
 
     def __init__(
@@ -136,12 +137,15 @@ class Store(Writes):
         self._promoters: ThreadPoolExecutor | None = None  # made on the first big promotion
         self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
         self._reaper.start()
+        self._shared = None if config.shared is None else SharedTier(config.shared, self)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> int:
         """Persist host-only blocks to disk (if configured), flush the writer, free the
         arena. Returns how many block writes to disk were due and never committed (a
         disk fault: see DiskTier.fault); 0 after a clean close."""
+        if self._shared is not None:
+            self._shared.close()  # its writer reads the arena
         with self._lock:
             if self._closed:
                 return 0
@@ -336,6 +340,7 @@ class Store(Writes):
                 ),
                 disk_fault=fault,
                 tenants=self._tenant_usage(),
+                shared=None if self._shared is None else self._shared.stats(),
             )
 
     def _tenant_usage(self) -> tuple[TenantStats, ...]:

@@ -35,6 +35,7 @@ from kvstore.results import (
     EventKind,
     ReadyPrefix,
 )
+from kvstore.shared_tier import SharedConfig
 from kvstore.tenants import NAME_RE, Group, Quota, tenant_of
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class StoreConfig:
     check_disk_in_child: bool = False  # at open, walk the disk tier's B-trees in a child
     # tenant -> its quota (kvstore.tenants); tenants not named here have none
     quotas: Mapping[str, Quota] = field(default_factory=dict)
+    shared: SharedConfig | None = None  # a shared tier on a Valkey / Redis Cluster
 
     @property
     def staged_bytes_limit(self) -> int:
@@ -118,6 +120,8 @@ class StoreConfig:
             raise InvalidArgument(
                 f"write_through_wait_s must be >= 0, got {self.write_through_wait_s}"
             )
+        if self.shared is not None:
+            self.shared.validate()
         for tenant, quota in self.quotas.items():
             if not NAME_RE.match(tenant):
                 raise InvalidArgument(f"quotas: {tenant!r} is not a tenant name")

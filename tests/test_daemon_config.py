@@ -191,6 +191,16 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         ([], {"KVSTORED_HOSTBYTES": "1GiB"}, "KVSTORED_HOSTBYTES"),
         (["--lease-ttl-s", "900"], {}, "lease_ttl_s"),  # > max_lease_ttl_s
         (["--no-such-flag", "1"], {}, "arguments"),
+        (["--shared-url", "http://127.0.0.1:7000"], {}, "shared_url"),
+        (["--shared-url", "redis://u:secret@127.0.0.1:7000"], {}, "shared_url"),
+        (["--shared-url", "redis://127.0.0.1:99999"], {}, "shared_url"),
+        ([], {"KVSTORED_SHARED_TIMEOUT_MS": "0"}, "shared_timeout_ms"),
+        (["--shared-password-file", "/nonexistent"], {}, "shared_password_file"),
+        (
+            ["--shared-url", "redis://127.0.0.1:7000", "--shared-password-file", "/nonexistent"],
+            {},
+            "shared_password_file",
+        ),
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_key(

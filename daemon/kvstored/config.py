@@ -30,8 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 from kvproto.v1.addresses import is_loopback
+from kvstore.shared_tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants
@@ -186,6 +188,26 @@ def parse_metrics_listen(raw: object) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or "/" in host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"expected host:port or off, got {raw!r}")
+    return text
+
+
+def parse_shared_url(raw: object) -> str:
+    """``redis://[user@]host:port`` or ``rediss://...`` of one cluster node; "" -> off.
+    A password belongs in shared_password_file: a URL shows up in logs and status."""
+    if not isinstance(raw, str):
+        raise ValueError(f"expected redis://host:port or rediss://host:port, got {raw!r}")
+    text = raw.strip()
+    if not text:
+        return ""
+    parts = urlsplit(text)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise ValueError(f"expected redis://host:port or rediss://host:port, got {raw!r}")
+    if parts.password:
+        raise ValueError("put the password in shared_password_file, not in the URL")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"bad port in {raw!r}: {exc}") from None
     return text
 
 
@@ -359,6 +381,20 @@ KEYS: tuple[Key, ...] = (
         "PEM CA bundle: clients must present a certificate it signed (mutual TLS)"),
     Key("insecure", "bool", parse_bool, False,
         "allow a TCP listen on a non-loopback address without TLS and tokens"),
+    Key("shared_url", "url", parse_shared_url, "",
+        "shared tier: redis://[user@]host:port (rediss:// for TLS) of any node of a "
+        "Valkey / Redis Cluster, which every node's daemon reads and writes; empty: off"),
+    Key("shared_password_file", "path", parse_path, "",
+        "file holding the shared tier's password (ACL user in shared_url)"),
+    Key("shared_timeout_ms", "int", parse_int, 100,
+        "shared tier: a read waits at most this long; what has not come is a miss",
+        _between(1, 60_000)),
+    Key("shared_ttl_s", "int", parse_int, 0,
+        "shared tier: values expire after this long; 0: never (the cluster's "
+        "maxmemory-policy evicts)", _at_least(0)),
+    Key("shared_min_priority", "int", parse_int, 0,
+        "shared tier: blocks below this priority are not written to the cluster",
+        _between(0, 100)),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
@@ -400,6 +436,11 @@ class DaemonConfig:
     tls_key: str
     tls_client_ca: str
     insecure: bool
+    shared_url: str
+    shared_password_file: str
+    shared_timeout_ms: int
+    shared_ttl_s: int
+    shared_min_priority: int
     sources: Mapping[str, str]
     config_file: str = ""
     tenants: tuple[TenantConfig, ...] = ()  # the config file's [tenants.<name>] tables
@@ -430,6 +471,21 @@ class DaemonConfig:
             persist_on_close=self.persist_on_close,
             event_buffer=self.event_buffer,
             quotas={t.name: t.quota for t in self.tenants},
+            shared=self.shared_config(),
+        )
+
+    def shared_config(self) -> SharedConfig | None:
+        if not self.shared_url:
+            return None
+        password = ""
+        if self.shared_password_file:
+            password = Path(self.shared_password_file).read_text().strip()
+        return SharedConfig(
+            url=self.shared_url,
+            timeout_ms=self.shared_timeout_ms,
+            ttl_s=self.shared_ttl_s,
+            min_priority=self.shared_min_priority,
+            password=password,
         )
 
     @property
@@ -581,6 +637,14 @@ def load_config(
         )
     if values["disk_bytes"] and not values["disk_dir"]:
         raise ConfigError("disk_dir", "is empty but disk_bytes > 0", sources["disk_dir"])
+    if secret := values["shared_password_file"]:
+        source = sources["shared_password_file"]
+        if not values["shared_url"]:
+            raise ConfigError("shared_password_file", "is set but shared_url is not", source)
+        try:
+            Path(secret).read_text()
+        except OSError as exc:
+            raise ConfigError("shared_password_file", f"cannot be read: {exc}", source) from None
     config = DaemonConfig(**values, sources=sources, config_file=config_file, tenants=tenants)
     check_transport(config)
     return config, args

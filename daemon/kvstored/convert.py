@@ -217,4 +217,5 @@ def lookup_response(result: ReadyPrefix, block_tokens: int, total: int) -> pb.Lo
         disk_blocks=result.disk_blocks,
         pending_blocks=len(result.pending_keys),
         total_blocks=total,
+        shared_blocks=result.shared_blocks,
     )

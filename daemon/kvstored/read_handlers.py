@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -42,13 +42,14 @@ class ReadHandlers(ServiceBase):
             )
 
         def lookup(quick: bool = False) -> pb.LookupResponse:
-            spec, keys = self._chain(
+            spec, keys, pulled = self._read_chain(
                 request.ns_id, request.tokens, request.extra_keys, caller, quick
             )
             if wait:
                 result = self._store.wait_ready(spec.ns_id, keys, wait)
             else:
                 result = self._store.lookup(spec.ns_id, keys)
+            result = replace(result, shared_blocks=min(pulled, result.host_blocks))
             return convert.lookup_response(result, spec.block_tokens, len(keys))
 
         if wait is not None:
@@ -83,7 +84,9 @@ class ReadHandlers(ServiceBase):
 
     def _open_read(self, request: pb.GetRequest, caller: Caller, quick: bool = False) -> _ReadPlan:
         """Find what a Get sends and pin it: the header and the bytes."""
-        spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, caller, quick)
+        spec, keys, _ = self._read_chain(
+            request.ns_id, request.tokens, request.extra_keys, caller, quick
+        )
         start, bb = request.start_block, spec.block_bytes
         if start > len(keys):
             raise InvalidArgument(
@@ -173,7 +176,7 @@ class ReadHandlers(ServiceBase):
         owner = self.owner_of(context)
 
         def acquire(quick: bool = False) -> pb.AcquireResponse:
-            spec, keys = self._chain(
+            spec, keys, _ = self._read_chain(
                 request.ns_id, request.tokens, request.extra_keys, caller, quick
             )
             if request.max_blocks:

@@ -166,6 +166,22 @@ class ServiceBase(pb_grpc.KVStoreServicer):
             self._chains.put(memo, keys)
         return spec, keys
 
+    def _read_chain(
+        self, ns_id: str, tokens: Any, extra: Any, caller: Caller, quick: bool = False
+    ) -> tuple[NamespaceSpec, list[BlockKey], int]:
+        """:meth:`_chain` for a read, which falls through host, disk and the shared
+        tier: the blocks the shared tier has after this node's ready prefix are pulled
+        into the host tier first (a network wait: a quick call moves to the pool when
+        one could help); the third value counts them."""
+        spec, keys = self._chain(ns_id, tokens, extra, caller, quick)
+        if self._store.shared is None:
+            return spec, keys, 0
+        if quick:
+            if self._store.shared_gap(spec.ns_id, keys):
+                raise NeedsPool
+            return spec, keys, 0
+        return spec, keys, self._store.pull_shared(spec.ns_id, keys)
+
     # --- namespaces -------------------------------------------------------------------
 
     @grpc_errors

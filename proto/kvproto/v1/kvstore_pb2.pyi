@@ -184,20 +184,22 @@ class LookupRequest(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., wait_pending_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("ready_blocks", "ready_tokens", "host_blocks", "disk_blocks", "pending_blocks", "total_blocks")
+    __slots__ = ("ready_blocks", "ready_tokens", "host_blocks", "disk_blocks", "pending_blocks", "total_blocks", "shared_blocks")
     READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     READY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PENDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ready_blocks: int
     ready_tokens: int
     host_blocks: int
     disk_blocks: int
     pending_blocks: int
     total_blocks: int
-    def __init__(self, ready_blocks: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    shared_blocks: int
+    def __init__(self, ready_blocks: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "max_blocks")
@@ -564,7 +566,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes", "disk_writable", "disk_fault", "tenants")
+    __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes", "disk_writable", "disk_fault", "tenants", "shared")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -587,6 +589,7 @@ class StatsResponse(_message.Message):
     DISK_WRITABLE_FIELD_NUMBER: _ClassVar[int]
     DISK_FAULT_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     demotions: int
@@ -602,7 +605,42 @@ class StatsResponse(_message.Message):
     disk_writable: bool
     disk_fault: str
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ..., disk_writable: _Optional[bool] = ..., disk_fault: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    shared: SharedTierStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ..., disk_writable: _Optional[bool] = ..., disk_fault: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., shared: _Optional[_Union[SharedTierStats, _Mapping]] = ...) -> None: ...
+
+class SharedTierStats(_message.Message):
+    __slots__ = ("url", "connected", "nodes", "reachable_nodes", "lookups", "hits", "blocks_read", "bytes_read", "blocks_written", "bytes_written", "write_errors", "writes_dropped", "corrupt", "errors", "breaker_changes")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_NODES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WRITES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    connected: bool
+    nodes: int
+    reachable_nodes: int
+    lookups: int
+    hits: int
+    blocks_read: int
+    bytes_read: int
+    blocks_written: int
+    bytes_written: int
+    write_errors: int
+    writes_dropped: int
+    corrupt: int
+    errors: int
+    breaker_changes: int
+    def __init__(self, url: _Optional[str] = ..., connected: _Optional[bool] = ..., nodes: _Optional[int] = ..., reachable_nodes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., blocks_read: _Optional[int] = ..., bytes_read: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., write_errors: _Optional[int] = ..., writes_dropped: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., breaker_changes: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "host_bytes", "disk_bytes", "host_quota", "disk_quota", "namespaces", "blocks", "hits", "misses", "quota_evictions")

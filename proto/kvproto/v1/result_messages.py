@@ -58,6 +58,7 @@ def lookup_result(message: pb.LookupResponse) -> r.LookupResult:
         host_blocks=message.host_blocks,
         disk_blocks=message.disk_blocks,
         pending_blocks=message.pending_blocks,
+        shared_blocks=message.shared_blocks,
     )
 
 
@@ -74,6 +75,7 @@ def stats_response(stats: r.Stats) -> pb.StatsResponse:
         namespaces=[to_message(n, pb.NamespaceStats) for n in stats.namespaces],
         tenants=[to_message(t, pb.TenantStats) for t in stats.tenants],
         disk_writable=not stats.disk_fault,
+        shared=None if stats.shared is None else to_message(stats.shared, pb.SharedTierStats),
     )
 
 
@@ -86,6 +88,7 @@ def stats(message: pb.StatsResponse) -> r.Stats:
         tenants=tuple(from_message(r.TenantStats, t) for t in message.tenants),
         counters=dict(message.counters),
         disk_fault="" if message.disk_writable else message.disk_fault,
+        shared=from_message(r.SharedStats, message.shared) if message.HasField("shared") else None,
     )
 
 

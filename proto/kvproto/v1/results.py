@@ -58,7 +58,8 @@ class LookupResult:
     ``tokens`` is how many leading tokens are covered by ready blocks
     (``blocks * block_tokens``); ``host_blocks + disk_blocks == blocks``.
     ``pending_blocks`` follow the ready prefix and are being computed by another
-    session (early reuse: wait for them or recompute).
+    session (early reuse: wait for them or recompute). ``shared_blocks`` of the
+    ``host_blocks`` came from the shared tier (another node) during this call.
     """
 
     tokens: int
@@ -66,6 +67,7 @@ class LookupResult:
     host_blocks: int
     disk_blocks: int
     pending_blocks: int
+    shared_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,31 @@ class TenantStats:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedStats:
+    """The shared tier (a Valkey / Redis Cluster behind the node's own tiers)."""
+
+    url: str  # without its password
+    connected: bool
+    nodes: int  # primaries in the cluster's slot map
+    reachable_nodes: int  # of those, answering (breaker closed)
+    lookups: int  # reads that asked the cluster
+    hits: int  # of those, found at least one block
+    blocks_read: int
+    bytes_read: int
+    blocks_written: int
+    bytes_written: int
+    write_errors: int  # blocks a node did not store (failed, timed out)
+    writes_dropped: int  # stored blocks never sent (writer behind, evicted, no parent)
+    corrupt: int  # values that failed their check (served as misses)
+    errors: int  # failed node calls
+    breaker_changes: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """Occupancy and counters of the whole daemon (``kvctl status``)."""
 
@@ -137,6 +164,7 @@ class Stats:
     tenants: tuple[TenantStats, ...] = ()  # per tenant: the admin's view only
     platform: str = ""  # the daemon's: "cpu-only" | "pcie" | "c2c"
     uptime_s: float = 0.0
+    shared: SharedStats | None = None  # None: no shared tier
 
     def tier(self, name: str) -> TierStats | None:
         for tier in self.tiers:

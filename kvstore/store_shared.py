@@ -1,0 +1,129 @@
+"""The store's side of the shared tier (:mod:`kvstore.shared_tier`): pulling a
+prefix's missing blocks from the cluster into the host tier, and lending the writer the
+blocks it sends.
+
+A read falls through host, disk, shared: :meth:`SharedBlocks.pull_shared` finds where
+this node's ready prefix of a chain stops, asks the cluster for the rest (lock
+released: it waits on the network, at most the tier's timeout) and puts what came back
+after that prefix, as any put, so the host tier holds it and the disk takes it by the
+usual admission. A chain whose next block is pending here is not pulled: a session on
+this node is computing it (early reuse). The daemon calls it before its reads; a call
+on the event loop asks :meth:`shared_gap` first and moves to a pool thread when a pull
+could help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvstore.index import READY, Node
+from kvstore.keys import BlockKey
+from kvstore.shared_tier import Outgoing, SharedTier
+from kvstore.store_writes import Writes
+
+MAX_ANCESTORS = 8192  # the longest unsent run of parents lent with one block
+
+
+class SharedBlocks(Writes):
+    """See the module docstring."""
+
+    _shared: SharedTier | None
+
+    @property
+    def shared(self) -> SharedTier | None:
+        return self._shared
+
+    def shared_gap(self, ns_id: str, keys: Sequence[BlockKey]) -> bool:
+        """Whether :meth:`pull_shared` could add blocks to ``keys``' ready prefix: the
+        shared tier is usable and the prefix stops before a block nobody here computes."""
+        if self._shared is None or not self._shared.usable():
+            return False
+        self._check_keys(self._entry(ns_id), keys)
+        with self._lock:
+            return self._gap(keys) is not None
+
+    def pull_shared(self, ns_id: str, keys: Sequence[BlockKey]) -> int:
+        """Store the blocks the shared tier has after this node's ready prefix of
+        ``keys`` (see the module docstring); how many were stored."""
+        if self._shared is None or not self._shared.usable():
+            return 0
+        entry = self._entry(ns_id)
+        self._check_keys(entry, keys)
+        with self._lock:
+            self._check_open()
+            start = self._gap(keys)
+        if start is None:
+            return 0
+        payloads = self._shared.fetch(entry.spec, keys[start:])
+        if not payloads:
+            return 0
+        return self.put(ns_id, keys[: start + len(payloads)], payloads, start=start).stored
+
+    def _gap(self, keys: Sequence[BlockKey]) -> int | None:
+        """Where the ready prefix of ``keys`` stops, or None: the whole chain is ready,
+        or its next block is pending. Under the lock."""
+        ready = 0
+        for node in self._index.walk(keys):
+            if node.state != READY:
+                return None
+            ready += 1
+        return ready if ready < len(keys) else None
+
+    def lend_blocks(
+        self,
+        wanted: Sequence[tuple[str, BlockKey]],
+        min_priority: int,
+        known: Callable[[BlockKey], bool],
+    ) -> tuple[list[Outgoing], Callable[[], None], int]:
+        """For the shared tier's writer: the blocks of ``wanted`` (ns_id, key) that are
+        not ``known`` to be on the cluster and are at or above ``min_priority``, each
+        after its unsent ancestors, pinned in their host slots until the returned
+        release is called; and how many could not be lent (no longer in the host tier,
+        nor an unsent ancestor)."""
+        lent: list[Outgoing] = []
+        pinned: list[Node] = []
+        lost = 0
+        with self._lock:
+            array = self._arena.array()
+            chosen: set[BlockKey] = set()
+            for ns_id, key in wanted:
+                node = self._index.get(key)
+                if node is None or node.ns.spec.ns_id != ns_id:
+                    lost += 1
+                    continue
+                if known(key) or key in chosen or node.priority < min_priority:
+                    continue
+                chain = [node]
+                parent = node.parent
+                while parent is not None and not known(parent.key) and parent.key not in chosen:
+                    chain.append(parent)
+                    parent = parent.parent
+                    if len(chain) > MAX_ANCESTORS:
+                        break
+                if (
+                    parent is not None
+                    and len(chain) > MAX_ANCESTORS
+                    or not all(n.state == READY and n.host_offset >= 0 for n in chain)
+                ):
+                    lost += 1
+                    continue
+                for block in reversed(chain):
+                    block.pins += 1
+                    pinned.append(block)
+                    chosen.add(block.key)
+                    start = block.host_offset
+                    lent.append(
+                        Outgoing(
+                            block.ns.spec,
+                            block.key,
+                            None if block.parent is None else block.parent.key,
+                            memoryview(array[start : start + block.size]),
+                        )
+                    )
+
+        def release() -> None:
+            with self._lock:
+                for block in pinned:
+                    block.pins -= 1
+
+        return lent, release, lost

