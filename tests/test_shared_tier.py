@@ -137,7 +137,7 @@ def test_another_tenant_salt_or_model_misses(
     tokens, blocks = prompt(3_000, 6), blocks_for(3, 6)
     store_on(a, tokens, blocks, tenant_salt="tenant-a")
     with KVClient(b.addr) as client:
-        for model, salt in (("shared-model", "tenant-b"), ("shared-model", ""), ("other", "tenant-a")):
+        for model, salt in ((MODEL, "tenant-b"), (MODEL, ""), ("other", "tenant-a")):
             ns = client.namespace(model, BLOCK_TOKENS, BLOCK_BYTES, tenant_salt=salt)
             hit = ns.lookup(tokens)
             assert (hit.blocks, hit.shared_blocks) == (0, 0), (model, salt)

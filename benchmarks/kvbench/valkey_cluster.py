@@ -88,9 +88,9 @@ class ValkeyCluster:
         """Start every node empty and form the cluster."""
         for port in self.ports:
             self._start_node(port)
-        ranges = [(i * SLOTS // self.count, (i + 1) * SLOTS // self.count - 1) for i in range(self.count)]
-        for port, (first, last) in zip(self.ports, ranges, strict=True):
-            self.node(port).execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        for i, port in enumerate(self.ports):
+            first, end = i * SLOTS // self.count, (i + 1) * SLOTS // self.count
+            self.node(port).execute_command("CLUSTER", "ADDSLOTSRANGE", first, end - 1)
         for port in self.ports[1:]:
             self.node(self.ports[0]).execute_command("CLUSTER", "MEET", "127.0.0.1", port)
         self.wait_ready()
@@ -113,7 +113,7 @@ class ValkeyCluster:
             except redis.RedisError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the valkey cluster on {self.ports} did not form in {timeout} s")
+                raise RuntimeError(f"the valkey cluster on {self.ports} did not form in {timeout}s")
             time.sleep(0.1)
 
     @property
@@ -156,20 +156,34 @@ class ValkeyCluster:
         self.procs[port] = subprocess.Popen(
             [
                 self.binary,
-                "--port", str(port),
-                "--bind", "127.0.0.1",
-                "--cluster-enabled", "yes",
-                "--cluster-config-file", str(home / "nodes.conf"),
-                "--cluster-node-timeout", "2000",
-                "--cluster-require-full-coverage", "no",
-                "--dir", str(home),
-                "--save", "",
-                "--appendonly", "no",
-                "--protected-mode", "no",
-                "--loglevel", "warning",
-                "--logfile", str(home / "valkey.log"),
-                "--maxmemory", "1gb",
-                "--maxmemory-policy", "allkeys-lru",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(home / "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+                "--cluster-require-full-coverage",
+                "no",
+                "--dir",
+                str(home),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--loglevel",
+                "warning",
+                "--logfile",
+                str(home / "valkey.log"),
+                "--maxmemory",
+                "1gb",
+                "--maxmemory-policy",
+                "allkeys-lru",
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -182,8 +196,11 @@ class ValkeyCluster:
                 return
             except redis.RedisError:
                 if self.procs[port].poll() is not None or time.monotonic() > deadline:
-                    log = (home / "valkey.log").read_text() if (home / "valkey.log").exists() else ""
-                    raise RuntimeError(f"valkey-server on port {port} did not start: {log[-2000:]}")
+                    log = home / "valkey.log"
+                    said = log.read_text()[-2000:] if log.exists() else ""
+                    raise RuntimeError(
+                        f"valkey-server on port {port} did not start: {said}"
+                    ) from None
                 time.sleep(0.05)
 
     def __enter__(self) -> ValkeyCluster:
