@@ -10,6 +10,9 @@ SIGKILL, a value overwritten in the cluster, the whole cluster restarted empty.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,6 +21,7 @@ import pytest
 import redis
 from conftest import Daemon
 from redis.cluster import RedisCluster
+from test_metrics import documented_metrics, exposed, metrics_url, scrape
 
 from kvbench.valkey_cluster import ValkeyCluster
 from kvclient import KVClient
@@ -276,3 +280,34 @@ def test_the_cluster_client_follows_a_moved_slot(
         ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
         assert ns.lookup(tokens).shared_blocks == 2
         assert np.array_equal(ns.get(tokens).blocks, blocks)
+
+
+def test_status_kvctl_and_metrics_show_the_shared_tier(
+    healthy: ValkeyCluster,
+    nodes: tuple[Daemon, Daemon],
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    a, _ = nodes
+    c = kvstored_factory(
+        shared_url=healthy.url, shared_timeout_ms=TIMEOUT_MS, metrics_listen="127.0.0.1:0"
+    )
+    tokens, blocks = prompt(12_000, 5), blocks_for(12, 5)
+    store_on(a, tokens, blocks)
+    with KVClient(c.addr) as client:
+        client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES).lookup(tokens)
+
+    kvctl = [sys.executable, "-m", "kvclient", "--addr", c.addr]
+    status = subprocess.run([*kvctl, "status"], capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    line = next(x for x in status.stdout.splitlines() if x.startswith("shared tier"))
+    assert f"{healthy.url}: nodes 3/3 reachable" in line and "(5 blocks, hit rate 100.0%)" in line
+    shown = subprocess.run([*kvctl, "status", "--json"], capture_output=True, text=True, timeout=60)
+    shared = json.loads(shown.stdout)["shared"]
+    assert (shared["blocks_read"], shared["hits"], shared["connected"]) == (5, 1, True)
+
+    served = {n: t for n, t in exposed(metrics_url(c)).items() if n.startswith("kvstore_shared_")}
+    documented = {n: t for n, t in documented_metrics().items() if n.startswith("kvstore_shared_")}
+    assert served == documented
+    samples = scrape(metrics_url(c))
+    assert samples[("kvstore_shared_blocks_read_total", ())] == 5
+    assert samples[("kvstore_shared_reachable_nodes", ())] == 3

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from kvclient.sync_client import KVClient
-from kvproto.v1.results import Event, NamespaceStats, TierStats
+from kvproto.v1.results import Event, NamespaceStats, SharedStats, TierStats
 
 PROG = "kvctl"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -131,8 +131,15 @@ def collect_status(client: KVClient) -> JSONDict:
         "counters": dict(stats.counters),
         "tenant": info.tenant,
         "tenants": [dataclasses.asdict(t) for t in stats.tenants],
+        "shared": None if stats.shared is None else shared_dict(stats.shared),
         "time": time.time(),
     }
+
+
+def shared_dict(shared: SharedStats) -> JSONDict:
+    """The shared tier's stats as JSON, with its hit rate."""
+    misses = shared.lookups - shared.hits
+    return dataclasses.asdict(shared) | {"hit_rate": _ratio(shared.hits, misses)}
 
 
 def collect_namespaces(client: KVClient) -> list[JSONDict]:
@@ -176,6 +183,7 @@ def collect_lookup(client: KVClient, ns_id: str, tokens: list[int]) -> JSONDict:
         "host_blocks": hit.host_blocks,
         "disk_blocks": hit.disk_blocks,
         "pending_blocks": hit.pending_blocks,
+        "shared_blocks": hit.shared_blocks,
     }
 
 
@@ -246,11 +254,27 @@ def render_status(data: JSONDict) -> str:
         f"disk queue {human_bytes(data['disk_queue_bytes'])}"
     )
     lines = [head, "", render_tiers(data["tiers"], None), "", summary]
+    if data.get("shared"):
+        lines.append(render_shared(data["shared"]))
     if data.get("disk_fault"):
         lines.append(f"disk tier NOT TAKING WRITES: {data['disk_fault']} (retrying)")
     if data.get("tenant"):
         lines.append(f"tenant {data['tenant']}: the namespaces above are its own")
     return "\n".join(lines)
+
+
+def render_shared(shared: JSONDict) -> str:
+    """One line: the shared tier's cluster, what went each way, and its trouble."""
+    if not shared["connected"]:
+        return f"shared tier {shared['url']}: NOT CONNECTED (retrying; reads are misses)"
+    return (
+        f"shared tier {shared['url']}: nodes {shared['reachable_nodes']}/{shared['nodes']} "
+        f"reachable  read {human_bytes(shared['bytes_read'])} "
+        f"({shared['blocks_read']} blocks, hit rate {percent(shared['hit_rate'])})  "
+        f"written {human_bytes(shared['bytes_written'])} ({shared['blocks_written']} blocks)  "
+        f"errors {shared['errors']}  write errors {shared['write_errors']}  "
+        f"dropped {shared['writes_dropped']}  corrupt {shared['corrupt']}"
+    )
 
 
 def render_tenants(tenants: list[JSONDict]) -> str:
@@ -321,6 +345,8 @@ def render_lookup(data: JSONDict) -> str:
         f"({data['blocks']} of {data['request_blocks']} blocks: "
         f"{data['host_blocks']} host, {data['disk_blocks']} disk)"
     )
+    if data.get("shared_blocks"):
+        line += f", {data['shared_blocks']} of them just pulled from the shared tier"
     if data["pending_blocks"]:
         line += f", {data['pending_blocks']} pending"
     return line

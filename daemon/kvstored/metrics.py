@@ -208,6 +208,43 @@ _STORE_FIGURES: tuple[tuple[type[Metric], str, str, str], ...] = (
 )  # fmt: skip
 
 
+# The shared tier's figures (SharedStats), served only when the daemon has one.
+_SHARED_FIGURES: tuple[tuple[type[Metric], str, str, str], ...] = (
+    (GaugeMetricFamily, "kvstore_shared_connected",
+     "1 once the daemon reached the shared tier's cluster, 0 before.", "connected"),
+    (GaugeMetricFamily, "kvstore_shared_nodes",
+     "Primaries in the shared tier's cluster slot map.", "nodes"),
+    (GaugeMetricFamily, "kvstore_shared_reachable_nodes",
+     "Of those, the ones answering (circuit breaker closed).", "reachable_nodes"),
+    (CounterMetricFamily, "kvstore_shared_lookups",
+     "Reads that asked the shared tier for the blocks after the node's own prefix.",
+     "lookups"),
+    (CounterMetricFamily, "kvstore_shared_hits",
+     "Of those, reads that found at least one block.", "hits"),
+    (CounterMetricFamily, "kvstore_shared_blocks_read",
+     "Blocks pulled from the shared tier into the host tier.", "blocks_read"),
+    (CounterMetricFamily, "kvstore_shared_bytes_read",
+     "Block bytes pulled from the shared tier.", "bytes_read"),
+    (CounterMetricFamily, "kvstore_shared_blocks_written",
+     "Blocks written to the shared tier (behind the puts).", "blocks_written"),
+    (CounterMetricFamily, "kvstore_shared_bytes_written",
+     "Value bytes written to the shared tier.", "bytes_written"),
+    (CounterMetricFamily, "kvstore_shared_write_errors",
+     "Blocks a cluster node did not store (failed, timed out).", "write_errors"),
+    (CounterMetricFamily, "kvstore_shared_writes_dropped",
+     "Stored blocks never sent: the writer fell behind, the block left the host tier "
+     "first, or its parent was gone.", "writes_dropped"),
+    (CounterMetricFamily, "kvstore_shared_corrupt",
+     "Shared-tier values that failed their check (served as misses).", "corrupt"),
+    (CounterMetricFamily, "kvstore_shared_errors",
+     "Failed calls to cluster nodes (connection errors, timeouts, error replies).",
+     "errors"),
+    (CounterMetricFamily, "kvstore_shared_breaker_changes",
+     "State changes of the per-node circuit breakers (each also one log line).",
+     "breaker_changes"),
+)  # fmt: skip
+
+
 def _store_families(stats: Stats) -> Iterator[Metric]:
     for family, name, doc, field in _STORE_FIGURES:
         yield family(name, doc, value=getattr(stats, field))  # type: ignore[call-arg]
@@ -221,6 +258,10 @@ def _store_families(stats: Stats) -> Iterator[Metric]:
     for key, (name, doc) in STORE_COUNTERS.items():
         if key in stats.counters:
             yield CounterMetricFamily(name, doc, value=stats.counters[key])
+    if stats.shared is not None:
+        for family, name, doc, field in _SHARED_FIGURES:
+            value = getattr(stats.shared, field)
+            yield family(name, doc, value=int(value))  # type: ignore[call-arg]
 
 
 # --- RPCs ------------------------------------------------------------------------------
