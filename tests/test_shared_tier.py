@@ -311,3 +311,47 @@ def test_status_kvctl_and_metrics_show_the_shared_tier(
     samples = scrape(metrics_url(c))
     assert samples[("kvstore_shared_blocks_read_total", ())] == 5
     assert samples[("kvstore_shared_reachable_nodes", ())] == 3
+
+
+def test_transformers_on_node_b_reuses_a_prompt_node_a_computed(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_hf_adapter import (
+        BLOCK_TOKENS as HF_BLOCK_TOKENS,
+    )
+    from test_hf_adapter import (
+        MODEL_ID,
+        count_model_tokens,
+        forward,
+        full_prefill_logits,
+        make_prompt,
+        truncated,
+    )
+
+    from kvclient.hf import HFPrefixCache, random_llama
+
+    a, b = nodes
+    model = random_llama("tiny", seed=0)
+    prompt_a = make_prompt(27, 100)  # 12 full blocks of 8, and 4 tokens
+    before = shared_stats(a).blocks_written
+    with KVClient(a.addr) as client:
+        out = HFPrefixCache(client, model, MODEL_ID, block_tokens=HF_BLOCK_TOKENS).prefill(prompt_a)
+        assert out.stats.stored_blocks == 12
+    wait_written(a, before + 12)
+
+    prompt_b = prompt_a + make_prompt(28, 20)  # node B: a longer prompt, same 96 first tokens
+    seen = count_model_tokens(model)
+    with KVClient(b.addr) as client:
+        got = HFPrefixCache(client, model, MODEL_ID, block_tokens=HF_BLOCK_TOKENS).prefill(
+            prompt_b, logits_to_keep=0
+        )
+    assert (got.stats.reused_tokens, got.stats.computed_tokens) == (96, 24)
+    assert sum(seen) == 24  # the model ran only on what the cluster did not hold
+    # the same K/V as node A computed, kept in memory, then the suffix: equal logits
+    _, cache_a = forward(model, prompt_a)
+    ref, _ = forward(model, prompt_b, truncated(model, cache_a, 96), 96)
+    assert torch.equal(got.logits, ref)
+    drift = (got.logits - full_prefill_logits(model, prompt_b)[:, 96:]).abs().max().item()
+    assert drift < 1e-4, f"max |logit - full prefill| = {drift:.2e}"
