@@ -4,9 +4,11 @@ cluster node, each node behind a circuit breaker, every call bounded by a deadli
 redis-py's cluster client does the cluster work: it discovers every node from the
 one in the URL, keeps the slot map, follows MOVED and ASK, and reconnects. What it
 cannot give is a partial answer: one of its pipelines fails whole when one node does.
-So this module groups the keys of a batch by the node that owns their slot and sends
-one pipeline per node, in parallel; a node that fails, times out or has its breaker
-open answers None for its keys, the others answer theirs. A key answered with a
+So this module groups the keys of a batch by the node that owns their slot, sends
+every node its commands on one of the client's pooled connections, then reads the
+answers node by node (the nodes work in parallel, on one thread, as in the cluster
+client's own pipeline). A node that fails, does not answer before the deadline or has
+its breaker open answers None for its keys; the others answer theirs. A key answered with a
 redirection (a slot moved under us) is asked again through the cluster client, which
 follows the redirection and learns the new slot owner.
 
@@ -29,7 +31,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 FAILURES_TO_OPEN = 3
 OPEN_S = 2.0
 CHECK_S = 1.0
-MAX_NODE_THREADS = 16
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
 
@@ -124,7 +124,6 @@ class ClusterLink:
         self.errors = 0  # failed node calls, ever
         self._changes = 0
         self._down_logged = False
-        self._pool = ThreadPoolExecutor(MAX_NODE_THREADS, thread_name_prefix="kv-shared-node")
 
     # --- the shared tier's thread ----------------------------------------------------
     def check(self) -> None:
@@ -144,7 +143,12 @@ class ClusterLink:
         for node in self._primaries():
             breaker = self._breaker(node.name)
             if breaker.state == CLOSED or breaker.allow():
-                self._on_node(node, breaker, lambda pipe: pipe.ping())
+                try:
+                    cluster.get_redis_connection(node).ping()
+                except Exception as exc:  # noqa: BLE001
+                    self._node_failed(node, breaker, exc)
+                else:
+                    breaker.succeeded()
 
     def _connect(self) -> None:
         from redis.cluster import RedisCluster  # the daemon imports redis only when used
@@ -171,9 +175,7 @@ class ClusterLink:
         """The values of ``names`` (None: absent, or its node failed, is open or did not
         answer before ``deadline``, a time.monotonic() instant)."""
         out: list[bytes | None] = [None] * len(names)
-        for indices, answers in self._per_node(
-            names, deadline, lambda pipe, name: pipe.get(name)
-        ).values():
+        for indices, answers in self._per_node(names, deadline, lambda n: ("GET", n)).values():
             for i, answer in zip(indices, answers, strict=True):
                 if isinstance(answer, Exception):
                     answer = self._redirected(names[i], answer, deadline)
@@ -181,19 +183,19 @@ class ClusterLink:
         return out
 
     def set(
-        self, items: Sequence[tuple[bytes, bytearray]], ttl_s: int, deadline: float
+        self, items: Sequence[tuple[bytes, bytes | memoryview]], ttl_s: int, deadline: float
     ) -> list[bool]:
         """Store each (name, value), expiring after ``ttl_s`` (0: never) -> which were
         stored. A failed or unanswered node's items are not."""
         values = dict(items)
-        ex = ttl_s or None
+        expiry = ("EX", ttl_s) if ttl_s else ()
         out = [False] * len(items)
         names = [name for name, _ in items]
         for indices, answers in self._per_node(
-            names, deadline, lambda pipe, name: pipe.set(name, values[name], ex=ex)
+            names, deadline, lambda n: ("SET", n, values[n], *expiry)
         ).values():
             for i, answer in zip(indices, answers, strict=True):
-                out[i] = answer is True
+                out[i] = answer in (b"OK", "OK", True)
         return out
 
     def usable(self) -> bool:
@@ -215,7 +217,6 @@ class ClusterLink:
         self._stale = True
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
         cluster, self._cluster = self._cluster, None
         if cluster is not None:
             with contextlib.suppress(Exception):
@@ -226,10 +227,12 @@ class ClusterLink:
         self,
         names: Sequence[bytes],
         deadline: float,
-        command: Callable[[Any, bytes], Any],
+        command: Callable[[bytes], tuple[Any, ...]],
     ) -> dict[Any, tuple[list[int], list[Any]]]:
-        """One pipeline per node that owns some of ``names``, run in parallel ->
-        {node: (indices into names, answers)} for the nodes that answered in time."""
+        """``command(name)`` for each of ``names``, pipelined on the node that owns its
+        slot, every node's commands sent before any answer is read -> {node: (indices
+        into names, answers)} for the nodes that answered before ``deadline``; an error
+        reply is its exception, in place."""
         cluster = self._cluster
         if cluster is None or not names:
             return {}
@@ -241,38 +244,43 @@ class ClusterLink:
             self._count_error(f"slot map: {exc}")
             self.forget_topology()
             return {}
-        calls = {}
+        sent = []
         for node, indices in groups.items():
             breaker = self._breaker(node.name)
             if not breaker.allow():
                 continue
-
-            def batch(pipe: Any, indices: list[int] = indices) -> None:
-                for i in indices:
-                    command(pipe, names[i])
-
-            calls[node] = self._pool.submit(self._on_node, node, breaker, batch)
-        remaining = max(deadline - time.monotonic(), 0.0)
-        done, _late = wait(calls.values(), timeout=remaining)
+            pool = cluster.get_redis_connection(node).connection_pool
+            conn = None
+            try:
+                conn = pool.get_connection()
+                commands = [command(names[i]) for i in indices]
+                conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+                sent.append((node, breaker, pool, conn, indices))
+            except Exception as exc:  # noqa: BLE001 - connection errors and timeouts
+                self._node_failed(node, breaker, exc, pool, conn)
         answered = {}
-        for node, future in calls.items():
-            if future in done and future.result() is not None:
-                answered[node] = (groups[node], future.result())
+        for node, breaker, pool, conn, indices in sent:
+            try:
+                if not conn.can_read(timeout=max(deadline - time.monotonic(), 0.0)):
+                    raise TimeoutError("no answer before the deadline")
+                answers = [_answer(conn) for _ in indices]
+            except Exception as exc:  # noqa: BLE001
+                self._node_failed(node, breaker, exc, pool, conn)
+                continue
+            pool.release(conn)
+            breaker.succeeded()
+            answered[node] = (indices, answers)
         return answered
 
-    def _on_node(self, node: Any, breaker: Breaker, fill: Callable[[Any], Any]) -> list[Any] | None:
-        """Run one pipeline on ``node``; its answers, or None when the node failed."""
-        try:
-            pipe = self._cluster.get_redis_connection(node).pipeline(transaction=False)
-            fill(pipe)
-            answers = pipe.execute(raise_on_error=False)
-        except Exception as exc:  # noqa: BLE001 - connection errors and timeouts
-            self._count_error(f"{node.name}: {exc}")
-            breaker.failed(type(exc).__name__)
-            self.forget_topology()
-            return None
-        breaker.succeeded()
-        return answers
+    def _node_failed(
+        self, node: Any, breaker: Breaker, exc: Exception, pool: Any = None, conn: Any = None
+    ) -> None:
+        self._count_error(f"{node.name}: {exc}")
+        breaker.failed(type(exc).__name__)
+        self.forget_topology()
+        if conn is not None:
+            conn.disconnect()  # answers may be left unread on it
+            pool.release(conn)
 
     def _redirected(self, name: bytes, error: Exception, deadline: float) -> Any:
         """A key answered with an error: ask again through the cluster client when it
@@ -311,3 +319,14 @@ class ClusterLink:
     def _count_error(self, what: str) -> None:
         self.errors += 1
         log.debug("shared tier: %s", what)
+
+
+def _answer(conn: Any) -> Any:
+    """The next answer on ``conn``; an error reply as its exception (the connection
+    stays good)."""
+    from redis.exceptions import ResponseError
+
+    try:
+        return conn.read_response()
+    except ResponseError as exc:
+        return exc

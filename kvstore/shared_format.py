@@ -44,12 +44,26 @@ def _checksum(key: BlockKey, payload: memoryview | bytes) -> int:
     return h.intdigest()
 
 
-def pack_value(spec: NamespaceSpec, key: BlockKey, payload: memoryview | bytes) -> bytearray:
-    """The stored value of one block: the header and a copy of ``payload``."""
+def packed_size(payload_bytes: int) -> int:
+    return HEADER.size + payload_bytes
+
+
+def pack_into(
+    out: memoryview, spec: NamespaceSpec, key: BlockKey, payload: memoryview | bytes
+) -> int:
+    """Write the stored value of one block (header, then a copy of ``payload``) at the
+    start of ``out``; its size."""
     view = memoryview(payload).cast("B")
-    out = bytearray(HEADER.size + view.nbytes)
     HEADER.pack_into(out, 0, MAGIC, VERSION, spec.digest[:8], view.nbytes, _checksum(key, view))
-    out[HEADER.size :] = view
+    end = HEADER.size + view.nbytes
+    out[HEADER.size : end] = view
+    return end
+
+
+def pack_value(spec: NamespaceSpec, key: BlockKey, payload: memoryview | bytes) -> bytearray:
+    """The stored value of one block, in a buffer of its own."""
+    out = bytearray(packed_size(memoryview(payload).nbytes))
+    pack_into(memoryview(out), spec, key, payload)
     return out
 
 

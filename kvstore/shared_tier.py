@@ -40,7 +40,7 @@ from kvproto.v1.results import Event, SharedStats
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.shared_cluster import CHECK_S, ClusterLink
-from kvstore.shared_format import block_name, pack_value, unpack_value
+from kvstore.shared_format import block_name, pack_into, packed_size, unpack_value
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ WAVE_BLOCKS = 256
 WRITE_BATCH_BLOCKS = 64
 KNOWN_BLOCKS = 1 << 18
 WRITE_DEADLINE_S = 2.0
+SCRATCH_BYTES = 32 << 20  # the writer packs values here, at most this much per send
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ class SharedTier:
             ),
             0,
         )
+        self._scratch = memoryview(bytearray(0))  # the writer's (see _write)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvstore-shared", daemon=True)
         self._thread.start()
@@ -234,24 +236,43 @@ class SharedTier:
                 self._n["writes_dropped"] += len(wanted)
 
     def _write(self, wanted: list[tuple[str, BlockKey]]) -> None:
+        """Send the blocks of ``wanted`` (and their unsent ancestors), packed into the
+        writer's scratch buffer (allocated once: fresh pages cost more than the copy)
+        in runs of at most SCRATCH_BYTES; the blocks stay pinned until the last run is
+        packed."""
         blocks, release, lost = self._source.lend_blocks(
             wanted, self.config.min_priority, self.is_known
         )
         self._n["writes_dropped"] += lost
         try:
-            items = [
-                (block_name(b.spec, b.key), pack_value(b.spec, b.key, b.payload)) for b in blocks
-            ]
+            begin = 0
+            while begin < len(blocks):
+                end, used = begin, 0
+                while end < len(blocks) and (
+                    end == begin or used + packed_size(blocks[end].payload.nbytes) <= SCRATCH_BYTES
+                ):
+                    used += packed_size(blocks[end].payload.nbytes)
+                    end += 1
+                self._send(blocks[begin:end], used)
+                begin = end
         finally:
             release()
-        if not items:
-            return
+
+    def _send(self, blocks: list[Outgoing], nbytes: int) -> None:
+        if len(self._scratch) < nbytes:
+            self._scratch = memoryview(bytearray(max(nbytes, SCRATCH_BYTES)))
+        items, at = [], 0
+        for b in blocks:
+            size = pack_into(self._scratch[at:], b.spec, b.key, b.payload)
+            items.append((block_name(b.spec, b.key), self._scratch[at : at + size]))
+            at += size
         errors = self._link.errors
         patience = max(WRITE_DEADLINE_S, 4 * self.config.timeout_ms / 1000)
         stored = self._link.set(items, self.config.ttl_s, time.monotonic() + patience)
         sent: set[BlockKey] = set()
         for block, ok, (_, value) in zip(blocks, stored, items, strict=True):
-            if ok and (block.parent is None or block.parent in sent or self.is_known(block.parent)):
+            parent = block.parent
+            if ok and (parent is None or parent in sent or self.is_known(parent)):
                 sent.add(block.key)
                 self._n["blocks_written"] += 1
                 self._n["bytes_written"] += len(value)

