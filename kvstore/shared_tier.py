@@ -191,6 +191,11 @@ class SharedTier:
     def is_known(self, key: BlockKey) -> bool:
         return key in self._known
 
+    @property
+    def blocks_written(self) -> int:
+        """Blocks sent so far (a cheap read for a waiter; :meth:`stats` has them all)."""
+        return self._n["blocks_written"]
+
     def stats(self) -> SharedStats:
         link = self._link.stats()
         return SharedStats(
