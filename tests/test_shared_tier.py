@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -355,3 +356,38 @@ def test_transformers_on_node_b_reuses_a_prompt_node_a_computed(
     assert torch.equal(got.logits, ref)
     drift = (got.logits - full_prefill_logits(model, prompt_b)[:, 96:]).abs().max().item()
     assert drift < 1e-4, f"max |logit - full prefill| = {drift:.2e}"
+
+
+# what kvstored needs of a cluster, and nothing else (deploy/kubernetes/valkey-cluster.yaml)
+KVSTORE_ACL = ("~kv:*", "resetchannels", "-@all", "+get", "+set", "+ping", "+cluster|slots",
+               "+cluster|shards", "+cluster|nodes", "+command", "+info", "+hello",
+               "+client|setinfo", "+readonly")  # fmt: skip
+
+
+def test_an_acl_user_with_its_password_in_a_file(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    secret = "kvstore-test-password"
+    acl = ("--user", "kvstore", "on", f">{secret}", *KVSTORE_ACL)
+    with ValkeyCluster(1, extra_args=acl) as cluster:
+        password = tmp_path / "shared.password"
+        password.write_text(secret + "\n")
+        url = cluster.url.replace("redis://", "redis://kvstore@")
+        a, b = (
+            kvstored_factory(shared_url=url, shared_password_file=str(password)) for _ in range(2)
+        )
+        tokens, blocks = prompt(13_000, 4), blocks_for(13, 4)
+        store_on(a, tokens, blocks)
+        with KVClient(b.addr) as client:
+            ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+            assert ns.lookup(tokens).shared_blocks == 4
+            assert client.stats().shared.url == url  # the password is in no URL shown
+
+        # a wrong password: the daemon runs, says why once, and every read is a miss
+        password.write_text("wrong\n")
+        c = kvstored_factory(shared_url=url, shared_password_file=str(password))
+        with KVClient(c.addr) as client:
+            ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+            assert ns.lookup(tokens).blocks == 0
+            assert not client.stats().shared.connected
+        assert "invalid username-password pair" in c.output()

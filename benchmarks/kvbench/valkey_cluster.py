@@ -72,8 +72,12 @@ class ValkeyCluster:
     """``count`` primaries on 127.0.0.1; ``url`` names the first. Stop it with
     :meth:`stop` (every process it started ends)."""
 
-    def __init__(self, count: int = 3, base: Path | None = None) -> None:
+    def __init__(
+        self, count: int = 3, base: Path | None = None, extra_args: tuple[str, ...] = ()
+    ) -> None:
+        """``extra_args`` go on every node's command line (e.g. an ACL ``--user``)."""
         self.count = count
+        self.extra_args = extra_args
         self.ports = free_ports(count)
         self._own_base = base is None
         self.base = Path(tempfile.mkdtemp(prefix="valkey")) if base is None else base
@@ -184,6 +188,7 @@ class ValkeyCluster:
                 "1gb",
                 "--maxmemory-policy",
                 "allkeys-lru",
+                *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
