@@ -196,11 +196,6 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         (["--shared-url", "redis://127.0.0.1:99999"], {}, "shared_url"),
         ([], {"KVSTORED_SHARED_TIMEOUT_MS": "0"}, "shared_timeout_ms"),
         (["--shared-password-file", "/nonexistent"], {}, "shared_password_file"),
-        (
-            ["--shared-url", "redis://127.0.0.1:7000", "--shared-password-file", "/nonexistent"],
-            {},
-            "shared_password_file",
-        ),
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_key(

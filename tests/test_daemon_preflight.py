@@ -132,6 +132,15 @@ def test_ports_in_use_are_refused_before_anything_is_allocated(
     assert not (tmp_path / "disk" / "data.mdb").exists()
 
 
+def test_an_unreadable_shared_password_file_is_refused(tmp_path: Path, sock_dir: Path) -> None:
+    missing = tmp_path / "no-such.password"
+    args = start_args(
+        tmp_path, sock_dir, shared_url="redis://kvstore@127.0.0.1:7000",
+        shared_password_file=str(missing),
+    )  # fmt: skip
+    assert_refused(run_kvstored(args), "shared_password_file", f"cannot read {missing}")
+
+
 def test_a_path_in_place_of_the_socket_is_refused_and_kept(
     tmp_path: Path, sock_dir: Path
 ) -> None:

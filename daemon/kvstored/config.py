@@ -637,14 +637,10 @@ def load_config(
         )
     if values["disk_bytes"] and not values["disk_dir"]:
         raise ConfigError("disk_dir", "is empty but disk_bytes > 0", sources["disk_dir"])
-    if secret := values["shared_password_file"]:
-        source = sources["shared_password_file"]
-        if not values["shared_url"]:
-            raise ConfigError("shared_password_file", "is set but shared_url is not", source)
-        try:
-            Path(secret).read_text()
-        except OSError as exc:
-            raise ConfigError("shared_password_file", f"cannot be read: {exc}", source) from None
+    if values["shared_password_file"] and not values["shared_url"]:
+        raise ConfigError(
+            "shared_password_file", "is set but shared_url is not", sources["shared_password_file"]
+        )
     config = DaemonConfig(**values, sources=sources, config_file=config_file, tenants=tenants)
     check_transport(config)
     return config, args

@@ -138,6 +138,16 @@ def check_security(config: DaemonConfig) -> None:
             raise _fail(config, key, f"cannot read {path}: {_reason(exc)}") from None
         if b"-----BEGIN " not in data:
             raise _fail(config, key, f"{path} holds no PEM block")
+    if config.shared_password_file:
+        try:
+            Path(config.shared_password_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = _reason(exc) if isinstance(exc, OSError) else "not UTF-8 text"
+            raise _fail(
+                config,
+                "shared_password_file",
+                f"cannot read {config.shared_password_file}: {reason}",
+            ) from None
 
 
 def tcp_port_problem(address: str) -> str | None:
