@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import tomllib
@@ -132,7 +133,9 @@ def assert_probes_use_the_healthcheck(c: dict[str, Any]) -> None:
 
 
 def test_manifests_are_found() -> None:
-    assert [p.name for p in MANIFESTS] == ["daemonset.yaml", "sidecar.yaml", "tcp-tls.yaml"]
+    assert [p.name for p in MANIFESTS] == [
+        "daemonset.yaml", "sidecar.yaml", "tcp-tls.yaml", "valkey-cluster.yaml"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("version", ["1.29.0", "latest"])
@@ -287,6 +290,44 @@ def test_daemonset_shares_the_socket_and_keeps_lmdb_on_the_node(tmp_path: Path) 
     assert spec["terminationGracePeriodSeconds"] > cfg.grace_s
     assert_tokens_come_from_the_secret(found, cfg, kvstored, spec)
     assert secret_ref(engine, "KVSTORE_TOKEN") == ("kvstored-tokens", "team-a.token")
+
+
+def test_daemonset_points_at_the_valkey_cluster_as_its_restricted_user(tmp_path: Path) -> None:
+    from test_shared_tier import KVSTORE_ACL
+
+    daemonset = kinds(DEPLOY / "kubernetes" / "daemonset.yaml")
+    valkey = kinds(DEPLOY / "kubernetes" / "valkey-cluster.yaml")
+    spec = daemonset["DaemonSet"]["spec"]["template"]["spec"]
+    kvstored = container(spec, "kvstored")
+    toml = tmp_path / "kvstored.toml"
+    toml.write_text(daemonset["ConfigMap"]["data"]["kvstored.toml"])
+    cfg = effective(env_of(kvstored), "--config", str(toml))
+
+    # shared_url names the cluster's Service and client port, as the user "kvstore"
+    url = urlsplit(cfg.shared_url)
+    service = valkey["Service"]
+    client_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "client")
+    assert (url.hostname, url.port, url.username) == (
+        service["metadata"]["name"], client_port, "kvstore"
+    )
+    # its password file is the Secret's key, mounted where the config says
+    auth = volumes(spec)["shared-auth"]["secret"]
+    assert auth["secretName"] == valkey["Secret"]["metadata"]["name"]
+    password = Path(cfg.shared_password_file)
+    assert mounts(kvstored)["shared-auth"] == str(password.parent)
+    assert [i["path"] for i in auth["items"]] == [password.name]
+    assert password.name in valkey["Secret"]["stringData"]
+
+    # the cluster: cluster mode, an LRU cache, and the user kvstore limited to what
+    # kvstored needs: the rules tests/test_shared_tier.py runs a real cluster with
+    conf = valkey["ConfigMap"]["data"]["valkey.conf"]
+    for line in ("cluster-enabled yes", "maxmemory-policy allkeys-lru",
+                 "cluster-require-full-coverage no"):  # fmt: skip
+        assert line in conf.splitlines(), line
+    args = container(valkey["StatefulSet"]["spec"]["template"]["spec"], "valkey")["args"]
+    user = args[args.index("--user") + 1 :]
+    assert user[:3] == ["kvstore", "on", ">$(KVSTORE_PASSWORD)"]
+    assert tuple(user[3:]) == KVSTORE_ACL
 
 
 # --- systemd ---------------------------------------------------------------------------
