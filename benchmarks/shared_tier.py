@@ -183,11 +183,13 @@ class Case:
         self.reader.close()
 
 
-def data_path(url: str, rounds: int) -> list[list[str]]:
+def data_path(url: str, rounds: int) -> tuple[list[list[str]], list[list[str]]]:
+    """The data-path table, and what one block's value costs the cluster in memory."""
     from redis.cluster import RedisCluster
 
     raw = RedisCluster.from_url(url)
-    rows = []
+    rows: list[list[str]] = []
+    memory: list[list[str]] = []
     for size, batch in CASES:
         case = Case(url, raw, size, batch, rounds)
         ops: list[tuple[str, Callable[[], float]]] = [
@@ -204,6 +206,11 @@ def data_path(url: str, rounds: int) -> list[list[str]]:
         for r in range(rounds):
             for name, op in ops if r % 2 == 0 else ops[::-1]:
                 series[name].append(op())
+        memory.append(
+            [f"{size >> 10} KiB", str(packed_size(size)),
+             str(raw.memory_usage(case.names[0])),
+             f"{raw.memory_usage(case.names[0]) / size:.3f}"]
+        )  # fmt: skip
         case.close()
         raw.flushall(target_nodes=RedisCluster.PRIMARIES)
         for what in ("get", "put"):
@@ -220,7 +227,7 @@ def data_path(url: str, rounds: int) -> list[list[str]]:
             )  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
     raw.close()
-    return rows
+    return rows, memory
 
 
 def ttft(url: str, tokens: int, repeat: int) -> dict[str, float]:
@@ -291,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     with ValkeyCluster(3) as cluster:
         print(f"valkey cluster at {cluster.url} ({cluster.binary})", flush=True)
-        rows = data_path(cluster.url, args.rounds)
+        rows, memory = data_path(cluster.url, args.rounds)
         cluster.flush()
         t = ttft(cluster.url, args.tokens, args.repeat)
     speedup = t["cold_s"] / t["hit_s"]
@@ -313,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
                 ["op", "blocks", "kvstore GB/s", "with the local put", "raw GB/s", "ratio",
                  "target >= 0.8x", "floor GB/s", "kvstore / floor"], rows
             ),
+            "",
+            "## What a block costs the cluster",
+            "",
+            "`MEMORY USAGE` of one stored block (the value is the block and a 32-byte "
+            "header; the server's allocator rounds it up to a size class):",
+            "",
+            markdown_table(["block", "value bytes", "MEMORY USAGE", "per block byte"], memory),
             "",
             f"## Time to first token on node B, {args.tokens} tokens (tiny random Llama)",
             "",
