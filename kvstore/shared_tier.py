@@ -234,7 +234,7 @@ class SharedTier:
             if events[0].seq > seq + 1:  # the event log overran: those blocks stay local
                 self._n["writes_dropped"] += events[0].seq - seq - 1
             seq = events[-1].seq
-            wanted = [(e.ns_id, e.key) for e in events if e.kind == "stored"]
+            wanted = [(e.ns_id, BlockKey(e.key)) for e in events if e.kind == "stored"]
             if wanted and self._link.usable():
                 self._write(wanted)
             elif wanted:

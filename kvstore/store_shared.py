@@ -117,7 +117,7 @@ class SharedBlocks(Writes):
                             block.ns.spec,
                             block.key,
                             None if block.parent is None else block.parent.key,
-                            memoryview(array[start : start + block.size]),
+                            array[start : start + block.size].data,
                         )
                     )
 
