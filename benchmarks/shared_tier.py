@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     with ValkeyCluster(3) as cluster:
         print(f"valkey cluster at {cluster.url} ({cluster.binary})", flush=True)
+        info = cluster.node(cluster.ports[0]).info()
+        allocator = {"version": info.get("valkey_version", info["redis_version"]),
+                     "malloc": info["mem_allocator"]}  # fmt: skip
         rows, memory = data_path(cluster.url, args.rounds)
         cluster.flush()
         t = ttft(cluster.url, args.tokens, args.repeat)
@@ -323,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             "",
             "## What a block costs the cluster",
             "",
-            "`MEMORY USAGE` of one stored block (the value is the block and a 32-byte "
-            "header; the server's allocator rounds it up to a size class):",
+            "`MEMORY USAGE` of one stored block: the value is the block and a 32-byte "
+            "header, plus the server's per-key and allocator overhead (this "
+            f"valkey-server {allocator['version']} allocates with {allocator['malloc']}; "
+            "jemalloc builds round large values up to a size class, see docs/design.md):",
             "",
             markdown_table(["block", "value bytes", "MEMORY USAGE", "per block byte"], memory),
             "",
