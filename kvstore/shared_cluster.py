@@ -142,7 +142,7 @@ class ClusterLink:
             log.debug("shared tier: slot map refresh failed: %s", exc)
         for node in self._primaries():
             breaker = self._breaker(node.name)
-            if breaker.state == CLOSED or breaker.allow():
+            if breaker.allow():  # closed, or open long enough to probe
                 try:
                     cluster.get_redis_connection(node).ping()
                 except Exception as exc:  # noqa: BLE001

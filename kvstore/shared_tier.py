@@ -217,14 +217,15 @@ class SharedTier:
     def _run(self) -> None:
         seq = self._source.last_event_seq  # blocks stored before the start stay local
         next_check = 0.0
+        errors = 0
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_check:
-                errors = self._link.errors
                 self._link.check()
-                if self._link.errors != errors:
-                    self._forget_known()
                 next_check = now + CHECK_S
+            if self._link.errors != errors:  # any call failed: the cluster may be empty now
+                errors = self._link.errors
+                self._forget_known()
             try:
                 events = self._source.events_since(seq, timeout=0.2, limit=WRITE_BATCH_BLOCKS)
             except Exception:  # noqa: BLE001 - the store closed under us
@@ -244,7 +245,7 @@ class SharedTier:
         """Send the blocks of ``wanted`` (and their unsent ancestors), packed into the
         writer's scratch buffer (allocated once: fresh pages cost more than the copy)
         in runs of at most SCRATCH_BYTES; the blocks stay pinned until the last run is
-        packed."""
+        sent."""
         blocks, release, lost = self._source.lend_blocks(
             wanted, self.config.min_priority, self.is_known
         )
@@ -271,7 +272,6 @@ class SharedTier:
             size = pack_into(self._scratch[at:], b.spec, b.key, b.payload)
             items.append((block_name(b.spec, b.key), self._scratch[at : at + size]))
             at += size
-        errors = self._link.errors
         patience = max(WRITE_DEADLINE_S, 4 * self.config.timeout_ms / 1000)
         stored = self._link.set(items, self.config.ttl_s, time.monotonic() + patience)
         sent: set[BlockKey] = set()
@@ -284,8 +284,6 @@ class SharedTier:
             elif not ok:
                 self._n["write_errors"] += 1
         self.note_known([b.key for b in blocks if b.key in sent])
-        if self._link.errors != errors:
-            self._forget_known()
 
     def _forget_known(self) -> None:
         with self._known_lock:

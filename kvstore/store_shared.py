@@ -62,12 +62,10 @@ class SharedBlocks(Writes):
     def _gap(self, keys: Sequence[BlockKey]) -> int | None:
         """Where the ready prefix of ``keys`` stops, or None: the whole chain is ready,
         or its next block is pending. Under the lock."""
-        ready = 0
-        for node in self._index.walk(keys):
-            if node.state != READY:
-                return None
-            ready += 1
-        return ready if ready < len(keys) else None
+        found = self._lookup(keys)
+        if found.pending_keys or found.ready_blocks == len(keys):
+            return None
+        return found.ready_blocks
 
     def lend_blocks(
         self,

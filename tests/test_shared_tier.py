@@ -157,15 +157,12 @@ def test_a_corrupted_value_is_a_miss_and_ends_the_prefix(
     tokens, blocks = prompt(4_000, 8), blocks_for(4, 8)
     store_on(a, tokens, blocks)
     spec, keys = keys_of(tokens)
-    cluster = RedisCluster.from_url(healthy.url)
-    try:
+    with RedisCluster.from_url(healthy.url) as cluster:
         name = block_name(spec, keys[3])
         value = bytearray(cluster.get(name))
         value[-1] ^= 0xFF  # one bit of the payload
         cluster.set(name, bytes(value))
         cluster.set(block_name(spec, keys[6]), b"not a block")
-    finally:
-        cluster.close()
     corrupt = shared_stats(b).corrupt
     with KVClient(b.addr) as client:
         ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
@@ -182,11 +179,8 @@ def test_a_killed_cluster_node_cuts_the_prefix_at_its_first_block(
     tokens, blocks = prompt(5_000, 24), blocks_for(5, 24)
     store_on(a, tokens, blocks)
     spec, keys = keys_of(tokens)
-    cluster = RedisCluster.from_url(healthy.url)
-    try:
+    with RedisCluster.from_url(healthy.url) as cluster:
         owners = [cluster.get_node_from_key(block_name(spec, k)).port for k in keys]
-    finally:
-        cluster.close()
     # kill a node that does not hold block 0: B keeps the blocks before its first one
     victim = next(port for port in owners if port != owners[0])
     expected = owners.index(victim)
@@ -259,11 +253,11 @@ def test_the_cluster_client_follows_a_moved_slot(
     store_on(a, tokens, blocks)
     spec, keys = keys_of(tokens)
     name = block_name(spec, keys[0])
-    cluster = RedisCluster.from_url(healthy.url)
     try:
-        slot = cluster.keyslot(name)
-        source = cluster.get_node_from_key(name)
-        target = next(n for n in cluster.get_primaries() if n.port != source.port)
+        with RedisCluster.from_url(healthy.url) as cluster:
+            slot = cluster.keyslot(name)
+            source = cluster.get_node_from_key(name)
+            target = next(n for n in cluster.get_primaries() if n.port != source.port)
         src, dst = healthy.node(source.port), healthy.node(target.port)
         src_id = src.execute_command("CLUSTER", "MYID")
         dst_id = dst.execute_command("CLUSTER", "MYID")
@@ -275,8 +269,6 @@ def test_the_cluster_client_follows_a_moved_slot(
             node.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
     except redis.RedisError as exc:
         pytest.fail(f"could not move slot: {exc}")
-    finally:
-        cluster.close()
     with KVClient(b.addr) as client:
         ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
         assert ns.lookup(tokens).shared_blocks == 2
