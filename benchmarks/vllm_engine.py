@@ -12,10 +12,9 @@ output tokens, the log-probability of each, and the seconds ``generate`` took (w
 until FILE exists (``--ready FILE`` says when it waits), so that engines started
 together send their prompts together.
 
-Settings that make runs comparable on a small CPU machine: vLLM in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), a 1 GiB KV cache, eager mode, and one reserved
-core whatever the connector (vLLM reserves one more core whenever a KV connector is
-set, which would change the prefill's thread count between the runs compared).
+Settings that make runs comparable on a small CPU machine (``kvbench.vllm_chat``'s
+``ENGINE_ENV``): vLLM in this process, a 1 GiB KV cache, eager mode, and one reserved
+core whatever the connector.
 """
 
 from __future__ import annotations
@@ -27,14 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from kvbench.vllm_chat import ENGINE_ENV, transfer_config
 
 
 def make_model(directory: Path) -> Path:
@@ -43,26 +35,6 @@ def make_model(directory: Path) -> Path:
     from kvclient.hf import save_random_llama
 
     return save_random_llama(directory, "vllm-tiny")
-
-
-def transfer_config(connector: str, extra: dict[str, object]) -> dict[str, object] | None:
-    """vLLM's ``kv_transfer_config`` for ``connector`` (None: no connector)."""
-    if connector == "none":
-        return None
-    if connector == "kvstore":
-        return {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvclient.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
-    if connector == "example":
-        return {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
-    raise ValueError(f"unknown connector {connector!r}")
 
 
 def run(args: argparse.Namespace) -> int:

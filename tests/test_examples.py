@@ -54,6 +54,29 @@ def test_chat_reuse_reuses_earlier_turns(kvstored: Daemon) -> None:
         assert reused % BLOCK_TOKENS == 0 and computed < prompt // 2
 
 
+def test_chat_reuse_on_the_real_model_reuses_the_reply_and_beats_a_full_prefill(
+    kvstored: Daemon, smollm2_dir: Path
+) -> None:
+    out = run_example(
+        "chat_reuse.py", "--addr", kvstored.addr, "--turns", "2", "--reply-tokens", "24"
+    )
+    turns = [
+        tuple(float(x) for x in m.groups())
+        for m in re.finditer(
+            r"turn \d+: prompt (\d+) tokens, reused (\d+), computed (\d+), TTFT ([\d.]+) ms "
+            r"\(load [\d.]+ ms; full prefill ([\d.]+) ms",
+            out,
+        )
+    ]
+    assert len(turns) == 2, out
+    (prompt_1, reused_1, _, _, _), (prompt_2, reused_2, computed_2, ttft_2, full_2) = turns
+    assert reused_1 == 0
+    # turn 2 reused turn 1's prompt and part of its reply: real text, a real template
+    assert prompt_1 < reused_2 < prompt_2 and reused_2 + computed_2 == prompt_2
+    assert ttft_2 > 0 and full_2 > 0
+    assert out.count("  assistant: ") == 2  # the real model's replies are shown
+
+
 def test_cag_answers_from_the_stored_document_after_a_restart(kvstored: Daemon) -> None:
     out = run_example("cag.py", "--addr", kvstored.addr, "--small", "store")
     m = re.search(r"stored document: (\d+) tokens, (\d+) new blocks", out)

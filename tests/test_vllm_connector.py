@@ -286,6 +286,10 @@ def test_two_engines_on_one_long_prompt_compute_it_once(
             max_tokens=1,
             name=name,
             barrier=barrier,
+            # chunked prefill, as vLLM runs long prompts: the claim delivers blocks
+            # chunk by chunk, and each delivery restarts the waiter's wait, so however
+            # slow the machine the waiter does not give up on a claim making progress
+            chunk_tokens=1024,
         )
 
     threads = [threading.Thread(target=engine, args=(name,)) for name in ("one", "two")]

@@ -112,6 +112,42 @@ def test_completed_blocks_are_stored_once_in_chain_order_across_chunks() -> None
     assert state.take_save("r", computed_tokens=40) is None
 
 
+def test_the_reply_is_stored_as_it_is_generated_and_its_tail_when_it_finishes() -> None:
+    # a 10-token prompt (2 full blocks of 4) whose reply grows the live token list
+    tokens = list(range(10))
+    state = RequestState(salt="", prompt=list(tokens), block_size=4, tokens=tokens)
+    assert state.matched(local_tokens=0, stored_blocks=0) == 0
+    state.block_ids = [20, 21, 22]
+    prefill = state.take_save("r", computed_tokens=10)
+    assert prefill is not None and (prefill.start, prefill.block_ids) == (0, [20, 21])
+    tokens += [100, 101]  # two decode steps: block 2 (tokens 8..11) has its KV
+    reply = state.take_save("r", computed_tokens=12)
+    assert reply is not None
+    assert (reply.start, reply.block_ids, reply.tokens) == (2, [22], tokens[:12])
+    assert not reply.final
+    # async scheduling: a step fed a token not sampled yet when it was planned; the
+    # block completes only once its tokens are known, at the latest when it finishes
+    state.block_ids.append(23)
+    tokens += [102, 103, 104]  # 15 tokens known, 17 planned: block 3 waits for token 15
+    assert state.take_save("r", computed_tokens=17) is None
+    tokens += [105]
+    assert state.take_save("r", computed_tokens=18) is not None  # block 3 now
+    tokens += [106, 107, 108, 109]  # the reply ended: 20 tokens
+    tail = state.take_final_save("r", computed_tokens=19, block_ids=[20, 21, 22, 23, 24])
+    assert tail is None  # block 4 (tokens 16..19) lacks token 19's KV: nothing to store
+    tail = state.take_final_save("r", computed_tokens=20, block_ids=[20, 21, 22, 23, 24])
+    assert tail is not None and tail.final and (tail.start, tail.block_ids) == (4, [24])
+
+
+def test_prompt_only_storing_stops_at_the_prompt() -> None:
+    # store_replies off: no tokens view, the prompt is what is stored
+    state = RequestState(salt="", prompt=list(range(10)), block_size=4)
+    state.block_ids = [1, 2, 3, 4]
+    save = state.take_save("r", computed_tokens=16)
+    assert save is not None and save.block_ids == [1, 2]
+    assert state.take_final_save("r", computed_tokens=16, block_ids=[1, 2, 3, 4]) is None
+
+
 def test_no_load_when_vllm_loads_nothing_after_all() -> None:
     state = RequestState(salt="", prompt=list(range(20)), block_size=4)
     assert state.matched(local_tokens=0, stored_blocks=3) == 12

@@ -15,18 +15,25 @@ Scheduler side (one per engine, in the scheduler's process):
 - ``get_num_new_matched_tokens``: one kvstore call on the prompt's full blocks
   (short deadline) -> tokens to load beyond vLLM's own prefix cache, always leaving
   the last prompt token to compute. With early reuse, blocks another engine is
-  computing right now (pending) answer "ask again later" (None) until they are ready
-  or ``early_reuse_wait_s`` has passed.
+  computing right now (pending) answer "ask again later" (None) until they are ready;
+  the wait starts again whenever the other engine delivers a block (a long prefill
+  is waited for as long as it makes progress) and ends after ``early_reuse_wait_s``
+  without one.
 - With early reuse that Lookup is a claim (a Reserve): the prompt blocks nobody holds
   become this request's to compute, and another engine asking at the same moment sees
   them pending and waits instead of computing them too.
 - ``update_state_after_alloc``: what vLLM decided to load.
 - ``build_connector_meta``: the step's plan (:mod:`kvclient.vllm_plan`): loads for the
-  requests scheduled for the first time, saves of the full blocks each step completes.
+  requests scheduled for the first time, saves of the full blocks each step completes
+  (the prompt's and, with ``store_replies`` on, the default, the reply's as it is
+  generated: a chat's next turn loads the history and the last reply).
 - ``update_connector_output``: blocks a worker could not load are stored again once
   vLLM has recomputed them.
 - ``request_finished``: drop what a claim did not deliver (preempted, aborted or
-  finished early); blocks are never held for a save: saves finish within the step.
+  finished early). Computed full blocks no step stored yet (the reply's last ones
+  under async scheduling) become a *final* save in the next step's plan, and vLLM
+  keeps the request's blocks until then (True); otherwise they are freed at once.
+  Every other save finishes within its step.
 
 Worker side (one per GPU / CPU worker):
 
@@ -39,6 +46,8 @@ Worker side (one per GPU / CPU worker):
 - ``wait_for_save``: gather the step's completed blocks into a reused buffer and put
   them sent ahead (``put_nowait``: the call returns once the bytes are in the arena,
   the daemon commits them behind the step), or fill the scheduler's claim.
+- ``get_finished``: the finished requests whose final save is done (vLLM then frees
+  their blocks), whether the save worked or not: a failed save is a later miss.
 - ``get_block_ids_with_load_errors``: blocks that did not load (evicted meanwhile, a
   failed check, a daemon gone): vLLM recomputes them; nothing wrong is ever served.
 
@@ -152,9 +161,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._worker.save(metadata.plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._worker is not None and finished_req_ids:
+        assert self._worker is not None
+        if finished_req_ids:
             self._worker.finished(finished_req_ids)
-        return None, None
+        return self._worker.take_sent() or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
@@ -193,8 +203,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.finished(request.request_id)
-        return False, None
+        return self._scheduler.finished(request, block_ids), None
 
 
 def _worker_rank() -> int:

