@@ -170,7 +170,7 @@ def report(args: argparse.Namespace, summary: dict[str, Any], blocks: dict[str, 
         f"{platform.machine()} with {os.cpu_count()} CPUs, vLLM's CPU backend (float32), "
         f"SmolLM2-135M-Instruct (`kvclient.smollm2`). {args.conversations} conversations, "
         f"each with its own system document of ~{args.doc_tokens} tokens of license text, "
-        f"served round-robin for {args.turns} turns, greedy replies of {args.reply_tokens} "
+        f"served round-robin for {args.turns} turns, greedy replies of at most {args.reply_tokens} "
         f"tokens, {BLOCK_TOKENS}-token blocks, {args.rounds} round(s) of the cases in turns. "
         f"vLLM's KV cache: {blocks.get('alone', 0)} blocks "
         f"({(blocks.get('alone', 1) - 1) * BLOCK_TOKENS} tokens) in the small cases, "

@@ -234,3 +234,79 @@ def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields
         assert ns.block_bytes == layout.block_bytes
         salted = EngineNamespaces(client, layout, rank=0).get("tenant-b")
         assert salted.ns_id != ns.ns_id
+
+
+# -- a finished request's tail, through a real daemon -------------------------------------
+
+
+def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks(
+    kvstored: Daemon,
+) -> None:
+    from types import SimpleNamespace
+
+    from kvclient import KVClient
+    from kvclient.vllm_scheduler import SchedulerSide
+    from kvclient.vllm_setup import EngineLayout
+    from kvclient.vllm_worker import WorkerSide
+
+    # vLLM CPU pages [blocks, kv_heads, block_size, 2 * head_dim]: 4 tokens, 2 layers
+    layout = EngineLayout(
+        model="tail:vllm-cpu-LBHNC", block_tokens=4, block_bytes=2 * 4 * 8 * 2,
+        num_layers=2, num_kv_heads=1, head_dim=4, dtype="bfloat16", world_size=1,
+        layer_names=("l0", "l1"),
+    )  # fmt: skip
+    settings = ConnectorSettings(addr=kvstored.addr, early_reuse=False)
+    scheduler = SchedulerSide(settings, layout)
+    worker = WorkerSide(settings, layout, rank=0)
+    pages = paged((10, 1, 4, 8), layers=2)
+    worker.register({"l0": pages[0], "l1": pages[1]}, num_blocks=10)
+    tokens = list(range(100, 110))  # a 10-token prompt: 2 full blocks
+    request = SimpleNamespace(
+        request_id="r", cache_salt=None, prompt_token_ids=list(tokens), all_token_ids=tokens,
+        num_computed_tokens=0, num_in_flight_tokens=0,
+    )  # fmt: skip
+    no_cached = SimpleNamespace(
+        req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+    )
+    try:
+        assert scheduler.matched(request, 0) == 0
+        # the prefill step stores the prompt's 2 full blocks (vLLM blocks 5 and 6)
+        new = SimpleNamespace(req_id="r", block_ids=([5, 6, 7, 8],), num_computed_tokens=0)
+        step = SimpleNamespace(
+            scheduled_new_reqs=[new], scheduled_cached_reqs=no_cached,
+            num_scheduled_tokens={"r": 10},
+        )  # fmt: skip
+        worker.save(scheduler.plan(step))
+        # the reply's tokens arrived after the steps that computed them were planned
+        # (async scheduling): block 2's last token is known only now, at the end
+        tokens += [200, 201, 202, 203, 204, 205]
+        request.num_computed_tokens = 15  # the last sampled token has no KV
+        assert scheduler.finished(request, [5, 6, 7, 8]) is True  # keep the blocks
+        idle = SimpleNamespace(
+            scheduled_new_reqs=[], scheduled_cached_reqs=no_cached, num_scheduled_tokens={}
+        )
+        plan = scheduler.plan(idle)
+        assert [(s.start, s.block_ids, s.final) for s in plan.saves] == [(2, [7], True)]
+        worker.save(plan)
+        assert worker.take_sent() == {"r"}  # vLLM may free the request's blocks now
+        assert worker.take_sent() == set()
+        # kvstore holds prompt and reply up to the last block with all its KV, and
+        # those are the pages' bytes
+        with KVClient(kvstored.addr) as client:
+            ns = client.namespace(**layout.namespace_fields(0, ""))
+            got = ns.get(tokens[:12])
+            assert got.n_blocks == 3
+            rows = torch.zeros((3, layout.block_bytes), dtype=torch.uint8)
+            PagedLayers(pages, num_blocks=10).gather([5, 6, 7], rows)
+            assert got.blocks[:3].tobytes() == rows.numpy().tobytes()
+        # a request with nothing left unsaved is freed at once: the same prompt (its 2
+        # full blocks loaded, the last token computed), finished after one token
+        again = SimpleNamespace(
+            request_id="s", cache_salt=None, prompt_token_ids=tokens[:10],
+            all_token_ids=[*tokens[:10], 300], num_computed_tokens=10, num_in_flight_tokens=0,
+        )  # fmt: skip
+        assert scheduler.matched(again, 0) == 8
+        assert scheduler.finished(again, [1, 2, 3]) is False
+    finally:
+        worker.close()
+        scheduler.close()

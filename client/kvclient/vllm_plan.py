@@ -23,13 +23,13 @@ Block numbers: kvstore block ``i`` of a prompt is vLLM block ``i`` of the reques
    token a step feeds is sampled after it is planned) and not yet in kvstore are
    stored, in chain order, each after its parent: ``saved`` starts at the blocks
    kvstore already held at lookup time.
+4. With early reuse the scheduler claims the blocks it is about to compute; the plan
+   carries the claim's ticket so the worker delivers into it (other engines wait for
+   those blocks instead of computing them).
 5. When a request finishes with computed full blocks not stored yet (the last ones of
    a reply under async scheduling), the next step stores them as a *final* save: vLLM
    keeps the request's blocks until the worker reports the save done
    (``request_finished`` -> True; the worker's ``get_finished`` names the request).
-4. With early reuse the scheduler claims the blocks it is about to compute; the plan
-   carries the claim's ticket so the worker delivers into it (other engines wait for
-   those blocks instead of computing them).
 """
 
 from __future__ import annotations
