@@ -13,7 +13,7 @@ The model is SmolLM2-135M-Instruct, a real chat model made once from the PyPI wh
 daemon first (``kvstored``), then:
 
     python examples/chat_reuse.py                    # KVSTORE_ADDR or the default socket
-    python examples/chat_reuse.py --addr unix:///tmp/kv.sock --turns 3 --reply-tokens 24
+    python examples/chat_reuse.py --addr unix:///tmp/kv.sock --turns 2 --reply-tokens 16
     python examples/chat_reuse.py --small            # a tiny random Llama, byte tokens
 """
 

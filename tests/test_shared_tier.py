@@ -96,6 +96,14 @@ def keys_of(tokens: list[int], **layout: object) -> tuple[NamespaceSpec, list[by
     return spec, chain_keys(spec, tokens)
 
 
+def wait_connected(daemon: Daemon, timeout: float = 20.0) -> None:
+    """Until ``daemon``'s shared tier has connected to the cluster."""
+    deadline = time.monotonic() + timeout
+    while not shared_stats(daemon).connected:
+        assert time.monotonic() < deadline, "the shared tier did not connect"
+        time.sleep(0.05)
+
+
 def test_node_b_gets_what_node_a_stored_then_serves_it_itself(
     healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
 ) -> None:
@@ -366,10 +374,16 @@ def test_an_acl_user_with_its_password_in_a_file(
         password.write_text(secret + "\n")
         url = cluster.url.replace("redis://", "redis://kvstore@")
         a, b = (
-            kvstored_factory(shared_url=url, shared_password_file=str(password)) for _ in range(2)
+            kvstored_factory(
+                shared_url=url, shared_password_file=str(password), shared_timeout_ms=TIMEOUT_MS
+            )
+            for _ in range(2)
         )
         tokens, blocks = prompt(13_000, 4), blocks_for(13, 4)
         store_on(a, tokens, blocks)
+        # node B's tier connects (and authenticates) on its own thread, after start-up;
+        # a read before that is a miss by design
+        wait_connected(b)
         with KVClient(b.addr) as client:
             ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
             assert ns.lookup(tokens).shared_blocks == 4

@@ -1,7 +1,10 @@
-"""A real client over HTTP: vLLM's OpenAI-compatible server started by the README's CPU
-line as written (kvstore's one-line ``--kv-transfer-config`` in it), the real chat
-model, the ``openai`` package streaming a conversation; the server is stopped and a new
-one continues the conversation from kvstore."""
+"""The vLLM connector on a real chat model with real text, through a real client over
+HTTP: vLLM's OpenAI-compatible server started by the README's CPU line as written
+(kvstore's one-line ``--kv-transfer-config`` in it), SmolLM2-135M-Instruct
+(``kvclient.smollm2``), a license text as the system document, the ``openai`` package
+streaming a conversation. Turn 2 loads turn 1's prompt and reply from kvstore; the
+server is stopped and a new one continues the conversation from kvstore; every reply
+is vLLM alone's (conftest's ``chat_reference``, an engine without kvstore)."""
 
 from __future__ import annotations
 
@@ -58,12 +61,14 @@ class Server:
     """``python -m vllm.entrypoints.openai.api_server`` on loopback (the README's CPU
     recipe), stopped with its whole process group."""
 
-    def __init__(self, model: Path, addr: str, log: Path) -> None:
+    def __init__(self, model: Path, addr: str, log: Path, *, prefix_caching: bool = True) -> None:
         self.port = free_port()
         command = readme_server_command(model) + [
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smollm2",
             "--seed", "0", "--enable-prompt-tokens-details",
         ]  # fmt: skip
+        if not prefix_caching:  # every cached token then came through kvstore
+            command.append("--no-enable-prefix-caching")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
         env.update(ENGINE_ENV, KVSTORE_ADDR=addr)  # the reference engine's threads
         del env["VLLM_ENABLE_V1_MULTIPROCESSING"]  # the server's own engine process
@@ -138,25 +143,35 @@ def test_a_new_server_continues_the_conversation_from_kvstore(
 ) -> None:
     reference = chat_reference
     chat = real_chat(smollm2_dir)
-    servers.append(Server(smollm2_dir, kvstored.addr, tmp_path / "server-1.log"))
+    # the first server without vLLM's own prefix cache: turn 2's cached tokens are
+    # kvstore's, turn 1's prompt and reply (the reply's last token has no KV yet)
+    servers.append(
+        Server(smollm2_dir, kvstored.addr, tmp_path / "server-1.log", prefix_caching=False)
+    )
+    cached = []
     for turn in range(2):
-        text, prompt, _ = servers[0].chat(chat.ask(QUESTIONS[turn]))
+        text, prompt, hit = servers[0].chat(chat.ask(QUESTIONS[turn]))
         assert prompt == reference[turn]["prompt"]
-        assert text == reference[turn]["text"]
+        assert text == reference[turn]["text"]  # vLLM alone's reply
         chat.answer(text)
+        cached.append(hit)
+    computed_turn_one = reference[0]["prompt"] + len(reference[0]["reply"]) - 1
+    assert cached[0] == 0
+    assert reference[0]["prompt"] < cached[1], "turn 2's cached tokens stop before the reply"
+    assert cached[1] <= computed_turn_one // BLOCK_TOKENS * BLOCK_TOKENS
     servers[0].stop()
 
     with KVClient(kvstored.addr) as client:
         hits_before = host_hits(client)
     servers.append(Server(smollm2_dir, kvstored.addr, tmp_path / "server-2.log"))
-    text, prompt, cached = servers[1].chat(chat.ask(QUESTIONS[2]))
-    # the new server's first request: the history (turns 1 and 2, replies included)
-    # came from kvstore, and the reply is vLLM alone's
+    text, prompt, hit = servers[1].chat(chat.ask(QUESTIONS[2]))
+    # the new server's first request: the history (turns 1 and 2, turn 2's reply
+    # included) came from kvstore, and the reply is vLLM alone's
     assert prompt == reference[2]["prompt"]
-    assert cached >= reference[1]["prompt"] // BLOCK_TOKENS * BLOCK_TOKENS, (cached, prompt)
+    assert hit > reference[1]["prompt"], (hit, prompt)
     assert text == reference[2]["text"]
     with KVClient(kvstored.addr) as client:
-        assert host_hits(client) >= hits_before + cached // BLOCK_TOKENS
+        assert host_hits(client) >= hits_before + hit // BLOCK_TOKENS
 
 
 def host_hits(client: KVClient) -> int:

@@ -168,7 +168,8 @@ class WorkerSide:
         ns = self.namespaces.get(spec.salt)
         start, end = spec.start, spec.start + n
         claim = self._claim(spec, ns)
-        if claim is not None:
+        # the claim covers prompt blocks; saves after its last one (a reply's) are puts
+        if claim is not None and start < claim.first + claim.blocks:
             first = claim.first + claim.delivered
             last = claim.first + claim.blocks
             if first < start:  # a gap the claim can never fill: give the rest back
