@@ -294,6 +294,7 @@ def test_status_kvctl_and_metrics_show_the_shared_tier(
     )
     tokens, blocks = prompt(12_000, 5), blocks_for(12, 5)
     store_on(a, tokens, blocks)
+    wait_connected(c)  # its tier connects on its own thread; a read before is a miss
     with KVClient(c.addr) as client:
         client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES).lookup(tokens)
 
@@ -396,4 +397,8 @@ def test_an_acl_user_with_its_password_in_a_file(
             ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
             assert ns.lookup(tokens).blocks == 0
             assert not client.stats().shared.connected
-        assert "invalid username-password pair" in c.output()
+        # the tier's thread says why once it has tried (after start-up, on its own time)
+        deadline = time.monotonic() + 20
+        while "invalid username-password pair" not in c.output():
+            assert time.monotonic() < deadline, c.output()[-2000:]
+            time.sleep(0.05)
