@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvclient import vllm_scheduler, vllm_worker
+    from kvclient.integrations.vllm import scheduler as vllm_scheduler
+    from kvclient.integrations.vllm import worker as vllm_worker
     from kvclient.smollm2 import model_dir
 
     lookups: list[float] = []

@@ -17,7 +17,7 @@ import pytest
 
 from kvbench import harness, servers
 from kvbench import report as reports
-from kvclient.cli import main
+from kvctl.cli import main
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import pytest
 from conftest import Daemon, in_forked_child
 
 from kvclient import KVClient, arena_path, disk_index
-from kvclient.cli import main as kvctl
+from kvctl.cli import main as kvctl
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 16 << 10

@@ -190,7 +190,7 @@ def test_sidecar_shares_the_arena_and_socket_and_accounts_for_them() -> None:
     assert transfer["kv_connector"] == "KVStoreConnector"
     assert transfer["kv_connector_module_path"] == "kvclient.vllm"
     if importlib.util.find_spec("vllm") is not None:
-        from kvclient.vllm_setup import ConnectorSettings
+        from kvclient.integrations.vllm.settings import ConnectorSettings
 
         ConnectorSettings.from_extra(transfer.get("kv_connector_extra_config", {}))
 

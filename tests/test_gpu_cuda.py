@@ -15,7 +15,7 @@ import torch
 from conftest import Daemon
 
 from kvclient import KVClient, Namespace
-from kvclient.gpu import GpuClient
+from kvclient.integrations.gpu import GpuClient
 from kvstore.arena import HostArena
 from kvstore.mover import HFKV, KVCache, Mover, PagedKV, device_alias
 from kvstore.pinning import cuda_pin_hook

@@ -27,7 +27,7 @@ import torch
 from conftest import Daemon
 
 from kvclient import InvalidArgumentError, KVClient, Namespace
-from kvclient.gpu import (
+from kvclient.integrations.gpu import (
     HFKV,
     GpuClient,
     KVCache,

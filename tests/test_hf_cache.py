@@ -15,7 +15,6 @@ pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, MistralConfig  # noqa: E402
 
-from kvclient import hf_cache  # noqa: E402
 from kvclient.hf import (  # noqa: E402
     KVLayout,
     UnsupportedModelError,
@@ -24,6 +23,7 @@ from kvclient.hf import (  # noqa: E402
     config_fingerprint,
     random_llama,
 )
+from kvclient.integrations.hf import cache as hf_cache  # noqa: E402
 from kvstore.keys import NamespaceSpec  # noqa: E402
 
 T = 4  # tokens per block in these tests

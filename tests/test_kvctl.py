@@ -1,6 +1,6 @@
 """kvctl against a real kvstored: every command, human and --json, and its failures.
 
-Commands run in-process through ``kvclient.cli.main(argv)`` (the console script's
+Commands run in-process through ``kvctl.cli.main(argv)`` (the console script's
 entry point) with captured stdout/stderr; one test runs ``python -m kvclient`` as a
 subprocess to check the exit code and the single stderr line end to end.
 """
@@ -23,8 +23,8 @@ import pytest
 from conftest import Daemon
 
 from kvclient import KVClient
-from kvclient.cli import main
-from kvclient.cli_views import human_bytes, render_status
+from kvctl.cli import main
+from kvctl.views import human_bytes, render_status
 
 BLOCK_TOKENS = 4
 BLOCK_BYTES = 8 << 10

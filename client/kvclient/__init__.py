@@ -31,7 +31,6 @@ from kvclient.errors import (
 from kvclient.namespace import AsyncNamespace, BlockLease, Namespace
 from kvclient.puts_ahead import PendingPut
 from kvclient.results import GetResult
-from kvclient.security import TLS
 from kvclient.sync_client import KVClient
 from kvproto.v1.results import (
     Event,
@@ -44,6 +43,7 @@ from kvproto.v1.results import (
     TenantStats,
     TierStats,
 )
+from kvproto.v1.tls import TLS
 
 __all__ = [
     "Claim",

@@ -34,44 +34,12 @@ import grpc
 
 from kvclient.errors import InvalidArgumentError, UntrustedSocketError
 from kvproto.v1.addresses import is_loopback, socket_path_of
+from kvproto.v1.tls import TLS, TLS_CA_ENV, read_file
 
 TOKEN_ENV = "KVSTORE_TOKEN"
 TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"
-TLS_CA_ENV = "KVSTORE_TLS_CA"
-TLS_CERT_ENV = "KVSTORE_TLS_CERT"
-TLS_KEY_ENV = "KVSTORE_TLS_KEY"
-TLS_SERVER_NAME_ENV = "KVSTORE_TLS_SERVER_NAME"
 SOCKET_OWNER_ENV = "KVSTORE_SOCKET_OWNER"
 AUTH_METADATA = "authorization"
-
-
-@dataclass(frozen=True, slots=True)
-class TLS:
-    """TLS settings for a TCP daemon. ``ca_file``: PEM of the CA that signed the
-    daemon's certificate ("" for the system's roots); ``cert_file``/``key_file``: this
-    client's certificate (mutual TLS); ``server_name``: the name to check the daemon's
-    certificate against when it differs from the address's host."""
-
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-    server_name: str = ""
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> TLS | None:
-        ca, cert, key = env.get(TLS_CA_ENV, ""), env.get(TLS_CERT_ENV, ""), env.get(TLS_KEY_ENV, "")
-        if not (ca or cert or key):
-            return None
-        return cls(ca, cert, key, env.get(TLS_SERVER_NAME_ENV, ""))
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        if bool(self.cert_file) != bool(self.key_file):
-            raise InvalidArgumentError("TLS: a client certificate needs its key, and the reverse")
-        return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca_file, "the TLS CA") if self.ca_file else None,
-            private_key=_read(self.key_file, "the TLS key") if self.key_file else None,
-            certificate_chain=_read(self.cert_file, "the TLS cert") if self.cert_file else None,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +82,10 @@ class Credentials:
             self.check_socket(str(path))
             return None  # a unix socket is guarded by its owner and mode, not TLS
         if self.tls is not None:
-            return self.tls.channel_credentials()
+            try:
+                return self.tls.channel_credentials()
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc)) from None
         if self.token and not is_loopback(addr):
             raise InvalidArgumentError(
                 f"refusing to send a token in clear text to {addr}: set {TLS_CA_ENV} (or "
@@ -124,8 +95,8 @@ class Credentials:
 
     def _options(self, options: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
         out = list(options)
-        if self.tls is not None and self.tls.server_name:
-            out.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        if self.tls is not None:
+            out.extend(self.tls.channel_options())
         return out
 
     def channel(self, addr: str, options: Sequence[tuple[str, Any]]) -> grpc.Channel:
@@ -200,9 +171,9 @@ def _uid(owner: int | str) -> int:
 
 def _read(path: str, what: str) -> bytes:
     try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise InvalidArgumentError(f"cannot read {what} from {path}: {exc.strerror}") from None
+        return read_file(path, what)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
 
 
 class _Details(

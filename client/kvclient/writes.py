@@ -15,7 +15,7 @@ One put path. ``put()`` is ``put_nowait().result()``:
   blocks as data chunks.
 
 What is copied into the slots is up to a :class:`SlotWriter`: numpy rows here, GPU
-blocks in :mod:`kvclient.gpu`.
+blocks in :mod:`kvclient.integrations.gpu`.
 
 Claims (:mod:`kvclient.claims`) deliver blocks into slots reserved earlier: the slots
 are written, then a Commit of that many is waited for; inline, a Put carries the
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 
 class SlotWriter(Protocol):
-    """Blocks a put copies into arena slots itself (GPU blocks: kvclient.gpu)."""
+    """Blocks a put copies into arena slots itself (GPU blocks: kvclient.integrations.gpu)."""
 
     def __len__(self) -> int: ...
 

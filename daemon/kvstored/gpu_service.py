@@ -468,8 +468,8 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
                 import torch  # noqa: F401
             except ImportError:
                 raise InvalidArgument(
-                    "this kvstored has no torch: daemon-driven copies need it "
-                    "(copy client-side with kvclient.gpu, or install torch for the daemon)"
+                    "this kvstored has no torch: daemon-driven copies need it (copy "
+                    "client-side with kvclient.integrations.gpu, or install torch for the daemon)"
                 ) from None
             with self._lock:
                 if len(self._registrations) >= MAX_REGISTRATIONS:

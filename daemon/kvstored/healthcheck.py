@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvclient.security import TLS
+from kvproto.v1.tls import TLS
 from kvstored import config, paths
 
 
@@ -55,8 +55,7 @@ def check(addr: str, service: str, timeout: float) -> tuple[bool, str]:
     """-> (serving, what to print)."""
     tls = TLS.from_env(os.environ) if paths.socket_path_of(addr) is None else None
     if tls is not None:
-        options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-        channel = grpc.secure_channel(addr, tls.channel_credentials(), options)
+        channel = grpc.secure_channel(addr, tls.channel_credentials(), tls.channel_options())
     else:
         channel = grpc.insecure_channel(addr)
     with channel:

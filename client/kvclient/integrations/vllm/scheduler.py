@@ -13,13 +13,13 @@ from kvclient.errors import (
     LayoutMismatchError,
     OutOfSpaceError,
 )
+from kvclient.integrations.vllm.plan import RequestState, SaveSpec, StepPlan
 from kvclient.sync_client import KVClient
-from kvclient.vllm_plan import RequestState, SaveSpec, StepPlan
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
-from kvclient.vllm_setup import (
+from kvclient.integrations.vllm.settings import (
     POLL_PENDING_S,
     ConnectorSettings,
     EngineLayout,

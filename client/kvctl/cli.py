@@ -45,7 +45,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvclient.address import ADDR_ENV, resolve_address
-from kvclient.cli_views import (
+from kvclient.errors import InvalidArgumentError, KVStoreError
+from kvclient.security import read_token_file
+from kvclient.sync_client import KVClient
+from kvctl.views import (
     LiveScreen,
     UsageError,
     collect_lookup,
@@ -61,9 +64,6 @@ from kvclient.cli_views import (
     render_top,
     resolve_namespace,
 )
-from kvclient.errors import InvalidArgumentError, KVStoreError
-from kvclient.security import read_token_file
-from kvclient.sync_client import KVClient
 
 PROG = "kvctl"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from kvclient import hf_cache
-from kvclient.hf_cache import UnsupportedModelError
+from kvclient.integrations.hf import cache as hf_cache
+from kvclient.integrations.hf.cache import UnsupportedModelError
 
 DEFAULT_BLOCK_TOKENS = 16
 

@@ -18,15 +18,15 @@ from kvclient.errors import (
     KVStoreError,
     LeaseError,
 )
+from kvclient.integrations.vllm.blocks import PagedLayers
+from kvclient.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
 from kvclient.namespace import Namespace
 from kvclient.puts_ahead import PendingPut
 from kvclient.sync_client import KVClient
-from kvclient.vllm_blocks import PagedLayers
-from kvclient.vllm_plan import LoadSpec, SaveSpec, StepPlan
 
 if TYPE_CHECKING:
     pass
-from kvclient.vllm_setup import (
+from kvclient.integrations.vllm.settings import (
     ConnectorSettings,
     EngineLayout,
     EngineNamespaces,
