@@ -112,10 +112,8 @@ from kvstore.disk_format import (
     MAX_PRIORITY,
     META_DB,
     NAMESPACES_DB,
-    DiskExtent,
     DiskRecord,
     check_record,
-    committed_extent,
     open_here,
     open_here_lock,
     open_in_this_process,
@@ -130,8 +128,6 @@ from kvstore.disk_state import (
     _NS_PREFIX,
     _RESERVE_MAX,
     _RESERVE_MIN,
-    MAX_SNAPSHOTS,
-    DiskSnapshot,
     DiskStats,
     _byte_view,
     _copy,
@@ -148,13 +144,9 @@ from kvstore.disk_state import (
 from kvstore.disk_writer import DiskWriter
 
 __all__ = [
-    "DiskExtent",
     "DiskRecord",
-    "DiskSnapshot",
     "DiskStats",
     "DiskTier",
-    "MAX_SNAPSHOTS",
-    "committed_extent",
     "open_in_this_process",
 ]
 
@@ -181,7 +173,7 @@ class DiskTier(DiskWriter):
         if queue_bytes <= 0 or batch_bytes <= 0:
             raise ValueError("queue_bytes and batch_bytes must be > 0")
         self.directory = directory
-        self.data_path = os.path.join(directory, "data.mdb")  # what extents() point into
+        self.data_path = os.path.join(directory, "data.mdb")
         self.configured_capacity_bytes = capacity_bytes
         self._queue_limit = queue_bytes
         self._batch_bytes = batch_bytes
@@ -198,8 +190,6 @@ class DiskTier(DiskWriter):
         self._owner_fd = lock_directory(directory)  # one owner at a time (disk_files)
 
         self._resize = _ResizeGuard()
-        self._snapshots: set[DiskSnapshot] = set()  # open ones (see extents())
-        self._revoked_snapshots = 0
         self._cond = threading.Condition()  # guards everything below
         self._ops: dict[bytes, _Op] = {}  # pending operation per key, in seq order
         self._unflushed: dict[bytes, _Write] = {}  # written, not committed yet: read from here
@@ -434,7 +424,7 @@ class DiskTier(DiskWriter):
             self._writer.join()
             if self._writeback is not None:
                 self._writeback.close()
-            with self._resize.exclusive(on_waiting=self._close_snapshots):
+            with self._resize.exclusive():
                 try:
                     self._env.sync(True)
                 finally:

@@ -1,6 +1,5 @@
-"""The disk tier's read side: payload reads, records at start-up, and snapshots whose
-extents another process may pread (see :class:`kvstore.disk_state.DiskSnapshot`).
-"""
+"""The disk tier's read side: payload reads (one or a batch per read transaction) and
+records at start-up."""
 
 from __future__ import annotations
 
@@ -18,23 +17,12 @@ import lmdb
 import numpy as np
 import xxhash
 
-from kvstore.disk_format import (
-    EXTENT,
-    EXTENT_AT,
-    META,
-    META_V1,
-    DiskExtent,
-    DiskRecord,
-    committed_extent,
-    unpack_record,
-)
+from kvstore.disk_format import DiskRecord, unpack_record
 from kvstore.disk_state import (
     _OVERFLOW_HEADER,
     _P_OVERFLOW,
     _PAGE_HEADER,
     _SCAN_CHUNK,
-    MAX_SNAPSHOTS,
-    DiskSnapshot,
     DiskState,
     _byte_view,
     _copy,
@@ -47,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 class DiskReads(DiskState):
-    """Reads and snapshots (see the module docstring)."""
+    """Reads (see the module docstring)."""
 
     # --- read side --------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -72,30 +60,91 @@ class DiskReads(DiskState):
             if queued is not None:
                 queued.pins += 1  # keeps the buffer out of the pool while we copy
         if queued is not None:
-            try:
-                size = queued.record.size
-                if dst is not None:
-                    self._check_out(dst, size)
-                    _copy(dst[:size], queued.buf)
-                    data: bytes | memoryview = dst[:size]
-                else:
-                    data = bytes(queued.buf)
-            finally:
-                with self._cond:
-                    queued.pins -= 1
-                    self._maybe_release(queued)
-            checksum = queued.record.checksum
-        else:
-            try:
-                found = self._read_committed(key, dst)
-            except lmdb.Error:  # a damaged page: the block is lost, not the call
-                self._discard_corrupt(key, None)
-                return None
-            if found is None:
-                with self._cond:
+            return self._read_queued(key, queued, dst)
+        try:
+            with self._resize.reading():
+                self._check_open()
+                with self._env.begin(buffers=True) as txn:
+                    found = self._read_in(txn, key, dst)
+        except lmdb.Error:  # a damaged page: the block is lost, not the call
+            self._discard_corrupt(key, None)
+            return None
+        return self._verified(key, found, None)
+
+    def read_all(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
+        """Copy the payloads of ``keys`` into ``outs`` (as :meth:`read` with ``out``),
+        the committed ones in one read transaction (one record lookup after another,
+        no transaction each); the number of leading keys read and verified."""
+        wanted = [bytes(key) for key in keys]
+        dsts = [_byte_view(out) for out in outs]
+        queued: dict[int, _Write] = {}
+        with self._cond:
+            self._check_open()
+            for i, key in enumerate(wanted):
+                if key not in self._sizes:
                     self._read_misses += 1
-                return None
-            data, checksum = found
+                    wanted = wanted[:i]
+                    break
+                write = self._unflushed.get(key)
+                if write is not None:
+                    write.pins += 1
+                    queued[i] = write
+        found: list[tuple[bytes | memoryview, int] | None] = [None] * len(wanted)
+        damaged = False
+        try:
+            with self._resize.reading():
+                self._check_open()
+                with self._env.begin(buffers=True) as txn:
+                    for i, key in enumerate(wanted):
+                        if i not in queued:
+                            found[i] = self._read_in(txn, key, dsts[i])
+        except lmdb.Error:
+            damaged = True  # read() below finds out which block, and drops it
+        for i, key in enumerate(wanted):
+            write = queued.pop(i, None)
+            if write is not None:
+                data = self._read_queued(key, write, dsts[i])
+            elif damaged:
+                data = self.read(key, dsts[i])
+            else:
+                data = self._verified(key, found[i], None)
+            if data is None:
+                for late in queued.values():
+                    self._unpin(late)
+                return i
+        return len(wanted)
+
+    def _read_queued(
+        self, key: bytes, queued: _Write, dst: memoryview | None
+    ) -> bytes | memoryview | None:
+        """Copy a payload still in the write queue (pinned by the caller, unpinned here)."""
+        try:
+            size = queued.record.size
+            if dst is not None:
+                self._check_out(dst, size)
+                _copy(dst[:size], queued.buf)
+                data: bytes | memoryview = dst[:size]
+            else:
+                data = bytes(queued.buf)
+        finally:
+            self._unpin(queued)
+        return self._verified(key, (data, queued.record.checksum), queued)
+
+    def _unpin(self, queued: _Write) -> None:
+        with self._cond:
+            queued.pins -= 1
+            self._maybe_release(queued)
+
+    def _verified(
+        self, key: bytes, found: tuple[bytes | memoryview, int] | None, queued: _Write | None
+    ) -> bytes | memoryview | None:
+        """A payload read, if its checksum holds (counted); None for a miss, and for
+        damage (the record is dropped)."""
+        if found is None:
+            with self._cond:
+                self._read_misses += 1
+            return None
+        data, checksum = found
         if xxhash.xxh3_64_intdigest(data) != checksum:
             self._discard_corrupt(key, queued)
             return None
@@ -104,31 +153,26 @@ class DiskReads(DiskState):
             self._bytes_read += len(data)
         return data
 
-    def _read_committed(
-        self, key: bytes, dst: memoryview | None
+    def _read_in(
+        self, txn: Any, key: bytes, dst: memoryview | None
     ) -> tuple[bytes | memoryview, int] | None:
-        """Copy a committed payload out inside one read transaction (views die with it)."""
-        with self._resize.reading():
-            self._check_open()
-            with self._env.begin(buffers=True) as txn:
-                raw = txn.get(key, db=self._meta)
-                if raw is None:
-                    return None
-                try:
-                    record = unpack_record(key, raw)
-                except (ValueError, struct.error):
-                    record = None
-                view = txn.get(key, db=self._payload)
-                if record is None or view is None or len(view) != record.size:
-                    data: bytes | memoryview = b""  # fails the checksum below
-                    checksum = -1
-                elif dst is not None:
-                    self._check_out(dst, record.size)
-                    self._copy_value(view, dst[: record.size])
-                    data, checksum = dst[: record.size], record.checksum
-                else:
-                    data, checksum = bytes(view), record.checksum
-        return data, checksum
+        """Copy a committed payload out inside the read transaction ``txn`` (views die
+        with it): (its bytes, the checksum they must have); None when not there."""
+        raw = txn.get(key, db=self._meta)
+        if raw is None:
+            return None
+        try:
+            record = unpack_record(key, raw)
+        except (ValueError, struct.error):
+            record = None
+        view = txn.get(key, db=self._payload)
+        if record is None or view is None or len(view) != record.size:
+            return b"", -1  # fails the checksum check
+        if dst is not None:
+            self._check_out(dst, record.size)
+            self._copy_value(view, dst[: record.size])
+            return dst[: record.size], record.checksum
+        return bytes(view), record.checksum
 
     def _copy_value(self, view: memoryview, dst: memoryview) -> None:
         """Copy a value the open read transaction holds (``view``, into LMDB's map) to
@@ -156,90 +200,6 @@ class DiskReads(DiskState):
         if not flags & _P_OVERFLOW or pages * self._psize < size + _PAGE_HEADER:
             return None
         return int(pgno * self._psize + _PAGE_HEADER)
-
-    def extents(self, keys: Sequence[bytes]) -> tuple[DiskSnapshot, list[DiskExtent]] | None:
-        """Where the committed payloads of ``keys`` lie in ``data.mdb``, for a reader in
-        another process that preads them itself, and the snapshot that keeps them
-        there until it is closed (see :class:`DiskSnapshot`).
-
-        None, with nothing kept open, when any key is not readable that way: not
-        written, deleted, still in the write queue (not in the file yet), not stored
-        as an overflow run; or when MAX_SNAPSHOTS are open or a map resize is waiting
-        (this never waits for one). The caller then reads the blocks with :meth:`read`.
-        Counted as reads of the payloads' bytes.
-        """
-        wanted = [bytes(key) for key in keys]
-        with self._cond:
-            self._check_open()
-            if len(self._snapshots) >= MAX_SNAPSHOTS:
-                return None
-            if any(key not in self._sizes or key in self._unflushed for key in wanted):
-                return None
-        if not self._resize.try_enter():
-            return None
-        txn = None
-        try:
-            txn = self._env.begin(buffers=True)
-            try:
-                found = [self._extent(txn, key) for key in wanted]
-            except lmdb.Error:  # a damaged page: read() finds out which block and drops it
-                return None
-            if any(extent is None for extent in found):
-                return None
-            extents = [extent for extent in found if extent is not None]
-            snapshot = DiskSnapshot(self, txn)
-            with self._cond:
-                self._snapshots.add(snapshot)
-                self._reads += len(extents)
-                self._bytes_read += sum(extent.size for extent in extents)
-            txn = None  # the snapshot owns it now
-            return snapshot, extents
-        finally:
-            if txn is not None:
-                txn.abort()
-                self._resize.leave()
-
-    def _extent(self, txn: Any, key: bytes) -> DiskExtent | None:
-        """From the key's meta record: meta and payload change together, so the offset
-        in this snapshot's record is where this snapshot's payload lies. Records
-        without one (version 1) are looked up in ``payload``."""
-        raw = txn.get(key, db=self._meta)
-        if raw is None or len(raw) not in (META.size, META_V1.size):
-            return None
-        extent = committed_extent(raw)
-        if extent is not None:
-            return extent
-        size, checksum = EXTENT.unpack_from(raw, EXTENT_AT)
-        view = txn.get(key, db=self._payload)
-        if view is None or len(view) != size:
-            return None
-        found = self._file_offset(view)
-        return None if found is None else DiskExtent(found, size, checksum)
-
-    def _close_snapshots(self) -> int:
-        """Close every open snapshot (their holders' own close() is then a no-op)."""
-        with self._cond:
-            open_snapshots = list(self._snapshots)
-        for snapshot in open_snapshots:
-            self._close_snapshot(snapshot)
-        return len(open_snapshots)
-
-    def _revoke_snapshots(self) -> None:
-        """Close every open snapshot for a map resize, counted (see DiskSnapshot)."""
-        revoked = self._close_snapshots()
-        if revoked:
-            with self._cond:
-                self._revoked_snapshots += revoked
-            log.info("map resize: revoked %d open disk snapshots", revoked)
-
-    def _close_snapshot(self, snapshot: DiskSnapshot) -> None:
-        with self._cond:
-            if snapshot not in self._snapshots:
-                return
-            self._snapshots.discard(snapshot)
-            txn, snapshot._txn = snapshot._txn, None
-        txn.abort()
-        self._resize.leave()
 
     @staticmethod
     def _check_out(dst: memoryview, size: int) -> None:

@@ -1,9 +1,9 @@
 """The disk tier's state, its queue operations and the helpers its parts share.
 
 :class:`DiskState` names every field of a :class:`kvstore.disk.DiskTier`; the parts
-stack on it: :class:`kvstore.disk_snapshots.DiskReads` (reads, snapshots and
-extents), :class:`kvstore.disk_writer.DiskWriter` (the queue and the writer thread),
-and :class:`kvstore.disk.DiskTier` on top (accounting, the write calls, lifecycle,
+stack on it: :class:`kvstore.disk_snapshots.DiskReads` (reads),
+:class:`kvstore.disk_writer.DiskWriter` (the queue and the writer thread), and
+:class:`kvstore.disk.DiskTier` on top (accounting, the write calls, lifecycle,
 start-up). The protocol is in :mod:`kvstore.disk`.
 """
 
@@ -18,7 +18,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -31,12 +31,11 @@ from kvstore.disk_format import (
 )
 
 if TYPE_CHECKING:
-    from kvstore.disk_snapshots import DiskReads
+    pass
 
 log = logging.getLogger(__name__)
 
 
-MAX_SNAPSHOTS = 64  # read transactions open for readers in other processes, at most
 _PAGE_HEADER = 16  # LMDB's header in front of an overflow run (PAGEHDRSZ)
 _MAP_HEADROOM = 64 << 20  # fixed headroom: meta pages, B-tree branches, free list
 _MAP_FACTOR = 1.25  # proportional headroom: copy-on-write and free-list fragmentation
@@ -84,7 +83,6 @@ class DiskStats:
     read_misses: int = 0
     dropped_writes: int = 0  # queued writes that could not fit even after growing the map
     map_size_bytes: int = 0
-    revoked_snapshots: int = 0  # open snapshots a map resize ended (see DiskSnapshot)
     fault: str = ""  # why the tier takes no writes now (disk full, I/O errors); "" if it does
     refused_writes: int = 0  # writes refused: not writable, or no room in the queue
     lost_writes: int = 0  # queued writes given up at close (never committed)
@@ -92,30 +90,6 @@ class DiskStats:
     @property
     def writable(self) -> bool:
         return not self.fault
-
-
-class DiskSnapshot:
-    """One open LMDB read transaction, handed out with the extents read in it.
-
-    LMDB never reuses a page that an open read transaction can see, so the bytes at
-    those extents stay what they were for as long as the snapshot is open, whatever is
-    deleted or written meanwhile: another process may pread them from ``data.mdb``.
-    :meth:`close` ends it (idempotent, any thread).
-
-    A map resize needs every read transaction closed, and does not wait for snapshots:
-    it revokes them (closes them itself, counted in ``revoked_snapshots``). A holder may
-    have crashed (its read lease would hold the writer, and every put that demotes
-    behind it, until the lease's TTL). After a revocation the pages behind the extents
-    may be reused by later commits, so a reader must check each block's checksum after
-    reading it, and drop the block on a mismatch, as :mod:`kvclient.disk_reads` does.
-    """
-
-    def __init__(self, tier: DiskReads, txn: Any) -> None:
-        self._tier = tier
-        self._txn: Any = txn
-
-    def close(self) -> None:
-        self._tier._close_snapshot(self)
 
 
 # --- queue operations ------------------------------------------------------------
@@ -180,14 +154,6 @@ class _ResizeGuard:
         finally:
             self.leave()
 
-    def try_enter(self) -> bool:
-        """Count one more reader unless a resize is waiting or running (no waiting)."""
-        with self._cond:
-            if self._exclusive:
-                return False
-            self._readers += 1
-            return True
-
     def leave(self) -> None:
         with self._cond:
             self._readers -= 1
@@ -195,16 +161,12 @@ class _ResizeGuard:
                 self._cond.notify_all()
 
     @contextmanager
-    def exclusive(self, on_waiting: Callable[[], object] | None = None) -> Iterator[None]:
-        """Wait until no reader is in, then hold them all out. ``on_waiting`` runs once
-        new readers are held out and before the wait (it may make readers leave)."""
+    def exclusive(self) -> Iterator[None]:
+        """Wait until no reader is in, then hold them all out."""
         with self._cond:
             while self._exclusive:
                 self._cond.wait()
             self._exclusive = True  # new readers wait from here on
-        if on_waiting is not None:
-            on_waiting()
-        with self._cond:
             while self._readers:
                 self._cond.wait()
         try:
@@ -348,8 +310,6 @@ class DiskState:
     _readahead: bool
     _owner_fd: int
     _resize: _ResizeGuard
-    _snapshots: set[DiskSnapshot]  # open ones (see extents())
-    _revoked_snapshots: int
     _cond: threading.Condition  # guards the queue and the counters
     _ops: dict[bytes, _Op]  # pending operation per key, in seq order
     _unflushed: dict[bytes, _Write]  # written, not committed yet: read from here
@@ -410,12 +370,6 @@ class DiskState:
         pages = -(-(size + _PAGE_HEADER) // self._psize)
         return (pages + 1) * self._psize
 
-    @property
-    def open_snapshots(self) -> int:
-        """Snapshots handed out by :meth:`extents` and not closed yet."""
-        with self._cond:
-            return len(self._snapshots)
-
     def drain_shrunk(self) -> bool:
         """True once after the effective capacity went down (a map-full event, a disk
         fault): the store evicts until used_bytes <= capacity_bytes."""
@@ -439,7 +393,6 @@ class DiskState:
                 read_misses=self._read_misses,
                 dropped_writes=self._dropped_writes,
                 map_size_bytes=self._map_size,
-                revoked_snapshots=self._revoked_snapshots,
                 fault=self._fault,
                 refused_writes=self._refused_writes,
                 lost_writes=self._lost_writes,

@@ -251,10 +251,10 @@ class DiskWriter(DiskReads):
     def _clear_stale_readers(self) -> int:
         """Free the reader slots of processes that died inside a read transaction.
 
-        Clients on this host read the environment under their own transactions
-        (kvclient.disk_index); one killed inside a read leaves its slot, and LMDB keeps
-        every page that slot's snapshot can see from being reused, so the file would
-        only grow. The writer clears them every _READER_CHECK_S and on a full map."""
+        A process killed inside a read transaction (a tool that opened the environment
+        read-only, e.g. ``kvctl`` on a stopped daemon's files) leaves its slot, and LMDB
+        keeps every page that slot's snapshot can see from being reused, so the file
+        would only grow. The writer clears them every _READER_CHECK_S and on a full map."""
         stale: int = self._env.reader_check()
         if stale:
             log.warning("cleared %d stale LMDB reader slots in %s", stale, self.directory)
@@ -298,7 +298,7 @@ class DiskWriter(DiskReads):
         step = min(max(current // 8, 16 * self._psize), 4 << 30)
         new = current + step if emergency else min(current + step, self._max_map_size)
         new = _round_up(new, self._psize)
-        with self._resize.exclusive(on_waiting=self._revoke_snapshots):
+        with self._resize.exclusive():
             self._env.set_mapsize(new)
         self._map_size = self._env.info()["map_size"]
         return True

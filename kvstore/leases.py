@@ -116,8 +116,6 @@ class Leases(Tiering):
         self._changed.notify_all()
 
     def _forget_lease(self, lease: Lease, why: str) -> None:
-        if lease.snapshot is not None:
-            lease.snapshot.close()
         if lease.owner:
             owned = self._owned.get(lease.owner)
             if owned is not None:

@@ -14,7 +14,6 @@ from enum import Enum
 
 import numpy as np
 
-from kvstore.disk_format import DiskExtent
 from kvstore.keys import BlockKey
 
 
@@ -110,11 +109,8 @@ class Acquisition:
     lease_id: int  # 0 when no block was pinned (nothing to release)
     expires_at: float
     keys: tuple[BlockKey, ...]  # of blocks 0 .. n-1 of the request's chain
-    offsets: tuple[int, ...]  # their host arena offsets; -1 for the blocks in ``disk``
+    offsets: tuple[int, ...]  # their host arena offsets
     block_bytes: int
-    # disk_direct acquires: (chain position, where in the disk file) of the blocks
-    # served from there instead of a host slot, in chain order
-    disk: tuple[tuple[int, DiskExtent], ...] = ()
 
     @property
     def slots(self) -> tuple[SlotRef, ...]:

@@ -190,7 +190,7 @@ class Store(SharedBlocks):
 
     @property
     def disk_path(self) -> str | None:
-        """The disk tier's data file (what ``disk_direct`` extents point into), if any."""
+        """The disk tier's data file, if any."""
         return self._disk.data_path if self._disk is not None else None
 
     @property
@@ -328,7 +328,6 @@ class Store(SharedBlocks):
                     "dropped": c.dropped,
                     "lost_on_disk": c.lost_on_disk,
                     "known_slot_gets": c.known_slot_gets,
-                    "disk_file_gets": c.disk_file_gets,
                     "repeated_gets": c.repeated_gets,
                     "event_seq": self._seq,  # the newest event's seq (kvctl events --count)
                     **disk_counters,

@@ -11,7 +11,6 @@ from typing import overload
 
 import numpy as np
 
-from kvstore.disk import DiskTier
 from kvstore.errors import (
     InvalidArgument,
 )
@@ -93,7 +92,6 @@ class Reads(Leases):
         keys: Sequence[BlockKey],
         ttl_s: float | None,
         host_only: bool,
-        disk_direct: bool = False,
         count: bool = True,
     ) -> Acquisition | None: ...
 
@@ -103,20 +101,11 @@ class Reads(Leases):
         keys: Sequence[BlockKey],
         ttl_s: float | None = None,
         host_only: bool = False,
-        disk_direct: bool = False,
         count: bool = True,
     ) -> Acquisition | None:
         """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
         its disk-only blocks. ``host_only``: None, having changed nothing, when one would
         need promoting (for a caller that must not wait on the disk).
-
-        ``disk_direct`` (for a reader that preads the disk file itself): when every
-        disk-only block of the prefix is on its first read since it reached the disk
-        tier, they are not promoted but answered as extents of the disk file
-        (``Acquisition.disk``), kept valid by the lease; reading them waits on no disk
-        I/O here, so this answers ``host_only`` callers too. A block read again takes
-        the promoting path: a block earns its host slot back by being read twice, and a
-        one-off scan of the disk tier does not flush the host tier.
 
         ``count=False`` for a read counted already (the same get acquiring again): no
         hits or misses are counted, the blocks are touched as by any read."""
@@ -126,10 +115,6 @@ class Reads(Leases):
         if not count:
             with self._lock:
                 self._c.repeated_gets += 1
-        if disk_direct and self._disk is not None:
-            direct = self._acquire_direct(entry, keys, ttl, self._disk, count)
-            if direct is not None:
-                return direct
         pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
         if pinned is None:
             return None
@@ -149,58 +134,6 @@ class Reads(Leases):
             offsets = tuple([node.host_offset for node in kept])
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
 
-    def _acquire_direct(
-        self,
-        entry: NamespaceEntry,
-        keys: Sequence[BlockKey],
-        ttl: float,
-        disk: DiskTier,
-        count: bool = True,
-    ) -> Acquisition | None:
-        """:meth:`acquire` with ``disk_direct``; None, having changed nothing, when the
-        prefix has no disk-only block, one of them was read before, or the disk tier
-        cannot give an extent for each (queued writes, too many snapshots open ...)."""
-        with self._lock:
-            self._check_open()
-            self._expire()
-            nodes = self._ready_prefix(keys)
-            on_disk = [i for i, node in enumerate(nodes) if not node.in_host]
-            if not on_disk or any(nodes[i].hits for i in on_disk):
-                return None
-            for node in nodes:
-                node.pins += 1
-        got = None
-        try:  # pinned: the blocks stay indexed; the snapshot keeps their pages in place
-            got = disk.extents([nodes[i].key for i in on_disk])
-        finally:
-            if got is None:
-                with self._lock:
-                    for node in nodes:
-                        node.pins -= 1
-        if got is None:
-            return None
-        snapshot, extents = got
-        try:
-            self._finish_pinned(entry, keys, nodes, {}, len(nodes), keep_pins=True, count=count)
-        except BaseException:
-            snapshot.close()
-            raise
-        with self._lock:
-            lease = self._new_lease(entry, nodes, write=False, ttl=ttl)
-            lease.snapshot = snapshot
-            direct = set(on_disk)
-            offsets = tuple(
-                [-1 if i in direct else node.host_offset for i, node in enumerate(nodes)]
-            )
-            return Acquisition(
-                lease.lease_id,
-                lease.expires_at,
-                tuple([node.key for node in nodes]),
-                offsets,
-                entry.spec.block_bytes,
-                tuple(zip(on_disk, extents, strict=True)),
-            )
-
     def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
         """The host slots of the ready prefix of ``keys`` and their epochs, pinning
         nothing (an unpinned read: see :mod:`kvstore.slot_epochs`). Counts the hits and
@@ -219,33 +152,22 @@ class Reads(Leases):
             epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
             return Located(tuple(offsets), epochs, entry.spec.block_bytes)
 
-    def note_reads(
-        self, ns_id: str, keys: Sequence[BlockKey], reads: int, from_disk: bool = False
-    ) -> int:
+    def note_reads(self, ns_id: str, keys: Sequence[BlockKey], reads: int) -> int:
         """Count ``reads`` reads of the prefix ``keys`` that a client served itself, with
         no call of its own: hits, and a touch for eviction, as :meth:`locate` gives each
         read. From slots it knew (checked by their epochs): blocks that left the host
-        tier since (and all after them) are not counted. ``from_disk``: read from the
-        disk tier's file under the client's own LMDB transaction
-        (:mod:`kvclient.disk_index`): the ready prefix is counted wherever it is now,
-        its disk-only blocks as disk hits read directly (not promoted). Returns blocks
-        counted per read."""
+        tier since (and all after them) are not counted. Returns blocks counted per
+        read."""
         entry = self._entry(ns_id)
         self._check_keys(entry, keys)
         if reads <= 0:
             return 0
         with self._lock:
             self._check_open()
-            if from_disk:
-                self._c.disk_file_gets += reads
-                nodes = self._ready_prefix(keys)
-                host_hits = sum(1 for node in nodes if node.in_host)
-            else:
-                self._c.known_slot_gets += reads
-                nodes, _ = self._host_prefix(keys)
-                host_hits = len(nodes)
+            self._c.known_slot_gets += reads
+            nodes, _ = self._host_prefix(keys)
             if nodes:
-                self._count_reads(entry, nodes, len(nodes), reads, host_hits)
+                self._count_reads(entry, nodes, len(nodes), reads, len(nodes))
             return len(nodes)
 
     def note_misses(self, ns_id: str, blocks: int) -> None:
@@ -329,22 +251,20 @@ class Reads(Leases):
         """Read disk-only blocks into their fresh host slots (no lock held); the number
         of leading ``nodes`` that are good.
 
-        A disk read is a pread and a checksum pass, both without the GIL: promotions
-        of ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once."""
+        The blocks of one share are read in one LMDB read transaction. A disk read is
+        a pread and a checksum pass, both without the GIL: promotions of
+        ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once."""
         disk = self._disk
         todo = sorted(fresh)
-
-        def fill(i: int) -> bool:
-            assert disk is not None
-            slot = self._arena.view(fresh[i], nodes[i].size)
-            return disk.read(nodes[i].key, out=slot) is not None
+        if not todo:
+            return len(nodes)
 
         def fill_all(part: list[int]) -> int | None:
             """The first block of ``part`` that failed, or None."""
-            for i in part:
-                if not fill(i):
-                    return i
-            return None
+            assert disk is not None
+            slots = [self._arena.view(fresh[i], nodes[i].size) for i in part]
+            good = disk.read_all([nodes[i].key for i in part], slots)
+            return None if good == len(part) else part[good]
 
         if len(todo) > 1 and sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES:
             # one share per thread (a hand-off per block would cost more than it saves)

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstore.arena import HostArena
-from kvstore.disk import DiskSnapshot, DiskTier
+from kvstore.disk import DiskTier
 from kvstore.errors import (
     InvalidArgument,
     StoreClosed,
@@ -138,7 +138,6 @@ class Lease:
     expires_at: float
     committed: int = 0  # write leases: nodes[:committed] are ready
     first_index: int = 0  # write leases: chain position of nodes[0]
-    snapshot: DiskSnapshot | None = None  # read leases with disk extents: keeps them valid
     staged: set[int] | None = None  # staging leases: the empty slots set aside (offsets)
     ttl: float = 0.0  # staging leases: each reserve that uses the lease renews it by this
     owner: str = ""  # the client connection it ends with (see Store.own), "" for none
@@ -167,7 +166,6 @@ class Counters:
     dropped: int = 0
     lost_on_disk: int = 0
     known_slot_gets: int = 0  # gets clients served from slots they knew (note_reads)
-    disk_file_gets: int = 0  # gets clients served from the disk tier's file (note_reads)
     # gets read again, pinned, after an unpinned copy failed its slot epoch check
     repeated_gets: int = 0
 

@@ -179,20 +179,6 @@ def test_put_cpu_program_measures_every_mode(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_disk_hit_parts_program_measures_every_part(tmp_path: Path) -> None:
-    """benchmarks/disk_hit_parts.py at a tiny size: it puts chains, restarts its own
-    daemon so that they are on disk only, and writes one row per part with its time."""
-    out = tmp_path / "parts.md"
-    run_program("disk_hit_parts.py", "--cases", "llama2:2", "--calls", "3", "--out", out)
-    text = out.read_text()
-    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 2 x 256 KiB")]
-    modes = ["memcpy", "pread", "pread+check", "index read", "chain keys", "get", "get, no index"]
-    assert [row[1] for row in rows] == modes
-    assert all(float(row[2]) > 0 for row in rows)  # p50 ms of every part
-    assert "The 0.5x target allows" in text and "A/B of the client's own disk index" in text
-
-
-@pytest.mark.slow
 def test_call_cost_program_times_every_op_in_both_checkouts(tmp_path: Path) -> None:
     """benchmarks/call_cost.py at a tiny size, this checkout against itself: a worker
     per checkout starts and stops its own daemon, and every op gets a row with times."""
@@ -213,13 +199,6 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
     assert harness.layout_batch("llama8:16") == ("llama8", 16)
     programs = Path(__file__).resolve().parent.parent / "benchmarks"
     for name, args, why, timeout in (
-        ("disk_hit_parts.py", ["--calls", "0"], "--calls must be at least 1", 60),
-        (
-            "disk_hit_parts.py",
-            ["--cases", "huge:16"],
-            "expected LAYOUT:BATCH with LAYOUT one of tiny",
-            60,
-        ),
         ("vllm_ttft.py", ["--lengths", "2k"], "--lengths must be comma-separated integers", 120),
         ("vllm_ttft.py", ["--rounds", "0"], "--rounds and --prompts must be >= 1", 120),
     ):

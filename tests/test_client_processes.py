@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from conftest import Daemon, in_forked_child
 
-from kvclient import KVClient, arena_path, disk_index
+from kvclient import KVClient, arena_path
 from kvctl.cli import main as kvctl
 
 BLOCK_TOKENS = 16
@@ -341,8 +341,8 @@ def test_a_forked_child_makes_its_own_copy_threads(daemon: Daemon) -> None:
 def test_a_client_forked_while_threads_hold_its_helpers_locks_works_in_the_child(
     daemon: Daemon,
 ) -> None:
-    """The locks of the client's helpers (local calls, staged slots, the prefixes read
-    from disk, the disk index's registry, the copy pool's) held by a thread of the
+    """The locks of the client's helpers (local calls, staged slots, the accounting, the
+    copy pool's) held by a thread of the
     parent at the fork: the child gets new ones, and its puts and gets go through."""
     with KVClient(daemon.addr) as client:
         ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
@@ -355,8 +355,6 @@ def test_a_client_forked_while_threads_hold_its_helpers_locks_works_in_the_child
             client._conn._lock,
             client._conn.accounting._lock,
             client._conn.stash(ns.ns_id)._lock,
-            client._conn.disk_first._lock,
-            disk_index._registry_lock,
             arena_path._pool_lock,
         ]
 

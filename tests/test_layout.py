@@ -117,8 +117,8 @@ def test_the_client_loads_nothing_of_the_daemon() -> None:
         "for name in ('kvclient.hf', 'kvclient.integrations.gpu', 'kvclient.vllm'):\n"
         "    try: importlib.import_module(name)\n"
         "    except ImportError: pass\n"
-        "print(sorted(m for m in sys.modules\n"
-        "             if m.split('.')[0] == 'kvstored' or m.split('.')[:2] == ['kvstore', 'disk']))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kvstored'\n"
+        "             or m.split('.')[:2] == ['kvstore', 'disk']))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True

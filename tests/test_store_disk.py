@@ -130,8 +130,8 @@ def test_write_through_puts_every_block_on_disk(tmp_path: Path) -> None:
 
 
 def test_clear_and_delete_return_with_their_disk_deletions_committed(tmp_path: Path) -> None:
-    """A same-host client reads the disk file itself (kvclient.disk_index), and a crash
-    loses what the writer has not committed: neither may see a cleared block again."""
+    """A crash loses what the writer has not committed: a restart after a clear or a
+    delete that answered may not find a cleared block again."""
     with make_store(tmp_path, host_blocks=8, admission="write-through") as s:
         ns = open_ns(s)
         first, second = s.keys_for(ns, seq(0, 3)), s.keys_for(ns, seq(500, 2))

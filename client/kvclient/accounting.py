@@ -3,10 +3,9 @@ and reads it served itself.
 
 A get copies its blocks and is done with its read lease at once, but a Release of its
 own would double the get's round trips. Reads served from known slots
-(:mod:`kvclient.unpinned_reads`) or from the disk file (:mod:`kvclient.disk_index`)
-make no call at all, yet the daemon must count them as hits and touch their blocks
-for eviction. Both are queued here and sent together in one ``ReportReads``
-(``release_lease_ids`` and ``prefixes``):
+(:mod:`kvclient.unpinned_reads`) make no call at all, yet the daemon must count them as
+hits and touch their blocks for eviction. Both are queued here and sent together in
+one ``ReportReads`` (``release_lease_ids`` and ``prefixes``):
 
 - within ``DELAY_S`` of the first queued item, by the driver's timer (a thread for
   the blocking client, ``loop.call_later`` for the asyncio one), woken through the
@@ -47,7 +46,7 @@ class Accounting:
         self._wake = wake
         self._lock = threading.Lock()
         self._done: list[int] = []
-        self._reads: dict[tuple[ReadKey, bool], pb.PrefixReads] = {}
+        self._reads: dict[ReadKey, pb.PrefixReads] = {}
         self._full: list[pb.PrefixReads] = []  # counts that reached MAX_READS_PER_PREFIX
         self._since = 0.0  # when the oldest pending item was queued
         self.sending = 0  # accounting messages in flight
@@ -70,21 +69,20 @@ class Accounting:
             self._done.append(lease_id)
         self._wake(False)
 
-    def report_read(self, key: ReadKey, tokens: list[int], n_blocks: int, from_disk: bool) -> None:
+    def report_read(self, key: ReadKey, tokens: list[int], n_blocks: int) -> None:
         """Count one read of the first ``n_blocks`` blocks of ``key``'s request."""
         with self._lock:
             self._mark()
-            pending = self._reads.get((key, from_disk))
+            pending = self._reads.get(key)
             if pending is None:
                 ns_id, _, extra, _ = key
                 pending = pb.PrefixReads(
-                    ns_id=ns_id, tokens=tokens, extra_keys=extra, n_blocks=n_blocks,
-                    from_disk=from_disk,
-                )  # fmt: skip
-                self._reads[key, from_disk] = pending
+                    ns_id=ns_id, tokens=tokens, extra_keys=extra, n_blocks=n_blocks
+                )
+                self._reads[key] = pending
             pending.reads += 1
             if pending.reads >= MAX_READS_PER_PREFIX:  # the most one report may claim
-                self._full.append(self._reads.pop((key, from_disk)))
+                self._full.append(self._reads.pop(key))
             now = bool(self._full) or len(self._reads) >= REPORTED_PREFIXES
         self._wake(now)
 

@@ -14,7 +14,7 @@ accounting) and writes the client's plumbing as ops (:mod:`kvclient.effects`):
 - :meth:`send`: a call whose answer nothing waits for (local socket), else a call.
 - :meth:`refresh`: the daemon's ServerInfo (over gRPC: it names the local socket) and
   what follows from it: the arena mapping when the daemon is on this host and its
-  arena maps (``use_arena``), the local socket, the slot epoch table, the disk file.
+  arena maps (``use_arena``), the local socket, the slot epoch table.
   Asked again after the daemon was unreachable (:meth:`checked`) or when the mapped
   arena file is no longer the daemon's (a restart).
 
@@ -34,8 +34,6 @@ import grpc
 from kvclient import wire
 from kvclient.accounting import UNORDERED, Accounting
 from kvclient.arena_path import ClientArena, start_copy_threads
-from kvclient.disk_index import DiskFirstReads
-from kvclient.disk_reads import DiskFile
 from kvclient.effects import Io, Op, Serial, Work
 from kvclient.errors import (
     ArenaUnavailableError,
@@ -101,10 +99,6 @@ class Connection:
         # unpinned gets (kvclient.unpinned_reads): the arena's epoch table, last slots
         self.epochs: SlotEpochs | None = None
         self.last_slots = LastSlots()
-        # disk_direct gets (kvclient.disk_reads): the daemon's disk file, when readable,
-        # and the prefixes read from it with no call (kvclient.disk_index)
-        self.disk: DiskFile | None = None
-        self.disk_first = DiskFirstReads()
         self.accounting = Accounting(wake)
         self.closed = False
         self._lock = threading.Lock()
@@ -237,15 +231,12 @@ class Connection:
         local = None
         if arena is not None and info.local_socket:
             local = LocalCalls(info.local_socket, self._sockets, self._token, info.uid)
-        old = (self.arena, self.local, self.disk)
+        old = (self.arena, self.local)
         self.info, self.arena, self.local = info, arena, local
         self.epochs = epoch_table(arena, info) if arena is not None else None
         self.last_slots = LastSlots()
-        self.disk = DiskFile.open(info.disk_path) if arena is not None else None
         if arena is not None:  # what a first get would pay, paid at connect
             start_copy_threads()
-        if self.disk is not None:
-            self.disk.open_index_now()
         for part in old:
             if part is not None:
                 part.close()
@@ -287,10 +278,10 @@ class Connection:
         with contextlib.suppress(KVStoreError, OSError):
             yield from self.read_owed()  # the answers of puts sent ahead resolve them
         yield Io(self.grpc.close)
-        for part in (self.arena, self.local, self.disk):
+        for part in (self.arena, self.local):
             if part is not None:
                 part.close()
-        self.arena = self.local = self.disk = None
+        self.arena = self.local = None
 
     # -- daemon-wide calls ----------------------------------------------------------
 

@@ -7,15 +7,12 @@ A get takes the first route that applies:
 2. **Known slots** (:mod:`kvclient.unpinned_reads`): the last answer for the same
    request was complete and the slots' epoch counters are unchanged before and after
    the copy: no call; the read is reported later (:mod:`kvclient.accounting`).
-3. **The disk file** (:mod:`kvclient.disk_index`): a first read of a prefix that is all
-   on disk and in the page cache, read with no call; reported later.
-4. **Unpinned Acquire**: the client copies the slots it expects while the Acquire is
+3. **Unpinned Acquire**: the client copies the slots it expects while the Acquire is
    in flight, then checks the answer's epochs; a slot that changed under a copy sends
-   the get to route 5, counted once.
-5. **Pinned Acquire**: the ready prefix under a read lease, host blocks as slots and
-   disk-only blocks as extents of the disk file (:mod:`kvclient.disk_reads`); the lease
-   is released with the accounting. A disk block that fails its check makes the get ask
-   again without extents, so that the daemon reads (and drops) it.
+   the get to route 4, counted once.
+4. **Pinned Acquire**: the ready prefix pinned in host slots under a read lease (the
+   daemon promotes disk-only blocks first: only the daemon reads its disk tier); the
+   lease is released with the accounting.
 
 Any answer that names another arena than the mapped one (the daemon restarted) sends
 the get inline, and the next call maps the new arena. ``acquire`` hands out zero-copy
@@ -29,9 +26,8 @@ from typing import Any
 import numpy as np
 
 from kvclient import wire
-from kvclient.arena_path import ClientArena, SlotTable
+from kvclient.arena_path import ClientArena, SlotTable, read_slots
 from kvclient.connection import Connection
-from kvclient.disk_reads import read_answer, read_first_from_file
 from kvclient.effects import Op, Stream, Work
 from kvclient.errors import ArenaUnavailableError, InvalidArgumentError, KVStoreError
 from kvclient.payloads import as_tokens, check_out, output_array
@@ -83,13 +79,13 @@ class Get:
             if got is not None:
                 return got
             counted = True  # its Acquire counted this get: the copy did not check out
-        return (yield from self.pinned(arena, disk_direct=True, counted=counted))
+        return (yield from self.pinned(arena, counted=counted))
 
     def _result(self, blocks: np.ndarray) -> GetResult:
         return GetResult(tokens=len(blocks) * self.ns.block_tokens, blocks=blocks)
 
     def unpinned(self, arena: ClientArena) -> Op[GetResult | None]:
-        """Routes 2-4; None when a slot changed under a copy."""
+        """Routes 2-3; None when a slot changed under a copy."""
         conn, ns = self.conn, self.ns
         assert conn.epochs is not None
         key = conn.last_slots.key(ns.ns_id, self.token_array, self.extra, self.max_blocks)
@@ -100,19 +96,9 @@ class Get:
         )
         known = (yield Work(reader.read_known)) if reader.knows_all else None
         if known is not None:  # no call: the slots still hold the last answer's blocks
-            conn.accounting.report_read(key, self.tokens, len(known), False)
+            conn.accounting.report_read(key, self.tokens, len(known))
             return self._result(known)
-        if last is None and conn.disk is not None:
-            # a first read: the prefix may be in the disk file (kvclient.disk_index)
-            blocks = yield Work(
-                read_first_from_file,
-                (conn.disk, conn.disk_first, ns.ns_id, key, self.token_array, self.extra,
-                 self.out, ns.block_bytes, wanted),
-            )  # fmt: skip
-            if blocks is not None:
-                conn.accounting.report_read(key, self.tokens, wanted, True)
-                return self._result(blocks)
-        request = self._acquire(unpinned=True, disk_direct=conn.disk is not None)
+        request = self._acquire(unpinned=True)
         # an effect only where there is work: each one costs the asyncio client a thread
         early = reader.copy_early if last is not None else None
         answer = yield from conn.call("Acquire", request, during=early)
@@ -134,10 +120,9 @@ class Get:
             self.conn.accounting.take_done(), **flags,
         )  # fmt: skip
 
-    def pinned(self, arena: ClientArena, disk_direct: bool, counted: bool = False) -> Op[GetResult]:
-        """Route 5; ``counted``: an Acquire of this get was answered and counted."""
-        direct = disk_direct and self.conn.disk is not None
-        request = self._acquire(disk_direct=direct, counted=counted)
+    def pinned(self, arena: ClientArena, counted: bool = False) -> Op[GetResult]:
+        """Route 4; ``counted``: an Acquire of this get was answered and counted."""
+        request = self._acquire(counted=counted)
         answer = yield from self.conn.call("Acquire", request)
         return (yield from self.read_pinned(arena, answer))
 
@@ -152,15 +137,11 @@ class Get:
         try:
             slots = wire.slot_table(answer)
             blocks = output_array(self.out, len(slots), self.ns.block_bytes)
-            host, extents = wire.split_disk_blocks(answer, slots)
-            whole = yield Work(
-                read_answer, (arena.mapping, host, extents, conn.disk, blocks, self.ns.block_bytes)
-            )
+            if len(slots):
+                yield Work(read_slots, (arena.mapping, slots, blocks, self.ns.block_bytes))
         finally:
             if answer.lease_id:
                 conn.accounting.release_later(answer.lease_id)
-        if not whole:  # a block from the disk file failed its check: the daemon reads it
-            return (yield from self.pinned(arena, disk_direct=False))
         return self._result(blocks)
 
     def inline(self) -> Op[GetResult]:

@@ -18,8 +18,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvclient.arena_path import Slot, SlotTable
-from kvclient.disk_reads import DiskExtents
-from kvclient.errors import InvalidArgumentError, KVStoreError
+from kvclient.errors import InvalidArgumentError
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.data_frames import data_prefix, data_span
 from kvproto.v1.results import NamespaceInfo, PutResult
@@ -81,13 +80,11 @@ def get_request(
     release_lease_ids: list[int],
     *,
     unpinned: bool = False,
-    disk_direct: bool = False,
     counted: bool = False,
 ) -> pb.AcquireRequest:
     """The Acquire of an arena get: packed slots, the client's finished read leases
     riding along; ``unpinned`` asks for slots and epochs and no lease
-    (kvclient.unpinned_reads), ``disk_direct`` for extents of the disk file in place of
-    promoted disk blocks (kvclient.disk_reads); ``counted`` when it repeats an Acquire
+    (kvclient.unpinned_reads); ``counted`` when it repeats an Acquire
     of the same get whose answer could not be used (the daemon counted that one)."""
     return pb.AcquireRequest(
         ns_id=ns_id,
@@ -97,7 +94,6 @@ def get_request(
         release_lease_ids=release_lease_ids,
         compact_slots=True,
         unpinned=unpinned,
-        disk_direct=disk_direct,
         counted=counted,
     )
 
@@ -143,23 +139,6 @@ def slot_table(msg: pb.AcquireResponse | pb.ReserveResponse) -> SlotTable:
         indices.append(s.index)
         offsets_list.append(s.offset)
     return SlotTable(np.array(indices, np.int64), np.array(offsets_list, np.int64))
-
-
-def split_disk_blocks(
-    msg: pb.AcquireResponse, slots: SlotTable
-) -> tuple[SlotTable, DiskExtents | None]:
-    """An Acquire answer's slots without its disk_direct blocks, and those blocks (None
-    when it has none)."""
-    if not msg.disk_blocks:
-        return slots, None
-    extents = DiskExtents(list(msg.disk_blocks), list(msg.disk_offsets), list(msg.disk_checksums))
-    if not len(extents) == len(extents.offsets) == len(extents.checksums):
-        raise KVStoreError("malformed Acquire answer: disk_blocks, disk_offsets differ in length")
-    if len(extents) == len(slots):  # the whole prefix is on disk (after a restart ...)
-        return SlotTable(slots.indices[:0], slots.offsets[:0]), extents
-    keep = np.ones(len(slots), dtype=bool)
-    keep[extents.positions] = False
-    return SlotTable(slots.indices[keep], slots.offsets[keep]), extents
 
 
 def put_messages(

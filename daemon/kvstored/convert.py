@@ -191,13 +191,8 @@ def acquire_response(
     )
     if not compact:
         _add_slots(msg.slots, got.slots)
-    elif not got.disk:
+    else:
         msg.slot_offsets.extend(got.offsets)
-    else:  # disk_direct: blocks in the disk file have no slot (-1 in got.offsets)
-        msg.slot_offsets.extend([max(offset, 0) for offset in got.offsets])
-        msg.disk_blocks.extend([position for position, _ in got.disk])
-        msg.disk_offsets.extend([extent.offset for _, extent in got.disk])
-        msg.disk_checksums.extend([extent.checksum for _, extent in got.disk])
     return msg
 
 

@@ -80,11 +80,6 @@ STORE_COUNTERS = {
         "Gets a same-host client served from arena slots it knew, with no call of its "
         "own, reported afterwards (ReportReads): the RPC metrics do not count them.",
     ),
-    "disk_file_gets": (
-        "kvstore_disk_file_gets",
-        "Gets a same-host client served from the disk tier's file under its own LMDB "
-        "read transaction, with no call of its own, reported afterwards (ReportReads).",
-    ),
 }
 
 

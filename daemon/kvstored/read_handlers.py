@@ -167,10 +167,6 @@ class ReadHandlers(ServiceBase):
             raise InvalidArgument(
                 "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
             )
-        if request.disk_direct and not request.compact_slots:
-            raise InvalidArgument(
-                "disk_direct needs compact_slots: disk_blocks index the slot_offsets entries"
-            )
         ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
         self._release_done(request.release_lease_ids)
         owner = self.owner_of(context)
@@ -187,15 +183,10 @@ class ReadHandlers(ServiceBase):
                     return convert.located_response(
                         located, spec.block_tokens, self._store.arena_path or ""
                     )
-                if quick and not request.disk_direct:  # a block is on disk only
+                if quick:  # a block is on disk only
                     raise NeedsPool
             got = self._store.acquire(
-                spec.ns_id,
-                keys,
-                ttl,
-                host_only=quick,
-                disk_direct=request.disk_direct,
-                count=not request.counted,
+                spec.ns_id, keys, ttl, host_only=quick, count=not request.counted
             )
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise NeedsPool
@@ -245,13 +236,11 @@ class ReadHandlers(ServiceBase):
                         f"prefixes[{i}]: reads={prefix.reads}, more than one report may "
                         f"claim ({MAX_READS_PER_PREFIX}); report more often"
                     )
-                checked.append(
-                    (spec.ns_id, keys[: prefix.n_blocks], prefix.reads, prefix.from_disk)
-                )
+                checked.append((spec.ns_id, keys[: prefix.n_blocks], prefix.reads))
             self._release_done(request.release_lease_ids)
             counted = 0
-            for ns_id, keys, reads, from_disk in checked:
-                counted += self._store.note_reads(ns_id, keys, reads, from_disk) * reads
+            for ns_id, keys, reads in checked:
+                counted += self._store.note_reads(ns_id, keys, reads) * reads
             return pb.ReportReadsResponse(blocks_counted=counted)
 
         return await self._run_quick(report)

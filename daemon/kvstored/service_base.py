@@ -267,7 +267,6 @@ class ServiceBase(pb_grpc.KVStoreServicer):
             slot_epochs_offset=arena.epochs_offset if arena.path else 0,
             slot_epochs_count=arena.epochs.count if arena.path else 0,
             arena_prefaulted=self._store.config.prefault_arena,
-            disk_path=self._store.disk_path or "",
             admission=self._store.config.admission,
             uid=os.getuid(),
             tenant=caller.tenant,

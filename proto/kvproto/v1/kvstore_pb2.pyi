@@ -116,7 +116,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "disk_path", "admission", "uid", "tenant")
+    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "admission", "uid", "tenant")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -134,7 +134,6 @@ class ServerInfoResponse(_message.Message):
     SLOT_EPOCHS_OFFSET_FIELD_NUMBER: _ClassVar[int]
     SLOT_EPOCHS_COUNT_FIELD_NUMBER: _ClassVar[int]
     ARENA_PREFAULTED_FIELD_NUMBER: _ClassVar[int]
-    DISK_PATH_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -155,11 +154,10 @@ class ServerInfoResponse(_message.Message):
     slot_epochs_offset: int
     slot_epochs_count: int
     arena_prefaulted: bool
-    disk_path: str
     admission: str
     uid: int
     tenant: str
-    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., disk_path: _Optional[str] = ..., admission: _Optional[str] = ..., uid: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., admission: _Optional[str] = ..., uid: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -252,7 +250,7 @@ class Slot(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s", "release_lease_ids", "compact_slots", "unpinned", "disk_direct", "counted")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s", "release_lease_ids", "compact_slots", "unpinned", "counted")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -261,7 +259,6 @@ class AcquireRequest(_message.Message):
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPACT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     UNPINNED_FIELD_NUMBER: _ClassVar[int]
-    DISK_DIRECT_FIELD_NUMBER: _ClassVar[int]
     COUNTED_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -271,12 +268,11 @@ class AcquireRequest(_message.Message):
     release_lease_ids: _containers.RepeatedScalarFieldContainer[int]
     compact_slots: bool
     unpinned: bool
-    disk_direct: bool
     counted: bool
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., compact_slots: _Optional[bool] = ..., unpinned: _Optional[bool] = ..., disk_direct: _Optional[bool] = ..., counted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., compact_slots: _Optional[bool] = ..., unpinned: _Optional[bool] = ..., counted: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path", "slot_offsets", "slot_epochs", "disk_blocks", "disk_offsets", "disk_checksums")
+    __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path", "slot_offsets", "slot_epochs")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -284,9 +280,6 @@ class AcquireResponse(_message.Message):
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SLOT_EPOCHS_FIELD_NUMBER: _ClassVar[int]
-    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    DISK_OFFSETS_FIELD_NUMBER: _ClassVar[int]
-    DISK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     expires_in_s: float
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -294,26 +287,21 @@ class AcquireResponse(_message.Message):
     arena_path: str
     slot_offsets: _containers.RepeatedScalarFieldContainer[int]
     slot_epochs: _containers.RepeatedScalarFieldContainer[int]
-    disk_blocks: _containers.RepeatedScalarFieldContainer[int]
-    disk_offsets: _containers.RepeatedScalarFieldContainer[int]
-    disk_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., slot_epochs: _Optional[_Iterable[int]] = ..., disk_blocks: _Optional[_Iterable[int]] = ..., disk_offsets: _Optional[_Iterable[int]] = ..., disk_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., slot_epochs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixReads(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "n_blocks", "reads", "from_disk")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "n_blocks", "reads")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     N_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     READS_FIELD_NUMBER: _ClassVar[int]
-    FROM_DISK_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     n_blocks: int
     reads: int
-    from_disk: bool
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., n_blocks: _Optional[int] = ..., reads: _Optional[int] = ..., from_disk: _Optional[bool] = ...) -> None: ...
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., n_blocks: _Optional[int] = ..., reads: _Optional[int] = ...) -> None: ...
 
 class ReportReadsRequest(_message.Message):
     __slots__ = ("prefixes", "release_lease_ids")

@@ -205,7 +205,6 @@ class ServerInfo:
     slot_epochs_offset: int = 0  # where the slot epoch table is in the arena file
     slot_epochs_count: int = 0  # its counters; 0: no unpinned reads
     arena_prefaulted: bool = False  # the daemon faulted its arena's pages in at start-up
-    disk_path: str = ""  # the disk tier's data file (disk_direct reads); "" without one
     admission: str = ""  # the daemon's disk admission: write-back | write-through | selective
     uid: int | None = None  # the daemon's uid (None from a daemon that does not say)
     tenant: str = ""  # this client's tenant ("" for the admin or a daemon without tenants)
