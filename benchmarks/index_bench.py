@@ -138,7 +138,7 @@ def _fill_for_memory(blocks: int, traced: bool) -> tuple[float, int, int, float]
     measured = float(tracemalloc.get_traced_memory()[0] if traced else rss_bytes() - rss0)
     if traced:
         tracemalloc.stop()
-    indexed = len(store._index)  # noqa: SLF001 - the benchmark measures the index itself
+    indexed = len(store._parts.index)  # noqa: SLF001 - the benchmark measures the index itself
     payload = store.stats().tiers[0].used_bytes
     store.close()
     return measured, indexed, payload, stored / seconds

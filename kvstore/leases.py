@@ -1,91 +1,95 @@
-"""Leases: who holds which blocks and slots, until when.
+"""The lease table: who holds which blocks and slots, until when.
 
 A read lease pins a ready prefix; a write lease holds pending blocks until they are
 committed or abandoned; a staging lease holds empty slots for a client's next puts.
-Each has a TTL (the reaper thread ends those run out) and may have an owner (a
-client connection, whose end ends its leases).
+Each has a TTL and may have an owner (a client connection, whose end ends its leases).
+
+:class:`LeaseTable` is the bookkeeping alone: ids, expiry times, owners, and why a
+lease ended (for precise errors). What ending a lease does to blocks and slots (unpin,
+drop pending blocks, free staged slots) is the store's (:mod:`kvstore.store_parts`),
+which calls :meth:`LeaseTable.forget` after it. No lock of its own: the store's lock
+guards it.
 """
 
 from __future__ import annotations
 
+import array
 import heapq
-import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
-from kvstore.errors import (
-    LeaseError,
-)
+from kvstore.errors import LeaseError
 from kvstore.index import NamespaceEntry, Node
-from kvstore.results import (
-    EventKind,
-    Tier,
-)
-from kvstore.store_state import (
-    ENDED_LEASES_KEPT,
-    Lease,
-)
-from kvstore.tiering import Tiering
-
-log = logging.getLogger(__name__)
 
 
-class Leases(Tiering):
-    """The lease table (see the module docstring)."""
+@dataclass(slots=True, eq=False)
+class Lease:
+    lease_id: int
+    write: bool
+    entry: NamespaceEntry
+    nodes: list[Node]  # read: pinned ready prefix; write: reserved blocks in chain order
+    expires_at: float
+    committed: int = 0  # write leases: nodes[:committed] are ready
+    first_index: int = 0  # write leases: chain position of nodes[0]
+    staged: set[int] | None = None  # staging leases: the empty slots set aside (offsets)
+    ttl: float = 0.0  # staging leases: each reserve that uses the lease renews it by this
+    owner: str = ""  # the client connection it ends with (see Store.own), "" for none
 
-    def release(self, lease_id: int) -> None:
-        with self._lock:
-            self._expire()
-            lease = self._lease(lease_id)
-            self._end_lease(lease, "released")
+    @property
+    def kind(self) -> str:
+        if self.staged is not None:
+            return "staging"
+        return "write (reserve)" if self.write else "read (acquire)"
 
-    def own(self, owner: str, lease_ids: Sequence[int]) -> None:
-        """Tie leases to ``owner`` (a client connection): :meth:`release_owner` ends
-        them when it goes away, so a killed client holds nothing for its leases' TTL.
-        Ids that are 0 or no longer live are skipped (a lease may end before its
-        answer leaves)."""
-        with self._lock:
-            for lease_id in lease_ids:
-                lease = self._leases.get(lease_id)
-                if lease is None or lease.owner == owner:
-                    continue
-                if lease.owner:
-                    self._owned[lease.owner].discard(lease_id)
-                lease.owner = owner
-                self._owned.setdefault(owner, set()).add(lease_id)
 
-    def release_owner(self, owner: str) -> int:
-        """End every lease of ``owner`` (its client disconnected): read leases unpin,
-        write leases drop their pending blocks, staging leases free their slots, as
-        when they expire. The number of leases ended."""
-        with self._lock:
-            if self._closed:
-                return 0
-            lease_ids = self._owned.pop(owner, set())
-            for lease_id in lease_ids:
-                lease = self._leases.get(lease_id)
-                if lease is not None:
-                    lease.owner = ""
-                    self._end_lease(lease, "its client disconnected")
-            return len(lease_ids)
+ENDED_LEASES_KEPT = 4096
 
-    def expire(self) -> None:
-        """Reclaim expired leases and priorities now (also done on every call)."""
-        with self._lock:
-            self._expire()
 
-    # --- leases -------------------------------------------------------------------
-    def _new_lease(
-        self, entry: NamespaceEntry, nodes: list[Node], write: bool, ttl: float
-    ) -> Lease:
-        lease_id = self._lease_ids.next()
+class LeaseIds:
+    """Lease ids: 62 random bits plus one (never 0), unguessable by another client.
+    Drawn from ``os.urandom`` 512 at a time: one system call per 512 leases, where
+    ``secrets.randbits`` makes one per lease (a put makes a lease, often two)."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+
+    def next(self) -> int:
+        if not self._ids:
+            self._ids = [(word >> 2) + 1 for word in array.array("Q", os.urandom(4096))]
+        return self._ids.pop()
+
+
+class LeaseTable:
+    """Live leases by id, their expiry heap, their owners, and the recently ended."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._leases: dict[int, Lease] = {}
+        self._owned: dict[str, set[int]] = {}  # owner -> its leases (see own)
+        self._ids = LeaseIds()
+        self._heap: list[tuple[float, int]] = []
+        self._ended: dict[int, str] = {}  # recently ended lease id -> why
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._leases.values()))
+
+    def new(self, entry: NamespaceEntry, nodes: list[Node], write: bool, ttl: float) -> Lease:
+        """A new lease that runs out ``ttl`` seconds from now."""
+        lease_id = self._ids.next()
         while lease_id in self._leases or lease_id in self._ended:
-            lease_id = self._lease_ids.next()
+            lease_id = self._ids.next()
         lease = Lease(lease_id, write, entry, nodes, self._clock() + ttl)
         self._leases[lease_id] = lease
-        heapq.heappush(self._lease_heap, (lease.expires_at, lease_id))
+        heapq.heappush(self._heap, (lease.expires_at, lease_id))
         return lease
 
-    def _lease(self, lease_id: int, write: bool | None = None) -> Lease:
+    def get(self, lease_id: int, write: bool | None = None) -> Lease:
+        """The live lease ``lease_id`` (a write or read one, when ``write`` says);
+        LeaseError naming why otherwise (unknown, ended and why, another kind)."""
         lease = self._leases.get(lease_id)
         if lease is None:
             why = self._ended.get(lease_id)
@@ -96,26 +100,50 @@ class Leases(Tiering):
             raise LeaseError(f"lease {lease_id} is a {lease.kind} lease")
         return lease
 
-    def _end_lease(self, lease: Lease, why: str) -> None:
-        if lease.write:
-            dropped = lease.nodes[lease.committed :]
-            for node in reversed(dropped):
-                node.pins -= 1
-                self._emit(EventKind.PENDING_DROPPED, node, Tier.HOST)
-                self._host_drop(node)
-                self._index.remove(node)
-            self._pending -= len(dropped)
-        else:
-            for node in lease.nodes:
-                node.pins -= 1
-        for offset in lease.staged or ():
-            self._arena.free(offset)
-        if lease.staged:
-            lease.entry.group.staged_bytes -= len(lease.staged) * lease.entry.spec.block_bytes
-        self._forget_lease(lease, why)
-        self._changed.notify_all()
+    def renew(self, lease: Lease) -> None:
+        """Push a staging lease's end ``lease.ttl`` on from now (its heap entry is
+        pushed back when it comes due)."""
+        lease.expires_at = self._clock() + lease.ttl
 
-    def _forget_lease(self, lease: Lease, why: str) -> None:
+    def due(self) -> list[Lease]:
+        """The leases whose time ran out (still live: the caller ends them)."""
+        now = self._clock()
+        heap = self._heap
+        out = []
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                continue
+            if lease.expires_at <= now:
+                out.append(lease)
+            else:  # renewed (a staging lease): its one entry goes back with the new time
+                heapq.heappush(heap, (lease.expires_at, lease_id))
+        return out
+
+    def own(self, owner: str, lease_ids: Sequence[int]) -> None:
+        """Tie leases to ``owner``; ids that are 0 or no longer live are skipped."""
+        for lease_id in lease_ids:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.owner == owner:
+                continue
+            if lease.owner:
+                self._owned[lease.owner].discard(lease_id)
+            lease.owner = owner
+            self._owned.setdefault(owner, set()).add(lease_id)
+
+    def take_owned(self, owner: str) -> list[Lease]:
+        """The live leases of ``owner``, no longer tied to it (the caller ends them)."""
+        leases = []
+        for lease_id in self._owned.pop(owner, set()):
+            lease = self._leases.get(lease_id)
+            if lease is not None:
+                lease.owner = ""
+                leases.append(lease)
+        return leases
+
+    def forget(self, lease: Lease, why: str) -> None:
+        """The lease has ended (``why``, for the errors of later calls that name it)."""
         if lease.owner:
             owned = self._owned.get(lease.owner)
             if owned is not None:
@@ -126,32 +154,3 @@ class Leases(Tiering):
         self._ended[lease.lease_id] = why
         if len(self._ended) > ENDED_LEASES_KEPT:
             del self._ended[next(iter(self._ended))]
-
-    def _expire(self) -> None:
-        """Reclaim expired leases and timed priorities; apply a lowered disk capacity."""
-        if self._disk is not None and self._disk.drain_shrunk():
-            self._shrink_disk(self._disk)
-        now = self._clock()
-        heap = self._lease_heap
-        while heap and heap[0][0] <= now:
-            _, lease_id = heapq.heappop(heap)
-            lease = self._leases.get(lease_id)
-            if lease is None:
-                continue
-            if lease.expires_at <= now:
-                self._end_lease(lease, "expired")
-            else:  # renewed (a staging lease): its one entry goes back with the new time
-                heapq.heappush(heap, (lease.expires_at, lease_id))
-        pheap = self._priority_heap
-        while pheap and pheap[0][0] <= now:
-            until, _, node = heapq.heappop(pheap)
-            if self._priority_until.get(node) == until:
-                del self._priority_until[node]
-                self._set_node_priority(node, self.config.default_priority)
-
-    def _reap(self) -> None:
-        while not self._reaper_stop.wait(0.25):
-            with self._lock:
-                if self._closed:
-                    return
-                self._expire()

@@ -61,6 +61,7 @@ import torch
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import NamespaceSpec
+from kvstore.slot_runs import Run, slot_runs
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -405,19 +406,6 @@ class HFKV(KVCache):
 # -- slots ----------------------------------------------------------------------------
 
 
-def slot_runs(offsets: Sequence[int], block_bytes: int) -> list[tuple[int, int, int]]:
-    """(first position, count, arena offset) of each run of adjacent slots, in order."""
-    out: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(offsets):
-        j = i + 1
-        while j < len(offsets) and offsets[j] == offsets[j - 1] + block_bytes:
-            j += 1
-        out.append((i, j - i, offsets[i]))
-        i = j
-    return out
-
-
 class _CudaArrayInterface:
     """A raw device pointer as ``__cuda_array_interface__`` (for torch.as_tensor)."""
 
@@ -596,7 +584,7 @@ class Mover:
         self,
         staging: torch.Tensor,
         offsets: Sequence[int],
-        runs: list[tuple[int, int, int]],
+        runs: list[Run],
         near: torch.Tensor | None,
     ) -> None:
         bb = staging.shape[1]
@@ -609,7 +597,8 @@ class Mover:
             return
         arena = near if near is not None else self.arena
         async_copy = staging.device.type == "cuda"
-        for pos, count, off in runs:
+        for run in runs:
+            pos, count, off = run.pos, run.count, run.offset
             arena[off : off + count * bb].view(count, bb).copy_(
                 staging[pos : pos + count], non_blocking=async_copy
             )
@@ -618,7 +607,7 @@ class Mover:
         self,
         staging: torch.Tensor,
         offsets: Sequence[int],
-        runs: list[tuple[int, int, int]],
+        runs: list[Run],
         near: torch.Tensor | None,
     ) -> None:
         bb = staging.shape[1]
@@ -628,7 +617,8 @@ class Mover:
             return
         arena = near if near is not None else self.arena
         async_copy = staging.device.type == "cuda"
-        for pos, count, off in runs:
+        for run in runs:
+            pos, count, off = run.pos, run.count, run.offset
             staging[pos : pos + count].copy_(
                 arena[off : off + count * bb].view(count, bb), non_blocking=async_copy
             )

@@ -23,50 +23,48 @@ Protocol (every method is thread-safe; all key chains start at the namespace roo
 
 Copies of block bytes happen outside the lock: the blocks involved are pinned (lease
 count) while the lock is released, so eviction cannot free a slot under a reader.
+
+The store is a façade: it makes its parts (:mod:`kvstore.store_parts`) and hands each
+call to the one that serves it: :class:`kvstore.store_reads.Reads`,
+:class:`kvstore.store_writes.Writes`, :class:`kvstore.store_shared.SharedBlocks`; what
+spans them all (lifecycle, namespaces, leases' ends, stats, events) is here.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvproto.v1.results import Event, NamespaceStats, Stats, TenantStats, TierStats
 from kvstore.arena import HostArena, PinHook
 from kvstore.disk import DiskTier
-from kvstore.errors import (
-    InvalidArgument,
-    LayoutMismatch,
-)
-from kvstore.index import Index, NamespaceEntry, Node
+from kvstore.errors import InvalidArgument, LayoutMismatch
+from kvstore.events import Counters, EventLog
+from kvstore.index import Index, NamespaceEntry
 from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
-from kvstore.policy import GroupedPolicy
-from kvstore.results import EventKind, ReadyPrefix, Tier
+from kvstore.leases import LeaseTable
+from kvstore.namespaces import Namespaces
+from kvstore.results import ReadyPrefix, Tier
 from kvstore.shared_tier import SharedTier
+from kvstore.store_config import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
+from kvstore.store_parts import StoreParts
+from kvstore.store_reads import Reads, ready_prefix
 from kvstore.store_shared import SharedBlocks
-from kvstore.store_state import (
-    ADMISSION_POLICIES,
-    DEFAULT_PRIORITY,
-    Counters,
-    Lease,
-    LeaseIds,
-    StoreConfig,
-)
-from kvstore.tenants import Group
+from kvstore.store_writes import Writes
+from kvstore.tiering import Tiers
 
 log = logging.getLogger(__name__)
 
+REAP_EVERY_S = 0.25  # the reaper thread ends leases that ran out this often
 
 __all__ = ["ADMISSION_POLICIES", "DEFAULT_PRIORITY", "Store", "StoreConfig"]
 
 
-class Store(SharedBlocks):
+class Store:
     """One process's tiered block store. See the module docstring for the protocol."""
 
     def __init__(
@@ -79,36 +77,9 @@ class Store(SharedBlocks):
     ) -> None:
         config.validate()
         self.config = config
-        self._clock = clock
-        self._wall = wall
         self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)  # events, commits, drops
-        self._index = Index()
-        self._namespaces: dict[str, NamespaceEntry] = {}
-        self._by_digest: dict[bytes, NamespaceEntry] = {}
-        self._host_policy = GroupedPolicy(config.eviction_policy, "host")
-        self._disk_policy = GroupedPolicy(config.eviction_policy, "disk")
-        self._groups: dict[str, Group] = {}  # tenant -> its group (kvstore.tenants)
-        self._leases: dict[int, Lease] = {}
-        self._owned: dict[str, set[int]] = {}  # owner -> its leases (see own)
-        self._lease_ids = LeaseIds()
-        self._lease_heap: list[tuple[float, int]] = []
-        self._ended: dict[int, str] = {}  # recently ended lease id -> why (for precise errors)
-        self._priority_heap: list[tuple[float, int, Node]] = []
-        self._priority_until: dict[Node, float] = {}  # blocks whose priority is timed
-        self._priority_seq = itertools.count()
-        # events as plain tuples in Event's field order (Event._make when read: a block
-        # stored makes one, under the lock, and a plain tuple costs half a NamedTuple)
-        self._events: deque[tuple[int, EventKind, str, BlockKey, str, float]] = deque(
-            maxlen=config.event_buffer
-        )
-        self._seq = 0
-        self._host_blocks = 0
-        self._disk_blocks = 0
-        self._pending = 0
-        self._c = Counters()
+        changed = threading.Condition(self._lock)  # events, commits, drops
         self._platform = "cpu-only"
-        self._closed = False
         self._arena = HostArena(
             config.host_bytes,
             directory=config.arena_dir,
@@ -127,46 +98,85 @@ class Store(SharedBlocks):
                     metasync=config.admission == "write-through",
                     deep_check=config.check_disk_in_child,
                 )
-                self._rebuild_from_disk()
+            namespaces = Namespaces(config.quotas, config.max_blocks_per_request)
+            index = Index()
+            counters = Counters()
+            events = EventLog(config.event_buffer, changed, wall)
+            tiers = Tiers(
+                config, index, namespaces, self._arena, self._disk, counters, events, wall
+            )
+            self._parts = StoreParts(
+                config, clock, wall, self._lock, changed, namespaces, index, counters, events,
+                LeaseTable(clock), self._arena, self._disk, tiers,
+            )  # fmt: skip
+            if self._disk is not None:
+                tiers.rebuild_from_disk()
         except BaseException:
             self._arena.close()
             if self._disk is not None:
                 self._disk.close()
             raise
+        self._reads = Reads(self._parts)
+        self._writes = Writes(self._parts)
+        self._shared_blocks = SharedBlocks(self._parts, self._writes)
+        # each call of the protocol is served by the part that owns it
+        self.lookup = self._reads.lookup
+        self.read = self._reads.read
+        self.acquire = self._reads.acquire
+        self.locate = self._reads.locate
+        self.note_reads = self._reads.note_reads
+        self.note_misses = self._reads.note_misses
+        self.put = self._writes.put
+        self.reserve = self._writes.reserve
+        self.commit = self._writes.commit
+        self.commit_durably = self._writes.commit_durably
+        self.claimed_slots = self._writes.claimed_slots
+        self.fill = self._writes.fill
+        self.abandon = self._writes.abandon
+        self.delete = self._writes.delete
+        self.clear = self._writes.clear
+        self.set_priority = self._writes.set_priority
+        self.shared_gap = self._shared_blocks.shared_gap
+        self.pull_shared = self._shared_blocks.pull_shared
+        self.lend_blocks = self._shared_blocks.lend_blocks
         self._reaper_stop = threading.Event()
-        self._promoters: ThreadPoolExecutor | None = None  # made on the first big promotion
         self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
         self._reaper.start()
-        self._shared = None if config.shared is None else SharedTier(config.shared, self)
+        if config.shared is not None:
+            self._shared_blocks.shared = SharedTier(config.shared, self)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> int:
         """Persist host-only blocks to disk (if configured), flush the writer, free the
         arena. Returns how many block writes to disk were due and never committed (a
         disk fault: see DiskTier.fault); 0 after a clean close."""
-        if self._shared is not None:
-            self._shared.close()  # its writer reads the arena
+        shared = self._shared_blocks.shared
+        if shared is not None:
+            shared.close()  # its writer reads the arena
+        parts = self._parts
         with self._lock:
-            if self._closed:
+            if parts.closed:
                 return 0
-            self._closed = True
-            for lease in list(self._leases.values()):
-                self._end_lease(lease, "the store closed")
+            parts.closed = True
+            for lease in parts.leases:
+                parts.end_lease(lease, "the store closed")
             unpersisted = 0
             if self._disk is not None and self.config.persist_on_close:
                 if self._disk.fault:  # nothing can be written: count what was due
                     unpersisted = sum(
                         1
-                        for node in self._index.nodes.values()
-                        if node.in_host and node.ready and not node.on_disk and self._admit(node)
+                        for node in parts.index.nodes.values()
+                        if node.in_host
+                        and node.ready
+                        and not node.on_disk
+                        and parts.tiers.admit(node)
                     )
                 else:
-                    self._persist_host_blocks()
-            self._changed.notify_all()
+                    parts.tiers.persist_host_blocks()
+            parts.changed.notify_all()
         self._reaper_stop.set()
         self._reaper.join(timeout=5)
-        if self._promoters is not None:
-            self._promoters.shutdown(wait=True)
+        self._reads.close()
         if self._disk is not None:
             self._disk.close()
             unpersisted += self._disk.stats().lost_writes
@@ -208,7 +218,7 @@ class Store(SharedBlocks):
     @property
     def last_event_seq(self) -> int:
         """Sequence number of the newest event (0 before the first)."""
-        return self._seq
+        return self._parts.events.seq
 
     def set_platform(self, profile: str) -> None:
         """Called by the GPU layer once it has detected the machine ('pcie', 'c2c')."""
@@ -222,23 +232,23 @@ class Store(SharedBlocks):
                 f"({self._arena.capacity_bytes} bytes)"
             )
         with self._lock:
-            self._check_open()
-            entry = self._namespaces.get(spec.ns_id)
+            self._parts.check_open()
+            entry = self._parts.namespaces.get(spec.ns_id)
             if entry is not None:
                 if entry.spec.digest != spec.digest:
                     raise LayoutMismatch(f"namespace {spec.ns_id} is open with a different layout")
                 return entry.spec
-            self._register(spec)
+            self._parts.namespaces.register(spec)
             if self._disk is not None:
                 self._disk.save_namespace(spec.digest, spec.to_dict())
             return spec
 
     def namespace(self, ns_id: str) -> NamespaceSpec:
-        return self._entry(ns_id).spec
+        return self._parts.namespaces.entry(ns_id).spec
 
     def namespaces(self) -> list[NamespaceSpec]:
         with self._lock:
-            return [entry.spec for entry in self._namespaces.values()]
+            return [entry.spec for entry in self._parts.namespaces]
 
     def keys_for(
         self,
@@ -246,7 +256,7 @@ class Store(SharedBlocks):
         tokens: Sequence[int] | np.ndarray,
         extra: Sequence[bytes | str | int] = (),
     ) -> list[BlockKey]:
-        spec = self._entry(ns_id).spec
+        spec = self._parts.namespaces.entry(ns_id).spec
         arr = tokens_array(tokens, spec.vocab_size)
         n_blocks = arr.size // spec.block_tokens
         if n_blocks > self.config.max_blocks_per_request:
@@ -260,15 +270,17 @@ class Store(SharedBlocks):
     def stats(self) -> Stats:
         """The store's part of the daemon's Stats (platform, uptime and bound names are
         the daemon's to fill in)."""
+        parts = self._parts
+        shared = self._shared_blocks.shared
         with self._lock:
-            self._expire()
-            c = self._c
+            parts.expire()
+            c = parts.counters
             tiers = [
                 TierStats(
                     Tier.HOST.value,
                     self._arena.capacity_bytes,
                     self._arena.used_bytes,
-                    self._host_blocks,
+                    parts.tiers.host_blocks,
                     c.host_hits,
                     c.host_misses,
                     c.host_evictions,
@@ -294,7 +306,7 @@ class Store(SharedBlocks):
                         Tier.DISK.value,
                         self._disk.capacity_bytes,
                         self._disk.used_bytes,
-                        self._disk_blocks,
+                        parts.tiers.disk_blocks,
                         c.disk_hits,
                         c.disk_misses,
                         c.disk_evictions,
@@ -304,7 +316,7 @@ class Store(SharedBlocks):
                 )
             namespaces = tuple(
                 NamespaceStats(
-                    ns_id,
+                    e.spec.ns_id,
                     e.spec.model,
                     e.spec.block_tokens,
                     e.spec.block_bytes,
@@ -313,15 +325,15 @@ class Store(SharedBlocks):
                     e.hits,
                     e.misses,
                 )
-                for ns_id, e in self._namespaces.items()
+                for e in parts.namespaces
             )
             return Stats(
                 tiers=tuple(tiers),
                 namespaces=namespaces,
                 demotions=c.demotions,
                 promotions=c.promotions,
-                pending_blocks=self._pending,
-                leases=sum(lease.staged is None for lease in self._leases.values()),
+                pending_blocks=parts.tiers.pending,
+                leases=sum(lease.staged is None for lease in parts.leases),
                 corrupt_reads=corrupt,
                 disk_queue_bytes=disk_queue,
                 counters={
@@ -329,25 +341,26 @@ class Store(SharedBlocks):
                     "lost_on_disk": c.lost_on_disk,
                     "known_slot_gets": c.known_slot_gets,
                     "repeated_gets": c.repeated_gets,
-                    "event_seq": self._seq,  # the newest event's seq (kvctl events --count)
+                    "event_seq": parts.events.seq,  # the newest event's seq (kvctl events --count)
                     **disk_counters,
                 },
                 staged_bytes=sum(
                     len(lease.staged) * self._arena.slot_size(next(iter(lease.staged)))
-                    for lease in self._leases.values()
+                    for lease in parts.leases
                     if lease.staged
                 ),
                 disk_fault=fault,
                 tenants=self._tenant_usage(),
-                shared=None if self._shared is None else self._shared.stats(),
+                shared=None if shared is None else shared.stats(),
             )
 
     def _tenant_usage(self) -> tuple[TenantStats, ...]:
         """Each group's usage (under the lock); none when no namespace has a tenant."""
-        if not any(self._groups):
+        groups = self._parts.namespaces.groups
+        if not any(groups):
             return ()
-        entries: dict[str, list[NamespaceEntry]] = {name: [] for name in self._groups}
-        for entry in self._namespaces.values():
+        entries: dict[str, list[NamespaceEntry]] = {name: [] for name in groups}
+        for entry in self._parts.namespaces:
             entries[entry.group.name].append(entry)
         return tuple(
             TenantStats(
@@ -362,48 +375,47 @@ class Store(SharedBlocks):
                 sum(e.misses for e in entries[name]),
                 group.quota_evictions,
             )
-            for name, group in sorted(self._groups.items())
+            for name, group in sorted(groups.items())
         )
 
     def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]:
-        deadline = self._clock() + max(timeout, 0.0)
-        with self._changed:
-            while self._seq <= seq and not self._closed:
-                remaining = deadline - self._clock()
+        parts = self._parts
+        deadline = parts.clock() + max(timeout, 0.0)
+        with parts.changed:
+            while parts.events.seq <= seq and not parts.closed:
+                remaining = deadline - parts.clock()
                 if remaining <= 0:
                     return []
-                self._changed.wait(remaining)
-            if not self._events:
-                return []
-            first = self._events[0][0]
-            begin = max(seq + 1 - first, 0)
-            return [Event._make(e) for e in itertools.islice(self._events, begin, begin + limit)]
+                parts.changed.wait(remaining)
+            return parts.events.since(seq, limit)
 
     def wait_ready(self, ns_id: str, keys: Sequence[BlockKey], timeout: float) -> ReadyPrefix:
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
-        deadline = self._clock() + max(timeout, 0.0)
-        with self._changed:
+        parts = self._parts
+        parts.namespaces.check_keys(parts.namespaces.entry(ns_id), keys)
+        deadline = parts.clock() + max(timeout, 0.0)
+        with parts.changed:
             while True:
-                self._expire()
-                result = self._lookup(keys)
-                remaining = deadline - self._clock()
-                if not result.pending_keys or remaining <= 0 or self._closed:
+                parts.expire()
+                result = ready_prefix(parts.index, keys)
+                remaining = deadline - parts.clock()
+                if not result.pending_keys or remaining <= 0 or parts.closed:
                     return result
-                # short slices: a lapsed owner lease is noticed by _expire() promptly
-                self._changed.wait(min(remaining, 0.05))
+                # short slices: a lapsed owner lease is noticed by expire() promptly
+                parts.changed.wait(min(remaining, 0.05))
 
     def verify_invariants(self) -> None:
         """Walk the whole index and raise AssertionError on any broken invariant.
 
         O(blocks): for tests and debugging, not for the serving path.
         """
+        parts = self._parts
+        tiers, groups = parts.tiers, parts.namespaces.groups
         with self._lock:
-            self._expire()  # applies a disk capacity the writer lowered meanwhile
+            parts.expire()  # applies a disk capacity the writer lowered meanwhile
             host = disk = pending = 0
             held: set[int] = set()  # host slots of blocks
-            group_bytes = {name: [0, 0] for name in self._groups}  # host, disk
-            for node in self._index.nodes.values():
+            group_bytes = {name: [0, 0] for name in groups}  # host, disk
+            for node in parts.index.nodes.values():
                 parent = node.parent
                 assert node.pins >= 0, f"{node}: negative pins"
                 assert node.in_host or node.on_disk, f"{node}: indexed but in no tier"
@@ -411,7 +423,7 @@ class Store(SharedBlocks):
                     pending += 1
                     assert node.in_host and node.pins >= 1, f"{node}: pending without slot/lease"
                 if parent is not None:
-                    assert self._index.get(parent.key) is parent, f"{node}: parent not indexed"
+                    assert parts.index.get(parent.key) is parent, f"{node}: parent not indexed"
                     assert node.ready <= parent.ready, f"{node}: ready under a pending parent"
                     if node.in_host:
                         assert parent.in_host, f"{node}: in host, parent is not"
@@ -420,32 +432,72 @@ class Store(SharedBlocks):
                 children = list(node.children())
                 assert node.host_children == sum(c.in_host for c in children), f"{node}: host count"
                 assert node.disk_children == sum(c.on_disk for c in children), f"{node}: disk count"
-                listed = node in self._host_policy
+                listed = node in tiers.host_policy
                 assert listed == (node.in_host and node.ready), f"{node}: host list membership"
-                assert (node in self._disk_policy) == node.on_disk, f"{node}: disk list membership"
+                assert (node in tiers.disk_policy) == node.on_disk, f"{node}: disk list membership"
                 host += node.in_host
                 disk += node.on_disk
                 group_bytes[node.ns.group.name][0] += node.size * node.in_host
                 group_bytes[node.ns.group.name][1] += node.size * node.on_disk
                 if node.in_host:
                     held.add(node.host_offset)
-            assert host == self._host_blocks and disk == self._disk_blocks, "tier block counts"
-            staged_of = {name: 0 for name in self._groups}
-            for lease in self._leases.values():
+            assert host == tiers.host_blocks and disk == tiers.disk_blocks, "tier block counts"
+            staged_of = {name: 0 for name in groups}
+            for lease in parts.leases:
                 slots = len(lease.staged or ())
                 staged_of[lease.entry.group.name] += slots * lease.entry.spec.block_bytes
-            for name, group in self._groups.items():
+            for name, group in groups.items():
                 held_bytes = [group.host_bytes, group.disk_bytes]
                 assert group_bytes[name] == held_bytes, f"tenant {name!r}: bytes counted"
                 assert staged_of[name] == group.staged_bytes, f"tenant {name!r}: staged bytes"
-            staged = [o for lease in self._leases.values() for o in lease.staged or ()]
+            staged = [o for lease in parts.leases for o in lease.staged or ()]
             assert len(set(staged)) == len(staged), "a slot staged twice"
             assert held.isdisjoint(staged), "a staged slot holds a block"
             for offset in staged:
                 self._arena.slot_size(offset)  # raises unless a live slot
-            assert pending == self._pending, "pending count"
+            assert pending == tiers.pending, "pending count"
             assert self._arena.used_bytes <= self._arena.capacity_bytes, "host over capacity"
             if self._disk is not None:
                 assert self._disk.used_bytes <= self._disk.capacity_bytes, "disk over capacity"
 
-    # =============================================================== internals
+    # ------------------------------------------------------------------ leases
+    @property
+    def shared(self) -> SharedTier | None:
+        return self._shared_blocks.shared
+
+    def release(self, lease_id: int) -> None:
+        with self._lock:
+            self._parts.expire()
+            self._parts.end_lease(self._parts.leases.get(lease_id), "released")
+
+    def own(self, owner: str, lease_ids: Sequence[int]) -> None:
+        """Tie leases to ``owner`` (a client connection): :meth:`release_owner` ends
+        them when it goes away, so a killed client holds nothing for its leases' TTL.
+        Ids that are 0 or no longer live are skipped (a lease may end before its
+        answer leaves)."""
+        with self._lock:
+            self._parts.leases.own(owner, lease_ids)
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` (its client disconnected): read leases unpin,
+        write leases drop their pending blocks, staging leases free their slots, as
+        when they expire. The number of leases ended."""
+        with self._lock:
+            if self._parts.closed:
+                return 0
+            leases = self._parts.leases.take_owned(owner)
+            for lease in leases:
+                self._parts.end_lease(lease, "its client disconnected")
+            return len(leases)
+
+    def expire(self) -> None:
+        """Reclaim expired leases and priorities now (also done on every call)."""
+        with self._lock:
+            self._parts.expire()
+
+    def _reap(self) -> None:
+        while not self._reaper_stop.wait(REAP_EVERY_S):
+            with self._lock:
+                if self._parts.closed:
+                    return
+                self._parts.expire()

@@ -1,9 +1,16 @@
 """The read side of the store: lookup, read, acquire, locate and the reads clients
-report.
+report, over the store's parts (:mod:`kvstore.store_parts`).
+
+Copies of block bytes happen outside the lock: the blocks involved are pinned (their
+pin count) while the lock is released, so eviction cannot free a slot under a reader.
+A read of disk-only blocks reserves host slots for them under the lock, reads them
+into the slots without it (the blocks of one share in one LMDB read transaction), and
+publishes the promotions under the lock again.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,32 +21,64 @@ import numpy as np
 from kvstore.errors import (
     InvalidArgument,
 )
-from kvstore.index import READY, NamespaceEntry, Node
+from kvstore.index import READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey
-from kvstore.leases import Leases
 from kvstore.results import (
     Acquisition,
     Located,
     ReadyPrefix,
 )
-from kvstore.store_state import (
-    PARALLEL_PROMOTE_BYTES,
-    PROMOTE_THREADS,
-)
+from kvstore.store_config import PARALLEL_PROMOTE_BYTES, PROMOTE_THREADS, check_ttl
+from kvstore.store_parts import StoreParts
 
 log = logging.getLogger(__name__)
 
 
-class Reads(Leases):
+def ready_prefix(index: Index, keys: Sequence[BlockKey]) -> ReadyPrefix:
+    """How much of ``keys``' chain is ready (in each tier) and pending after that.
+    Under the lock."""
+    walk = index.walk(keys)
+    ready = host = 0
+    for node in walk:  # attributes, not the properties: this runs per block per call
+        if node.state != READY:
+            break
+        ready += 1
+        if node.host_offset >= 0:
+            host += 1
+    pending = tuple(
+        node.key for node in itertools.takewhile(lambda n: not n.ready, walk[ready:])
+    )
+    return ReadyPrefix(ready, host, ready - host, pending)
+
+
+class Reads:
     """The read side (see the module docstring)."""
+
+    def __init__(self, parts: StoreParts) -> None:
+        self._parts = parts
+        self._lock = parts.lock
+        self._config = parts.config
+        self._namespaces = parts.namespaces
+        self._index = parts.index
+        self._counters = parts.counters
+        self._leases = parts.leases
+        self._arena = parts.arena
+        self._disk = parts.disk
+        self._tiers = parts.tiers
+        self._promoters: ThreadPoolExecutor | None = None  # made on the first big promotion
+
+    def close(self) -> None:
+        """Stop the promotion threads (after the store closed)."""
+        if self._promoters is not None:
+            self._promoters.shutdown(wait=True)
 
     # ------------------------------------------------------------------ read side
     def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> ReadyPrefix:
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
         with self._lock:
-            self._expire()
-            return self._lookup(keys)
+            self._parts.expire()
+            return ready_prefix(self._index, keys)
 
     def read(
         self,
@@ -53,8 +92,8 @@ class Reads(Leases):
         ``start`` are not copied (the caller has them) but must be ready too. Disk hits
         are verified and promoted into the host tier (parents first) when room can be
         made. Raises InvalidArgument if ``out`` cannot hold len(keys) - start blocks."""
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
         size = entry.spec.block_bytes
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
@@ -109,12 +148,12 @@ class Reads(Leases):
 
         ``count=False`` for a read counted already (the same get acquiring again): no
         hits or misses are counted, the blocks are touched as by any read."""
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
-        ttl = self._ttl(ttl_s)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
+        ttl = check_ttl(self._config, ttl_s)
         if not count:
             with self._lock:
-                self._c.repeated_gets += 1
+                self._counters.repeated_gets += 1
         pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
         if pinned is None:
             return None
@@ -129,7 +168,7 @@ class Reads(Leases):
             size = entry.spec.block_bytes
             if not kept:
                 return Acquisition(0, 0.0, (), (), size)
-            lease = self._new_lease(entry, kept, write=False, ttl=ttl)
+            lease = self._leases.new(entry, kept, write=False, ttl=ttl)
             keys = tuple([node.key for node in kept])
             offsets = tuple([node.host_offset for node in kept])
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
@@ -139,11 +178,11 @@ class Reads(Leases):
         nothing (an unpinned read: see :mod:`kvstore.slot_epochs`). Counts the hits and
         touches the prefix as a read does. None, having changed nothing, when a block of
         the prefix is on disk only (the caller acquires instead)."""
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
         with self._lock:
-            self._check_open()
-            self._expire()
+            self._parts.check_open()
+            self._parts.expire()
             nodes, on_disk = self._host_prefix(keys)
             if on_disk:
                 return None
@@ -158,13 +197,13 @@ class Reads(Leases):
         read. From slots it knew (checked by their epochs): blocks that left the host
         tier since (and all after them) are not counted. Returns blocks counted per
         read."""
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
         if reads <= 0:
             return 0
         with self._lock:
-            self._check_open()
-            self._c.known_slot_gets += reads
+            self._parts.check_open()
+            self._counters.known_slot_gets += reads
             nodes, _ = self._host_prefix(keys)
             if nodes:
                 self._count_reads(entry, nodes, len(nodes), reads, len(nodes))
@@ -175,11 +214,11 @@ class Reads(Leases):
         ready prefix it had looked up (the daemon's Get): hit rates stay honest."""
         if blocks <= 0:
             return
-        entry = self._entry(ns_id)
+        entry = self._namespaces.entry(ns_id)
         with self._lock:
             entry.misses += blocks
-            self._c.host_misses += blocks
-            self._c.disk_misses += blocks
+            self._counters.host_misses += blocks
+            self._counters.disk_misses += blocks
 
     # --- pinned reads -----------------------------------------------------------
     def _pin_prefix(
@@ -197,8 +236,8 @@ class Reads(Leases):
         With ``host_only``, None (nothing pinned) when a block is not in the host tier.
         """
         with self._lock:
-            self._check_open()
-            self._expire()
+            self._parts.check_open()
+            self._parts.expire()
             nodes = self._ready_prefix(keys)
             all_host = all(node.host_offset >= 0 for node in nodes)
             if host_only and not all_host:
@@ -211,7 +250,7 @@ class Reads(Leases):
             for i, node in enumerate(nodes):
                 if node.in_host:
                     continue
-                offset = self._alloc_host(node.size, node.ns.group)
+                offset = self._tiers.alloc_host(node.size, node.ns.group)
                 if offset is None:
                     if promote_all:
                         for late in nodes[i:]:
@@ -306,14 +345,14 @@ class Reads(Leases):
                 node = nodes[i]
                 if start <= i < ok and not node.in_host:
                     promoted += 1
-                if i < ok and not node.in_host and not self._closed:
-                    self._publish_promotion(node, offset)
+                if i < ok and not node.in_host and not self._parts.closed:
+                    self._tiers.publish_promotion(node, offset)
                 else:
                     self._arena.free(offset)
             for node in nodes[ok:] if keep_pins else nodes:
                 node.pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
-                self._lost_on_disk(nodes[ok])
+                self._tiers.lost_on_disk(nodes[ok])
             if count:
                 self._count_served(
                     entry, len(keys) - start, max(ok - start, 0), host_hits, promoted
@@ -325,7 +364,7 @@ class Reads(Leases):
             end = ok
             while end and self._index.get(nodes[end - 1].key) is not nodes[end - 1]:
                 end -= 1
-            self._touch(nodes[:end])
+            self._tiers.touch(nodes[:end])
 
     def _count_served(
         self, entry: NamespaceEntry, wanted: int, served: int, host_hits: int, promoted: int = 0
@@ -333,7 +372,7 @@ class Reads(Leases):
         """Hit and miss counters of a read that asked for ``wanted`` blocks and served
         ``served`` (``host_hits`` of them from host, ``promoted`` read into a fresh host
         slot, the rest straight from disk). Under the lock."""
-        c = self._c
+        c = self._counters
         c.host_hits += host_hits
         c.host_misses += wanted - host_hits
         c.disk_hits += served - host_hits
@@ -375,4 +414,4 @@ class Reads(Leases):
         self._count_served(entry, wanted * reads, n * reads, host_hits * reads)
         for node in nodes:
             node.hits += reads
-        self._touch(nodes)
+        self._tiers.touch(nodes)

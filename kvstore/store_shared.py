@@ -19,26 +19,40 @@ from collections.abc import Callable, Sequence
 from kvstore.index import READY, Node
 from kvstore.keys import BlockKey
 from kvstore.shared_tier import Outgoing, SharedTier
+from kvstore.store_parts import StoreParts
+from kvstore.store_reads import ready_prefix
 from kvstore.store_writes import Writes
 
 MAX_ANCESTORS = 8192  # the longest unsent run of parents lent with one block
 
 
-class SharedBlocks(Writes):
-    """See the module docstring."""
+class SharedBlocks:
+    """See the module docstring. ``shared`` is set once the tier is made (it needs the
+    store to lend it blocks)."""
 
-    _shared: SharedTier | None
+    def __init__(self, parts: StoreParts, writes: Writes) -> None:
+        self._parts = parts
+        self._lock = parts.lock
+        self._namespaces = parts.namespaces
+        self._index = parts.index
+        self._arena = parts.arena
+        self._writes = writes
+        self._shared: SharedTier | None = None
 
     @property
     def shared(self) -> SharedTier | None:
         return self._shared
+
+    @shared.setter
+    def shared(self, tier: SharedTier | None) -> None:
+        self._shared = tier
 
     def shared_gap(self, ns_id: str, keys: Sequence[BlockKey]) -> bool:
         """Whether :meth:`pull_shared` could add blocks to ``keys``' ready prefix: the
         shared tier is usable and the prefix stops before a block nobody here computes."""
         if self._shared is None or not self._shared.usable():
             return False
-        self._check_keys(self._entry(ns_id), keys)
+        self._namespaces.check_keys(self._namespaces.entry(ns_id), keys)
         with self._lock:
             return self._gap(keys) is not None
 
@@ -47,22 +61,22 @@ class SharedBlocks(Writes):
         ``keys`` (see the module docstring); how many were stored."""
         if self._shared is None or not self._shared.usable():
             return 0
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
         with self._lock:
-            self._check_open()
+            self._parts.check_open()
             start = self._gap(keys)
         if start is None:
             return 0
         payloads = self._shared.fetch(entry.spec, keys[start:])
         if not payloads:
             return 0
-        return self.put(ns_id, keys[: start + len(payloads)], payloads, start=start).stored
+        return self._writes.put(ns_id, keys[: start + len(payloads)], payloads, start=start).stored
 
     def _gap(self, keys: Sequence[BlockKey]) -> int | None:
         """Where the ready prefix of ``keys`` stops, or None: the whole chain is ready,
         or its next block is pending. Under the lock."""
-        found = self._lookup(keys)
+        found = ready_prefix(self._index, keys)
         if found.pending_keys or found.ready_blocks == len(keys):
             return None
         return found.ready_blocks

@@ -1,10 +1,17 @@
 """The write side of the store: put, reserve (with staged slots), commit, fill,
-abandon, delete, clear and priorities.
+abandon, delete, clear and priorities, over the store's parts
+(:mod:`kvstore.store_parts`).
+
+A put is reserve -> copy into the reserved host slots -> commit (``put`` does all three
+for an inline caller). Reserved blocks are pending: visible to lookups, pinned by the
+write lease, ready once committed (each as soon as its own bytes are: a commit may
+name the next ``count`` blocks only). Staged slots (a put with no round trip before
+its copy): a reserve may also set aside ``stage_more`` empty slots under a staging
+lease; the next reserve names them (``staged_offsets``) and its new blocks take them.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -16,25 +23,38 @@ from kvstore.errors import (
     InvalidArgument,
     LeaseError,
 )
-from kvstore.index import PENDING, READY, NamespaceEntry, Node
+from kvstore.index import READY, NamespaceEntry, Node
 from kvstore.keys import BlockKey
+from kvstore.leases import Lease
 from kvstore.results import (
     EventKind,
     Reservation,
     SlotRef,
     Tier,
 )
-from kvstore.store_reads import Reads
-from kvstore.store_state import (
-    DELETE_COMMIT_TIMEOUT_S,
-    Lease,
-)
+from kvstore.store_config import DELETE_COMMIT_TIMEOUT_S, check_priority, check_ttl
+from kvstore.store_parts import StoreParts
 
 log = logging.getLogger(__name__)
 
 
-class Writes(Reads):
+class Writes:
     """The write side (see the module docstring)."""
+
+    def __init__(self, parts: StoreParts) -> None:
+        self._parts = parts
+        self._lock = parts.lock
+        self._changed = parts.changed
+        self._clock = parts.clock
+        self._config = parts.config
+        self._namespaces = parts.namespaces
+        self._index = parts.index
+        self._counters = parts.counters
+        self._events = parts.events
+        self._leases = parts.leases
+        self._arena = parts.arena
+        self._disk = parts.disk
+        self._tiers = parts.tiers
 
     # ----------------------------------------------------------------- write side
     def put(
@@ -45,9 +65,9 @@ class Writes(Reads):
         start: int = 0,
         priority: int | None = None,
     ) -> PutResult:
-        entry = self._entry(ns_id)
+        entry = self._namespaces.entry(ns_id)
         size = entry.spec.block_bytes
-        self._check_keys(entry, keys)
+        self._namespaces.check_keys(entry, keys)
         if not 0 <= start <= len(keys) or start + len(payloads) > len(keys):
             raise InvalidArgument(
                 f"{len(payloads)} payloads from block {start} do not fit a chain of "
@@ -103,23 +123,23 @@ class Writes(Reads):
         next put (fewer when the lease's limit or the room runs out; a new staging
         lease when ``stage_lease_id`` is 0). See the module docstring.
         """
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
         if staged_offsets and len(staged_offsets) != len(keys) - start:
             raise InvalidArgument(
                 f"{len(staged_offsets)} staged slots for {len(keys) - start} offered blocks"
             )
-        if not 0 <= stage_more <= self.config.max_blocks_per_request:
+        if not 0 <= stage_more <= self._config.max_blocks_per_request:
             raise InvalidArgument(
-                f"stage_more={stage_more} is outside [0, {self.config.max_blocks_per_request}]"
+                f"stage_more={stage_more} is outside [0, {self._config.max_blocks_per_request}]"
             )
-        prio = self._priority(priority)
-        ttl = self._ttl(ttl_s)
+        prio = check_priority(self._config, priority)
+        ttl = check_ttl(self._config, ttl_s)
         with self._lock:
-            self._check_open()
-            self._expire()
+            self._parts.check_open()
+            self._parts.expire()
             staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
             reservation = self._reserve_locked(
                 entry, keys, start, prio, ttl, staging, staged_offsets
@@ -127,10 +147,10 @@ class Writes(Reads):
             if staging is None and stage_more == 0:
                 return reservation
             if staging is None:
-                staging = self._new_lease(entry, [], write=False, ttl=ttl)
+                staging = self._leases.new(entry, [], write=False, ttl=ttl)
                 staging.staged, staging.ttl = set(), ttl
             granted = self._stage(staging, stage_more)
-            staging.expires_at = self._clock() + staging.ttl  # _expire sees the renewal
+            self._leases.renew(staging)
             return replace(
                 reservation,
                 stage_lease_id=staging.lease_id,
@@ -147,7 +167,7 @@ class Writes(Reads):
             if offsets:
                 raise InvalidArgument("staged slots need the staging lease that holds them")
             return None
-        lease = self._lease(lease_id)
+        lease = self._leases.get(lease_id)
         if lease.staged is None:
             raise LeaseError(f"lease {lease_id} is a {lease.kind} lease, not a staging lease")
         if lease.entry is not entry:
@@ -170,17 +190,17 @@ class Writes(Reads):
         leaves as a put would), within the lease's limit; the offsets granted."""
         assert lease.staged is not None
         size = lease.entry.spec.block_bytes
-        room = self.config.staged_bytes_limit // size - len(lease.staged)
+        room = self._config.staged_bytes_limit // size - len(lease.staged)
         count = max(0, min(count, room))
         group = lease.entry.group
         if count and group.quota.host_bytes:
-            count = self._quota_blocks(group, count, size)
+            count = self._tiers.quota_blocks(group, count, size)
         if count == 0:
             return []
         offsets = self._arena.alloc_run(size, count)
         group.staged_bytes += len(offsets) * size
         while len(offsets) < count:
-            offset = self._alloc_host(size, group)
+            offset = self._tiers.alloc_host(size, group)
             if offset is None:
                 break
             offsets.append(offset)
@@ -214,14 +234,14 @@ class Writes(Reads):
         try:
             parent = walk[-1] if walk else None
             # new blocks go to host, so their prefix must be there too (parents first)
-            promoted = all(self._promote_now(node) for node in walk if not node.in_host)
+            promoted = all(self._tiers.promote_now(node) for node in walk if not node.in_host)
             out_of_space = not promoted
             first_new = max(start, len(walk))
             end = len(keys) if promoted else first_new
             size = entry.spec.block_bytes
             if entry.group.quota.host_bytes and end > first_new and not staged_offsets:
                 # (blocks going into staged slots were counted when the slots were staged)
-                fits = self._quota_blocks(entry.group, end - first_new, size)
+                fits = self._tiers.quota_blocks(entry.group, end - first_new, size)
                 out_of_space = out_of_space or fits < end - first_new
                 end = first_new + fits
             # staged slots, or one carve for the whole batch when a free extent holds
@@ -231,16 +251,18 @@ class Writes(Reads):
             elif end > first_new:
                 run = self._arena.alloc_run(size, end - first_new)
             if run:
-                created = self._add_pending_run(entry, keys[first_new:end], parent, prio, run)
+                created = self._tiers.add_pending_run(entry, keys[first_new:end], parent, prio, run)
                 if staging is not None and staging.staged is not None:
                     staging.staged.difference_update(run)
                     staging.entry.group.staged_bytes -= len(run) * size
             for i in range(first_new + len(created), end):
-                offset = self._alloc_host(size, entry.group)
+                offset = self._tiers.alloc_host(size, entry.group)
                 if offset is None:
                     out_of_space = True
                     break
-                created += self._add_pending_run(entry, keys[i : i + 1], parent, prio, [offset])
+                created += self._tiers.add_pending_run(
+                    entry, keys[i : i + 1], parent, prio, [offset]
+                )
                 parent = created[-1]
         finally:
             if not staged_offsets:
@@ -248,12 +270,12 @@ class Writes(Reads):
                     self._arena.free(offset)
             for node in walk:
                 node.pins -= 1
-        self._touch(walk[-1:] if self._host_policy.touch_prefix else walk[start:])
+        self._tiers.touch(walk[-1:] if self._tiers.host_policy.touch_prefix else walk[start:])
         refused = offered - existing - len(created)
         if not created:
             return Reservation(0, 0.0, existing, refused, out_of_space)
-        self._pending += len(created)
-        lease = self._new_lease(entry, created, write=True, ttl=ttl)
+        self._tiers.pending += len(created)
+        lease = self._leases.new(entry, created, write=True, ttl=ttl)
         first = len(keys) - refused - len(created)
         lease.first_index = first
         return Reservation(
@@ -268,33 +290,6 @@ class Writes(Reads):
             size,
         )
 
-    def _add_pending_run(
-        self,
-        entry: NamespaceEntry,
-        keys: Sequence[BlockKey],
-        parent: Node | None,
-        prio: int,
-        offsets: Sequence[int],
-    ) -> list[Node]:
-        """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
-        the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
-        by the write lease to come: what ``Index.add`` and ``_host_add`` do per block,
-        in one pass (a put's blocks are one such run; a slot-by-slot reserve makes
-        runs of one)."""
-        nodes: list[Node] = []
-        for key, offset in zip(keys, offsets, strict=True):
-            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset)
-            nodes.append(node)
-            parent = node
-        self._index.add_chain(nodes)
-        self._host_blocks += len(nodes)
-        entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
-        for holder in nodes[:-1]:
-            holder.host_children = 1
-        if nodes[0].parent is not None:
-            nodes[0].parent.host_children += 1
-        return nodes
-
     def commit(self, lease_id: int, count: int | None = None) -> int:
         """Make the next ``count`` (default: all) reserved blocks of a write lease ready;
         how many. See :meth:`commit_durably` for what write-through adds."""
@@ -308,8 +303,8 @@ class Writes(Reads):
         room, below ``disk_min_priority``) is stored but not durable. (ready, durable);
         durable is 0 with the other admission modes, which promise nothing on a crash."""
         with self._lock:
-            self._expire()
-            lease = self._lease(lease_id, write=True)
+            self._parts.expire()
+            lease = self._leases.get(lease_id, write=True)
             remaining = len(lease.nodes) - lease.committed
             n = remaining if count is None else count
             if not 0 <= n <= remaining:
@@ -321,33 +316,33 @@ class Writes(Reads):
             for node in batch:
                 node.state = READY
                 node.pins -= 1
-            self._pending -= n
-            self._c.host_bytes_in += n * lease.entry.spec.block_bytes
+            self._tiers.pending -= n
+            self._counters.host_bytes_in += n * lease.entry.spec.block_bytes
             lease.committed += n
             disk = self._disk
-            through = self.config.admission == "write-through" and disk is not None
+            through = self._config.admission == "write-through" and disk is not None
             if batch:
-                self._insert_used(batch)
-                self._emit_all(EventKind.STORED, batch, Tier.HOST)
+                self._tiers.insert_used(batch)
+                self._events.emit_all(EventKind.STORED, batch, Tier.HOST)
                 if through:
                     for node in batch:
-                        self._write_to_disk(node)
+                        self._tiers.write_to_disk(node)
             if lease.committed == len(lease.nodes):
-                self._forget_lease(lease, "committed")
+                self._leases.forget(lease, "committed")
             self._changed.notify_all()
             on_disk = [node.key for node in batch if node.on_disk]
         if not through or not on_disk:
             return n, 0
         assert disk is not None
-        return n, disk.wait_committed(on_disk, self.config.write_through_wait_s)
+        return n, disk.wait_committed(on_disk, self._config.write_through_wait_s)
 
     def claimed_slots(self, lease_id: int, count: int) -> tuple[SlotRef, ...]:
         """The next ``count`` uncommitted blocks of a write lease (chain order), for a
         caller that fills them and then commits ``count``: the arena writer, or the
         daemon delivering an inline Put into a claim."""
         with self._lock:
-            self._expire()
-            lease = self._lease(lease_id, write=True)
+            self._parts.expire()
+            lease = self._leases.get(lease_id, write=True)
             remaining = len(lease.nodes) - lease.committed
             if not 0 < count <= remaining:
                 raise InvalidArgument(
@@ -379,38 +374,38 @@ class Writes(Reads):
 
     def abandon(self, lease_id: int) -> int:
         with self._lock:
-            self._expire()
-            lease = self._lease(lease_id, write=True)
+            self._parts.expire()
+            lease = self._leases.get(lease_id, write=True)
             dropped = len(lease.nodes) - lease.committed
-            self._end_lease(lease, "abandoned")
+            self._parts.end_lease(lease, "abandoned")
             return dropped
 
     def delete(self, ns_id: str, keys: Sequence[BlockKey], start: int = 0) -> int:
         """Drop block ``start`` of the chain and its descendants (busy ones stay); the
         number dropped. Returns once their deletions from disk are committed."""
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
         if not 0 <= start < max(len(keys), 1):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
 
         def drop() -> int:
             walk = self._index.walk(keys)
-            return self._delete_subtree(walk[start]) if len(walk) > start else 0
+            return self._tiers.delete_subtree(walk[start]) if len(walk) > start else 0
 
         return self._drop_and_commit(drop)
 
     def clear(self, ns_id: str | None = None) -> int:
         """Drop every block of a namespace (of all when None; busy ones stay); the number
         dropped. Returns once their deletions from disk are committed."""
-        entries = [self._entry(ns_id)] if ns_id is not None else None
+        entries = [self._namespaces.entry(ns_id)] if ns_id is not None else None
 
         def drop() -> int:
             removed = 0
-            for entry in entries or list(self._namespaces.values()):
+            for entry in entries or list(self._namespaces):
                 for key in list(entry.roots):
                     root = self._index.get(key)
                     if root is not None:
-                        removed += self._delete_subtree(root)
+                        removed += self._tiers.delete_subtree(root)
             return removed
 
         return self._drop_and_commit(drop)
@@ -418,13 +413,12 @@ class Writes(Reads):
     def _drop_and_commit(self, drop: Callable[[], int]) -> int:
         """Run ``drop`` (it removes blocks; returns how many) under the lock, then, once
         the lock is released, wait until the disk deletions it queued are committed: a
-        restart does not bring the blocks back, and a same-host client reading the disk
-        file itself (kvclient.disk_index) no longer finds them."""
+        restart does not bring the blocks back."""
         with self._lock:
-            self._expire()
-            on_disk = self._disk_blocks
+            self._parts.expire()
+            on_disk = self._tiers.disk_blocks
             removed = drop()
-            deleted_on_disk = self._disk_blocks < on_disk
+            deleted_on_disk = self._tiers.disk_blocks < on_disk
         if not deleted_on_disk:
             return removed
         assert self._disk is not None
@@ -442,22 +436,17 @@ class Writes(Reads):
         duration_s: float | None = None,
         start: int = 0,
     ) -> int:
-        entry = self._entry(ns_id)
-        self._check_keys(entry, keys)
-        prio = self._priority(priority)
+        entry = self._namespaces.entry(ns_id)
+        self._namespaces.check_keys(entry, keys)
+        prio = check_priority(self._config, priority)
         if duration_s is not None and not duration_s > 0:
             raise InvalidArgument(f"duration_s must be > 0 when given, got {duration_s}")
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
         with self._lock:
-            self._expire()
+            self._parts.expire()
             until = self._clock() + duration_s if duration_s else 0.0
             changed = self._index.walk(keys)[start:]
             for node in changed:
-                self._set_node_priority(node, prio)
-                if until:
-                    self._priority_until[node] = until
-                    heapq.heappush(self._priority_heap, (until, next(self._priority_seq), node))
-                else:
-                    self._priority_until.pop(node, None)
+                self._tiers.set_priority(node, prio, until)
             return len(changed)

@@ -1,38 +1,254 @@
-"""Moving blocks between tiers: eviction, write-back, promotion, rebuild at start.
+"""The tiers: where each block's bytes are, and moving them.
 
-Only leaves leave a tier, lowest priority then least recently used first
-(:mod:`kvstore.policy`); a host leaf is written back to disk when admitted, else
-dropped; a disk hit is promoted into a host slot, parents first; at start the disk
-tier's records rebuild the index (see the module docstring of :mod:`kvstore.store`).
+:class:`Tiers` owns the eviction orders of the host and the disk tier
+(:mod:`kvstore.policy`), the per-tier block counts and the blocks' timed priorities,
+and moves blocks over the index (:mod:`kvstore.index`), the host arena and the disk
+tier: a block enters and leaves a tier here and nowhere else.
+
+- Only leaves leave a tier, lowest priority then least recently used first; a host
+  leaf is written back to disk when admitted, else dropped; a tenant at its quota
+  evicts its own blocks first.
+- A disk hit is promoted into a host slot, parents first; a disk block that cannot be
+  read back is dropped with its disk-only descendants.
+- At start the disk tier's records rebuild the index; at close the host-only blocks
+  are written to disk while room lasts.
+- Ending a lease (:meth:`Tiers.let_go`) unpins its blocks, drops its pending ones and
+  frees its staged slots.
+
+No lock of its own: every method runs under the store's lock (:mod:`kvstore.store`).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+from collections.abc import Callable, Sequence
 
 import xxhash
 
+from kvstore.arena import HostArena
 from kvstore.disk import DiskRecord, DiskTier
-from kvstore.index import READY, Node
+from kvstore.events import Counters, EventLog
+from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.leases import Lease
+from kvstore.namespaces import Namespaces
 from kvstore.policy import GroupedPolicy
-from kvstore.results import (
-    EventKind,
-    Tier,
-)
-from kvstore.store_state import (
-    StoreState,
-)
+from kvstore.results import EventKind, Tier
+from kvstore.store_config import StoreConfig
 from kvstore.tenants import Group
 
 log = logging.getLogger(__name__)
 
 
-class Tiering(StoreState):
-    """Eviction, write-back, promotion and rebuild (see the module docstring)."""
+class Tiers:
+    """Block placement over the host and disk tiers (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: Index,
+        namespaces: Namespaces,
+        arena: HostArena,
+        disk: DiskTier | None,
+        counters: Counters,
+        events: EventLog,
+        wall: Callable[[], float],
+    ) -> None:
+        self._config = config
+        self._index = index
+        self._namespaces = namespaces
+        self._arena = arena
+        self._disk = disk
+        self._counters = counters
+        self._events = events
+        self._wall = wall
+        self.host_policy = GroupedPolicy(config.eviction_policy, "host")
+        self.disk_policy = GroupedPolicy(config.eviction_policy, "disk")
+        self.host_blocks = 0
+        self.disk_blocks = 0
+        self.pending = 0  # blocks reserved and not committed yet
+        self._priority_heap: list[tuple[float, int, Node]] = []
+        self._priority_until: dict[Node, float] = {}  # blocks whose priority is timed
+        self._priority_seq = itertools.count()
+
+    # --- a tier's blocks ----------------------------------------------------------------------
+    def host_add(self, node: Node, offset: int) -> None:
+        node.host_offset = offset
+        self.host_blocks += 1
+        node.ns.group.host_bytes += node.size
+        if node.parent is not None:
+            node.parent.host_children += 1
+
+    def host_drop(self, node: Node) -> None:
+        if node in self.host_policy:
+            self.host_policy.remove(node)
+        self._arena.free(node.host_offset)
+        node.host_offset = -1
+        self.host_blocks -= 1
+        node.ns.group.host_bytes -= node.size
+        if node.parent is not None:
+            node.parent.host_children -= 1
+
+    def disk_add(self, node: Node) -> None:
+        node.on_disk = True
+        self.disk_blocks += 1
+        node.ns.group.disk_bytes += node.size
+        self.disk_policy.insert(node)
+        if node.parent is not None:
+            node.parent.disk_children += 1
+
+    def disk_drop(self, node: Node) -> None:
+        assert self._disk is not None
+        self._disk.delete(node.key)
+        self.disk_policy.remove(node)
+        node.on_disk = False
+        self.disk_blocks -= 1
+        node.ns.group.disk_bytes -= node.size
+        if node.parent is not None:
+            node.parent.disk_children -= 1
+
+    def drop_node(self, node: Node) -> None:
+        """Remove a childless, unpinned block from every tier and the index."""
+        if node.in_host:
+            self.host_drop(node)
+        if node.on_disk:
+            self.disk_drop(node)
+        self._index.remove(node)
+        self._priority_until.pop(node, None)
+        self._counters.dropped += 1
+        self._events.emit(EventKind.REMOVED, node, "")
+
+    def delete_subtree(self, root: Node) -> int:
+        """Drop ``root`` and its descendants, keeping busy blocks and their ancestors."""
+        removed = 0
+        for node in self._index.subtree_postorder(root):
+            if node.pins or not node.ready or node.first_child is not None:
+                continue
+            self.drop_node(node)
+            removed += 1
+        return removed
+
+    def reprioritize(self, node: Node, priority: int) -> None:
+        node.priority = priority
+        if node in self.host_policy:
+            self.host_policy.reprioritize(node)
+        if node in self.disk_policy:
+            self.disk_policy.reprioritize(node)
+            assert self._disk is not None
+            self._disk.touch(node.key, priority, node.last_access)
+
+    def touch(self, named: Sequence[Node]) -> None:
+        """Mark a use of the blocks a request named (root-to-leaf order).
+
+        Prefix-aware policies count a use of a block as a use of its whole prefix:
+        one timestamp, walked leaf to root so every parent ends up after (newer than)
+        its children in the eviction lists. Plain LRU touches only ``named``.
+        """
+        if not named:
+            return
+        now = self._wall()
+        last = named[-1]
+        if not self.host_policy.touch_prefix:
+            used = [node for node in named if node.ready]
+        elif named[0].parent is None and last.state == READY:
+            used = named[::-1]  # the whole prefix, leaf first (a ready block's parents are)
+        else:
+            used = [node for node in itertools.chain((last,), last.ancestors()) if node.ready]
+        for node in used:
+            node.last_access = now
+        self.host_policy.touch_all(used)
+        if self._disk is not None:
+            self.disk_policy.touch_all(used)
+
+    def insert_used(self, batch: Sequence[Node]) -> None:
+        """List blocks that just became ready (one run of a chain, parents first) in the
+        host tier as just used, then touch their prefix: the order that inserting them
+        and then ``touch(batch)`` gives, with one list operation per block, not three."""
+        policy = self.host_policy
+        now = self._wall()
+        for node in batch:
+            node.last_access = now
+        policy.insert_all(batch[::-1] if policy.touch_prefix else batch)
+        parent = batch[0].parent
+        if policy.touch_prefix and parent is not None:
+            self.touch((parent,))  # a prefix-aware touch of a block is one of its prefix
+
+    def add_pending_run(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        parent: Node | None,
+        prio: int,
+        offsets: Sequence[int],
+    ) -> list[Node]:
+        """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
+        the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
+        by the write lease to come: what ``Index.add`` and ``_host_add`` do per block,
+        in one pass (a put's blocks are one such run; a slot-by-slot reserve makes
+        runs of one)."""
+        nodes: list[Node] = []
+        for key, offset in zip(keys, offsets, strict=True):
+            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset)
+            nodes.append(node)
+            parent = node
+        self._index.add_chain(nodes)
+        self.host_blocks += len(nodes)
+        entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
+        for holder in nodes[:-1]:
+            holder.host_children = 1
+        if nodes[0].parent is not None:
+            nodes[0].parent.host_children += 1
+        return nodes
+
+
+    # --- priorities -------------------------------------------------------------------
+    def set_priority(self, node: Node, priority: int, until: float) -> None:
+        """Give ``node`` a priority, until the clock reads ``until`` (0: for good)."""
+        self.reprioritize(node, priority)
+        if until:
+            self._priority_until[node] = until
+            heapq.heappush(self._priority_heap, (until, next(self._priority_seq), node))
+        else:
+            self._priority_until.pop(node, None)
+
+    def expire_priorities(self, now: float) -> None:
+        """Timed priorities that ran out fall back to the default."""
+        heap = self._priority_heap
+        while heap and heap[0][0] <= now:
+            until, _, node = heapq.heappop(heap)
+            if self._priority_until.get(node) == until:
+                del self._priority_until[node]
+                self.reprioritize(node, self._config.default_priority)
+
+    def apply_shrunk_disk(self) -> None:
+        """Evict disk leaves if the disk tier lowered its effective capacity."""
+        if self._disk is not None and self._disk.drain_shrunk():
+            self._shrink_disk(self._disk)
+
+    # --- leases -----------------------------------------------------------------------
+    def let_go(self, lease: Lease) -> None:
+        """What ending a lease does to blocks and slots: a read lease unpins its blocks,
+        a write lease drops its uncommitted ones, a staging lease frees its slots."""
+        if lease.write:
+            dropped = lease.nodes[lease.committed :]
+            for node in reversed(dropped):
+                node.pins -= 1
+                self._events.emit(EventKind.PENDING_DROPPED, node, Tier.HOST)
+                self.host_drop(node)
+                self._index.remove(node)
+            self.pending -= len(dropped)
+        else:
+            for node in lease.nodes:
+                node.pins -= 1
+        for offset in lease.staged or ():
+            self._arena.free(offset)
+        if lease.staged:
+            lease.entry.group.staged_bytes -= len(lease.staged) * lease.entry.spec.block_bytes
 
     # --- eviction -------------------------------------------------------------------
-    def _alloc_host(self, size: int, group: Group) -> int | None:
+    def alloc_host(self, size: int, group: Group) -> int | None:
         """A host slot of ``size`` bytes for a block of ``group``, evicting host leaves
         until one fits (the group's own first, while it is at its quota)."""
         if not self._quota_room(group, size, host=True):
@@ -41,7 +257,7 @@ class Tiering(StoreState):
             offset = self._arena.alloc(size)
             if offset is not None:
                 return offset
-            victim = self._victim(self._host_policy, host=True)
+            victim = self._victim(self.host_policy, host=True)
             if victim is None:
                 return None
             self._evict_from_host(victim)
@@ -53,7 +269,7 @@ class Tiering(StoreState):
         limit = group.quota.host_bytes if host else group.quota.disk_bytes
         if not limit:
             return True
-        policy = self._host_policy if host else self._disk_policy
+        policy = self.host_policy if host else self.disk_policy
         while (group.host_held if host else group.disk_bytes) + nbytes > limit:
             victim = self._victim(policy, host, group.name)
             if victim is None:
@@ -65,7 +281,7 @@ class Tiering(StoreState):
                 self._evict_from_disk(victim)
         return True
 
-    def _quota_blocks(self, group: Group, n: int, size: int) -> int:
+    def quota_blocks(self, group: Group, n: int, size: int) -> int:
         """How many of ``n`` new host blocks of ``size`` bytes ``group``'s quota takes
         (evicting its own blocks to make room for as many as it can)."""
         if self._quota_room(group, n * size, host=True):
@@ -89,25 +305,25 @@ class Tiering(StoreState):
         return any(n.pins or not n.ready for n in self._index.subtree_postorder(node))
 
     def _evict_from_host(self, node: Node) -> None:
-        self._c.host_evictions += 1
-        if not self._host_policy.leaf_first:  # plain LRU: descendants become unusable
+        self._counters.host_evictions += 1
+        if not self.host_policy.leaf_first:  # plain LRU: descendants become unusable
             for late in self._index.subtree_postorder(node)[:-1]:
-                self._drop_node(late)
-        if node.on_disk or self._write_to_disk(node):
-            self._host_drop(node)
-            self._c.demotions += 1
-            self._emit(EventKind.DEMOTED, node, Tier.DISK)
+                self.drop_node(late)
+        if node.on_disk or self.write_to_disk(node):
+            self.host_drop(node)
+            self._counters.demotions += 1
+            self._events.emit(EventKind.DEMOTED, node, Tier.DISK)
             return
-        self._drop_node(node)  # a host leaf that is not on disk has no disk children
+        self.drop_node(node)  # a host leaf that is not on disk has no disk children
 
-    def _admit(self, node: Node) -> bool:
-        if node.priority < self.config.disk_min_priority:
+    def admit(self, node: Node) -> bool:
+        if node.priority < self._config.disk_min_priority:
             return False
-        if self.config.admission == "selective":
-            return node.hits >= self.config.selective_hits
+        if self._config.admission == "selective":
+            return node.hits >= self._config.selective_hits
         return True
 
-    def _write_to_disk(self, node: Node, evict: bool = True) -> bool:
+    def write_to_disk(self, node: Node, evict: bool = True) -> bool:
         """Queue a host block's bytes for the disk tier; False if not admitted or no room.
 
         The disk tier is prefix-closed on its own: ancestors missing from disk are
@@ -117,7 +333,7 @@ class Tiering(StoreState):
         that were already committed to disk).
         """
         disk = self._disk
-        if disk is None or node.on_disk or not self._admit(node):
+        if disk is None or node.on_disk or not self.admit(node):
             return False
         if disk.fault:  # refused now, before making room for it
             disk.refuse()
@@ -170,8 +386,8 @@ class Tiering(StoreState):
         )
         if not disk.write(record, payload):
             return False
-        self._disk_add(node)
-        self._c.disk_bytes_in += node.size
+        self.disk_add(node)
+        self._counters.disk_bytes_in += node.size
         return True
 
     def _make_disk_room(self, nbytes: int) -> bool:
@@ -183,7 +399,7 @@ class Tiering(StoreState):
         if nbytes > capacity:
             return False
         while disk.used_bytes + nbytes > capacity:
-            victim = self._victim(self._disk_policy, host=False)
+            victim = self._victim(self.disk_policy, host=False)
             if victim is None:
                 return False
             self._evict_from_disk(victim)
@@ -193,41 +409,41 @@ class Tiering(StoreState):
         """LMDB ran out of map space and lowered the tier's effective capacity: evict
         disk leaves until the blocks fit it again."""
         while disk.used_bytes > disk.capacity_bytes:
-            victim = self._victim(self._disk_policy, host=False)
+            victim = self._victim(self.disk_policy, host=False)
             if victim is None:
                 return
             self._evict_from_disk(victim)
 
     def _evict_from_disk(self, node: Node) -> None:
-        self._c.disk_evictions += 1
-        if not self._disk_policy.leaf_first:
+        self._counters.disk_evictions += 1
+        if not self.disk_policy.leaf_first:
             for late in self._index.subtree_postorder(node)[:-1]:
-                self._drop_node(late)
+                self.drop_node(late)
         if node.in_host:
-            self._disk_drop(node)
+            self.disk_drop(node)
         else:
-            self._drop_node(node)
+            self.drop_node(node)
 
-    def _persist_host_blocks(self) -> None:
+    def persist_host_blocks(self) -> None:
         """At close: write host-only ready blocks to disk, parents first, while room lasts."""
-        for entry in self._namespaces.values():
+        for entry in self._namespaces:
             queue = [self._index.nodes[key] for key in entry.roots]
             while queue:
                 node = queue.pop()
                 if not node.in_host or not node.ready:
                     continue
-                if not node.on_disk and not self._write_to_disk(node, evict=False):
+                if not node.on_disk and not self.write_to_disk(node, evict=False):
                     continue  # not admitted: its descendants would be orphans on disk
                 queue.extend(node.children())
 
-    def _rebuild_from_disk(self) -> None:
+    def rebuild_from_disk(self) -> None:
         """Rebuild the index of disk blocks from LMDB; drop records that lost their parent."""
         disk = self._disk
         assert disk is not None
         for digest, spec_dict in disk.namespaces().items():
             spec = NamespaceSpec.from_dict(spec_dict)
             if spec.digest == digest:
-                self._register(spec)
+                self._namespaces.register(spec)
         records = {record.key: record for record in disk.records()}
         depth: dict[bytes, int] = {}
         orphans: list[bytes] = []
@@ -236,7 +452,7 @@ class Tiering(StoreState):
             cursor: bytes | None = key
             while cursor is not None and cursor not in depth:
                 record = records.get(cursor)
-                if record is None or record.ns_digest not in self._by_digest:
+                if record is None or record.ns_digest not in self._namespaces.by_digest:
                     orphans.extend(r.key for r in chain)
                     chain = []
                     break
@@ -244,7 +460,7 @@ class Tiering(StoreState):
                 cursor = record.parent or None
             for record in reversed(chain):
                 parent = self._index.get(BlockKey(record.parent)) if record.parent else None
-                entry = self._by_digest[record.ns_digest]
+                entry = self._namespaces.by_digest[record.ns_digest]
                 if record.size != entry.spec.block_bytes:
                     orphans.append(record.key)
                     continue
@@ -258,7 +474,7 @@ class Tiering(StoreState):
                 )
                 self._index.add(node)
                 node.on_disk = True
-                self._disk_blocks += 1
+                self.disk_blocks += 1
                 entry.group.disk_bytes += record.size
                 if parent is not None:
                     parent.disk_children += 1
@@ -267,39 +483,39 @@ class Tiering(StoreState):
             disk.delete(key)
         order = sorted(depth, key=lambda k: (records[k].last_access, -depth[k]))
         for key in order:
-            self._disk_policy.insert(self._index.nodes[BlockKey(key)])
+            self.disk_policy.insert(self._index.nodes[BlockKey(key)])
         if orphans:
             log.warning("dropped %d disk blocks whose parent was missing", len(orphans))
         log.info("rebuilt %d disk blocks in %d namespaces", len(depth), len(self._namespaces))
 
-    def _promote_now(self, node: Node) -> bool:
+    def promote_now(self, node: Node) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.
 
         Only for the prefix of a reserve (a few blocks, usually after a restart); reads
         promote outside the lock. The caller pins ``node`` and its ancestors.
         """
         assert self._disk is not None and node.on_disk and not node.in_host
-        offset = self._alloc_host(node.size, node.ns.group)
+        offset = self.alloc_host(node.size, node.ns.group)
         if offset is None:
             return False
         if self._disk.read(node.key, out=self._arena.view(offset, node.size)) is None:
             self._arena.free(offset)
-            self._lost_on_disk(node)
+            self.lost_on_disk(node)
             return False
-        self._publish_promotion(node, offset)
+        self.publish_promotion(node, offset)
         return True
 
-    def _publish_promotion(self, node: Node, offset: int) -> None:
+    def publish_promotion(self, node: Node, offset: int) -> None:
         """A disk block's bytes are verified in host slot ``offset``: it is in host now."""
         self._arena.epochs.bump((offset,))  # the slot's bytes are final from here on
-        self._host_add(node, offset)
-        self._host_policy.insert(node)
-        self._c.promotions += 1
-        self._c.host_bytes_in += node.size
-        self._c.disk_bytes_out += node.size
-        self._emit(EventKind.PROMOTED, node, Tier.HOST)
+        self.host_add(node, offset)
+        self.host_policy.insert(node)
+        self._counters.promotions += 1
+        self._counters.host_bytes_in += node.size
+        self._counters.disk_bytes_out += node.size
+        self._events.emit(EventKind.PROMOTED, node, Tier.HOST)
 
-    def _lost_on_disk(self, node: Node) -> None:
+    def lost_on_disk(self, node: Node) -> None:
         """A block the index had on disk could not be read back (checksum or gone).
 
         Its disk descendants lose their parent there: blocks also in host just leave the
@@ -309,10 +525,10 @@ class Tiering(StoreState):
         subtree = [n for n in self._index.subtree_postorder(node) if n.on_disk]
         if any(n.pins and not n.in_host for n in subtree):
             return
-        self._c.lost_on_disk += 1
-        self._emit(EventKind.CORRUPT, node, Tier.DISK)
+        self._counters.lost_on_disk += 1
+        self._events.emit(EventKind.CORRUPT, node, Tier.DISK)
         for late in subtree:
             if late.in_host:
-                self._disk_drop(late)
+                self.disk_drop(late)
             else:
-                self._drop_node(late)
+                self.drop_node(late)

@@ -39,37 +39,6 @@ def anon_mapping(size: int) -> ArenaMapping:
     return ArenaMapping(mmap.mmap(-1, size), None, writable=True)
 
 
-# -- runs ------------------------------------------------------------------------------
-
-
-def test_adjacent_slots_make_one_run_in_either_direction() -> None:
-    # large blocks are carved upwards: one run, stride +block
-    up = ap.slot_runs(table([0, 1, 2, 3], [0, BB, 2 * BB, 3 * BB]), BB)
-    assert up == [ap.Run(0, 4, 0, BB)]
-    # small blocks are carved from the top of an extent down: one run, stride -block
-    down = ap.slot_runs(table([0, 1, 2], [3 * BB, 2 * BB, BB]), BB)
-    assert down == [ap.Run(0, 3, 3 * BB, -BB)]
-    # evenly spaced with gaps (sizes rounded up): still one strided run
-    gaps = ap.slot_runs(table([5, 6, 7], [0, BB + 64, 2 * BB + 128]), BB)
-    assert gaps == [ap.Run(0, 3, 0, BB + 64)]
-
-
-def test_runs_break_at_chain_gaps_overlaps_and_stride_changes() -> None:
-    runs = ap.slot_runs(
-        table(
-            [0, 1, 2, 4, 5, 6, 7, 8],
-            # 0-2 up; a chain gap before 4; 4-5 up; 6 jumps back (another stride);
-            # 7 overlaps 6; 8 is far from 7 but may start a run with it
-            [0, BB, 2 * BB, 10 * BB, 11 * BB, 5 * BB, 5 * BB + 100, 20 * BB],
-        ),
-        BB,
-    )
-    assert [(r.pos, r.count) for r in runs] == [(0, 3), (3, 2), (5, 1), (6, 2)]
-    assert runs[-1].stride == 15 * BB - 100
-    assert ap.slot_runs(table([], []), BB) == []
-    assert ap.slot_runs(table([3], [BB]), BB) == [ap.Run(0, 1, BB, BB)]
-
-
 @pytest.mark.parametrize("parallel", [False, True])
 def test_write_then_read_slots_round_trips_every_run_kind(
     parallel: bool, monkeypatch: pytest.MonkeyPatch

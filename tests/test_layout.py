@@ -1,14 +1,21 @@
 """The code layout the design card promises: each top-level folder holds the package
 of its name, imports run one way (core <- daemon, core <- client <- integrations and
-kvctl), and each wing of the client stays within its size."""
+kvctl), each wing of the client stays within its size, and the core and the daemon
+are built from parts they own, not from classes stacked across modules."""
 
 from __future__ import annotations
 
+import abc
 import ast
+import enum
+import importlib
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 import kvbench
 import kvclient
@@ -144,3 +151,67 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     assert lines(wings / "vllm") <= 1100
     assert lines(wings / "hf") <= 900
     assert lines(FOLDERS["kvctl"]) <= 800
+
+
+# -- composition, not inheritance ------------------------------------------------------
+
+
+def is_interface(base: type) -> bool:
+    """What a class may inherit from another module: a Protocol, an abstract base
+    class, an exception, an enum, a NamedTuple's tuple, or a generated gRPC servicer
+    (the service's interface: each of its methods answers UNIMPLEMENTED)."""
+    return (
+        base is object
+        or getattr(base, "_is_protocol", False)
+        or isinstance(base, abc.ABCMeta)
+        or issubclass(base, BaseException | enum.Enum)
+        or base is tuple
+        or base.__module__.endswith("_pb2_grpc")
+    )
+
+
+def concrete_bases_elsewhere(module: ModuleType) -> list[str]:
+    """'Class(Base)' for each class of ``module`` that subclasses a concrete class of
+    another module."""
+    found = []
+    for cls in vars(module).values():
+        if not isinstance(cls, type) or cls.__module__ != module.__name__:
+            continue
+        for base in cls.__bases__:
+            if base.__module__ != module.__name__ and not is_interface(base):
+                found.append(f"{module.__name__}.{cls.__name__}({base.__module__}.{base.__name__})")
+    return found
+
+
+def test_the_core_and_the_daemon_compose_parts_instead_of_stacking_classes() -> None:
+    """A part is built, tested and read alone: no class of kvstore/ or kvstored/ is a
+    subclass of another module's concrete class."""
+    found = [
+        bad
+        for package in ("kvstore", "kvstored")
+        for name, _ in modules(package)
+        if name not in ("kvstored.__main__",)
+        for bad in concrete_bases_elsewhere(importlib.import_module(name))
+    ]
+    assert found == []
+
+
+def test_the_subclass_check_finds_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above is not blind: a stacked class is found, interfaces are not."""
+    (tmp_path / "stack_base.py").write_text(
+        "import abc, enum, typing\n"
+        "class State:\n    x = 1\n"
+        "class Shape(abc.ABC):\n    @abc.abstractmethod\n    def area(self): ...\n"
+        "class Kind(enum.Enum):\n    A = 1\n"
+        "class Reader(typing.Protocol):\n    def read(self) -> bytes: ...\n"
+    )
+    (tmp_path / "stack_top.py").write_text(
+        "from stack_base import Kind, Reader, Shape, State\n"
+        "class Reads(State): pass\n"
+        "class Square(Shape):\n    def area(self): return 1\n"
+        "class Fault(ValueError): pass\n"
+        "class FileReader(Reader):\n    def read(self) -> bytes: return b''\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    top = importlib.import_module("stack_top")
+    assert concrete_bases_elsewhere(top) == ["stack_top.Reads(stack_base.State)"]

@@ -16,7 +16,7 @@ import torch
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import NamespaceSpec
-from kvstore.mover import HFKV, BlockShape, KVCache, Mover, PagedKV, slot_runs, stack_uniform
+from kvstore.mover import HFKV, BlockShape, KVCache, Mover, PagedKV, stack_uniform
 
 L, H, T, D = 3, 2, 4, 8  # layers, kv heads, tokens per block, head dim
 NB = 12  # paged: blocks in the pool
@@ -238,11 +238,6 @@ def test_stack_uniform_detects_layers_of_one_allocation() -> None:
     view = stack_uniform([whole[1], whole[2]])
     assert view is not None and view.data_ptr() == whole[1].data_ptr()
     assert torch.equal(view, whole[1:3])
-
-
-def test_slot_runs_groups_adjacent_slots() -> None:
-    assert slot_runs([0, 100, 200, 500, 600, 50], 100) == [(0, 3, 0), (3, 2, 500), (5, 1, 50)]
-    assert slot_runs([], 100) == []
 
 
 def test_hf_block_ids_address_sequences() -> None:

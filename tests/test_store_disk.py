@@ -139,9 +139,9 @@ def test_clear_and_delete_return_with_their_disk_deletions_committed(tmp_path: P
         s.put(ns, second, [payload(i) for i in range(2)])
         s.flush()
         assert s.delete(ns, first, start=1) == 2
-        assert not s._disk._ops  # nothing queued: the deletions are in LMDB already
+        assert not s._parts.disk._ops  # nothing queued: the deletions are in LMDB already
         assert s.clear(ns) == 3
-        assert not s._disk._ops and s.stats().tiers[1].blocks == 0
+        assert not s._parts.disk._ops and s.stats().tiers[1].blocks == 0
 
 
 def test_selective_admission_demotes_only_reused_blocks(tmp_path: Path) -> None:

@@ -191,13 +191,13 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: True)
     @rule()
     def restart(self) -> None:
-        on_disk = [key for key, node in self.store._index.nodes.items() if node.on_disk]
+        on_disk = [key for key, node in self.store._parts.index.nodes.items() if node.on_disk]
         self.store.close()
         self.reads.clear()
         self.writes.clear()
         self.store = self._open()
         for key in on_disk:
-            node = self.store._index.get(key)
+            node = self.store._parts.index.get(key)
             assert node is not None and node.on_disk and node.ready, "disk block lost"
 
     # ------------------------------------------------------------- invariants
@@ -207,7 +207,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def leased_blocks_stay(self) -> None:
-        index = self.store._index
+        index = self.store._parts.index
         for lease in self.reads.values():
             for key in lease.keys:
                 node = index.get(key)

@@ -14,8 +14,8 @@ numpy copies while gRPC carries only slot offsets:
   of the slots themselves -> ``Release`` when the caller is done with them.
 
 Copies never loop over blocks in Python. The slots of a request are grouped into
-*runs* (:func:`slot_runs`, vectorised): consecutive chain positions whose arena
-offsets step by one constant stride. Large blocks are allocated at rising,
+*runs* (:func:`kvstore.slot_runs.slot_runs`, strided): consecutive chain positions
+whose arena offsets step by one constant stride. Large blocks are allocated at rising,
 adjacent offsets (one run, stride ``block_bytes``); small ones are carved from the
 top of a free extent down (one run with a negative stride). A run is one strided
 numpy view, so a whole batch is usually one ``np.copyto``. numpy releases the GIL for
@@ -41,6 +41,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvstore.arena_mapping import ArenaMapping, map_arena
+from kvstore.slot_runs import Run, slot_runs
 from kvstore.stream_copy import copy_into
 
 log = logging.getLogger(__name__)
@@ -81,17 +82,6 @@ class SlotTable:
             np.fromiter((s.index for s in slots), np.int64, n),
             np.fromiter((s.offset for s in slots), np.int64, n),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """``count`` slots at chain positions ``indices[pos:pos+count]`` (consecutive); block
-    k of the run is at arena offset ``offset + k * stride``."""
-
-    pos: int
-    count: int
-    offset: int
-    stride: int
 
 
 class ClientArena:
@@ -142,35 +132,6 @@ class ClientArena:
 
 
 # -- runs -----------------------------------------------------------------------------
-
-
-def slot_runs(table: SlotTable, block_bytes: int) -> list[Run]:
-    """Group the slots into runs of one constant stride (see the module docstring).
-
-    Two neighbours in ``table`` are in one run when their chain positions follow each
-    other, their offsets differ by at least ``block_bytes`` (rows never overlap) and,
-    if the pair before them joined too, by the same step as that pair. Vectorised:
-    O(runs) Python work. (A pair right after a stride change starts a run of its own
-    even when it could have extended the next one: fewer joins, never a wrong one.)
-    """
-    n = len(table)
-    if n == 0:
-        return []
-    offsets = table.offsets
-    if n == 1:
-        return [Run(0, 1, int(offsets[0]), block_bytes)]
-    step = np.diff(offsets)
-    joins = (np.diff(table.indices) == 1) & (np.abs(step) >= block_bytes)
-    joins[1:] &= ~joins[:-1] | (step[1:] == step[:-1])
-    # a run starts at 0 and after every pair that does not join
-    starts = np.flatnonzero(~joins) + 1
-    bounds = np.concatenate(([0], starts, [n]))
-    runs = []
-    for first, stop in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-        count = stop - first
-        stride = int(step[first]) if count > 1 else block_bytes
-        runs.append(Run(first, count, int(offsets[first]), stride))
-    return runs
 
 
 def run_view(arena: np.ndarray, run: Run, block_bytes: int, *, writable: bool) -> np.ndarray:
@@ -297,7 +258,7 @@ def write_slots(
     table = slots if isinstance(slots, SlotTable) else SlotTable.of(slots)
     arena = mapping.array()
     pairs: list[tuple[np.ndarray, np.ndarray]] = []
-    for run in slot_runs(table, block_bytes):
+    for run in slot_runs(table.offsets, block_bytes, table.indices, strided=True):
         row = int(table.indices[run.pos]) - first_index
         dst = run_view(arena, run, block_bytes, writable=True)
         map_in_run(mapping, run, block_bytes)
@@ -320,7 +281,7 @@ def read_slots(
     table = slots if isinstance(slots, SlotTable) else SlotTable.of(slots)
     arena = mapping.array()
     pairs = []
-    for run in slot_runs(table, block_bytes):
+    for run in slot_runs(table.offsets, block_bytes, table.indices, strided=True):
         row = int(table.indices[run.pos]) - first_index
         src = run_view(arena, run, block_bytes, writable=False)
         pairs.append((out[row : row + run.count], src))
@@ -354,7 +315,7 @@ def slot_views(
     arena = mapping.array()
     rows: list[np.ndarray] = []
     whole: np.ndarray | None = None
-    runs = slot_runs(slots, block_bytes)
+    runs = slot_runs(slots.offsets, block_bytes, slots.indices, strided=True)
     for run in runs:
         view = run_view(arena, run, block_bytes, writable=False)
         view.flags.writeable = False

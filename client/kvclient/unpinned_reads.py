@@ -39,11 +39,12 @@ import numpy as np
 import xxhash
 
 from kvclient.accounting import ReadKey
-from kvclient.arena_path import ClientArena, Run, SlotTable, read_runs, slot_runs
+from kvclient.arena_path import ClientArena, read_runs
 from kvclient.payloads import output_array
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.results import ServerInfo
 from kvstore.slot_epochs import READS_IN_ORDER, SlotEpochs
+from kvstore.slot_runs import Run, slot_runs
 
 READS_ENV = "KVCLIENT_READS"
 LAST_SLOTS_ENTRIES = 4096  # prefixes remembered per client (a few KiB each at most)
@@ -80,7 +81,7 @@ class Slots:
 
     offsets: np.ndarray  # int64, block i of the prefix first
     entries: np.ndarray  # their epoch table entries
-    runs: list[Run]  # their copy runs (arena_path.slot_runs)
+    runs: list[Run]  # their copy runs (kvstore.slot_runs)
     epochs: np.ndarray  # uint64: the answer's epoch of each slot
     complete: bool  # the answer had every block its request asked for
 
@@ -106,7 +107,7 @@ class Slots:
 
 def _prefix_runs(offsets: np.ndarray, block_bytes: int) -> list[Run]:
     """Copy runs of the slots of blocks 0, 1, 2 ... (a prefix, in chain order)."""
-    return slot_runs(SlotTable(np.arange(offsets.size, dtype=np.int64), offsets), block_bytes)
+    return slot_runs(offsets, block_bytes, strided=True)
 
 
 class LastSlots:

@@ -59,7 +59,7 @@ class _Aborted(Exception):
 
 class _CallContext:
     """What the servicer's unary methods use of grpc.aio.ServicerContext: ``abort``;
-    ``owner``: whose leases the call makes (see KVStoreService.owner_of); ``caller``:
+    ``owner``: whose leases the call makes (see kvstored.owners.Owners.owner_of); ``caller``:
     whose call it is (None before the connection authenticated: see kvstored.auth)."""
 
     def __init__(self, owner: str, caller: Caller | None) -> None:

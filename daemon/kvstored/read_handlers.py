@@ -16,19 +16,26 @@ from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
 from kvstore.errors import InvalidArgument, LeaseError, StoreError
 from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.slot_runs import slot_runs
 from kvstored import convert
 from kvstored.auth import Caller
 from kvstored.config import GET_CHUNK_BYTES
+from kvstored.dispatch import Calls, NeedsPool
 from kvstored.errors import grpc_errors
-from kvstored.service_base import (
-    MAX_WAIT_PENDING_S,
-    NeedsPool,
-    ServiceBase,
-)
+from kvstored.owners import Owners
+
+MAX_WAIT_PENDING_S = 300.0
 
 
-class ReadHandlers(ServiceBase):
-    # --- read side --------------------------------------------------------------------
+class ReadHandlers:
+    """See the module docstring."""
+
+    def __init__(self, calls: Calls, owners: Owners) -> None:
+        self._calls = calls
+        self._owners = owners
+        self._store = calls.store
+        self._config = calls.config
+        self.access = calls.access
 
     @grpc_errors
     async def Lookup(
@@ -42,7 +49,7 @@ class ReadHandlers(ServiceBase):
             )
 
         def lookup(quick: bool = False) -> pb.LookupResponse:
-            spec, keys, pulled = self._read_chain(
+            spec, keys, pulled = self._calls.read_chain(
                 request.ns_id, request.tokens, request.extra_keys, caller, quick
             )
             if wait:
@@ -53,20 +60,20 @@ class ReadHandlers(ServiceBase):
             return convert.lookup_response(result, spec.block_tokens, len(keys))
 
         if wait is not None:
-            return await self._run(lookup, wait=True)
-        return await self._run_quick(lookup)
+            return await self._calls.run(lookup, wait=True)
+        return await self._calls.run_quick(lookup)
 
     @grpc_errors
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GetResponse | bytes]:
         caller = self.access.caller(context)
-        plan = await self._run_quick(functools.partial(self._open_read, request, caller))
+        plan = await self._calls.run_quick(functools.partial(self._open_read, request, caller))
         finished = False
         try:
             yield self._message(pb.GetResponse(header=plan.header))
             for pieces, size in plan.chunks(GET_CHUNK_BYTES):
-                if self.framed:
+                if self._calls.framed:
                     yield data_frames.framed(pieces, size)  # one copy, out of the arena
                 else:
                     yield pb.GetResponse(data=b"".join(pieces))
@@ -84,7 +91,7 @@ class ReadHandlers(ServiceBase):
 
     def _open_read(self, request: pb.GetRequest, caller: Caller, quick: bool = False) -> _ReadPlan:
         """Find what a Get sends and pin it: the header and the bytes."""
-        spec, keys, _ = self._read_chain(
+        spec, keys, _ = self._calls.read_chain(
             request.ns_id, request.tokens, request.extra_keys, caller, quick
         )
         start, bb = request.start_block, spec.block_bytes
@@ -140,8 +147,9 @@ class ReadHandlers(ServiceBase):
                 self._store.release(got.lease_id)
             return None
         arena = self._store.arena
-        runs = _slot_runs(got.offsets[start:], got.block_bytes)
-        segments = [arena.view(offset, size) for offset, size in runs]
+        bb = got.block_bytes
+        runs = slot_runs(got.offsets[start:], bb)  # adjacent slots: one view each
+        segments = [arena.view(run.offset, run.count * bb) for run in runs]
         return _ReadPlan(pb.GetHeader(), segments, got.lease_id, len(keys) - start)
 
     def _release_quietly(self, lease_id: int) -> bool:
@@ -156,7 +164,7 @@ class ReadHandlers(ServiceBase):
 
     def _message(self, msg: Any) -> Any:
         """A non-data message of Get, serialized here when Get is registered framed."""
-        return msg.SerializeToString() if self.framed else msg
+        return msg.SerializeToString() if self._calls.framed else msg
 
     @grpc_errors
     async def Acquire(
@@ -169,10 +177,10 @@ class ReadHandlers(ServiceBase):
             )
         ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
         self._release_done(request.release_lease_ids)
-        owner = self.owner_of(context)
+        owner = self._owners.owner_of(context)
 
         def acquire(quick: bool = False) -> pb.AcquireResponse:
-            spec, keys, _ = self._read_chain(
+            spec, keys, _ = self._calls.read_chain(
                 request.ns_id, request.tokens, request.extra_keys, caller, quick
             )
             if request.max_blocks:
@@ -190,12 +198,12 @@ class ReadHandlers(ServiceBase):
             )
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise NeedsPool
-            self._own(owner, (got.lease_id,))
+            self._owners.own(owner, (got.lease_id,))
             return convert.acquire_response(
                 got, spec.block_tokens, self._store.arena_path or "", request.compact_slots
             )
 
-        return await self._run_quick(acquire)
+        return await self._calls.run_quick(acquire)
 
     @grpc_errors
     async def Release(
@@ -223,7 +231,7 @@ class ReadHandlers(ServiceBase):
             # every prefix is checked before any is counted: a bad one changes nothing
             checked: list[tuple[str, list[BlockKey], int]] = []
             for i, prefix in enumerate(prefixes):
-                spec, keys = self._chain(
+                spec, keys = self._calls.chain(
                     prefix.ns_id, prefix.tokens, prefix.extra_keys, caller, quick
                 )
                 if prefix.n_blocks > min(len(keys), limit):
@@ -243,7 +251,7 @@ class ReadHandlers(ServiceBase):
                 counted += self._store.note_reads(ns_id, keys, reads) * reads
             return pb.ReportReadsResponse(blocks_counted=counted)
 
-        return await self._run_quick(report)
+        return await self._calls.run_quick(report)
 
     def _release_done(self, lease_ids: Sequence[int]) -> None:
         """Release leases a client is done with, skipping those that already ended."""
@@ -278,15 +286,3 @@ class _ReadPlan:
                     pieces, size = [], 0
         if pieces:
             yield pieces, size
-
-
-def _slot_runs(offsets: Sequence[int], size: int) -> Iterator[tuple[int, int]]:
-    """(offset, bytes) of runs of ``size``-byte slots that follow each other in the arena."""
-    i = 0
-    while i < len(offsets):
-        start = offsets[i]
-        j = i + 1
-        while j < len(offsets) and offsets[j] == start + (j - i) * size:
-            j += 1
-        yield start, (j - i) * size
-        i = j

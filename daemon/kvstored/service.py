@@ -4,21 +4,21 @@ Why grpc.aio and not a sync server with a thread pool: Put, Get and WatchEvents 
 streams whose duration depends on the peer's network and patience (a WatchEvents
 lasts as long as a ``kvctl events`` runs); under grpc.aio they cost a coroutine while
 they wait, not a pool thread, so slow or idle peers cannot starve the other calls.
-Store calls lock, hash and copy block bytes, so each one runs on a bounded thread pool
-(``workers``) via ``run_in_executor``; calls that may wait a long time (Lookup with
-``wait_pending_s``, event polling) use a second pool so they cannot fill the first.
+The servicer is one thin class: it makes its parts and names, for each RPC, the handler
+that serves it. The parts: :class:`kvstored.dispatch.Calls` (the store, the settings,
+where a call runs: the quick path on the event loop or a thread pool, and the key
+chains of requests), :class:`kvstored.owners.Owners` (whose leases a call makes), and
+the handlers: :mod:`kvstored.read_handlers` (Lookup, Get, Acquire, Release,
+ReportReads), :mod:`kvstored.write_handlers` (Put, Reserve, Commit, Abandon) and
+:mod:`kvstored.admin_handlers` (namespaces, server info, sessions, management, stats
+and events).
 
 Each handler does three things: convert and validate the request (``convert``), run
-one synchronous function against the store on a pool, convert the result. Short calls
-skip the pool (a hand-off to a pool thread and back costs about a millisecond on a
-busy two-core machine, more than the call itself): Release, Abandon, Commit (unless
-write-through admission makes it write to disk), and Lookup, Acquire, Get, Reserve
-and Put when the chain is at most ``QUICK_BLOCKS`` blocks and already in the host
-tier (and, for writes, the arena has room without evicting). Those run on the event
-loop; a quick attempt that finds it would have to touch the disk raises
-``_NeedsPool`` before it changed anything and runs again on the pool. Errors are
-mapped to status codes in one place (``errors.grpc_errors``); a request that fails
-validation changed nothing in the store.
+one synchronous function against the store (on the event loop when it is short:
+Release, Abandon, Commit unless write-through makes it write to disk, and Lookup,
+Acquire, Get, Reserve and Put when the chain is short and already in the host tier;
+else on a pool), convert the result. Errors are mapped to status codes in one place
+(``errors.grpc_errors``); a request that fails validation changed nothing in the store.
 
 Data paths (see proto/kvproto/v1/kvstore.proto):
 - Put: header {ns_id, tokens, start_block, n_blocks, priority}, then chunks that
@@ -42,143 +42,96 @@ are ordinary ``GetResponse`` / ``PutRequest`` messages either way.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
-from kvproto.v1 import result_messages
-from kvproto.v1.results import Event
-from kvstore.errors import InvalidArgument
-from kvstored import convert
-from kvstored.errors import grpc_errors, tolerant
-from kvstored.service_base import (
-    EVENT_BATCH,
-    EVENT_POLL_S,
-)
+from kvstore.store import Store
+from kvstored.admin_handlers import AdminHandlers
+from kvstored.auth import Access
+from kvstored.config import DaemonConfig
+from kvstored.dispatch import Calls
+from kvstored.errors import tolerant
+from kvstored.names import NamespaceNames
+from kvstored.owners import Owners
+from kvstored.read_handlers import ReadHandlers
 from kvstored.write_handlers import WriteHandlers
 
 
-class KVStoreService(WriteHandlers):
-    """Servicer for ``kvstore.v1.KVStore``; owns its thread pools, not the store. The
-    handlers are in layers, each using only those below: :class:`ServiceBase` (shared
-    helpers, namespaces, sessions), :class:`ReadHandlers`, :class:`WriteHandlers`, and
-    here management and observability."""
+class KVStoreService(pb_grpc.KVStoreServicer):
+    """Servicer for ``kvstore.v1.KVStore`` (see the module docstring); owns its thread
+    pools, not the store."""
 
-    # --- management -------------------------------------------------------------------
+    def __init__(
+        self,
+        store: Store,
+        config: DaemonConfig,
+        names: NamespaceNames,
+        version: str,
+        access: Access,
+    ) -> None:
+        self._calls = Calls(store, config, names, version, access)
+        self._owners = Owners(store)
+        self.access = access
+        reads = ReadHandlers(self._calls, self._owners)
+        writes = WriteHandlers(self._calls, self._owners)
+        admin = AdminHandlers(self._calls, self._owners)
+        # each RPC and the handler that serves it
+        self.Lookup = reads.Lookup
+        self.Get = reads.Get
+        self.Acquire = reads.Acquire
+        self.Release = reads.Release
+        self.ReportReads = reads.ReportReads
+        self.Put = writes.Put
+        self.Reserve = writes.Reserve
+        self.Commit = writes.Commit
+        self.Abandon = writes.Abandon
+        self.OpenNamespace = admin.OpenNamespace
+        self.DescribeNamespace = admin.DescribeNamespace
+        self.ListNamespaces = admin.ListNamespaces
+        self.ServerInfo = admin.ServerInfo
+        self.Session = admin.Session
+        self.Delete = admin.Delete
+        self.Clear = admin.Clear
+        self.SetPriority = admin.SetPriority
+        self.Stats = admin.Stats
+        self.WatchEvents = admin.WatchEvents
 
-    @grpc_errors
-    async def Delete(
-        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
-    ) -> pb.DeleteResponse:
-        caller = self.access.caller(context)
+    @property
+    def framed(self) -> bool:
+        """Whether Get and Put are registered on framed bytes (see add_to_server)."""
+        return self._calls.framed
 
-        def delete() -> int:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, caller)
-            if request.start_block >= len(keys):
-                raise InvalidArgument(
-                    f"start_block={request.start_block} is not one of the {len(keys)} full "
-                    "blocks the tokens make"
-                )
-            return self._store.delete(spec.ns_id, keys, start=request.start_block)
+    @framed.setter
+    def framed(self, on: bool) -> None:
+        self._calls.framed = on
 
-        return pb.DeleteResponse(removed=await self._run(delete))
+    @property
+    def local_socket(self) -> str:
+        """The local-call socket ServerInfo names ("" until one is served)."""
+        return self._calls.local_socket
 
-    @grpc_errors
-    async def Clear(
-        self, request: pb.ClearRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ClearResponse:
-        caller = self.access.caller(context)
+    @local_socket.setter
+    def local_socket(self, path: str) -> None:
+        self._calls.local_socket = path
 
-        def clear() -> int:
-            if request.ns_id:
-                return self._store.clear(self.access.spec(request.ns_id, caller).ns_id)
-            if caller.admin:
-                return self._store.clear(None)
-            # a tenant's Clear with no namespace clears its own namespaces, no other
-            owned = [spec.ns_id for spec in self._store.namespaces() if caller.owns(spec)]
-            return sum(self._store.clear(ns_id) for ns_id in owned)
+    def begin_shutdown(self) -> None:
+        """End the open WatchEvents and Session streams so a graceful stop does not
+        wait for them."""
+        self._calls.stopping.set()
 
-        return pb.ClearResponse(removed=await self._run(clear))
+    def close(self) -> None:
+        self._calls.close()
 
-    @grpc_errors
-    async def SetPriority(
-        self, request: pb.SetPriorityRequest, context: grpc.aio.ServicerContext
-    ) -> pb.SetPriorityResponse:
-        caller = self.access.caller(context)
-        prio = convert.priority(request.priority)
-        duration = convert.seconds(request.duration_s, "duration_s")
+    def owner_opened(self, owner: str) -> None:
+        """A connection or stream of ``owner`` opened (see kvstored.owners)."""
+        self._owners.opened(owner)
 
-        def set_priority() -> int:
-            spec, keys = self._chain(request.ns_id, request.tokens, request.extra_keys, caller)
-            if request.start_block > len(keys):
-                raise InvalidArgument(
-                    f"start_block={request.start_block} is beyond the {len(keys)} full "
-                    "blocks the tokens make"
-                )
-            return self._store.set_priority(
-                spec.ns_id, keys, prio, duration_s=duration, start=request.start_block
-            )
-
-        return pb.SetPriorityResponse(changed=await self._run(set_priority))
-
-    # --- observability ----------------------------------------------------------------
-
-    @grpc_errors
-    async def Stats(
-        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StatsResponse:
-        caller = self.access.caller(context)
-        stats = await self._run(self._store.stats)
-        if not caller.admin:  # a tenant sees its own namespaces, and no tenant's usage
-            own = tuple(n for n in stats.namespaces if self.access.visible(caller, n.ns_id))
-            stats = dataclasses.replace(stats, namespaces=own, tenants=())
-        names = self._names.names_by_ns_id()
-        named = tuple(dataclasses.replace(n, name=names.get(n.ns_id, "")) for n in stats.namespaces)
-        return result_messages.stats_response(
-            dataclasses.replace(
-                stats,
-                namespaces=named,
-                platform=self._store.platform,
-                uptime_s=time.monotonic() - self._started,
-            )
-        )
-
-    @grpc_errors
-    async def WatchEvents(
-        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.WatchEventsResponse]:
-        caller = self.access.caller(context)
-        ns_filter = self.access.spec(request.ns_id, caller).ns_id if request.ns_id else ""
-        kinds = set(request.kinds)
-        for kind in kinds:
-            if kind not in result_messages.EVENT_KINDS.values():
-                raise InvalidArgument(f"kinds: unknown event kind {kind}")
-        seq = await self._run(self._latest_seq) if request.from_now else request.from_seq
-        while not self._stopping.is_set():
-            events: list[Event] = await self._run(
-                self._store.events_since, seq, EVENT_POLL_S, EVENT_BATCH, wait=True
-            )
-            if not events:
-                continue
-            missed = max(0, events[0].seq - seq - 1)
-            seq = events[-1].seq
-            out = [
-                result_messages.event_message(e)
-                for e in events
-                if (not ns_filter or e.ns_id == ns_filter)
-                and (not kinds or result_messages.EVENT_KINDS[e.kind] in kinds)
-                and self.access.visible(caller, e.ns_id)
-            ]
-            if out or missed:
-                yield pb.WatchEventsResponse(events=out, missed=missed)
-
-    def _latest_seq(self) -> int:
-        return self._store.last_event_seq
+    def owner_closed(self, owner: str) -> None:
+        """One of ``owner``'s connections closed: its leases end with the last one."""
+        self._owners.closed(owner)
 
 
 # --- registration ---------------------------------------------------------------------

@@ -20,15 +20,20 @@ from kvstore.results import Reservation, SlotRef
 from kvstored import convert
 from kvstored.auth import Caller
 from kvstored.config import MAX_CHUNK_BYTES
+from kvstored.dispatch import Calls, NeedsPool
 from kvstored.errors import grpc_errors
-from kvstored.read_handlers import ReadHandlers
-from kvstored.service_base import (
-    NeedsPool,
-)
+from kvstored.owners import Owners
 
 
-class WriteHandlers(ReadHandlers):
-    # --- write side -------------------------------------------------------------------
+class WriteHandlers:
+    """See the module docstring."""
+
+    def __init__(self, calls: Calls, owners: Owners) -> None:
+        self._calls = calls
+        self._owners = owners
+        self._store = calls.store
+        self._config = calls.config
+        self.access = calls.access
 
     @grpc_errors
     async def Put(
@@ -45,13 +50,13 @@ class WriteHandlers(ReadHandlers):
         prio = convert.optional_priority(head)
 
         def check_header(quick: bool = False) -> tuple[NamespaceSpec, list[BlockKey]]:
-            spec, keys = self._chain(head.ns_id, head.tokens, head.extra_keys, caller, quick)
+            spec, keys = self._calls.chain(head.ns_id, head.tokens, head.extra_keys, caller, quick)
             end = convert.block_range(head.start_block, head.n_blocks, len(keys))
             if head.n_blocks == 0:
                 raise InvalidArgument("n_blocks must be > 0")
             return spec, keys[:end]
 
-        spec, keys = await self._run_quick(check_header)
+        spec, keys = await self._calls.run_quick(check_header)
         bb = spec.block_bytes
         expected = head.n_blocks * bb
         if expected > self._config.max_transfer_bytes:
@@ -62,12 +67,12 @@ class WriteHandlers(ReadHandlers):
 
         def reserve(quick: bool = False) -> Reservation:
             if quick:
-                self._check_room(spec.ns_id, keys, head.n_blocks)
+                self._calls.check_room(spec.ns_id, keys, head.n_blocks)
             return self._store.reserve(
                 spec.ns_id, keys, head.start_block, self._config.max_lease_ttl_s, prio
             )
 
-        reservation = await self._run_quick(reserve)
+        reservation = await self._calls.run_quick(reserve)
         lease = reservation.lease_id
         sink = _SlotSink(self._store.arena.array(), reservation.slots, head.start_block, bb)
         committed = durable = 0
@@ -199,18 +204,18 @@ class WriteHandlers(ReadHandlers):
                 "staged slots can be committed on arrival"
             )
 
-        owner = self.owner_of(context)
+        owner = self._owners.owner_of(context)
 
         def reserve(quick: bool = False) -> pb.ReserveResponse:
-            spec, keys = self._chain(
+            spec, keys = self._calls.chain(
                 request.ns_id, request.tokens, request.extra_keys, caller, quick
             )
             end = convert.block_range(request.start_block, request.n_blocks, len(keys))
             if quick:  # staged slots are allocated already: only stage_more needs room
-                if request.commit and self._write_through():
+                if request.commit and self._calls.write_through():
                     raise NeedsPool  # the commit queues disk writes, which may wait
                 fresh = 0 if staged else end - request.start_block
-                self._check_room(spec.ns_id, keys[:end], fresh + request.stage_more)
+                self._calls.check_room(spec.ns_id, keys[:end], fresh + request.stage_more)
             res = self._store.reserve(
                 spec.ns_id,
                 keys[:end],
@@ -230,15 +235,15 @@ class WriteHandlers(ReadHandlers):
             if request.commit and res.lease_id:
                 durable = self._store.commit_durably(res.lease_id)[1]
             else:
-                self._own(owner, (res.lease_id,))
-            self._own(owner, (res.stage_lease_id,))
+                self._owners.own(owner, (res.lease_id,))
+            self._owners.own(owner, (res.stage_lease_id,))
             response = convert.reserve_response(
                 res, self._store.arena_path or "", request.compact_slots
             )
             response.durable = durable
             return response
 
-        return await self._run_quick(reserve)
+        return await self._calls.run_quick(reserve)
 
     @grpc_errors
     async def Commit(
@@ -252,8 +257,8 @@ class WriteHandlers(ReadHandlers):
 
     async def _commit(self, lease: int, count: int | None) -> tuple[int, int]:
         """(committed, durable): see Store.commit_durably."""
-        if self._write_through():  # commit waits for the disk
-            return await self._run(self._store.commit_durably, lease, count)
+        if self._calls.write_through():  # commit waits for the disk
+            return await self._calls.run(self._store.commit_durably, lease, count)
         return self._store.commit_durably(lease, count)
 
     @grpc_errors

@@ -1,0 +1,173 @@
+"""What every handler of the KVStore servicer shares: the store and the daemon's
+settings, where a call runs (the quick path on the event loop, else a thread pool),
+and the key chains of requests.
+
+Store calls lock, hash and copy block bytes, so they run on a bounded thread pool
+(``workers``) via ``run_in_executor``; calls that may wait a long time (Lookup with
+``wait_pending_s``, event polling) use a second pool so they cannot fill the first.
+Short calls skip the pool (a hand-off to a pool thread and back costs about a
+millisecond on a busy two-core machine, more than the call itself): a handler offers
+its work to :meth:`Calls.run_quick`, which runs it on the event loop with
+``quick=True``; work that finds it would touch the disk, evict, or hash a long prompt
+raises :class:`NeedsPool` before it changed anything and runs again on the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.store import Store
+from kvstored import convert, hostinfo
+from kvstored.auth import Access, Caller
+from kvstored.config import DaemonConfig
+from kvstored.names import NamespaceNames
+
+T = TypeVar("T")
+
+CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
+QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool
+WAIT_THREADS = 64  # calls that wait (Lookup with wait_pending_s, event polls) at once
+
+
+class NeedsPool(Exception):
+    """A call tried on the event loop would wait on the disk or hash a long prompt: it
+    stopped before changing anything and runs again on the pool."""
+
+
+class ChainCache:
+    """Key chains computed recently, by (ns_id, token bytes, extra keys); LRU, bounded by
+    the number of keys held. Keys are a pure function of those, so a hit is exact."""
+
+    def __init__(self, max_keys: int) -> None:
+        self._max_keys = max_keys
+        self._entries: OrderedDict[tuple[str, bytes, tuple[bytes, ...]], list[BlockKey]] = (
+            OrderedDict()
+        )
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def get(self, memo: tuple[str, bytes, tuple[bytes, ...]]) -> list[BlockKey] | None:
+        with self._lock:
+            keys = self._entries.get(memo)
+            if keys is not None:
+                self._entries.move_to_end(memo)
+            return keys
+
+    def put(self, memo: tuple[str, bytes, tuple[bytes, ...]], keys: list[BlockKey]) -> None:
+        if not keys or len(keys) > self._max_keys:
+            return
+        with self._lock:
+            if memo in self._entries:
+                return
+            self._entries[memo] = keys
+            self._held += len(keys)
+            while self._held > self._max_keys:
+                _, old = self._entries.popitem(last=False)
+                self._held -= len(old)
+
+
+class Calls:
+    """The store, the settings and the pools every handler uses (see the module
+    docstring); owns its thread pools, not the store."""
+
+    def __init__(
+        self,
+        store: Store,
+        config: DaemonConfig,
+        names: NamespaceNames,
+        version: str,
+        access: Access,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.names = names
+        self.access = access
+        self.version = version
+        self.started = time.monotonic()
+        self.host_id = hostinfo.host_id()
+        self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kv-store")
+        self._wait_pool = ThreadPoolExecutor(WAIT_THREADS, thread_name_prefix="kv-wait")
+        self.stopping = asyncio.Event()  # set at a graceful stop: streams end
+        self._chains = ChainCache(CHAIN_CACHE_KEYS)
+        # True once add_to_server registered Get and Put with identity (de)serializers:
+        # Get then yields framed bytes and Put receives them (see kvproto.v1.data_frames).
+        self.framed = False
+        # the local-call socket once kvstored.local_calls serves it (ServerInfo names it)
+        self.local_socket = ""
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._wait_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run(self, fn: Callable[..., T], *args: Any, wait: bool = False) -> T:
+        loop = asyncio.get_running_loop()
+        pool = self._wait_pool if wait else self._pool
+        return await loop.run_in_executor(pool, functools.partial(fn, *args))
+
+    async def run_quick(self, fn: Callable[[bool], T]) -> T:
+        """``fn(quick=True)`` on the event loop; on the pool when it raises NeedsPool."""
+        try:
+            return fn(True)
+        except NeedsPool:
+            return await self.run(fn, False)
+
+    def check_host(self, ns_id: str, keys: Sequence[BlockKey]) -> None:
+        """Quick calls only: every ready block of ``keys`` is in the host tier."""
+        if self.store.lookup(ns_id, keys).disk_blocks:
+            raise NeedsPool
+
+    def check_room(self, ns_id: str, keys: Sequence[BlockKey], n_blocks: int) -> None:
+        """Quick calls only: a reservation of ``n_blocks`` after ``keys``' ready prefix
+        fits the arena's free bytes (so it evicts nothing) and needs no promotion."""
+        self.check_host(ns_id, keys)
+        arena = self.store.arena
+        block = -(-self.store.namespace(ns_id).block_bytes // 4096) * 4096
+        if arena.capacity_bytes - arena.used_bytes < (n_blocks + 1) * block:
+            raise NeedsPool
+
+    def write_through(self) -> bool:
+        return self.store.config.admission == "write-through"
+
+    # --- the chain of a request (run on a pool thread, or quick) ---------------------
+
+    def chain(
+        self, ns_id: str, tokens: Any, extra: Any, caller: Caller, quick: bool = False
+    ) -> tuple[NamespaceSpec, list[BlockKey]]:
+        """The namespace (one the caller owns) and the key chain of a request's tokens;
+        a Lookup and the Acquire or Get that follows it for the same prompt hash it once
+        (ChainCache)."""
+        spec = self.access.spec(ns_id, caller)
+        arr = convert.tokens(tokens)
+        extras = convert.extra_keys(extra)
+        memo = (spec.ns_id, arr.tobytes(), tuple(extras))
+        keys = self._chains.get(memo)
+        if keys is None:
+            if quick and arr.size > QUICK_BLOCKS * spec.block_tokens:
+                raise NeedsPool
+            keys = self.store.keys_for(spec.ns_id, arr, extras)
+            self._chains.put(memo, keys)
+        return spec, keys
+
+    def read_chain(
+        self, ns_id: str, tokens: Any, extra: Any, caller: Caller, quick: bool = False
+    ) -> tuple[NamespaceSpec, list[BlockKey], int]:
+        """:meth:`chain` for a read, which falls through host, disk and the shared
+        tier: the blocks the shared tier has after this node's ready prefix are pulled
+        into the host tier first (a network wait: a quick call moves to the pool when
+        one could help); the third value counts them."""
+        spec, keys = self.chain(ns_id, tokens, extra, caller, quick)
+        if self.store.shared is None:
+            return spec, keys, 0
+        if quick:
+            if self.store.shared_gap(spec.ns_id, keys):
+                raise NeedsPool
+            return spec, keys, 0
+        return spec, keys, self.store.pull_shared(spec.ns_id, keys)

@@ -1,0 +1,120 @@
+"""A store's capacities and policies (:class:`StoreConfig`), and the checks of the
+per-call values they bound (priorities, lease TTLs)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument
+from kvstore.policy import MAX_PRIORITY, POLICIES
+from kvstore.shared_tier import SharedConfig
+from kvstore.tenants import NAME_RE, Quota
+
+DEFAULT_PRIORITY = 35
+ADMISSION_POLICIES = ("write-back", "write-through", "selective")
+# a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
+PARALLEL_PROMOTE_BYTES = 4 << 20
+PROMOTE_THREADS = max(1, min(4, os.cpu_count() or 1))
+DELETE_COMMIT_TIMEOUT_S = 60.0  # clear and delete wait this long for their disk deletions
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Capacities and policies of one store. Sizes are bytes."""
+
+    host_bytes: int
+    disk_dir: str | None = None
+    disk_bytes: int = 0  # 0: no disk tier
+    admission: str = "write-back"  # write-back | write-through | selective
+    selective_hits: int = 2  # selective: demote to disk only after this many hits
+    disk_min_priority: int = 0  # blocks below this priority are dropped, not demoted
+    default_priority: int = DEFAULT_PRIORITY
+    lease_ttl_s: float = 30.0
+    max_lease_ttl_s: float = 600.0
+    max_blocks_per_request: int = 8192
+    arena_dir: str | None = None  # where the shared arena file lives (default /dev/shm)
+    shared_arena: bool = True  # False: anonymous memory (single-process tests)
+    persist_on_close: bool = True  # close() writes host-only blocks to disk first
+    event_buffer: int = 65536
+    eviction_policy: str = "priority-lru"  # priority-lru | plain-lru (baseline only)
+    prefault_arena: bool = False  # fault the arena's pages in on a background thread
+    # staged slots one staging lease may hold (bytes); 0: a quarter of host_bytes
+    max_staged_bytes: int = 0
+    disk_queue_bytes: int = 256 << 20  # block bytes waiting for the disk writer, at most
+    # write-through: how long a commit waits for its disk commit before answering
+    write_through_wait_s: float = 30.0
+    check_disk_in_child: bool = False  # at open, walk the disk tier's B-trees in a child
+    # tenant -> its quota (kvstore.tenants); tenants not named here have none
+    quotas: Mapping[str, Quota] = field(default_factory=dict)
+    shared: SharedConfig | None = None  # a shared tier on a Valkey / Redis Cluster
+
+    @property
+    def staged_bytes_limit(self) -> int:
+        return self.max_staged_bytes or self.host_bytes // 4
+
+    def validate(self) -> None:
+        """Raise InvalidArgument naming the first bad field."""
+        if self.host_bytes < 4096:
+            raise InvalidArgument(f"host_bytes must be >= 4096, got {self.host_bytes}")
+        if self.disk_bytes < 0:
+            raise InvalidArgument(f"disk_bytes must be >= 0, got {self.disk_bytes}")
+        if self.disk_bytes and not self.disk_dir:
+            raise InvalidArgument("disk_dir is required when disk_bytes > 0")
+        if self.admission not in ADMISSION_POLICIES:
+            raise InvalidArgument(
+                f"admission must be one of {list(ADMISSION_POLICIES)}, got {self.admission!r}"
+            )
+        if self.eviction_policy not in POLICIES:
+            raise InvalidArgument(
+                f"eviction_policy must be one of {sorted(POLICIES)}, got {self.eviction_policy!r}"
+            )
+        for name in ("default_priority", "disk_min_priority"):
+            value = getattr(self, name)
+            if not 0 <= value <= MAX_PRIORITY:
+                raise InvalidArgument(f"{name} must be in [0, {MAX_PRIORITY}], got {value}")
+        if not 0 < self.lease_ttl_s <= self.max_lease_ttl_s:
+            raise InvalidArgument(
+                f"lease_ttl_s must be in (0, max_lease_ttl_s={self.max_lease_ttl_s}], "
+                f"got {self.lease_ttl_s}"
+            )
+        if self.max_blocks_per_request < 1:
+            raise InvalidArgument("max_blocks_per_request must be >= 1")
+        if self.max_staged_bytes < 0:
+            raise InvalidArgument(f"max_staged_bytes must be >= 0, got {self.max_staged_bytes}")
+        if self.selective_hits < 0:
+            raise InvalidArgument(f"selective_hits must be >= 0, got {self.selective_hits}")
+        if self.disk_queue_bytes < 1:
+            raise InvalidArgument(f"disk_queue_bytes must be >= 1, got {self.disk_queue_bytes}")
+        if self.write_through_wait_s < 0:
+            raise InvalidArgument(
+                f"write_through_wait_s must be >= 0, got {self.write_through_wait_s}"
+            )
+        if self.shared is not None:
+            self.shared.validate()
+        for tenant, quota in self.quotas.items():
+            if not NAME_RE.match(tenant):
+                raise InvalidArgument(f"quotas: {tenant!r} is not a tenant name")
+            if quota.host_bytes < 0 or quota.disk_bytes < 0:
+                raise InvalidArgument(f"quotas: {tenant}: quotas must be >= 0")
+
+
+def check_priority(config: StoreConfig, priority: int | None) -> int:
+    """A call's block priority: the default for None, else checked."""
+    if priority is None:
+        return config.default_priority
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidArgument(f"priority must be an integer, got {priority!r}")
+    if not 0 <= priority <= MAX_PRIORITY:
+        raise InvalidArgument(f"priority must be in [0, {MAX_PRIORITY}], got {priority}")
+    return priority
+
+
+def check_ttl(config: StoreConfig, ttl_s: float | None) -> float:
+    """A call's lease TTL: the default for None, else checked."""
+    if ttl_s is None:
+        return config.lease_ttl_s
+    if not 0 < ttl_s <= config.max_lease_ttl_s:
+        raise InvalidArgument(f"ttl_s must be in (0, {config.max_lease_ttl_s}], got {ttl_s}")
+    return ttl_s

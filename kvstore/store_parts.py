@@ -1,0 +1,72 @@
+"""The parts of one store, and the upkeep that spans them.
+
+A :class:`kvstore.store.Store` is a façade over these parts, behind one lock:
+
+- ``namespaces`` (:mod:`kvstore.namespaces`): namespace entries and tenant groups;
+- ``index`` (:mod:`kvstore.index`): the block tree;
+- ``counters`` and ``events`` (:mod:`kvstore.events`): what the store tells about itself;
+- ``leases`` (:mod:`kvstore.leases`): who holds which blocks and slots, until when;
+- ``arena`` (:mod:`kvstore.arena`) and ``disk`` (:mod:`kvstore.disk`): the tiers' bytes;
+- ``tiers`` (:mod:`kvstore.tiering`): where each block is, and moving it.
+
+The store's operations (:mod:`kvstore.store_reads`, :mod:`kvstore.store_writes`,
+:mod:`kvstore.store_shared`) are classes that take these parts and call them. What no
+single part owns is here: whether the store is open, and ending leases (their blocks'
+side in :meth:`Tiers.let_go`, the table's in :meth:`LeaseTable.forget`), on demand or
+when they run out (:meth:`StoreParts.expire`, run by every call and by the store's
+reaper thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.arena import HostArena
+from kvstore.disk import DiskTier
+from kvstore.errors import StoreClosed
+from kvstore.events import Counters, EventLog
+from kvstore.index import Index
+from kvstore.leases import Lease, LeaseTable
+from kvstore.namespaces import Namespaces
+from kvstore.store_config import StoreConfig
+from kvstore.tiering import Tiers
+
+
+@dataclass(eq=False)
+class StoreParts:
+    """A store's parts (see the module docstring); ``lock`` guards all of them."""
+
+    config: StoreConfig
+    clock: Callable[[], float]
+    wall: Callable[[], float]
+    lock: threading.RLock
+    changed: threading.Condition  # on ``lock``: events, commits, drops
+    namespaces: Namespaces
+    index: Index
+    counters: Counters
+    events: EventLog
+    leases: LeaseTable
+    arena: HostArena
+    disk: DiskTier | None
+    tiers: Tiers
+    closed: bool = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreClosed("the store is closed")
+
+    def end_lease(self, lease: Lease, why: str) -> None:
+        """End a live lease now (``why`` names it in later errors). Under the lock."""
+        self.tiers.let_go(lease)
+        self.leases.forget(lease, why)
+        self.changed.notify_all()
+
+    def expire(self) -> None:
+        """End the leases and timed priorities that ran out; apply a disk capacity the
+        disk tier lowered. Under the lock."""
+        self.tiers.apply_shrunk_disk()
+        for lease in self.leases.due():
+            self.end_lease(lease, "expired")
+        self.tiers.expire_priorities(self.clock())
