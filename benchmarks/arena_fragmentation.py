@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.arena import HostArena
+from kvstore.host.arena import HostArena
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -1,4 +1,4 @@
-"""Throughput of the LMDB disk tier (kvstore/disk.py). A program, not a test.
+"""Throughput of the LMDB disk tier (kvstore/disk/). A program, not a test.
 
 For each payload size it writes ``--total-mib`` of blocks into a fresh tier in a temp
 dir and measures:

@@ -1,4 +1,4 @@
-"""Throughput of the GPU data path (kvstore.mover, kvstore.pinning). A program, not a test.
+"""Throughput of the GPU data path (kvstore.mover, kvstore.host.pinning). A program, not a test.
 
 Two measurements, on ``--device cuda`` (the real thing) or ``--device cpu`` (the same
 code on CPU tensors, so the program is smoke-testable anywhere):
@@ -43,7 +43,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstore.arena import HostArena  # noqa: E402
+from kvstore.host.arena import HostArena  # noqa: E402
+from kvstore.host.pinning import cuda_pin_hook  # noqa: E402
 from kvstore.mover import (  # noqa: E402
     HFKV,
     MAX_RUN_COPIES,
@@ -53,7 +54,6 @@ from kvstore.mover import (  # noqa: E402
     device_alias,
     dtype_of,
 )
-from kvstore.pinning import cuda_pin_hook  # noqa: E402
 from kvstore.platform import detect  # noqa: E402
 
 

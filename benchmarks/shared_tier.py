@@ -57,8 +57,8 @@ from kvbench.report import machine_line, markdown_table  # noqa: E402
 from kvbench.servers import OwnDaemon  # noqa: E402
 from kvbench.valkey_cluster import ValkeyCluster  # noqa: E402
 from kvstore.keys import NamespaceSpec  # noqa: E402
-from kvstore.shared_format import block_name, pack_into, pack_value, packed_size  # noqa: E402
-from kvstore.shared_tier import SharedConfig  # noqa: E402
+from kvstore.shared.format import block_name, pack_into, pack_value, packed_size  # noqa: E402
+from kvstore.shared.tier import SharedConfig  # noqa: E402
 from kvstore.store import Store, StoreConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

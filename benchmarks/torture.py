@@ -376,7 +376,7 @@ def part_diskfull(work: Path, quick: bool) -> Section:
     body += ["", f"Blocks stored {stored}, answered durable {durable}; disk faults logged "
              f"{faults}, recoveries {recoveries}; errors: {dict(errors) or 'none'}; "
              f"exit code at stop {code} (3: blocks due on disk could not be written).",
-             "", "Each fault gives back the disk tier's reserve (kvstore.disk_files): LMDB "
+             "", "Each fault gives back the disk tier's reserve (kvstore.disk.files): LMDB "
              "writes even a delete as new pages, so on a full file system the evictions "
              "could not commit without it. With it they do, and the tier goes on at the size "
              "that fits; it takes the reserve back once the file system has room for it."]

@@ -60,8 +60,8 @@ import numpy as np
 import torch
 
 from kvstore.errors import InvalidArgument
+from kvstore.host.slot_runs import Run, slot_runs
 from kvstore.keys import NamespaceSpec
-from kvstore.slot_runs import Run, slot_runs
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -121,7 +121,7 @@ class Acquisition:
 @dataclass(frozen=True, slots=True)
 class Located:
     """From :meth:`Store.locate`: the ready prefix's host slots, not pinned, with the
-    epoch of each slot when they were read (see :mod:`kvstore.slot_epochs`)."""
+    epoch of each slot when they were read (see :mod:`kvstore.host.slot_epochs`)."""
 
     offsets: tuple[int, ...]  # host arena offsets of blocks 0 .. n-1 of the chain
     epochs: np.ndarray  # uint64, one per offset

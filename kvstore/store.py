@@ -40,16 +40,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvproto.v1.results import Event, NamespaceStats, Stats, TenantStats, TierStats
-from kvstore.arena import HostArena, PinHook
 from kvstore.disk import DiskTier
 from kvstore.errors import InvalidArgument, LayoutMismatch
 from kvstore.events import Counters, EventLog
+from kvstore.host.arena import HostArena, PinHook
 from kvstore.index import Index, NamespaceEntry
 from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
 from kvstore.leases import LeaseTable
 from kvstore.namespaces import Namespaces
 from kvstore.results import ReadyPrefix, Tier
-from kvstore.shared_tier import SharedTier
+from kvstore.shared.tier import SharedTier
 from kvstore.store_config import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstore.store_parts import StoreParts
 from kvstore.store_reads import Reads, ready_prefix

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
 from kvstore.policy import MAX_PRIORITY, POLICIES
-from kvstore.shared_tier import SharedConfig
+from kvstore.shared.tier import SharedConfig
 from kvstore.tenants import NAME_RE, Quota
 
 DEFAULT_PRIORITY = 35

@@ -6,7 +6,7 @@ A :class:`kvstore.store.Store` is a façade over these parts, behind one lock:
 - ``index`` (:mod:`kvstore.index`): the block tree;
 - ``counters`` and ``events`` (:mod:`kvstore.events`): what the store tells about itself;
 - ``leases`` (:mod:`kvstore.leases`): who holds which blocks and slots, until when;
-- ``arena`` (:mod:`kvstore.arena`) and ``disk`` (:mod:`kvstore.disk`): the tiers' bytes;
+- ``arena`` (:mod:`kvstore.host.arena`) and ``disk`` (:mod:`kvstore.disk`): the tiers' bytes;
 - ``tiers`` (:mod:`kvstore.tiering`): where each block is, and moving it.
 
 The store's operations (:mod:`kvstore.store_reads`, :mod:`kvstore.store_writes`,
@@ -23,10 +23,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.arena import HostArena
 from kvstore.disk import DiskTier
 from kvstore.errors import StoreClosed
 from kvstore.events import Counters, EventLog
+from kvstore.host.arena import HostArena
 from kvstore.index import Index
 from kvstore.leases import Lease, LeaseTable
 from kvstore.namespaces import Namespaces

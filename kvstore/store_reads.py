@@ -175,7 +175,7 @@ class Reads:
 
     def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
         """The host slots of the ready prefix of ``keys`` and their epochs, pinning
-        nothing (an unpinned read: see :mod:`kvstore.slot_epochs`). Counts the hits and
+        nothing (an unpinned read: see :mod:`kvstore.host.slot_epochs`). Counts the hits and
         touches the prefix as a read does. None, having changed nothing, when a block of
         the prefix is on disk only (the caller acquires instead)."""
         entry = self._namespaces.entry(ns_id)

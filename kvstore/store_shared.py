@@ -1,4 +1,4 @@
-"""The store's side of the shared tier (:mod:`kvstore.shared_tier`): pulling a
+"""The store's side of the shared tier (:mod:`kvstore.shared.tier`): pulling a
 prefix's missing blocks from the cluster into the host tier, and lending the writer the
 blocks it sends.
 
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore.index import READY, Node
 from kvstore.keys import BlockKey
-from kvstore.shared_tier import Outgoing, SharedTier
+from kvstore.shared.tier import Outgoing, SharedTier
 from kvstore.store_parts import StoreParts
 from kvstore.store_reads import ready_prefix
 from kvstore.store_writes import Writes

@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 
 import xxhash
 
-from kvstore.arena import HostArena
 from kvstore.disk import DiskRecord, DiskTier
 from kvstore.events import Counters, EventLog
+from kvstore.host.arena import HostArena
 from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.leases import Lease

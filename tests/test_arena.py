@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import arena as arena_module
-from kvstore.arena import HostArena
-from kvstore.arena_mapping import map_arena
-from kvstore.slot_epochs import table_bytes
+from kvstore.host.arena import HostArena
+from kvstore.host.mapping import map_arena
+from kvstore.host.slot_epochs import table_bytes
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -314,7 +314,7 @@ def test_not_enough_space_in_directory_raises(tmp_path, monkeypatch):
 CHILD = textwrap.dedent(
     """
     import sys
-    from kvstore.arena_mapping import map_arena
+    from kvstore.host.mapping import map_arena
 
     path, offset, reply_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     with map_arena(path) as mapping:

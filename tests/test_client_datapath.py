@@ -25,7 +25,7 @@ from kvclient import arena_path as ap
 from kvclient.accounting import DELAY_S as RELEASE_DELAY_S
 from kvproto.v1 import data_frames
 from kvproto.v1 import kvstore_pb2 as pb
-from kvstore.arena_mapping import ArenaMapping
+from kvstore.host.mapping import ArenaMapping
 
 BLOCK_TOKENS = 4
 BB = 8192  # page multiple: adjacent arena slots make one run

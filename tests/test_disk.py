@@ -1,4 +1,4 @@
-"""Tests of the LMDB disk tier (kvstore/disk.py): tiny capacities, temp dirs, no GPU."""
+"""Tests of the LMDB disk tier (kvstore/disk/): tiny capacities, temp dirs, no GPU."""
 
 from __future__ import annotations
 
@@ -47,13 +47,13 @@ def record(i: int, data: bytes, *, parent: bytes = b"", priority: int = 35) -> D
 def gate_writer(tier: DiskTier) -> threading.Event:
     """Hold the writer thread before each commit until the returned event is set."""
     release = threading.Event()
-    commit = tier._commit
+    commit = tier._writer._commit
 
     def gated(ops):  # type: ignore[no-untyped-def]
         release.wait(10)
         commit(ops)
 
-    tier._commit = gated  # type: ignore[method-assign]
+    tier._writer._commit = gated  # type: ignore[method-assign]
     return release
 
 
@@ -198,14 +198,14 @@ def test_touch_during_commit_is_not_lost(tmp_path: Path) -> None:
     directory = str(tmp_path / "disk")
     tier = DiskTier(directory, 16 * MiB)
     entered, release = threading.Event(), threading.Event()
-    commit = tier._commit
+    commit = tier._writer._commit
 
     def slow(ops):  # type: ignore[no-untyped-def]
         entered.set()
         release.wait(10)
         commit(ops)
 
-    tier._commit = slow  # type: ignore[method-assign]
+    tier._writer._commit = slow  # type: ignore[method-assign]
     data = payload(1, 5000)
     tier.write(record(1, data), data)
     # the writer has taken the write into its transaction; a touch arrives meanwhile
@@ -451,7 +451,7 @@ def test_failing_commits_stop_writes_then_resume(
     committed = payload(9, 20_000)
     tier.write(record(9, committed), committed)
     tier.flush()
-    commit = tier._commit
+    commit = tier._writer._commit
     failing = threading.Event()
     failing.set()
     attempts = [0]
@@ -462,7 +462,7 @@ def test_failing_commits_stop_writes_then_resume(
             raise OSError(28, "No space left on device")
         commit(ops)
 
-    tier._commit = flaky  # type: ignore[method-assign]
+    tier._writer._commit = flaky  # type: ignore[method-assign]
     reserve = tmp_path / "disk" / "kvstored-reserve"
     assert reserve.stat().st_size >= 4 * MiB  # space set aside for a full disk's deletes
     data = payload(1, 20_000)
@@ -501,7 +501,7 @@ def test_close_counts_writes_it_could_not_persist(tmp_path: Path) -> None:
     def broken(ops):  # type: ignore[no-untyped-def]
         raise OSError(5, "Input/output error")
 
-    tier._commit = broken  # type: ignore[method-assign]
+    tier._writer._commit = broken  # type: ignore[method-assign]
     for i in range(3):
         data = payload(i, 10_000)
         tier.write(record(i, data), data)

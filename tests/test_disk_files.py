@@ -1,4 +1,4 @@
-"""Checks on the disk tier's files before LMDB opens them (kvstore.disk_files)."""
+"""Checks on the disk tier's files before LMDB opens them (kvstore.disk.files)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lmdb
 
-from kvstore.disk_files import find_damage, move_aside, scan_in_child
+from kvstore.disk.files import find_damage, move_aside, scan_in_child
 
 
 def make_env(directory: Path) -> Path:

@@ -16,9 +16,9 @@ from conftest import Daemon
 
 from kvclient import KVClient, Namespace
 from kvclient.integrations.gpu import GpuClient
-from kvstore.arena import HostArena
+from kvstore.host.arena import HostArena
+from kvstore.host.pinning import cuda_pin_hook
 from kvstore.mover import HFKV, KVCache, Mover, PagedKV, device_alias
-from kvstore.pinning import cuda_pin_hook
 from kvstore.platform import Profile, detect
 
 pytestmark = [

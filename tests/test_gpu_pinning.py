@@ -1,4 +1,4 @@
-"""The arena PinHook (kvstore.pinning) against a fake CUDA runtime.
+"""The arena PinHook (kvstore.host.pinning) against a fake CUDA runtime.
 
 The fake records what ``cudaHostRegister``/``cudaHostUnregister`` were called with, so
 the hook's contract is checked on CPU: the whole region, at its real address, with the
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from test_platform import GH200, H100_PCIE
 
-from kvstore.arena import HostArena
-from kvstore.arena_mapping import map_arena
-from kvstore.pinning import CudaPin, arena_pin_hook, buffer_address, cuda_pin_hook, pin_mapping
+from kvstore.host.arena import HostArena
+from kvstore.host.mapping import map_arena
+from kvstore.host.pinning import CudaPin, arena_pin_hook, buffer_address, cuda_pin_hook, pin_mapping
 from kvstore.platform import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, PlatformInfo, Profile
 from kvstore.store import Store, StoreConfig
 
@@ -53,7 +53,7 @@ def test_hook_registers_the_whole_region_and_unregisters_on_close(tmp_path) -> N
 def test_failed_registration_leaves_the_arena_pageable(tmp_path, caplog) -> None:
     fake = FakeCudart(register_result=2)  # cudaErrorMemoryAllocation
     hook = cuda_pin_hook(HOST_REGISTER_PORTABLE, lambda: fake)
-    with caplog.at_level(logging.WARNING, logger="kvstore.pinning"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.host.pinning"):
         arena = HostArena(1 << 20, directory=str(tmp_path), pin=hook)
     assert "cudaError 2" in caplog.text and hook.pinned_bytes == 0
     assert arena.alloc(4096) is not None

@@ -6,9 +6,12 @@ are built from parts they own, not from classes stacked across modules."""
 from __future__ import annotations
 
 import abc
+import argparse
 import ast
+import asyncio
 import enum
 import importlib
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -156,10 +159,15 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
 # -- composition, not inheritance ------------------------------------------------------
 
 
+# the standard library's documented extension points: a class made to be subclassed,
+# whose one hook (error, format, the protocol callbacks) is overridden
+HOOKS = (argparse.ArgumentParser, logging.Formatter, asyncio.Protocol)
+
+
 def is_interface(base: type) -> bool:
     """What a class may inherit from another module: a Protocol, an abstract base
-    class, an exception, an enum, a NamedTuple's tuple, or a generated gRPC servicer
-    (the service's interface: each of its methods answers UNIMPLEMENTED)."""
+    class, an exception, an enum, a NamedTuple's tuple, a generated gRPC servicer (the
+    service's interface: each of its methods answers UNIMPLEMENTED), a HOOKS class."""
     return (
         base is object
         or getattr(base, "_is_protocol", False)
@@ -167,6 +175,7 @@ def is_interface(base: type) -> bool:
         or issubclass(base, BaseException | enum.Enum)
         or base is tuple
         or base.__module__.endswith("_pb2_grpc")
+        or base in HOOKS
     )
 
 
@@ -176,6 +185,8 @@ def concrete_bases_elsewhere(module: ModuleType) -> list[str]:
     found = []
     for cls in vars(module).values():
         if not isinstance(cls, type) or cls.__module__ != module.__name__:
+            continue
+        if issubclass(cls, enum.Enum):  # its data type (str, int) is the enum's own
             continue
         for base in cls.__bases__:
             if base.__module__ != module.__name__ and not is_interface(base):

@@ -28,7 +28,7 @@ from kvbench.harness import wait_for
 from kvbench.valkey_cluster import ValkeyCluster
 from kvclient import KVClient
 from kvstore.keys import NamespaceSpec, chain_keys
-from kvstore.shared_format import block_name
+from kvstore.shared.format import block_name
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 8 << 10

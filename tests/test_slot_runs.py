@@ -1,11 +1,11 @@
-"""Runs of arena slots (kvstore.slot_runs): the one function the daemon's Get, the GPU
+"""Runs of arena slots (kvstore.host.slot_runs): the one function the daemon's Get, the GPU
 mover and the client's arena path cut their copies with."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvstore.slot_runs import Run, slot_runs
+from kvstore.host.slot_runs import Run, slot_runs
 
 BB = 4096
 

@@ -139,9 +139,9 @@ def test_clear_and_delete_return_with_their_disk_deletions_committed(tmp_path: P
         s.put(ns, second, [payload(i) for i in range(2)])
         s.flush()
         assert s.delete(ns, first, start=1) == 2
-        assert not s._parts.disk._ops  # nothing queued: the deletions are in LMDB already
+        assert not s._parts.disk._s.ops  # nothing queued: the deletions are in LMDB already
         assert s.clear(ns) == 3
-        assert not s._parts.disk._ops and s.stats().tiers[1].blocks == 0
+        assert not s._parts.disk._s.ops and s.stats().tiers[1].blocks == 0
 
 
 def test_selective_admission_demotes_only_reused_blocks(tmp_path: Path) -> None:
@@ -278,7 +278,7 @@ def test_release_owner_ends_every_lease_of_a_client(tmp_path: Path) -> None:
 
 
 def test_a_disk_dir_has_one_owner(tmp_path: Path) -> None:
-    from kvstore.disk_files import DiskDirInUse
+    from kvstore.disk.files import DiskDirInUse
 
     with (
         make_store(tmp_path, host_blocks=4),

@@ -23,10 +23,10 @@ from kvclient import AsyncKVClient, KVClient, unpinned_reads
 from kvclient.arena_path import ClientArena
 from kvclient.unpinned_reads import LastSlots, Slots, UnpinnedGet
 from kvproto.v1 import kvstore_pb2 as pb
-from kvstore.arena_mapping import ArenaMapping
 from kvstore.errors import InvalidArgument
+from kvstore.host.mapping import ArenaMapping
+from kvstore.host.slot_epochs import SlotEpochs
 from kvstore.keys import NamespaceSpec
-from kvstore.slot_epochs import SlotEpochs
 from kvstore.store import Store, StoreConfig
 
 BLOCK = 8192

@@ -1,7 +1,7 @@
 """The shared-arena data path: copying blocks straight into and out of daemon slots.
 
 On the daemon's own host the client maps the daemon's host arena (a file in
-``/dev/shm``) once, with :func:`kvstore.arena_mapping.map_arena`, and moves block bytes with
+``/dev/shm``) once, with :func:`kvstore.host.mapping.map_arena`, and moves block bytes with
 numpy copies while gRPC carries only slot offsets:
 
 - put: ``Reserve`` (the daemon hands out pending slots under a write lease) -> copy
@@ -14,7 +14,7 @@ numpy copies while gRPC carries only slot offsets:
   of the slots themselves -> ``Release`` when the caller is done with them.
 
 Copies never loop over blocks in Python. The slots of a request are grouped into
-*runs* (:func:`kvstore.slot_runs.slot_runs`, strided): consecutive chain positions
+*runs* (:func:`kvstore.host.slot_runs.slot_runs`, strided): consecutive chain positions
 whose arena offsets step by one constant stride. Large blocks are allocated at rising,
 adjacent offsets (one run, stride ``block_bytes``); small ones are carved from the
 top of a free extent down (one run with a negative stride). A run is one strided
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstore.arena_mapping import ArenaMapping, map_arena
-from kvstore.slot_runs import Run, slot_runs
+from kvstore.host.mapping import ArenaMapping, map_arena
+from kvstore.host.slot_runs import Run, slot_runs
 from kvstore.stream_copy import copy_into
 
 log = logging.getLogger(__name__)

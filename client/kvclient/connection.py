@@ -60,7 +60,7 @@ from kvproto.v1 import result_messages
 from kvproto.v1.host import host_id
 from kvproto.v1.local_calls import UNARY_METHODS
 from kvproto.v1.results import Event, NamespaceInfo, PutResult, ServerInfo, Stats
-from kvstore.slot_epochs import SlotEpochs
+from kvstore.host.slot_epochs import SlotEpochs
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ makes and later releases), then the copy. An unpinned get overlaps the two:
 4. After every copy it reads the counters again: if any differs from the answer's
    epoch the get is not trusted and the caller acquires again, pinned (the usual path).
 
-Why that is safe is in :mod:`kvstore.slot_epochs`. The answer, not the remembered
+Why that is safe is in :mod:`kvstore.host.slot_epochs`. The answer, not the remembered
 slots, says which blocks the prefix has, so a prefix that grew or shrank is seen at
 once; the remembered slots only decide what can be copied early.
 
@@ -43,8 +43,8 @@ from kvclient.arena_path import ClientArena, read_runs
 from kvclient.payloads import output_array
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.results import ServerInfo
-from kvstore.slot_epochs import READS_IN_ORDER, SlotEpochs
-from kvstore.slot_runs import Run, slot_runs
+from kvstore.host.slot_epochs import READS_IN_ORDER, SlotEpochs
+from kvstore.host.slot_runs import Run, slot_runs
 
 READS_ENV = "KVCLIENT_READS"
 LAST_SLOTS_ENTRIES = 4096  # prefixes remembered per client (a few KiB each at most)
@@ -81,7 +81,7 @@ class Slots:
 
     offsets: np.ndarray  # int64, block i of the prefix first
     entries: np.ndarray  # their epoch table entries
-    runs: list[Run]  # their copy runs (kvstore.slot_runs)
+    runs: list[Run]  # their copy runs (kvstore.host.slot_runs)
     epochs: np.ndarray  # uint64: the answer's epoch of each slot
     complete: bool  # the answer had every block its request asked for
 

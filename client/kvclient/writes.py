@@ -47,7 +47,7 @@ from kvclient.staged_slots import put_reserve
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import result_messages
 from kvproto.v1.results import NamespaceInfo, PutResult, ServerInfo
-from kvstore.arena_mapping import ArenaMapping
+from kvstore.host.mapping import ArenaMapping
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from kvproto.v1.addresses import is_loopback
-from kvstore.shared_tier import SharedConfig
+from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants

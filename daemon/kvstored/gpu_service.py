@@ -51,8 +51,8 @@ import grpc
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
 from kvstore.errors import InvalidArgument, LeaseError
+from kvstore.host.pinning import CudaPin
 from kvstore.keys import NamespaceSpec
-from kvstore.pinning import CudaPin
 from kvstore.platform import PlatformInfo
 from kvstore.store import Store
 from kvstored import convert

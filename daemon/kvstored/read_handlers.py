@@ -15,8 +15,8 @@ from kvproto.v1 import data_frames
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
 from kvstore.errors import InvalidArgument, LeaseError, StoreError
+from kvstore.host.slot_runs import slot_runs
 from kvstore.keys import BlockKey, NamespaceSpec
-from kvstore.slot_runs import slot_runs
 from kvstored import convert
 from kvstored.auth import Caller
 from kvstored.config import GET_CHUNK_BYTES

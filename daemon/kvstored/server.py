@@ -32,9 +32,9 @@ from grpc_reflection.v1alpha import reflection
 
 from kvproto.v1 import gpu_pb2, gpu_pb2_grpc
 from kvproto.v1 import kvstore_pb2 as pb
-from kvstore import pinning
 from kvstore import platform as kv_platform
-from kvstore.disk_files import DiskDirInUse
+from kvstore.disk.files import DiskDirInUse
+from kvstore.host import pinning
 from kvstore.store import Store
 from kvstored import paths
 from kvstored.auth import Access, Tokens

@@ -67,10 +67,10 @@ from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
 from kvproto.v1.host import host_id
 from kvproto.v1.results import PutResult
-from kvstore import pinning
 from kvstore import platform as kv_platform
-from kvstore.arena_mapping import ArenaMapping
 from kvstore.errors import InvalidArgument
+from kvstore.host import pinning
+from kvstore.host.mapping import ArenaMapping
 from kvstore.mover import DTYPE_NAMES, HFKV, KVCache, Mover, PagedKV, device_alias
 
 log = logging.getLogger(__name__)

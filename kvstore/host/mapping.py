@@ -1,5 +1,5 @@
 """A process's mapping of the shared host arena: the daemon's own (under
-:class:`kvstore.arena.HostArena`) and each client's (:func:`map_arena`), with the page
+:class:`kvstore.host.arena.HostArena`) and each client's (:func:`map_arena`), with the page
 tables filled in the background or a range at a time (``MADV_POPULATE_*``) instead of
 a fault per page. Clients import this module only, not the allocator."""
 

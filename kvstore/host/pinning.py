@@ -1,4 +1,4 @@
-"""Page-locking the host arena for CUDA: the :data:`kvstore.arena.PinHook` of the GPU path.
+"""Page-locking the host arena for CUDA: the :data:`kvstore.host.arena.PinHook` of the GPU path.
 
 Why: a ``cudaMemcpyAsync`` from or to pageable memory is staged through a driver
 bounce buffer and is neither asynchronous nor full speed. Registered (pinned) memory
@@ -8,7 +8,7 @@ with ``cudaHostRegisterMapped`` on a coherent C2C link, by kernels too.
 Protocol:
 
 - The daemon passes :func:`arena_pin_hook` ``(platform)`` to ``Store(config, pin=...)``;
-  :class:`kvstore.arena.HostArena` calls it once with the whole region right after
+  :class:`kvstore.host.arena.HostArena` calls it once with the whole region right after
   mapping and calls the returned unpin on close. On ``cpu-only`` there is no hook.
 - Registration is per process (it pins *virtual* pages of one address space), so a
   client that maps the arena registers its own mapping: :func:`pin_mapping`.
@@ -40,7 +40,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvstore.arena_mapping import ArenaMapping
+from kvstore.host.mapping import ArenaMapping
 from kvstore.platform import HOST_REGISTER_MAPPED, HOST_REGISTER_PORTABLE, PlatformInfo
 
 log = logging.getLogger(__name__)

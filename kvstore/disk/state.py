@@ -1,10 +1,11 @@
-"""The disk tier's state, its queue operations and the helpers its parts share.
+"""The disk tier's shared state, its queue operations and the helpers its parts share.
 
-:class:`DiskState` names every field of a :class:`kvstore.disk.DiskTier`; the parts
-stack on it: :class:`kvstore.disk_snapshots.DiskReads` (reads),
-:class:`kvstore.disk_writer.DiskWriter` (the queue and the writer thread), and
-:class:`kvstore.disk.DiskTier` on top (accounting, the write calls, lifecycle,
-start-up). The protocol is in :mod:`kvstore.disk`.
+A :class:`kvstore.disk.DiskTier` is a façade over three parts that hold one
+:class:`DiskState`: :class:`kvstore.disk.reads.DiskReads` (reads and the start-up
+scan), :class:`kvstore.disk.writer.DiskWriter` (the thread that commits the queue to
+LMDB in batches: faults, map-full handling, early writeback) and the tier itself (the
+write calls that fill the queue, lifecycle, start-up). The protocol is in
+:mod:`kvstore.disk`.
 """
 
 from __future__ import annotations
@@ -21,17 +22,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lmdb
 import numpy as np
 
-from kvstore.disk_format import (
-    DiskRecord,
-)
-
-if TYPE_CHECKING:
-    pass
+from kvstore.disk.format import DiskRecord
 
 log = logging.getLogger(__name__)
 
@@ -299,66 +295,130 @@ class _EarlyWriteback:
 
 
 class DiskState:
-    """The fields of a DiskTier and its accounting (see the module docstring)."""
+    """What the disk tier's parts share: its settings, the LMDB environment, the queue
+    of pending operations and the accounting, all guarded by ``cond`` (see the module
+    docstring). The tier fills in the environment's fields when it opens it."""
 
     directory: str
     data_path: str
     configured_capacity_bytes: int
-    _queue_limit: int
-    _batch_bytes: int
-    _metasync: bool
-    _readahead: bool
-    _owner_fd: int
-    _resize: _ResizeGuard
-    _cond: threading.Condition  # guards the queue and the counters
-    _ops: dict[bytes, _Op]  # pending operation per key, in seq order
-    _unflushed: dict[bytes, _Write]  # written, not committed yet: read from here
-    _sizes: dict[bytes, int]  # every live record (committed or queued): size
-    _used: int
-    _queued_bytes: int
-    _pool: dict[int, list[bytearray]]  # recycled payload buffers by size
-    _pool_bytes: int
-    _seq: int
-    _shrunk_pending: bool
-    _stopping: bool
-    _closed: bool
-    _close_lock: threading.Lock
-    _writes: int
-    _bytes_written: int
-    _reads: int
-    _bytes_read: int
-    _read_misses: int
-    _corrupt_reads: int
-    _map_full_events: int
-    _dropped_writes: int
-    _fault: str  # see DiskTier.fault
-    _refused_writes: int
-    _lost_writes: int
-    _map_size: int
-    _max_map_size: int
-    _capacity_floor: int
-    _capacity: int
-    _reserve_bytes: int
-    _ceiling: int
-    _read_fd: int
-    _writeback: _EarlyWriteback | None
-    _writer: threading.Thread
-    _env: Any  # lmdb.Environment
-    _meta: Any  # its named databases
-    _payload: Any
-    _ns: Any
-    _info: Any
-    _psize: int
+    queue_limit: int
+    batch_bytes: int
+    metasync: bool
+    readahead: bool
+    owner_fd: int
+    resize: _ResizeGuard
+    cond: threading.Condition  # guards the queue and the counters
+    ops: dict[bytes, _Op]  # pending operation per key, in seq order
+    unflushed: dict[bytes, _Write]  # written, not committed yet: read from here
+    sizes: dict[bytes, int]  # every live record (committed or queued): size
+    used: int
+    queued_bytes: int
+    pool: dict[int, list[bytearray]]  # recycled payload buffers by size
+    pool_bytes: int
+    seq: int
+    shrunk_pending: bool
+    stopping: bool
+    closed: bool
+    close_lock: threading.Lock
+    writes: int
+    bytes_written: int
+    reads: int
+    bytes_read: int
+    read_misses: int
+    corrupt_reads: int
+    map_full_events: int
+    dropped_writes: int
+    fault: str  # see DiskTier.fault
+    refused_writes: int
+    lost_writes: int
+    map_size: int
+    max_map_size: int
+    capacity_floor: int
+    capacity: int
+    reserve_bytes: int
+    ceiling: int
+    read_fd: int
+    env: Any  # lmdb.Environment
+    meta: Any  # its named databases
+    payload: Any
+    ns: Any
+    info: Any
+    psize: int
+
+    def __init__(
+        self,
+        directory: str,
+        capacity_bytes: int,
+        queue_bytes: int,
+        batch_bytes: int,
+        metasync: bool,
+        readahead: bool,
+    ) -> None:
+        self.directory = directory
+        self.data_path = os.path.join(directory, "data.mdb")
+        self.configured_capacity_bytes = capacity_bytes
+        self.queue_limit = queue_bytes
+        self.batch_bytes = batch_bytes
+        self.metasync = metasync
+        self.readahead = readahead
+        self.resize = _ResizeGuard()
+        self.cond = threading.Condition()  # guards everything below
+        self.ops: dict[bytes, _Op] = {}  # pending operation per key, in seq order
+        self.unflushed: dict[bytes, _Write] = {}  # written, not committed yet: read from here
+        self.sizes: dict[bytes, int] = {}  # every live record (committed or queued): size
+        self.used = 0
+        self.queued_bytes = 0
+        self.pool: dict[int, list[bytearray]] = {}  # recycled payload buffers by size
+        self.pool_bytes = 0
+        self.seq = 0
+        self.shrunk_pending = False
+        self.stopping = False
+        self.closed = False
+        self.close_lock = threading.Lock()
+        self.writes = self.bytes_written = 0
+        self.reads = self.bytes_read = self.read_misses = 0
+        self.corrupt_reads = self.map_full_events = self.dropped_writes = 0
+        self.fault = ""  # see DiskTier.fault
+        self.refused_writes = self.lost_writes = 0
+
+
+    # --- the environment -------------------------------------------------------
+    def clear_stale_readers(self) -> int:
+        """Free the reader slots of processes that died inside a read transaction.
+
+        A process killed inside a read transaction (a tool that opened the environment
+        read-only, e.g. ``kvctl`` on a stopped daemon's files) leaves its slot, and LMDB
+        keeps every page that slot's snapshot can see from being reused, so the file
+        would only grow. The writer clears them every _READER_CHECK_S and on a full map."""
+        stale: int = self.env.reader_check()
+        if stale:
+            log.warning("cleared %d stale LMDB reader slots in %s", stale, self.directory)
+        return stale
+
+    def file_offset(self, view: memoryview) -> int | None:
+        """The byte offset in ``data.mdb`` of a value an open read transaction holds
+        (``view``, into LMDB's map), found from the header of its overflow run; None
+        for a value that is not stored as one (small values share a page)."""
+        size = len(view)
+        if size <= self.psize:
+            return None
+        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        header = (ctypes.c_char * _OVERFLOW_HEADER.size).from_address(addr - _PAGE_HEADER)
+        pgno, _, flags, pages = _OVERFLOW_HEADER.unpack(bytes(header))
+        if not flags & _P_OVERFLOW or pages * self.psize < size + _PAGE_HEADER:
+            return None
+        return int(pgno * self.psize + _PAGE_HEADER)
 
     # --- accounting ------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
         """Effective capacity: the configured one, lowered after map-full events."""
-        return self._capacity
+        return self.capacity
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self.used
 
     def footprint(self, size: int) -> int:
         """Bytes a record with a ``size``-byte payload is accounted as.
@@ -367,102 +427,102 @@ class DiskState:
         a 2 MiB payload needs 513 pages of 4 KiB) plus one page for the key, the
         metadata record and the B-tree nodes that point at them.
         """
-        pages = -(-(size + _PAGE_HEADER) // self._psize)
-        return (pages + 1) * self._psize
+        pages = -(-(size + _PAGE_HEADER) // self.psize)
+        return (pages + 1) * self.psize
 
     def drain_shrunk(self) -> bool:
         """True once after the effective capacity went down (a map-full event, a disk
         fault): the store evicts until used_bytes <= capacity_bytes."""
-        with self._cond:
-            pending, self._shrunk_pending = self._shrunk_pending, False
+        with self.cond:
+            pending, self.shrunk_pending = self.shrunk_pending, False
             return pending
 
     def stats(self) -> DiskStats:
-        with self._cond:
+        with self.cond:
             return DiskStats(
-                capacity_bytes=self._capacity,
-                used_bytes=self._used,
-                records=len(self._sizes),
-                queue_bytes=self._queued_bytes,
-                writes=self._writes,
-                bytes_written=self._bytes_written,
-                reads=self._reads,
-                bytes_read=self._bytes_read,
-                corrupt_reads=self._corrupt_reads,
-                map_full_events=self._map_full_events,
-                read_misses=self._read_misses,
-                dropped_writes=self._dropped_writes,
-                map_size_bytes=self._map_size,
-                fault=self._fault,
-                refused_writes=self._refused_writes,
-                lost_writes=self._lost_writes,
+                capacity_bytes=self.capacity,
+                used_bytes=self.used,
+                records=len(self.sizes),
+                queue_bytes=self.queued_bytes,
+                writes=self.writes,
+                bytes_written=self.bytes_written,
+                reads=self.reads,
+                bytes_read=self.bytes_read,
+                corrupt_reads=self.corrupt_reads,
+                map_full_events=self.map_full_events,
+                read_misses=self.read_misses,
+                dropped_writes=self.dropped_writes,
+                map_size_bytes=self.map_size,
+                fault=self.fault,
+                refused_writes=self.refused_writes,
+                lost_writes=self.lost_writes,
             )
 
     # --- internals: queue --------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
+    def check_open(self) -> None:
+        if self.closed:
             raise RuntimeError(f"disk tier at {self.directory} is closed")
 
-    def _check_accepting(self) -> None:
-        if self._stopping or self._closed:
+    def check_accepting(self) -> None:
+        if self.stopping or self.closed:
             raise RuntimeError(f"disk tier at {self.directory} is closed")
 
-    def _set_op(self, key: bytes, op: _Op) -> None:
+    def set_op(self, key: bytes, op: _Op) -> None:
         """Make ``op`` the pending operation of ``key``, at the end of the queue."""
-        self._ops.pop(key, None)
-        self._ops[key] = op
-        self._cond.notify_all()
+        self.ops.pop(key, None)
+        self.ops[key] = op
+        self.cond.notify_all()
 
-    def _delete_locked(self, key: bytes) -> None:
-        size = self._sizes.pop(key, None)
+    def delete_locked(self, key: bytes) -> None:
+        size = self.sizes.pop(key, None)
         if size is None:
             return
-        self._used -= self.footprint(size)
-        queued = self._unflushed.pop(key, None)
+        self.used -= self.footprint(size)
+        queued = self.unflushed.pop(key, None)
         if queued is not None:
             queued.live = False
-            self._maybe_release(queued)
+            self.maybe_release(queued)
         # Always queue the delete: an older version may be committed under this key.
-        self._seq += 1
-        self._set_op(key, _Delete(self._seq, key))
+        self.seq += 1
+        self.set_op(key, _Delete(self.seq, key))
 
-    def _min_pending_seq(self) -> float:
+    def min_pending_seq(self) -> float:
         # The queue is in seq order, and an operation superseded while in flight is
         # superseded by a later one that flush() waits for anyway.
-        first = next(iter(self._ops.values()), None)
+        first = next(iter(self.ops.values()), None)
         return math.inf if first is None else first.seq
 
-    def _pool_take(self, size: int) -> bytearray:
+    def pool_take(self, size: int) -> bytearray:
         """A buffer of exactly ``size`` bytes, recycled when possible: fresh memory costs
         far more to fault in than to copy into."""
-        free = self._pool.get(size)
+        free = self.pool.get(size)
         if free:
-            self._pool_bytes -= size
+            self.pool_bytes -= size
             buf = free.pop()
             if not free:
-                del self._pool[size]
+                del self.pool[size]
             return buf
-        if self._pool:  # the pooled sizes are not the ones in use now: shrink the pool
-            stale_size, stale = next(iter(self._pool.items()))
+        if self.pool:  # the pooled sizes are not the ones in use now: shrink the pool
+            stale_size, stale = next(iter(self.pool.items()))
             stale.pop()
-            self._pool_bytes -= stale_size
+            self.pool_bytes -= stale_size
             if not stale:
-                del self._pool[stale_size]
+                del self.pool[stale_size]
         return bytearray(size)
 
-    def _maybe_release(self, op: _Write) -> None:
+    def maybe_release(self, op: _Write) -> None:
         """Hand a write's buffer back once nothing needs it (not readable, not being
         committed, not being copied by a reader)."""
         if op.released or op.live or op.inflight or op.pins:
             return
         op.released = True
         size = len(op.buf)
-        self._queued_bytes -= size
+        self.queued_bytes -= size
         # Keep it while the queue plus the pool stay within queue_bytes.
         if (
             isinstance(op.buf, bytearray)
-            and self._pool_bytes + self._queued_bytes + size <= self._queue_limit
+            and self.pool_bytes + self.queued_bytes + size <= self.queue_limit
         ):
-            self._pool.setdefault(size, []).append(op.buf)
-            self._pool_bytes += size
-        self._cond.notify_all()
+            self.pool.setdefault(size, []).append(op.buf)
+            self.pool_bytes += size
+        self.cond.notify_all()

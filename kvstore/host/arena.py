@@ -79,8 +79,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.arena_mapping import ArenaMapping
-from kvstore.slot_epochs import SlotEpochs, default_count, table_bytes
+from kvstore.host.mapping import ArenaMapping
+from kvstore.host.slot_epochs import SlotEpochs, default_count, table_bytes
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class HostArena:
         self.capacity_bytes = capacity
         self.path: str | None = None
         self._unlink: Callable[[], object] | None = None
-        # the slot epoch table (kvstore.slot_epochs) follows the slots in the same file
+        # the slot epoch table (kvstore.host.slot_epochs) follows the slots in the same file
         self.epochs_offset = capacity
         epoch_count = epoch_count or default_count(capacity)
         size = capacity + table_bytes(epoch_count)

@@ -7,7 +7,7 @@ Reads (:meth:`SharedTier.fetch`, on the caller's thread, never under the store's
 ask for the blocks after the node's own ready prefix in waves of up to
 ``WAVE_BYTES``, batched per cluster node, all before one deadline
 (``timeout_ms``). They keep the blocks up to the first one missing, unreachable or
-failing its check (:mod:`kvstore.shared_format`): a block is never served without its
+failing its check (:mod:`kvstore.shared.format`): a block is never served without its
 ancestors, and a bad value is a miss. The store then puts what came back into its
 host tier, where the usual admission takes it to disk.
 
@@ -39,8 +39,8 @@ from urllib.parse import urlsplit, urlunsplit
 from kvproto.v1.results import Event, SharedStats
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, NamespaceSpec
-from kvstore.shared_cluster import CHECK_S, ClusterLink
-from kvstore.shared_format import block_name, pack_into, packed_size, unpack_value
+from kvstore.shared.cluster import CHECK_S, ClusterLink
+from kvstore.shared.format import block_name, pack_into, packed_size, unpack_value
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,14 @@
-"""The disk tier's read side: payload reads (one or a batch per read transaction) and
-records at start-up."""
+"""The disk tier's read side: payload reads (one, or a batch in one read transaction),
+and the records and namespaces the store rebuilds its index from at start-up.
+
+Reads run their own LMDB read transactions concurrently with the writer (MVCC); a block
+still in the write queue is copied from its queued buffer (pinned while copied). Every
+read verifies the block's xxh3-64; a mismatch or a damaged page drops the record and
+is a miss, never bytes.
+"""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -14,14 +18,10 @@ from dataclasses import replace
 from typing import Any
 
 import lmdb
-import numpy as np
 import xxhash
 
-from kvstore.disk_format import DiskRecord, unpack_record
-from kvstore.disk_state import (
-    _OVERFLOW_HEADER,
-    _P_OVERFLOW,
-    _PAGE_HEADER,
+from kvstore.disk.format import DiskRecord, unpack_record
+from kvstore.disk.state import (
     _SCAN_CHUNK,
     DiskState,
     _byte_view,
@@ -34,13 +34,16 @@ from kvstore.disk_state import (
 log = logging.getLogger(__name__)
 
 
-class DiskReads(DiskState):
+class DiskReads:
     """Reads (see the module docstring)."""
+
+    def __init__(self, state: DiskState) -> None:
+        self._s = state
 
     # --- read side --------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        with self._cond:
-            return bytes(key) in self._sizes
+        with self._s.cond:
+            return bytes(key) in self._s.sizes
 
     def read(self, key: bytes, out: memoryview | None = None) -> bytes | memoryview | None:
         """The payload of ``key``, or None on a miss or a checksum failure.
@@ -51,20 +54,20 @@ class DiskReads(DiskState):
         """
         key = bytes(key)
         dst = None if out is None else _byte_view(out)
-        with self._cond:
-            self._check_open()
-            if key not in self._sizes:  # never written, or deleted (maybe still queued)
-                self._read_misses += 1
+        with self._s.cond:
+            self._s.check_open()
+            if key not in self._s.sizes:  # never written, or deleted (maybe still queued)
+                self._s.read_misses += 1
                 return None
-            queued = self._unflushed.get(key)
+            queued = self._s.unflushed.get(key)
             if queued is not None:
                 queued.pins += 1  # keeps the buffer out of the pool while we copy
         if queued is not None:
             return self._read_queued(key, queued, dst)
         try:
-            with self._resize.reading():
-                self._check_open()
-                with self._env.begin(buffers=True) as txn:
+            with self._s.resize.reading():
+                self._s.check_open()
+                with self._s.env.begin(buffers=True) as txn:
                     found = self._read_in(txn, key, dst)
         except lmdb.Error:  # a damaged page: the block is lost, not the call
             self._discard_corrupt(key, None)
@@ -78,23 +81,23 @@ class DiskReads(DiskState):
         wanted = [bytes(key) for key in keys]
         dsts = [_byte_view(out) for out in outs]
         queued: dict[int, _Write] = {}
-        with self._cond:
-            self._check_open()
+        with self._s.cond:
+            self._s.check_open()
             for i, key in enumerate(wanted):
-                if key not in self._sizes:
-                    self._read_misses += 1
+                if key not in self._s.sizes:
+                    self._s.read_misses += 1
                     wanted = wanted[:i]
                     break
-                write = self._unflushed.get(key)
+                write = self._s.unflushed.get(key)
                 if write is not None:
                     write.pins += 1
                     queued[i] = write
         found: list[tuple[bytes | memoryview, int] | None] = [None] * len(wanted)
         damaged = False
         try:
-            with self._resize.reading():
-                self._check_open()
-                with self._env.begin(buffers=True) as txn:
+            with self._s.resize.reading():
+                self._s.check_open()
+                with self._s.env.begin(buffers=True) as txn:
                     for i, key in enumerate(wanted):
                         if i not in queued:
                             found[i] = self._read_in(txn, key, dsts[i])
@@ -131,9 +134,9 @@ class DiskReads(DiskState):
         return self._verified(key, (data, queued.record.checksum), queued)
 
     def _unpin(self, queued: _Write) -> None:
-        with self._cond:
+        with self._s.cond:
             queued.pins -= 1
-            self._maybe_release(queued)
+            self._s.maybe_release(queued)
 
     def _verified(
         self, key: bytes, found: tuple[bytes | memoryview, int] | None, queued: _Write | None
@@ -141,16 +144,16 @@ class DiskReads(DiskState):
         """A payload read, if its checksum holds (counted); None for a miss, and for
         damage (the record is dropped)."""
         if found is None:
-            with self._cond:
-                self._read_misses += 1
+            with self._s.cond:
+                self._s.read_misses += 1
             return None
         data, checksum = found
         if xxhash.xxh3_64_intdigest(data) != checksum:
             self._discard_corrupt(key, queued)
             return None
-        with self._cond:
-            self._reads += 1
-            self._bytes_read += len(data)
+        with self._s.cond:
+            self._s.reads += 1
+            self._s.bytes_read += len(data)
         return data
 
     def _read_in(
@@ -158,14 +161,14 @@ class DiskReads(DiskState):
     ) -> tuple[bytes | memoryview, int] | None:
         """Copy a committed payload out inside the read transaction ``txn`` (views die
         with it): (its bytes, the checksum they must have); None when not there."""
-        raw = txn.get(key, db=self._meta)
+        raw = txn.get(key, db=self._s.meta)
         if raw is None:
             return None
         try:
             record = unpack_record(key, raw)
         except (ValueError, struct.error):
             record = None
-        view = txn.get(key, db=self._payload)
+        view = txn.get(key, db=self._s.payload)
         if record is None or view is None or len(view) != record.size:
             return b"", -1  # fails the checksum check
         if dst is not None:
@@ -182,24 +185,10 @@ class DiskReads(DiskState):
         copied from the map. The caller verifies the checksum of what lands in ``dst``
         either way."""
         size = len(view)
-        offset = self._file_offset(view)
-        if offset is not None and os.preadv(self._read_fd, [dst], offset) == size:
+        offset = self._s.file_offset(view)
+        if offset is not None and os.preadv(self._s.read_fd, [dst], offset) == size:
             return
         _copy(dst, view)
-
-    def _file_offset(self, view: memoryview) -> int | None:
-        """The byte offset in ``data.mdb`` of a value the open read transaction holds
-        (``view``, into LMDB's map), found from the header of its overflow run; None
-        for a value that is not stored as one (small values share a page)."""
-        size = len(view)
-        if size <= self._psize:
-            return None
-        addr = np.frombuffer(view, dtype=np.uint8).ctypes.data
-        header = (ctypes.c_char * _OVERFLOW_HEADER.size).from_address(addr - _PAGE_HEADER)
-        pgno, _, flags, pages = _OVERFLOW_HEADER.unpack(bytes(header))
-        if not flags & _P_OVERFLOW or pages * self._psize < size + _PAGE_HEADER:
-            return None
-        return int(pgno * self._psize + _PAGE_HEADER)
 
     @staticmethod
     def _check_out(dst: memoryview, size: int) -> None:
@@ -209,31 +198,31 @@ class DiskReads(DiskState):
             raise ValueError(f"out has {dst.nbytes} bytes, the payload needs {size}")
 
     def _discard_corrupt(self, key: bytes, queued: _Write | None) -> None:
-        with self._cond:
-            self._corrupt_reads += 1
+        with self._s.cond:
+            self._s.corrupt_reads += 1
             # Delete the bad copy only if it is still the current version of its key:
             # a write queued since then supersedes it.
             if queued is not None:
-                current = self._unflushed.get(key) is queued
+                current = self._s.unflushed.get(key) is queued
             else:
-                current = key not in self._unflushed
+                current = key not in self._s.unflushed
             if current:
-                self._delete_locked(key)
+                self._s.delete_locked(key)
         log.warning("disk record %s is damaged (checksum or page); dropped", key.hex())
 
     def records(self) -> Iterator[DiskRecord]:
         """Every live record: the committed ones (queued touches applied, queued deletes
         left out) and the queued writes. Reads LMDB in chunks, one short read
         transaction each, so nothing stays open while the caller iterates."""
-        with self._cond:
-            pending = dict(self._ops)
+        with self._s.cond:
+            pending = dict(self._s.ops)
         last: bytes | None = None
         while True:
             chunk: list[tuple[bytes, bytes]] = []
-            with self._resize.reading():
-                self._check_open()
-                with self._env.begin() as txn:
-                    cursor = txn.cursor(db=self._meta)
+            with self._s.resize.reading():
+                self._s.check_open()
+                with self._s.env.begin() as txn:
+                    cursor = txn.cursor(db=self._s.meta)
                     ok = cursor.first() if last is None else cursor.set_range(last)
                     if ok and last is not None and cursor.key() == last:
                         ok = cursor.next()
@@ -265,7 +254,8 @@ class DiskReads(DiskState):
 
     def namespaces(self) -> dict[bytes, dict[str, Any]]:
         """Every saved namespace: digest -> the dict given to save_namespace."""
-        with self._resize.reading():
-            self._check_open()
-            with self._env.begin() as txn:
-                return {bytes(digest): json.loads(blob) for digest, blob in txn.cursor(db=self._ns)}
+        with self._s.resize.reading():
+            self._s.check_open()
+            with self._s.env.begin() as txn:
+                saved = txn.cursor(db=self._s.ns)
+                return {bytes(digest): json.loads(blob) for digest, blob in saved}

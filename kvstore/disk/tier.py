@@ -1,0 +1,438 @@
+"""The disk tier's façade: the write calls that fill the queue (write, delete, touch,
+save_namespace), flush, lifecycle and start-up; reads are :mod:`kvstore.disk.reads`'s,
+commits :mod:`kvstore.disk.writer`'s. The protocol is in :mod:`kvstore.disk`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import lmdb
+
+from kvstore.disk.files import (
+    find_damage,
+    lock_directory,
+    make_reserve,
+    move_aside,
+    scan_in_child,
+)
+from kvstore.disk.format import (
+    DB_NAMES,
+    DIGEST_SIZE,
+    FORMAT,
+    FORMAT_KEY,
+    MAX_PRIORITY,
+    META_DB,
+    NAMESPACES_DB,
+    DiskRecord,
+    check_record,
+    open_here,
+    open_here_lock,
+    unpack_record,
+)
+from kvstore.disk.reads import DiskReads
+from kvstore.disk.state import (
+    _DAMAGE_ERRORS,
+    _MAP_FACTOR,
+    _MAP_HEADROOM,
+    _MAX_GROWTH,
+    _NS_PREFIX,
+    _RESERVE_MAX,
+    _RESERVE_MIN,
+    DiskState,
+    DiskStats,
+    _byte_view,
+    _copy,
+    _Delete,
+    _round_up,
+    _SaveNamespace,
+    _Touch,
+    _tune_malloc,
+    _Write,
+)
+from kvstore.disk.writer import DiskWriter
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier:
+    """One LMDB environment holding block payloads and metadata (see :mod:`kvstore.disk`
+    for the protocol): a façade over its state, its read side and its writer thread."""
+
+    def __init__(
+        self,
+        directory: str,
+        capacity_bytes: int,
+        *,
+        queue_bytes: int = 256 << 20,
+        batch_bytes: int = 64 << 20,
+        readahead: bool = True,
+        metasync: bool = False,
+        deep_check: bool = False,
+        _map_size_override: int | None = None,
+    ) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        if queue_bytes <= 0 or batch_bytes <= 0:
+            raise ValueError("queue_bytes and batch_bytes must be > 0")
+        self.directory = directory
+        self.data_path = os.path.join(directory, "data.mdb")
+        self.configured_capacity_bytes = capacity_bytes
+        self._s = DiskState(
+            directory, capacity_bytes, queue_bytes, batch_bytes, metasync, readahead
+        )
+
+        os_page = mmap.PAGESIZE
+        if _map_size_override is not None:
+            requested = _round_up(_map_size_override, os_page)
+        else:
+            requested = _round_up(int(capacity_bytes * _MAP_FACTOR) + _MAP_HEADROOM, os_page)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        _tune_malloc()
+        self._s.owner_fd = lock_directory(directory)  # one owner at a time (disk.files)
+
+        try:
+            self._open_sound(requested, deep_check)
+        except BaseException:
+            os.close(self._s.owner_fd)
+            raise
+        # LMDB keeps an existing file's size if it is larger than what we asked for.
+        self._s.map_size = self._s.env.info()["map_size"]
+        self._s.max_map_size = max(self._s.map_size, requested + int(requested * _MAX_GROWTH))
+        self._s.capacity_floor = min(capacity_bytes, self._s.max_map_size // 8)
+        self._s.capacity = capacity_bytes
+        self._s.reserve_bytes = min(_RESERVE_MAX, max(_RESERVE_MIN, capacity_bytes // 64))
+        make_reserve(directory, self._s.reserve_bytes)  # no room for it: none, for now
+        # the most the capacity may be: configured, lowered for good by map-full events;
+        # a fault lowers the capacity below it until space comes back (_regain_capacity)
+        self._s.ceiling = capacity_bytes
+
+        # Committed payloads are read with pread() from here into the caller's buffer:
+        # no page faults on the map (a fresh process has mapped none of it), GIL released.
+        self._s.read_fd = os.open(self._s.data_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        with open_here_lock:
+            open_here.add(os.path.realpath(directory))
+        self._reads = DiskReads(self._s)
+        self._writer = DiskWriter(self._s)
+        self._writer.start()
+        # the read side's calls, served by the part that owns them
+        self.contains = self._reads.contains
+        self.read = self._reads.read
+        self.read_all = self._reads.read_all
+        self.records = self._reads.records
+        self.namespaces = self._reads.namespaces
+
+    # --- accounting -------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        """Effective capacity: the configured one, lowered after map-full events."""
+        return self._s.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._s.used
+
+    def footprint(self, size: int) -> int:
+        """Bytes a record with a ``size``-byte payload is accounted as (see
+        :meth:`DiskState.footprint`)."""
+        return self._s.footprint(size)
+
+    def drain_shrunk(self) -> bool:
+        """True once after the effective capacity went down (a map-full event, a disk
+        fault): the store evicts until used_bytes <= capacity_bytes."""
+        return self._s.drain_shrunk()
+
+    def stats(self) -> DiskStats:
+        return self._s.stats()
+
+    # --- write side -------------------------------------------------------------
+    def write(
+        self,
+        record: DiskRecord,
+        payload: bytes | bytearray | memoryview,
+        *,
+        wait_s: float = 0.0,
+    ) -> bool:
+        """Queue ``payload`` as the block ``record.key`` (replacing any earlier version).
+
+        Returns False when the write is refused: the tier is not writable
+        (:attr:`fault`), or the queue has no room for it (more than ``queue_bytes``
+        held; a single payload larger than that is taken when the queue is empty). A
+        refused write changes nothing. By default this never waits, so a caller holding
+        a lock (the store) is never stalled by the disk; ``wait_s`` waits that long for
+        room (callers that hold nothing).
+
+        The payload is copied before this returns, so the caller may reuse its buffer;
+        the block is readable at once. ``record.checksum`` must be
+        ``xxh3_64_intdigest(payload)``: it is what every read verifies against.
+        """
+        check_record(record)
+        src = _byte_view(payload)
+        size = src.nbytes
+        if size != record.size:
+            raise ValueError(f"record.size is {record.size} but the payload has {size} bytes")
+        deadline = time.monotonic() + wait_s
+        with self._s.cond:
+            self._s.check_accepting()
+            while self._s.fault or (
+                self._s.queued_bytes and self._s.queued_bytes + size > self._s.queue_limit
+            ):
+                remaining = deadline - time.monotonic()
+                if self._s.fault or remaining <= 0:
+                    self._s.refused_writes += 1
+                    return False
+                self._s.cond.wait(remaining)
+                self._s.check_accepting()
+            self._s.queued_bytes += size  # reserve before copying, outside the lock
+            buf: bytes | bytearray = payload if type(payload) is bytes else self._s.pool_take(size)
+        if buf is not payload:  # bytes are immutable: keep a reference, copy anything else
+            try:
+                _copy(memoryview(buf), src)
+            except BaseException:
+                with self._s.cond:
+                    self._s.queued_bytes -= size
+                    self._s.cond.notify_all()
+                raise
+        key = bytes(record.key)
+        with self._s.cond:
+            if self._s.stopping:  # close() began while we copied: the writer may be gone
+                self._s.queued_bytes -= size
+                self._s.cond.notify_all()
+                self._s.check_accepting()
+            self._s.seq += 1
+            op = _Write(self._s.seq, key, record, buf)
+            old_size = self._s.sizes.get(key)
+            if old_size is not None:
+                self._s.used -= self._s.footprint(old_size)
+            old = self._s.unflushed.get(key)
+            if old is not None:
+                old.live = False
+                self._s.maybe_release(old)
+            self._s.unflushed[key] = op
+            self._s.sizes[key] = size
+            self._s.used += self._s.footprint(size)
+            self._s.set_op(key, op)
+            return True
+
+    def wait_committed(self, keys: Sequence[bytes], timeout: float) -> int:
+        """Wait (up to ``timeout`` seconds, never past a fault) until none of ``keys``
+        is still queued; how many of them are then committed and live (on disk, in the
+        file, not deleted or dropped since). Batches commit in queue order, so the
+        writes queued before a key's (its ancestors') are committed with it or before."""
+        deadline = time.monotonic() + timeout
+        st = self._s
+        with st.cond:
+            while any(key in st.unflushed for key in keys) and not st.fault and not st.closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._s.cond.wait(remaining)
+            return sum(1 for key in keys if key in self._s.sizes and key not in self._s.unflushed)
+
+    def refuse(self) -> None:
+        """Count a write its caller did not attempt because :attr:`fault` is set."""
+        with self._s.cond:
+            self._s.refused_writes += 1
+
+    @property
+    def fault(self) -> str:
+        """Why the tier takes no writes now ("" when it does): the error of the last
+        failed commit. Set by the writer when a commit fails for a reason other than
+        map space (ENOSPC, EIO, ...): from then on :meth:`write` refuses, the effective
+        capacity is lowered to what is committed (the store evicts down to it: see
+        :meth:`drain_shrunk`), and the writer retries the queue every
+        ``_FAULT_RETRY_S``. The first commit that succeeds clears it and gives the
+        capacity back. Each change is one log line."""
+        return self._s.fault
+
+    def delete(self, key: bytes) -> None:
+        """Queue the removal of ``key`` (a no-op if it is not live).
+
+        Cancels a queued write of the same key; ``used_bytes`` drops at once and the
+        block is no longer readable once this returns.
+        """
+        with self._s.cond:
+            self._s.check_accepting()
+            self._s.delete_locked(bytes(key))
+
+    def touch(self, key: bytes, priority: int, last_access: float) -> None:
+        """Queue a metadata update (coalesced; committed with the next batch)."""
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in [0, {MAX_PRIORITY}], got {priority}")
+        key = bytes(key)
+        with self._s.cond:
+            self._s.check_accepting()
+            if key not in self._s.sizes:
+                return
+            op = self._s.ops.get(key)
+            if isinstance(op, _Write):
+                if op.inflight:  # applied after its commit (or folded in on a retry)
+                    op.touched = (priority, last_access)
+                else:
+                    op.record = replace(op.record, priority=priority, last_access=last_access)
+                return
+            if isinstance(op, _Touch) and not op.inflight:
+                op.priority, op.last_access = priority, last_access
+                return
+            if isinstance(op, _Delete):
+                return
+            self._s.seq += 1
+            self._s.set_op(key, _Touch(self._s.seq, key, priority, last_access))
+
+    def save_namespace(self, ns_digest: bytes, spec: dict[str, Any]) -> None:
+        """Queue a namespace's declared fields for the next commit (does not wait: the
+        queue commits in order, so it lands no later than the first block written after
+        it, which is all a restart needs)."""
+        if len(ns_digest) != DIGEST_SIZE:
+            raise ValueError(f"ns_digest must be {DIGEST_SIZE} bytes, got {len(ns_digest)}")
+        blob = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+        with self._s.cond:
+            self._s.check_accepting()
+            self._s.seq += 1
+            # One queue entry per call (never coalesced): an earlier save may be in flight.
+            key = _NS_PREFIX + bytes(ns_digest) + self._s.seq.to_bytes(8, "little")
+            self._s.set_op(key, _SaveNamespace(self._s.seq, key, bytes(ns_digest), blob))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything queued before this call is committed, then sync.
+
+        Raises TimeoutError if that takes longer than ``timeout`` seconds, and
+        RuntimeError at once while the tier is not writable (:attr:`fault`): a flush
+        never waits on a failing disk.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._s.cond:
+            target = self._s.seq
+            while self._s.min_pending_seq() <= target:
+                if not self._writer.is_alive():
+                    raise RuntimeError("the disk writer thread has stopped")
+                if self._s.fault:
+                    raise RuntimeError(f"the disk tier is not writable: {self._s.fault}")
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"disk tier flush did not finish in {timeout} s")
+                self._s.cond.wait(remaining)
+        with self._s.resize.reading():
+            if not self._s.closed:
+                self._s.env.sync(True)
+
+    # --- lifecycle --------------------------------------------------------------
+    def close(self) -> None:
+        """Commit everything queued, stop the writer, close the environment (idempotent)."""
+        with self._s.close_lock:
+            with self._s.cond:
+                if self._s.closed:
+                    return
+                self._s.stopping = True  # new writes are refused; the writer drains
+                self._s.cond.notify_all()
+            self._writer.join()
+            with self._s.resize.exclusive():
+                try:
+                    self._s.env.sync(True)
+                finally:
+                    self._s.env.close()
+                    os.close(self._s.read_fd)
+                    os.close(self._s.owner_fd)
+                    with open_here_lock:
+                        open_here.discard(os.path.realpath(self._s.directory))
+                    with self._s.cond:
+                        self._s.closed = True
+                        self._s.cond.notify_all()
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals: start-up ------------------------------------------------------
+    def _open_sound(self, map_size: int, deep_check: bool) -> None:
+        """Open the environment, moving a damaged one aside first (see
+        :mod:`kvstore.disk.files`): a damaged file never stops the start, it costs the
+        blocks it held. ``deep_check`` also walks every B-tree in a child process."""
+        damage = find_damage(self._s.directory)
+        if damage is None and deep_check:
+            damage = scan_in_child(self._s.directory)
+        if damage is None:
+            try:
+                self._open_env(map_size)
+                return
+            except _DAMAGE_ERRORS as exc:  # not I/O errors: a full disk is not damage
+                damage = f"LMDB could not read it: {exc}"
+        moved = move_aside(self._s.directory)
+        log.error(
+            "disk tier in %s was damaged (%s); moved it aside to %s and started with an "
+            "empty disk tier",
+            self._s.directory,
+            damage,
+            moved,
+            extra={"event": "disk_damaged"},
+        )
+        self._s.sizes.clear()
+        self._s.used = 0
+        self._open_env(map_size)
+
+    def _open_env(self, map_size: int) -> None:
+        """Open LMDB, its databases, check the format and load the size map."""
+        self._s.env = lmdb.open(
+            self._s.directory,
+            map_size=map_size,
+            subdir=True,
+            mode=0o600,  # data.mdb and lock.mdb; the directory itself is 0o700
+            max_dbs=len(DB_NAMES),
+            max_spare_txns=8,  # readers from several threads reuse reset txns
+            readahead=self._s.readahead,
+            sync=True,
+            metasync=self._s.metasync,
+            writemap=False,
+            lock=True,
+        )
+        try:
+            self._s.clear_stale_readers()  # reader slots left by a crashed process
+            self._s.meta = self._s.env.open_db(META_DB)
+            self._s.payload = self._s.env.open_db(b"payload")
+            self._s.ns = self._s.env.open_db(NAMESPACES_DB)
+            self._s.info = self._s.env.open_db(b"info")
+            self._check_format()
+            self._s.psize = self._s.env.stat()["psize"]
+            self._load_sizes()
+        except BaseException:
+            self._s.env.close()
+            raise
+
+    def _check_format(self) -> None:
+        with self._s.env.begin(write=True) as txn:
+            found = txn.get(FORMAT_KEY, db=self._s.info)
+            if found is None:
+                txn.put(FORMAT_KEY, FORMAT, db=self._s.info)
+        if found is not None and found != FORMAT:
+            raise ValueError(
+                f"{self._s.directory} holds an LMDB disk tier of format {found!r}, "
+                f"this build reads {FORMAT!r}"
+            )
+
+    def _load_sizes(self) -> None:
+        """Rebuild the size map and used_bytes from ``meta``; drop malformed records."""
+        bad: list[bytes] = []
+        with self._s.env.begin() as txn:
+            for key, raw in txn.cursor(db=self._s.meta):
+                try:
+                    record = unpack_record(key, raw)
+                except (ValueError, struct.error):
+                    bad.append(bytes(key))
+                    continue
+                self._s.sizes[record.key] = record.size
+                self._s.used += self._s.footprint(record.size)
+        if bad:
+            log.warning("dropping %d malformed disk records in %s", len(bad), self._s.directory)
+            with self._s.env.begin(write=True) as txn:
+                for key in bad:
+                    txn.delete(key, db=self._s.payload)
+                    txn.delete(key, db=self._s.meta)
