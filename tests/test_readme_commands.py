@@ -29,6 +29,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
+CHAT_BLOCK_TOKENS = 16  # examples/chat_reuse.py --block-tokens default
 # the runnable examples (examples/daemon_check.py is a helper they import)
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if "__main__" in p.read_text())
 BIN = Path(sys.executable).parent
@@ -215,6 +216,16 @@ def test_example_commands_run_as_written(command: str, session: dict[str, str]) 
     proc = run(command, session, timeout=600)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip()
+    if "chat_reuse.py" in command:  # each turn reuses the whole previous turn
+        turns = [
+            tuple(map(int, m))
+            for m in re.findall(r"turn \d+: prompt (\d+) tokens, reused (\d+), computed (\d+)",
+                                proc.stdout)
+        ]  # fmt: skip
+        assert len(turns) >= 2, proc.stdout
+        for (prompt, _, _), (next_prompt, reused, computed) in zip(turns, turns[1:], strict=False):
+            assert reused + computed == next_prompt
+            assert reused >= prompt // CHAT_BLOCK_TOKENS * CHAT_BLOCK_TOKENS, proc.stdout
 
 
 def test_an_example_without_a_daemon_says_so_in_one_line(tmp_path: Path) -> None:

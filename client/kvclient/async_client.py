@@ -4,8 +4,8 @@
 (:mod:`kvclient.effects`) on the running event loop: calls over ``grpc.aio`` and
 asyncio streams, copies on worker threads (run to their end even when the caller is
 cancelled), the pending accounting sent by ``loop.call_later``. Same methods, same
-protocol, same results and exceptions, each returning an awaitable; its namespaces
-are :class:`kvclient.AsyncNamespace`.
+protocol, same results and exceptions, each method a coroutine; its namespaces are
+:class:`kvclient.AsyncNamespace`.
 
 Create the client inside the running event loop (``async with AsyncKVClient() as c``).
 """
@@ -13,15 +13,15 @@ Create the client inside the running event loop (``async with AsyncKVClient() as
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from kvclient.base_client import BaseClient
 from kvclient.connection import events_of
 from kvclient.effects import LOCKS, Op, run_async
 from kvclient.local_calls import ASYNC_SOCKETS
-from kvclient.namespace import AsyncNamespace, BlockLease
-from kvproto.v1.results import Event
+from kvclient.namespace import AsyncNamespace
+from kvproto.v1.results import Event, NamespaceInfo, ServerInfo, Stats
 
 T = TypeVar("T")
 
@@ -29,7 +29,6 @@ T = TypeVar("T")
 class AsyncKVClient(BaseClient):
     """asyncio client of one kvstored; ``await client.close()`` (or ``async with``)."""
 
-    namespace_class = AsyncNamespace
     blocking = False
     sockets = ASYNC_SOCKETS
     event_class = asyncio.Event
@@ -79,34 +78,43 @@ class AsyncKVClient(BaseClient):
         """Whether data calls go through the shared arena (asks the daemon once)."""
         return await self._drive(self._conn.arena_in_use())
 
-    async def _follow(
-        self, start: Callable[[], Any], duration_s: float | None
-    ) -> AsyncIterator[Event]:
-        call = start()
+    # -- daemon-wide calls: :class:`kvclient.KVClient`'s, awaited ----------------------
+
+    async def events(
+        self,
+        from_seq: int = 0,
+        *,
+        ns_id: str = "",
+        kinds: Sequence[str] = (),
+        from_now: bool = False,
+        duration_s: float | None = None,
+    ) -> AsyncGenerator[Event, None]:
+        """:meth:`KVClient.events` as an async iterator."""
+        call = self._watch(from_seq, ns_id, kinds, from_now, duration_s)()
         with self._conn.watching(call, duration_s):
             async for msg in call:
                 for event in events_of(msg):
                     yield event
 
-    def _lease(self, op: Op[BlockLease]) -> AsyncAcquire:
-        return AsyncAcquire(self._drive(op))
+    async def server_info(self) -> ServerInfo:
+        return await self._drive(self._conn.server_info())
 
+    async def stats(self) -> Stats:
+        return await self._drive(self._conn.stats())
 
-class AsyncAcquire:
-    """What :meth:`AsyncNamespace.acquire` returns: await it for the lease, or use it
-    in ``async with`` to have the lease released at the end of the block."""
+    async def namespaces(self) -> list[NamespaceInfo]:
+        return await self._drive(self._conn.namespaces())
 
-    def __init__(self, pinning: Awaitable[BlockLease]) -> None:
-        self._pinning = pinning
-        self._lease: BlockLease | None = None
+    async def clear(self, ns: str | None = None) -> int:
+        return await self._drive(self._conn.clear(ns))
 
-    def __await__(self) -> Generator[Any, None, BlockLease]:
-        return self._pinning.__await__()
+    async def namespace(
+        self, model: str, block_tokens: int = 16, block_bytes: int = 0, *, name: str = "",
+        **layout: Any,
+    ) -> AsyncNamespace:  # fmt: skip
+        """:meth:`KVClient.namespace`: an :class:`AsyncNamespace`."""
+        opened = self._opened(model, block_tokens, block_bytes, name, layout)
+        return AsyncNamespace(self, self._conn, await self._drive(opened))
 
-    async def __aenter__(self) -> BlockLease:
-        self._lease = await self._pinning
-        return self._lease
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._lease is not None:
-            await self._lease.release()
+    async def open_namespace(self, ns_id: str) -> AsyncNamespace:
+        return AsyncNamespace(self, self._conn, await self._drive(self._described(ns_id)))

@@ -105,7 +105,8 @@ def _request(name: str, request: Any) -> bytes:
 
 def _response(status: int, body: bytes, name: str) -> Any:
     if status == frames.OK:
-        return frames.UNARY_METHODS[name][1].FromString(body)
+        response_type: Any = frames.UNARY_METHODS[name][1]
+        return response_type.FromString(body)
     kind, message = frames.parse_error(body)
     raise LocalCallStatus(_CODES.get(status), message, kind)
 

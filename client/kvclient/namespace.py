@@ -1,27 +1,29 @@
 """The handle of one namespace, for both clients.
 
-Each method builds its op (:mod:`kvclient.reads`, :mod:`kvclient.writes`,
-:mod:`kvclient.claims`) and hands it to the client's driver: with
-:class:`kvclient.KVClient` it returns the result, with :class:`kvclient.AsyncKVClient`
-an awaitable of it (``await ns.get(tokens)``). Tokens: a list or ndarray of ints (the
-whole prompt from its first token); blocks: ``[n_blocks, block_bytes]`` array or a
-sequence of bytes-likes.
+Each call builds its op (:mod:`kvclient.reads`, :mod:`kvclient.writes`,
+:mod:`kvclient.claims`) and hands it to the client's driver: a :class:`Namespace` (of a
+:class:`kvclient.KVClient`) returns the result, an :class:`AsyncNamespace` (of a
+:class:`kvclient.AsyncKVClient`) is a coroutine of it (``await ns.get(tokens)``).
+Tokens: a list or ndarray of ints (the whole prompt from its first token); blocks:
+``[n_blocks, block_bytes]`` array or a sequence of bytes-likes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvclient import claims, reads, writes
 from kvclient.arena_path import BlockViews, ClientArena, SlotTable
-from kvclient.claims import ClaimTicket
+from kvclient.claims import Claim, ClaimTicket
 from kvclient.connection import Connection
 from kvclient.effects import Op
+from kvclient.puts_ahead import PendingPut
+from kvclient.results import GetResult
 from kvclient.wire import ExtraKeys, extra_bytes
-from kvproto.v1.results import NamespaceInfo
+from kvproto.v1.results import LookupResult, NamespaceInfo, PutResult
 
 if TYPE_CHECKING:
     from kvclient.async_client import AsyncKVClient
@@ -30,13 +32,11 @@ if TYPE_CHECKING:
 Tokens = Sequence[int] | np.ndarray
 
 
-class Namespace:
-    """Data calls of one namespace (see the module docstring)."""
+class _Namespace:
+    """What both namespace classes share: the namespace's fields and the ops behind
+    each call (the public methods, typed for each driver, are the subclasses')."""
 
-    def __init__(
-        self, client: KVClient | AsyncKVClient, conn: Connection, info: NamespaceInfo
-    ) -> None:
-        self.client = client
+    def __init__(self, conn: Connection, info: NamespaceInfo) -> None:
         self.info = info
         self.ns_id = info.ns_id
         self.block_tokens = info.block_tokens
@@ -49,27 +49,68 @@ class Namespace:
             f"block_bytes={self.block_bytes})"
         )
 
-    def _drive(self, op: Op[Any]) -> Any:
-        return self._conn.drive(op)
+    def _lookup(self, tokens: Tokens, extra_keys: ExtraKeys, wait_s: float) -> Op[LookupResult]:
+        return reads.lookup(self._conn, self.info, tokens, extra_keys, wait_s)
+
+    def _get(self, tokens: Tokens, extra_keys: ExtraKeys, out: np.ndarray | None) -> Op[GetResult]:
+        return reads.Get(self._conn, self.info, tokens, extra_keys, out).run()
+
+    def _acquire(
+        self, tokens: Tokens, extra_keys: ExtraKeys, max_blocks: int, ttl_s: float | None
+    ) -> Op[BlockLease]:
+        request = reads.acquire_request(self.info, tokens, extra_keys, max_blocks, ttl_s)
+        arena, table, lease_id = yield from reads.acquire(self._conn, request)
+        return BlockLease(self._conn, arena, table, self.block_bytes, self.block_tokens, lease_id)
+
+    def _put(
+        self, tokens: Tokens, blocks: Any, start: int, priority: int | None, extra: ExtraKeys
+    ) -> writes.Put:
+        return writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra)
+
+    def _claim(
+        self, tokens: Tokens, start: int, ttl_s: float | None, priority: int | None,
+        extra_keys: ExtraKeys,
+    ) -> Op[Claim]:  # fmt: skip
+        request = claims.reserve_request(
+            self.ns_id, self.block_tokens, tokens, start, ttl_s, priority, extra_bytes(extra_keys)
+        )
+        return claims.claim(self._conn, self.info, request, start)
+
+    def _set_priority(
+        self, tokens: Tokens, priority: int, duration_s: float | None, start: int,
+        extra_keys: ExtraKeys,
+    ) -> Op[int]:  # fmt: skip
+        return writes.set_priority(
+            self._conn, self.info, tokens, priority, duration_s, start, extra_keys
+        )
+
+
+class Namespace(_Namespace):
+    """Data calls of one namespace of a :class:`kvclient.KVClient` (see the module
+    docstring)."""
+
+    def __init__(self, client: KVClient, conn: Connection, info: NamespaceInfo) -> None:
+        super().__init__(conn, info)
+        self.client = client
 
     # -- read side ------------------------------------------------------------------
 
     def lookup(
         self, tokens: Tokens, *, extra_keys: ExtraKeys = (), wait_pending_s: float = 0.0
-    ) -> Any:
-        """Longest cached prefix of ``tokens`` (and what other sessions are computing):
-        a LookupResult. ``wait_pending_s``: wait that long for pending blocks."""
-        return self._drive(reads.lookup(self._conn, self.info, tokens, extra_keys, wait_pending_s))
+    ) -> LookupResult:
+        """Longest cached prefix of ``tokens`` (and what other sessions are computing).
+        ``wait_pending_s``: wait that long for pending blocks."""
+        return self.client._drive(self._lookup(tokens, extra_keys, wait_pending_s))
 
     def get(
         self, tokens: Tokens, *, extra_keys: ExtraKeys = (), out: np.ndarray | None = None
-    ) -> Any:
-        """Bytes of the longest cached prefix: a GetResult (``uint8[n_blocks, block_bytes]``).
+    ) -> GetResult:
+        """Bytes of the longest cached prefix (``uint8[n_blocks, block_bytes]``).
 
         ``out`` (``uint8[k, block_bytes]``, C-contiguous) is filled instead of a new
         array, and caps the blocks returned at k: reuse it across calls.
         """
-        return self._drive(reads.Get(self._conn, self.info, tokens, extra_keys, out).run())
+        return self.client._drive(self._get(tokens, extra_keys, out))
 
     def acquire(
         self,
@@ -78,7 +119,7 @@ class Namespace:
         extra_keys: ExtraKeys = (),
         max_blocks: int = 0,
         ttl_s: float | None = None,
-    ) -> Any:
+    ) -> BlockLease:
         """Pin the cached prefix of ``tokens`` and see its blocks in place, no copy::
 
             with ns.acquire(tokens) as lease:      # async: async with ns.acquire(...)
@@ -87,38 +128,30 @@ class Namespace:
             # released here: the views must not be used any more
 
         Shared arena only (:class:`ArenaUnavailableError` otherwise). The lease lasts
-        ``ttl_s`` (the daemon's default when None) unless released first. With the
-        asyncio client, ``await ns.acquire(...)`` gives the lease too.
+        ``ttl_s`` (the daemon's default when None) unless released first.
         """
-        request = reads.acquire_request(self.info, tokens, extra_keys, max_blocks, ttl_s)
-        return self.client._lease(self._acquire(request))
-
-    def _acquire(self, request: Any) -> Op[BlockLease]:
-        arena, table, lease_id = yield from reads.acquire(self._conn, request)
-        return BlockLease(self._conn, arena, table, self.block_bytes, self.block_tokens, lease_id)
+        return self.client._drive(self._acquire(tokens, extra_keys, max_blocks, ttl_s))
 
     # -- write side -----------------------------------------------------------------
 
     def put(
         self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
         extra_keys: ExtraKeys = (),
-    ) -> Any:  # fmt: skip
-        """Store ``blocks[i]`` as the block ``start + i`` of ``tokens``' chain: a
-        PutResult. Blocks before ``start`` must already be stored (else the offer is
-        refused). ``put_nowait(...).result()``."""
-        put = writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra_keys)
-        return self._drive(writes.put(put))
+    ) -> PutResult:  # fmt: skip
+        """Store ``blocks[i]`` as the block ``start + i`` of ``tokens``' chain and wait
+        for the daemon's answer. Blocks before ``start`` must already be stored (else
+        the offer is refused)."""
+        put = self._put(tokens, blocks, start, priority, extra_keys)
+        return self.client._drive(writes.put(put))
 
     def put_nowait(
         self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
         extra_keys: ExtraKeys = (),
-    ) -> Any:  # fmt: skip
+    ) -> PendingPut:  # fmt: skip
         """Like :meth:`put`, but return once the bytes are in the daemon's arena: a
         :class:`kvclient.puts_ahead.PendingPut` whose ``result()`` gives the counts or
         the daemon's error. Without the arena the put is whole when this returns."""
-        return self._drive(
-            writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra_keys).send()
-        )
+        return self.client._drive(self._put(tokens, blocks, start, priority, extra_keys).send())
 
     # -- early reuse ----------------------------------------------------------------
 
@@ -130,7 +163,7 @@ class Namespace:
         ttl_s: float | None = None,
         priority: int | None = None,
         extra_keys: ExtraKeys = (),
-    ) -> Any:
+    ) -> Claim:
         """Claim the full blocks of ``tokens`` from ``start`` that nobody has yet: they
         become pending (other sessions see them and may wait) and this session delivers
         them with ``Claim.fill`` as it computes them. See :mod:`kvclient.claims`.
@@ -138,21 +171,18 @@ class Namespace:
         Raises OutOfSpaceError when no block can be claimed for lack of room (compute
         without storing).
         """
-        request = claims.reserve_request(
-            self.ns_id, self.block_tokens, tokens, start, ttl_s, priority, extra_bytes(extra_keys)
-        )
-        return self._drive(claims.claim(self._conn, self.info, request, start))
+        return self.client._drive(self._claim(tokens, start, ttl_s, priority, extra_keys))
 
-    def resume_claim(self, ticket: ClaimTicket) -> Any:
+    def resume_claim(self, ticket: ClaimTicket) -> Claim:
         """The claim of ``ticket`` (made by another client, :meth:`Claim.ticket`), to
         deliver its remaining blocks from this client. No call is made."""
-        return self._drive(claims.resume(self._conn, self.info, ticket))
+        return self.client._drive(claims.resume(self._conn, self.info, ticket))
 
     # -- management -----------------------------------------------------------------
 
-    def delete(self, tokens: Tokens, start: int = 0, *, extra_keys: ExtraKeys = ()) -> Any:
+    def delete(self, tokens: Tokens, start: int = 0, *, extra_keys: ExtraKeys = ()) -> int:
         """Remove block ``start`` of the chain and everything below it; returns blocks removed."""
-        return self._drive(writes.delete(self._conn, self.info, tokens, start, extra_keys))
+        return self.client._drive(writes.delete(self._conn, self.info, tokens, start, extra_keys))
 
     def set_priority(
         self,
@@ -162,19 +192,94 @@ class Namespace:
         *,
         start: int = 0,
         extra_keys: ExtraKeys = (),
-    ) -> Any:
+    ) -> int:
         """Set the priority (0..100) of the stored blocks of ``tokens`` from ``start``;
         after ``duration_s`` they fall back to the default. Returns blocks changed."""
-        return self._drive(
-            writes.set_priority(
-                self._conn, self.info, tokens, priority, duration_s, start, extra_keys
-            )
-        )
+        op = self._set_priority(tokens, priority, duration_s, start, extra_keys)
+        return self.client._drive(op)
 
 
-class AsyncNamespace(Namespace):
-    """The :class:`Namespace` of an :class:`kvclient.AsyncKVClient`: every method
-    returns an awaitable."""
+class AsyncNamespace(_Namespace):
+    """The namespace of an :class:`kvclient.AsyncKVClient`: :class:`Namespace`'s calls,
+    each a coroutine (``acquire`` an :class:`AsyncAcquire`)."""
+
+    def __init__(self, client: AsyncKVClient, conn: Connection, info: NamespaceInfo) -> None:
+        super().__init__(conn, info)
+        self.client = client
+
+    async def lookup(
+        self, tokens: Tokens, *, extra_keys: ExtraKeys = (), wait_pending_s: float = 0.0
+    ) -> LookupResult:
+        return await self.client._drive(self._lookup(tokens, extra_keys, wait_pending_s))
+
+    async def get(
+        self, tokens: Tokens, *, extra_keys: ExtraKeys = (), out: np.ndarray | None = None
+    ) -> GetResult:
+        return await self.client._drive(self._get(tokens, extra_keys, out))
+
+    def acquire(
+        self, tokens: Tokens, *, extra_keys: ExtraKeys = (), max_blocks: int = 0,
+        ttl_s: float | None = None,
+    ) -> AsyncAcquire:  # fmt: skip
+        """Await it for the lease, or ``async with`` it to release the lease after."""
+        op = self._acquire(tokens, extra_keys, max_blocks, ttl_s)
+        return AsyncAcquire(self.client._drive(op))
+
+    async def put(
+        self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
+        extra_keys: ExtraKeys = (),
+    ) -> PutResult:  # fmt: skip
+        put = self._put(tokens, blocks, start, priority, extra_keys)
+        return await self.client._drive(writes.put(put))
+
+    async def put_nowait(
+        self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
+        extra_keys: ExtraKeys = (),
+    ) -> PendingPut:  # fmt: skip
+        put = self._put(tokens, blocks, start, priority, extra_keys)
+        return await self.client._drive(put.send())
+
+    async def claim(
+        self, tokens: Tokens, start: int = 0, *, ttl_s: float | None = None,
+        priority: int | None = None, extra_keys: ExtraKeys = (),
+    ) -> Claim:  # fmt: skip
+        return await self.client._drive(self._claim(tokens, start, ttl_s, priority, extra_keys))
+
+    async def resume_claim(self, ticket: ClaimTicket) -> Claim:
+        return await self.client._drive(claims.resume(self._conn, self.info, ticket))
+
+    async def delete(
+        self, tokens: Tokens, start: int = 0, *, extra_keys: ExtraKeys = ()
+    ) -> int:
+        op = writes.delete(self._conn, self.info, tokens, start, extra_keys)
+        return await self.client._drive(op)
+
+    async def set_priority(
+        self, tokens: Tokens, priority: int, duration_s: float | None = None, *,
+        start: int = 0, extra_keys: ExtraKeys = (),
+    ) -> int:  # fmt: skip
+        op = self._set_priority(tokens, priority, duration_s, start, extra_keys)
+        return await self.client._drive(op)
+
+
+class AsyncAcquire:
+    """What :meth:`AsyncNamespace.acquire` returns: await it for the lease, or use it
+    in ``async with`` to have the lease released at the end of the block."""
+
+    def __init__(self, pinning: Awaitable[BlockLease]) -> None:
+        self._pinning = pinning
+        self._lease: BlockLease | None = None
+
+    def __await__(self) -> Generator[Any, None, BlockLease]:
+        return self._pinning.__await__()
+
+    async def __aenter__(self) -> BlockLease:
+        self._lease = await self._pinning
+        return self._lease
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._lease is not None:
+            await self._lease.release()
 
 
 class BlockLease(BlockViews):

@@ -17,7 +17,7 @@ dataclasses of :mod:`kvproto.v1.results`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Generator, Sequence
 from typing import Any, TypeVar
 
 from kvclient.base_client import DEFAULT_TIMEOUT_S, BaseClient
@@ -25,8 +25,8 @@ from kvclient.connection import events_of
 from kvclient.effects import LOCKS, Op, run_blocking
 from kvclient.fork_safety import renew_in_child
 from kvclient.local_calls import BLOCKING_SOCKETS
-from kvclient.namespace import BlockLease
-from kvproto.v1.results import Event
+from kvclient.namespace import Namespace
+from kvproto.v1.results import Event, NamespaceInfo, ServerInfo, Stats
 
 __all__ = ["DEFAULT_TIMEOUT_S", "KVClient"]
 
@@ -107,11 +107,52 @@ class KVClient(BaseClient):
         """Whether data calls go through the shared arena (asks the daemon once)."""
         return self._drive(self._conn.arena_in_use())
 
-    def _follow(self, start: Callable[[], Any], duration_s: float | None) -> Iterator[Event]:
-        call = start()
+    # -- daemon-wide calls ----------------------------------------------------------
+
+    def events(
+        self,
+        from_seq: int = 0,
+        *,
+        ns_id: str = "",
+        kinds: Sequence[str] = (),
+        from_now: bool = False,
+        duration_s: float | None = None,
+    ) -> Generator[Event, None, None]:
+        """Events with seq > ``from_seq``, following the stream until the caller stops
+        (or ``duration_s`` passes). Leaving the loop cancels the call."""
+        call = self._watch(from_seq, ns_id, kinds, from_now, duration_s)()
         with self._conn.watching(call, duration_s):
             for msg in call:
                 yield from events_of(msg)
 
-    def _lease(self, op: Op[BlockLease]) -> BlockLease:
-        return self._drive(op)
+    def server_info(self) -> ServerInfo:
+        """The daemon's ServerInfo."""
+        return self._drive(self._conn.server_info())
+
+    def stats(self) -> Stats:
+        """Tier occupancy, hit counts and more."""
+        return self._drive(self._conn.stats())
+
+    def namespaces(self) -> list[NamespaceInfo]:
+        """The namespaces this caller sees."""
+        return self._drive(self._conn.namespaces())
+
+    def clear(self, ns: str | None = None) -> int:
+        """Remove every block (of namespace ``ns``, or of all); returns blocks removed."""
+        return self._drive(self._conn.clear(ns))
+
+    # -- namespaces -----------------------------------------------------------------
+
+    def namespace(
+        self, model: str, block_tokens: int = 16, block_bytes: int = 0, *, name: str = "",
+        **layout: Any,
+    ) -> Namespace:  # fmt: skip
+        """Open (or re-open) a namespace. ``layout``: num_layers, num_kv_heads,
+        head_dim, dtype, rank, world_size, tenant_salt, hash_algorithm, vocab_size;
+        ``name`` binds a name to it (checked against the layout when it exists)."""
+        info = self._drive(self._opened(model, block_tokens, block_bytes, name, layout))
+        return Namespace(self, self._conn, info)
+
+    def open_namespace(self, ns_id: str) -> Namespace:
+        """A handle on an existing namespace, by ns_id or bound name (NOT_FOUND if none)."""
+        return Namespace(self, self._conn, self._drive(self._described(ns_id)))

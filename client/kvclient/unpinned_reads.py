@@ -119,7 +119,7 @@ class LastSlots:
 
     @staticmethod
     def key(ns_id: str, tokens: np.ndarray, extra: list[bytes], max_blocks: int) -> ReadKey:
-        return (ns_id, xxhash.xxh3_128_digest(tokens), tuple(extra), max_blocks)
+        return (ns_id, xxhash.xxh3_128_digest(tokens.data), tuple(extra), max_blocks)
 
     def get(self, key: ReadKey) -> Slots | None:
         return self._slots.get(key)

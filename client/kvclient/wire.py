@@ -14,6 +14,7 @@ the wire are ordinary messages, so this works against any daemon of the protocol
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ def extra_bytes(extra_keys: ExtraKeys) -> list[bytes]:
 
 
 def namespace_request(
-    model: str, block_tokens: int, block_bytes: int, name: str, layout: dict[str, object]
+    model: str, block_tokens: int, block_bytes: int, name: str, layout: dict[str, Any]
 ) -> pb.OpenNamespaceRequest:
     """OpenNamespace request; InvalidArgumentError for fields the wire cannot carry."""
     unknown = sorted(set(layout) - set(LAYOUT_FIELDS))
@@ -162,12 +163,12 @@ def put_messages(
     for row in data:
         raw = row.reshape(-1).data
         for offset in range(0, len(raw), chunk_bytes):
-            piece = raw[offset : offset + chunk_bytes]
-            if size + len(piece) > chunk_bytes:
+            part = raw[offset : offset + chunk_bytes]
+            if size + len(part) > chunk_bytes:
                 yield b"".join((data_prefix(size), *pending))
                 pending, size = [], 0
-            pending.append(piece)
-            size += len(piece)
+            pending.append(part)
+            size += len(part)
     if pending:
         yield b"".join((data_prefix(size), *pending))
 

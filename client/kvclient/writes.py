@@ -1,6 +1,7 @@
 """The write side of a namespace, written once as ops (:mod:`kvclient.effects`).
 
-One put path. ``put()`` is ``put_nowait().result()``:
+One put path, :meth:`Put.send`; ``put_nowait()`` returns what it sends, ``put()``
+sends with ``wait`` and then waits for the outcome (:func:`put`):
 
 - **Arena** (same host): the put copies its blocks into slots the daemon set aside
   for this client on an earlier call (staged slots, :mod:`kvclient.staged_slots`) and
@@ -10,7 +11,8 @@ One put path. ``put()`` is ``put_nowait().result()``:
   (they bring slots); failing that, the Reserve asks for slots, the blocks are copied
   into them, and a Commit follows without waiting. Either Reserve asks for two puts'
   worth of slots for the puts after. Anything raised between a Reserve and its Commit
-  abandons the pending blocks.
+  abandons the pending blocks. A waiting put without staged slots copies while its
+  Reserve is in flight (the copy and the round trip overlap).
 - **Inline** (no arena): Put streams of at most ``max_transfer_bytes`` each, the
   blocks as data chunks.
 

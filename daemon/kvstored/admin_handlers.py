@@ -32,8 +32,6 @@ class AdminHandlers:
         self._calls = calls
         self._owners = owners
         self._store = calls.store
-        self._config = calls.config
-        self.access = calls.access
 
     # --- namespaces -------------------------------------------------------------------
 
@@ -41,12 +39,12 @@ class AdminHandlers:
     async def OpenNamespace(
         self, request: pb.OpenNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.NamespaceInfo:
-        caller = self.access.caller(context)
-        spec = self.access.scoped(caller, convert.spec_from_proto(request.spec))
-        if spec.block_bytes > self._config.max_transfer_bytes:
+        caller = self._calls.access.caller(context)
+        spec = self._calls.access.scoped(caller, convert.spec_from_proto(request.spec))
+        if spec.block_bytes > self._calls.config.max_transfer_bytes:
             raise InvalidArgument(
                 f"block_bytes={spec.block_bytes} exceeds max_transfer_bytes="
-                f"{self._config.max_transfer_bytes}: such a block could not be moved inline"
+                f"{self._calls.config.max_transfer_bytes}: such a block could not be moved inline"
             )
         if request.name:
             bind = self._calls.names.bind
@@ -61,12 +59,12 @@ class AdminHandlers:
     async def DescribeNamespace(
         self, request: pb.DescribeNamespaceRequest, context: grpc.aio.ServicerContext
     ) -> pb.NamespaceInfo:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         if not request.ns_id:
             raise InvalidArgument("ns_id is required")
 
         def describe() -> pb.NamespaceInfo:
-            spec = self.access.spec(request.ns_id, caller)
+            spec = self._calls.access.spec(request.ns_id, caller)
             stats = {n.ns_id: n for n in self._store.stats().namespaces}.get(spec.ns_id)
             return convert.namespace_info(spec, self._name_of(spec.ns_id), stats)
 
@@ -76,7 +74,7 @@ class AdminHandlers:
     async def ListNamespaces(
         self, request: pb.ListNamespacesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListNamespacesResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
 
         def list_all() -> pb.ListNamespacesResponse:
             names = self._calls.names.names_by_ns_id()
@@ -100,8 +98,8 @@ class AdminHandlers:
     async def ServerInfo(
         self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfoResponse:
-        caller = self.access.caller(context)
-        cfg = self._config
+        caller = self._calls.access.caller(context)
+        cfg = self._calls.config
         arena = self._store.arena
         return pb.ServerInfoResponse(
             version=self._calls.version,
@@ -133,7 +131,7 @@ class AdminHandlers:
         """Hold a client's session open; end its leases when the stream ends (see the
         proto). One message says the session is registered; then nothing until the
         client goes or the daemon stops."""
-        self.access.caller(context)
+        self._calls.access.caller(context)
         if not SESSION_ID_MIN <= len(request.session_id) <= SESSION_ID_MAX:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -154,7 +152,7 @@ class AdminHandlers:
     async def Delete(
         self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
 
         def delete() -> int:
             spec, keys = self._calls.chain(
@@ -173,11 +171,11 @@ class AdminHandlers:
     async def Clear(
         self, request: pb.ClearRequest, context: grpc.aio.ServicerContext
     ) -> pb.ClearResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
 
         def clear() -> int:
             if request.ns_id:
-                return self._store.clear(self.access.spec(request.ns_id, caller).ns_id)
+                return self._store.clear(self._calls.access.spec(request.ns_id, caller).ns_id)
             if caller.admin:
                 return self._store.clear(None)
             # a tenant's Clear with no namespace clears its own namespaces, no other
@@ -190,7 +188,7 @@ class AdminHandlers:
     async def SetPriority(
         self, request: pb.SetPriorityRequest, context: grpc.aio.ServicerContext
     ) -> pb.SetPriorityResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         prio = convert.priority(request.priority)
         duration = convert.seconds(request.duration_s, "duration_s")
 
@@ -215,10 +213,10 @@ class AdminHandlers:
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         stats = await self._calls.run(self._store.stats)
         if not caller.admin:  # a tenant sees its own namespaces, and no tenant's usage
-            own = tuple(n for n in stats.namespaces if self.access.visible(caller, n.ns_id))
+            own = tuple(n for n in stats.namespaces if self._calls.access.visible(caller, n.ns_id))
             stats = dataclasses.replace(stats, namespaces=own, tenants=())
         names = self._calls.names.names_by_ns_id()
         named = tuple(dataclasses.replace(n, name=names.get(n.ns_id, "")) for n in stats.namespaces)
@@ -235,8 +233,8 @@ class AdminHandlers:
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEventsResponse]:
-        caller = self.access.caller(context)
-        ns_filter = self.access.spec(request.ns_id, caller).ns_id if request.ns_id else ""
+        caller = self._calls.access.caller(context)
+        ns_filter = self._calls.access.spec(request.ns_id, caller).ns_id if request.ns_id else ""
         kinds = set(request.kinds)
         for kind in kinds:
             if kind not in result_messages.EVENT_KINDS.values():
@@ -255,7 +253,7 @@ class AdminHandlers:
                 for e in events
                 if (not ns_filter or e.ns_id == ns_filter)
                 and (not kinds or result_messages.EVENT_KINDS[e.kind] in kinds)
-                and self.access.visible(caller, e.ns_id)
+                and self._calls.access.visible(caller, e.ns_id)
             ]
             if out or missed:
                 yield pb.WatchEventsResponse(events=out, missed=missed)

@@ -142,10 +142,10 @@ def _tier_families(stats: Stats) -> Iterator[Metric]:
             family.add_metric([tier.name], getattr(tier, attr))
         yield family
     for name, doc, attr in counters:
-        family = CounterMetricFamily(name, doc, labels=labels)
+        counter = CounterMetricFamily(name, doc, labels=labels)
         for tier in stats.tiers:
-            family.add_metric([tier.name], getattr(tier, attr))
-        yield family
+            counter.add_metric([tier.name], getattr(tier, attr))
+        yield counter
 
 
 def _namespace_families(stats: Stats) -> Iterator[Metric]:

@@ -34,14 +34,12 @@ class ReadHandlers:
         self._calls = calls
         self._owners = owners
         self._store = calls.store
-        self._config = calls.config
-        self.access = calls.access
 
     @grpc_errors
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         wait = convert.seconds(request.wait_pending_s, "wait_pending_s")
         if wait is not None and wait > MAX_WAIT_PENDING_S:
             raise InvalidArgument(
@@ -67,7 +65,7 @@ class ReadHandlers:
     async def Get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GetResponse | bytes]:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         plan = await self._calls.run_quick(functools.partial(self._open_read, request, caller))
         finished = False
         try:
@@ -84,9 +82,10 @@ class ReadHandlers:
                 if finished and not released:
                     # the slots may have been reused while we read them: the client must
                     # not keep what it got, so the call ends with an error status
+                    ttl = self._calls.config.max_lease_ttl_s
                     raise LeaseError(
-                        f"the read lease of this Get ran out after {self._config.max_lease_ttl_s}"
-                        " s while the bytes were being sent; call again"
+                        f"the read lease of this Get ran out after {ttl} s while the bytes "
+                        "were being sent; call again"
                     )
 
     def _open_read(self, request: pb.GetRequest, caller: Caller, quick: bool = False) -> _ReadPlan:
@@ -109,7 +108,7 @@ class ReadHandlers:
         end = ready
         if request.max_blocks:
             end = min(end, start + request.max_blocks)
-        end = min(end, start + max(1, self._config.max_transfer_bytes // bb))
+        end = min(end, start + max(1, self._calls.config.max_transfer_bytes // bb))
         if end <= start:
             header = pb.GetHeader(
                 ready_blocks=ready,
@@ -141,7 +140,7 @@ class ReadHandlers:
         """Pin ``keys`` in host slots under a read lease; None (nothing pinned) when part
         of the prefix cannot be (a disk block with no room to promote it: read() copies
         it from disk instead)."""
-        got = self._store.acquire(spec.ns_id, keys, self._config.max_lease_ttl_s)
+        got = self._store.acquire(spec.ns_id, keys, self._calls.config.max_lease_ttl_s)
         if len(got.offsets) < len(keys):
             if got.lease_id:
                 self._store.release(got.lease_id)
@@ -170,7 +169,7 @@ class ReadHandlers:
     async def Acquire(
         self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
     ) -> pb.AcquireResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         if request.unpinned and not request.compact_slots:
             raise InvalidArgument(
                 "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
@@ -209,7 +208,7 @@ class ReadHandlers:
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        self.access.caller(context)
+        self._calls.access.caller(context)
         lease = convert.lease_id(request.lease_id)
         self._release_done(request.more_lease_ids)
         self._store.release(lease)  # no disk I/O: on the loop
@@ -219,7 +218,7 @@ class ReadHandlers:
     async def ReportReads(
         self, request: pb.ReportReadsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReportReadsResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         prefixes = request.prefixes
         if len(prefixes) > MAX_REPORTED_PREFIXES:
             raise InvalidArgument(

@@ -60,9 +60,10 @@ from kvstored.read_handlers import ReadHandlers
 from kvstored.write_handlers import WriteHandlers
 
 
-class KVStoreService(pb_grpc.KVStoreServicer):
-    """Servicer for ``kvstore.v1.KVStore`` (see the module docstring); owns its thread
-    pools, not the store."""
+class KVStoreService:
+    """Servicer for ``kvstore.v1.KVStore`` (see the module docstring): each RPC is an
+    attribute naming its handler, as ``add_KVStoreServicer_to_server`` looks them up;
+    owns its thread pools, not the store."""
 
     def __init__(
         self,

@@ -32,8 +32,6 @@ class WriteHandlers:
         self._calls = calls
         self._owners = owners
         self._store = calls.store
-        self._config = calls.config
-        self.access = calls.access
 
     @grpc_errors
     async def Put(
@@ -41,7 +39,7 @@ class WriteHandlers:
         request_iterator: AsyncIterable[pb.PutRequest | bytes],
         context: grpc.aio.ServicerContext,
     ) -> pb.PutResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         messages = aiter(request_iterator)
         first = await anext(messages, None)
         head = self._put_header(first)
@@ -59,17 +57,17 @@ class WriteHandlers:
         spec, keys = await self._calls.run_quick(check_header)
         bb = spec.block_bytes
         expected = head.n_blocks * bb
-        if expected > self._config.max_transfer_bytes:
+        if expected > self._calls.config.max_transfer_bytes:
             raise OutOfSpace(
                 f"put of {head.n_blocks} blocks x {bb} bytes = {expected} bytes exceeds "
-                f"max_transfer_bytes={self._config.max_transfer_bytes}; split it"
+                f"max_transfer_bytes={self._calls.config.max_transfer_bytes}; split it"
             )
 
         def reserve(quick: bool = False) -> Reservation:
             if quick:
                 self._calls.check_room(spec.ns_id, keys, head.n_blocks)
             return self._store.reserve(
-                spec.ns_id, keys, head.start_block, self._config.max_lease_ttl_s, prio
+                spec.ns_id, keys, head.start_block, self._calls.config.max_lease_ttl_s, prio
             )
 
         reservation = await self._calls.run_quick(reserve)
@@ -115,7 +113,7 @@ class WriteHandlers:
         compute for themselves rather than wait for bytes that are not coming.
         """
         lease = convert.lease_id(head.lease_id)
-        spec = self.access.spec(head.ns_id, caller)
+        spec = self._calls.access.spec(head.ns_id, caller)
         if head.n_blocks == 0:
             raise InvalidArgument("n_blocks must be > 0")
         slots = self._store.claimed_slots(lease, head.n_blocks)
@@ -193,7 +191,7 @@ class WriteHandlers:
     async def Reserve(
         self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReserveResponse:
-        caller = self.access.caller(context)
+        caller = self._calls.access.caller(context)
         ttl = convert.seconds(request.ttl_s, "ttl_s")
         prio = convert.optional_priority(request)
 
@@ -249,7 +247,7 @@ class WriteHandlers:
     async def Commit(
         self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
     ) -> pb.CommitResponse:
-        self.access.caller(context)
+        self._calls.access.caller(context)
         lease = convert.lease_id(request.lease_id)
         count = request.count if request.HasField("count") else None
         committed, durable = await self._commit(lease, count)
@@ -265,7 +263,7 @@ class WriteHandlers:
     async def Abandon(
         self, request: pb.AbandonRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbandonResponse:
-        self.access.caller(context)
+        self._calls.access.caller(context)
         lease = convert.lease_id(request.lease_id)
         return pb.AbandonResponse(dropped=self._store.abandon(lease))  # no disk I/O
 

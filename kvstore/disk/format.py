@@ -88,7 +88,8 @@ def unpack_record(key: bytes, raw: bytes | memoryview) -> DiskRecord:
     if len(raw) == META_V1.size and raw[0] == 1:
         fields = META_V1.unpack(raw)
     else:
-        *fields, offset = META.unpack(raw)
+        *rest, offset = META.unpack(raw)
+        fields = tuple(rest)
     version, ns_digest, parent_len, parent, size, checksum, priority, last = fields
     if version not in (1, META_VERSION) or parent_len not in (0, *KEY_SIZES):
         raise ValueError(f"bad meta record (version {version}, parent length {parent_len})")

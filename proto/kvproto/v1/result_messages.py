@@ -17,7 +17,7 @@ from kvproto.v1 import results as r
 R = TypeVar("R")
 M = TypeVar("M")
 
-EVENT_KINDS: dict[str, int] = {
+EVENT_KINDS: dict[str, pb.EventKind] = {
     "stored": pb.EVENT_KIND_STORED,
     "removed": pb.EVENT_KIND_REMOVED,
     "demoted": pb.EVENT_KIND_DEMOTED,
@@ -117,5 +117,5 @@ def events(message: pb.WatchEventsResponse) -> list[r.Event]:
     ]
 
 
-def event_kind_values(kinds: list[str] | tuple[str, ...]) -> list[int]:
+def event_kind_values(kinds: list[str] | tuple[str, ...]) -> list[pb.EventKind]:
     return [EVENT_KINDS[k] for k in kinds]

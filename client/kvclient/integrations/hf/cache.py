@@ -97,7 +97,7 @@ def cache_from_layers(
         and all(type(layer) is DynamicLayer for layer in cache_layers)
     )
     for idx, (keys, values) in enumerate(layers):
-        if adopt:
+        if adopt and cache_layers is not None:
             layer = cache_layers[idx]
             # initialise through the layer's own update (dtype, device, flags: whatever
             # this version keeps) with zero tokens, then adopt the tensors
