@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import arena as arena_module
+from kvstore.host import arena as arena_module
 from kvstore.host.arena import HostArena
 from kvstore.host.mapping import map_arena
 from kvstore.host.slot_epochs import table_bytes

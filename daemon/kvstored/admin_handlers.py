@@ -18,7 +18,7 @@ from kvstored import convert
 from kvstored.config import MAX_CHUNK_BYTES
 from kvstored.dispatch import Calls
 from kvstored.errors import grpc_errors
-from kvstored.owners import SESSION_OWNER, Owners
+from kvstored.owners import SESSION_OWNER
 
 EVENT_POLL_S = 0.25  # how long one event poll waits in the store before re-checking shutdown
 EVENT_BATCH = 1024
@@ -28,9 +28,8 @@ SESSION_ID_MIN, SESSION_ID_MAX = 16, 64
 class AdminHandlers:
     """See the module docstring."""
 
-    def __init__(self, calls: Calls, owners: Owners) -> None:
+    def __init__(self, calls: Calls) -> None:
         self._calls = calls
-        self._owners = owners
         self._store = calls.store
 
     # --- namespaces -------------------------------------------------------------------
@@ -139,12 +138,12 @@ class AdminHandlers:
                 f"got {len(request.session_id)}",
             )
         owner = SESSION_OWNER + request.session_id
-        self._owners.opened(owner)
+        self._calls.owners.opened(owner)
         try:
             yield pb.SessionResponse()
             await self._calls.stopping.wait()
         finally:
-            self._owners.closed(owner)
+            self._calls.owners.closed(owner)
 
     # --- management -------------------------------------------------------------------
 

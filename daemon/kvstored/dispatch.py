@@ -29,6 +29,7 @@ from kvstored import convert, hostinfo
 from kvstored.auth import Access, Caller
 from kvstored.config import DaemonConfig
 from kvstored.names import NamespaceNames
+from kvstored.owners import Owners
 
 T = TypeVar("T")
 
@@ -75,8 +76,8 @@ class ChainCache:
 
 
 class Calls:
-    """The store, the settings and the pools every handler uses (see the module
-    docstring); owns its thread pools, not the store."""
+    """The store, the settings, the pools and the lease owners every handler uses (see
+    the module docstring); owns its thread pools, not the store."""
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class Calls:
         access: Access,
     ) -> None:
         self.store = store
+        self.owners = Owners(store)  # whose leases a call makes
         self.config = config
         self.names = names
         self.access = access

@@ -22,7 +22,6 @@ from kvstored.auth import Caller
 from kvstored.config import GET_CHUNK_BYTES
 from kvstored.dispatch import Calls, NeedsPool
 from kvstored.errors import grpc_errors
-from kvstored.owners import Owners
 
 MAX_WAIT_PENDING_S = 300.0
 
@@ -30,9 +29,8 @@ MAX_WAIT_PENDING_S = 300.0
 class ReadHandlers:
     """See the module docstring."""
 
-    def __init__(self, calls: Calls, owners: Owners) -> None:
+    def __init__(self, calls: Calls) -> None:
         self._calls = calls
-        self._owners = owners
         self._store = calls.store
 
     @grpc_errors
@@ -176,7 +174,7 @@ class ReadHandlers:
             )
         ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
         self._release_done(request.release_lease_ids)
-        owner = self._owners.owner_of(context)
+        owner = self._calls.owners.owner_of(context)
 
         def acquire(quick: bool = False) -> pb.AcquireResponse:
             spec, keys, _ = self._calls.read_chain(
@@ -197,7 +195,7 @@ class ReadHandlers:
             )
             if got is None:  # a block is on disk only: promoting it waits on the disk
                 raise NeedsPool
-            self._owners.own(owner, (got.lease_id,))
+            self._calls.owners.own(owner, (got.lease_id,))
             return convert.acquire_response(
                 got, spec.block_tokens, self._store.arena_path or "", request.compact_slots
             )

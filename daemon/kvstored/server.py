@@ -45,6 +45,7 @@ from kvstored.config import (
     DaemonConfig,
     human_size,
 )
+from kvstored.dispatch import Calls
 from kvstored.gpu_service import KVGpuService
 from kvstored.local_calls import LocalCallServer
 from kvstored.metrics import DaemonMetrics, MetricsBindError, StoreCollector
@@ -152,7 +153,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         await asyncio.to_thread(store.close)
         raise StartupError(str(exc), exit_code=2) from exc
     access = Access(store, names, tokens)
-    service = KVStoreService(store, config, names, daemon_version(), access)
+    service = KVStoreService(Calls(store, config, names, daemon_version(), access))
     health_servicer = health.aio.HealthServicer()
     metrics = DaemonMetrics(
         StoreCollector(

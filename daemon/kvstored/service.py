@@ -48,14 +48,9 @@ import grpc
 
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.store import Store
 from kvstored.admin_handlers import AdminHandlers
-from kvstored.auth import Access
-from kvstored.config import DaemonConfig
 from kvstored.dispatch import Calls
 from kvstored.errors import tolerant
-from kvstored.names import NamespaceNames
-from kvstored.owners import Owners
 from kvstored.read_handlers import ReadHandlers
 from kvstored.write_handlers import WriteHandlers
 
@@ -65,20 +60,12 @@ class KVStoreService:
     attribute naming its handler, as ``add_KVStoreServicer_to_server`` looks them up;
     owns its thread pools, not the store."""
 
-    def __init__(
-        self,
-        store: Store,
-        config: DaemonConfig,
-        names: NamespaceNames,
-        version: str,
-        access: Access,
-    ) -> None:
-        self._calls = Calls(store, config, names, version, access)
-        self._owners = Owners(store)
-        self.access = access
-        reads = ReadHandlers(self._calls, self._owners)
-        writes = WriteHandlers(self._calls, self._owners)
-        admin = AdminHandlers(self._calls, self._owners)
+    def __init__(self, calls: Calls) -> None:
+        self._calls = calls
+        self.access = calls.access
+        reads = ReadHandlers(calls)
+        writes = WriteHandlers(calls)
+        admin = AdminHandlers(calls)
         # each RPC and the handler that serves it
         self.Lookup = reads.Lookup
         self.Get = reads.Get
@@ -128,11 +115,11 @@ class KVStoreService:
 
     def owner_opened(self, owner: str) -> None:
         """A connection or stream of ``owner`` opened (see kvstored.owners)."""
-        self._owners.opened(owner)
+        self._calls.owners.opened(owner)
 
     def owner_closed(self, owner: str) -> None:
         """One of ``owner``'s connections closed: its leases end with the last one."""
-        self._owners.closed(owner)
+        self._calls.owners.closed(owner)
 
 
 # --- registration ---------------------------------------------------------------------

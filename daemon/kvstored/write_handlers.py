@@ -22,15 +22,13 @@ from kvstored.auth import Caller
 from kvstored.config import MAX_CHUNK_BYTES
 from kvstored.dispatch import Calls, NeedsPool
 from kvstored.errors import grpc_errors
-from kvstored.owners import Owners
 
 
 class WriteHandlers:
     """See the module docstring."""
 
-    def __init__(self, calls: Calls, owners: Owners) -> None:
+    def __init__(self, calls: Calls) -> None:
         self._calls = calls
-        self._owners = owners
         self._store = calls.store
 
     @grpc_errors
@@ -202,7 +200,7 @@ class WriteHandlers:
                 "staged slots can be committed on arrival"
             )
 
-        owner = self._owners.owner_of(context)
+        owner = self._calls.owners.owner_of(context)
 
         def reserve(quick: bool = False) -> pb.ReserveResponse:
             spec, keys = self._calls.chain(
@@ -233,8 +231,8 @@ class WriteHandlers:
             if request.commit and res.lease_id:
                 durable = self._store.commit_durably(res.lease_id)[1]
             else:
-                self._owners.own(owner, (res.lease_id,))
-            self._owners.own(owner, (res.stage_lease_id,))
+                self._calls.owners.own(owner, (res.lease_id,))
+            self._calls.owners.own(owner, (res.stage_lease_id,))
             response = convert.reserve_response(
                 res, self._store.arena_path or "", request.compact_slots
             )

@@ -38,7 +38,7 @@ other reason than map space (ENOSPC, EIO: :attr:`~DiskTier.fault`) stops the tie
 writes until a retry commits; its items stay queued and readable meanwhile.
 
 Who opens the directory: one process at a time (``kvstored.lock``, see
-:mod:`kvstore.disk_files`); a damaged ``data.mdb`` is moved aside at open and the tier
+:mod:`kvstore.disk.files`); a damaged ``data.mdb`` is moved aside at open and the tier
 starts empty, and a page found damaged at run time makes that read a miss.
 Readers run their own read transactions concurrently with the writer (MVCC); a small
 shared/exclusive lock keeps every read transaction closed while the writer calls
