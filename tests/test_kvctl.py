@@ -1,7 +1,7 @@
 """kvctl against a real kvstored: every command, human and --json, and its failures.
 
 Commands run in-process through ``kvctl.cli.main(argv)`` (the console script's
-entry point) with captured stdout/stderr; one test runs ``python -m kvclient`` as a
+entry point) with captured stdout/stderr; one test runs ``python -m kvctl`` as a
 subprocess to check the exit code and the single stderr line end to end.
 """
 
@@ -222,7 +222,7 @@ def test_top_redraws_on_a_tty_and_restores_it_on_ctrl_c(
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": "120", "LINES": "30"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvclient", "--addr", daemon.addr, "top", "--interval", "0.1"],
+        [sys.executable, "-m", "kvctl", "--addr", daemon.addr, "top", "--interval", "0.1"],
         stdin=slave,
         stdout=slave,
         stderr=slave,
@@ -310,7 +310,7 @@ def test_kvctl_as_a_program(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     # the address comes from $KVSTORE_ADDR when --addr is not given
     monkeypatch.setenv("KVSTORE_ADDR", str(tmp_path / "nobody.sock"))
     proc = subprocess.run(
-        [sys.executable, "-m", "kvclient", "status"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "kvctl", "status"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.splitlines() == [

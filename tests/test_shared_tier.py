@@ -300,7 +300,7 @@ def test_status_kvctl_and_metrics_show_the_shared_tier(
     with KVClient(c.addr) as client:
         client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES).lookup(tokens)
 
-    kvctl = [sys.executable, "-m", "kvclient", "--addr", c.addr]
+    kvctl = [sys.executable, "-m", "kvctl", "--addr", c.addr]
     status = subprocess.run([*kvctl, "status"], capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     line = next(x for x in status.stdout.splitlines() if x.startswith("shared tier"))

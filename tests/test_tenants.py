@@ -318,7 +318,7 @@ def test_the_arena_path_works_for_a_tenant_and_stays_in_its_namespaces(
 def test_kvctl_status_tenants_is_for_the_admin(tenancy: Tenancy) -> None:
     def kvctl(who: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "kvclient", "--addr", tenancy.daemon.addr, "status",
+            [sys.executable, "-m", "kvctl", "--addr", tenancy.daemon.addr, "status",
              "--tenants", "--token-file", str(tenancy.token_files[who])],
             capture_output=True, text=True, timeout=60,
         )

@@ -209,7 +209,7 @@ def test_bad_client_security_settings_are_one_clear_error(
     with pytest.raises(InvalidArgumentError, match="needs its key"):
         KVClient("127.0.0.1:7070", tls=half)
     kvctl = subprocess.run(
-        [sys.executable, "-m", "kvclient", "--token-file", str(tmp_path / "nope"), "status"],
+        [sys.executable, "-m", "kvctl", "--token-file", str(tmp_path / "nope"), "status"],
         capture_output=True, text=True, timeout=60,
     )
     assert kvctl.returncode == 2 and kvctl.stderr.count("\n") == 1
