@@ -16,6 +16,9 @@ DEFAULT_PRIORITY = 35
 ADMISSION_POLICIES = ("write-back", "write-through", "selective")
 # a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
 PARALLEL_PROMOTE_BYTES = 4 << 20
+# a caller that must not wait on the disk (the daemon's event loop) promotes at most
+# this many bytes, and only from the page cache into free room
+QUICK_PROMOTE_BYTES = 4 << 20
 PROMOTE_THREADS = max(1, min(4, os.cpu_count() or 1))
 DELETE_COMMIT_TIMEOUT_S = 60.0  # clear and delete wait this long for their disk deletions
 

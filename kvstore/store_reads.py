@@ -28,7 +28,12 @@ from kvstore.results import (
     Located,
     ReadyPrefix,
 )
-from kvstore.store_config import PARALLEL_PROMOTE_BYTES, PROMOTE_THREADS, check_ttl
+from kvstore.store_config import (
+    PARALLEL_PROMOTE_BYTES,
+    PROMOTE_THREADS,
+    QUICK_PROMOTE_BYTES,
+    check_ttl,
+)
 from kvstore.store_parts import StoreParts
 
 log = logging.getLogger(__name__)
@@ -143,8 +148,10 @@ class Reads:
         count: bool = True,
     ) -> Acquisition | None:
         """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
-        its disk-only blocks. ``host_only``: None, having changed nothing, when one would
-        need promoting (for a caller that must not wait on the disk).
+        its disk-only blocks. ``host_only`` (for a caller that must not wait on the
+        disk): disk-only blocks are promoted only when they are at most
+        QUICK_PROMOTE_BYTES, fit the arena's free room (nothing is evicted) and are all
+        in the page cache; otherwise None, having changed nothing.
 
         ``count=False`` for a read counted already (the same get acquiring again): no
         hits or misses are counted, the blocks are touched as by any read."""
@@ -158,11 +165,19 @@ class Reads:
         if pinned is None:
             return None
         nodes, fresh = pinned
-        ok = len(nodes)
         try:
-            ok = self._fill_promotions(nodes, fresh)
-        finally:
-            self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
+            ok = self._fill_promotions(nodes, fresh, nowait=host_only)
+        except BlockingIOError:  # host_only: a block is not in the page cache
+            with self._lock:
+                for offset in fresh.values():
+                    self._arena.free(offset)
+                for node in nodes:
+                    node.pins -= 1
+            return None
+        except BaseException:
+            self._finish_pinned(entry, keys, nodes, fresh, 0, keep_pins=True, count=count)
+            raise
+        self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
         kept = nodes[:ok]
         with self._lock:
             size = entry.spec.block_bytes
@@ -233,7 +248,9 @@ class Reads:
         Returns the pinned nodes and {position: fresh host offset} for blocks to promote.
         With ``promote_all`` the prefix is cut at the first block that gets no slot
         (acquire needs every block in host); otherwise that block is read from disk.
-        With ``host_only``, None (nothing pinned) when a block is not in the host tier.
+        With ``host_only``, slots come from free room only, for at most
+        QUICK_PROMOTE_BYTES of disk-only blocks; None (nothing pinned or reserved) when
+        they do not.
         """
         with self._lock:
             self._parts.check_open()
@@ -241,7 +258,12 @@ class Reads:
             nodes = self._ready_prefix(keys)
             all_host = all(node.host_offset >= 0 for node in nodes)
             if host_only and not all_host:
-                return None
+                fresh_room = self._free_room_slots(nodes)
+                if fresh_room is None:
+                    return None
+                for node in nodes:
+                    node.pins += 1
+                return nodes, fresh_room
             for node in nodes:
                 node.pins += 1
             if all_host:
@@ -259,6 +281,28 @@ class Reads:
                     break
                 fresh[i] = offset
             return nodes, fresh
+
+    def _free_room_slots(self, nodes: list[Node]) -> dict[int, int] | None:
+        """Host slots for the disk-only blocks of ``nodes`` from the arena's free room
+        (no eviction, within the tenant's quota), when they are at most
+        QUICK_PROMOTE_BYTES; None, with nothing allocated, otherwise. Under the lock."""
+        if self._disk is None:
+            return None
+        on_disk = [i for i, node in enumerate(nodes) if not node.in_host]
+        if sum(nodes[i].size for i in on_disk) > QUICK_PROMOTE_BYTES:
+            return None
+        fresh: dict[int, int] = {}
+        for i in on_disk:
+            node = nodes[i]
+            quota = node.ns.group.quota.host_bytes
+            held = node.ns.group.host_held + sum(nodes[j].size for j in fresh)
+            offset = None if quota and held + node.size > quota else self._arena.alloc(node.size)
+            if offset is None:
+                for taken in fresh.values():
+                    self._arena.free(taken)
+                return None
+            fresh[i] = offset
+        return fresh
 
     def _copy_out(
         self, nodes: list[Node], fresh: dict[int, int], out: memoryview, size: int, start: int
@@ -286,13 +330,17 @@ class Reads:
                     return i
         return len(nodes)
 
-    def _fill_promotions(self, nodes: list[Node], fresh: dict[int, int]) -> int:
+    def _fill_promotions(
+        self, nodes: list[Node], fresh: dict[int, int], nowait: bool = False
+    ) -> int:
         """Read disk-only blocks into their fresh host slots (no lock held); the number
         of leading ``nodes`` that are good.
 
         The blocks of one share are read in one LMDB read transaction. A disk read is
         a pread and a checksum pass, both without the GIL: promotions of
-        ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once."""
+        ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once.
+        ``nowait``: on this thread, BlockingIOError when a block is not in the page
+        cache (see :meth:`acquire`)."""
         disk = self._disk
         todo = sorted(fresh)
         if not todo:
@@ -302,10 +350,11 @@ class Reads:
             """The first block of ``part`` that failed, or None."""
             assert disk is not None
             slots = [self._arena.view(fresh[i], nodes[i].size) for i in part]
-            good = disk.read_all([nodes[i].key for i in part], slots)
+            good = disk.read_all([nodes[i].key for i in part], slots, nowait)
             return None if good == len(part) else part[good]
 
-        if len(todo) > 1 and sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES:
+        big = sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES
+        if len(todo) > 1 and big and not nowait:
             # one share per thread (a hand-off per block would cost more than it saves)
             share = -(-len(todo) // PROMOTE_THREADS)
             parts = [todo[k : k + share] for k in range(0, len(todo), share)]

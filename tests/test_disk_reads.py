@@ -5,22 +5,28 @@ the client copies the slots; no client opens the disk tier's files).
 The promises under test: a batch read stops at its first block that is missing or
 damaged, drops the damaged one and reads none of its bytes into the answer; a get of
 disk-only blocks returns their exact bytes, promoted once; a damaged block is a miss,
-never its bytes.
+never its bytes; the daemon's quick path promotes only what the page cache holds and
+its free room takes, and otherwise changes nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 from pathlib import Path
 
 import lmdb
 import numpy as np
+import pytest
 import xxhash
 from conftest import Daemon, damage_in_disk_file
 
 from kvclient import AsyncKVClient, KVClient
 from kvstore.disk import DiskRecord, DiskTier
+from kvstore.keys import NamespaceSpec
+from kvstore.store import Store, StoreConfig
+from kvstore.store_config import QUICK_PROMOTE_BYTES
 
 BLOCK = 64 << 10
 TOKENS = 4
@@ -175,3 +181,66 @@ def test_async_gets_of_disk_blocks(kvstored: Daemon) -> None:
             assert stats.promotions == 8 and stats.tier("disk").hits == 8
 
     asyncio.run(main())
+
+
+# -- promotions that never wait on the device (the daemon's quick path) --------------------
+
+
+def disk_only_store(tmp_path: Path, n_blocks: int) -> tuple[Store, str, list]:
+    """A store whose chain of ``n_blocks`` is on disk only (written, then restarted)."""
+    config = StoreConfig(
+        host_bytes=64 << 20, disk_dir=str(tmp_path / "disk"), disk_bytes=256 << 20,
+        shared_arena=False,
+    )  # fmt: skip
+    with Store(config) as store:
+        ns = store.open_namespace(NamespaceSpec(model="m", block_tokens=TOKENS, block_bytes=BLOCK))
+        keys = store.keys_for(ns.ns_id, list(range(n_blocks * TOKENS)))
+        store.put(ns.ns_id, keys, [block(i) for i in range(n_blocks)])
+    store = Store(config)  # the host tier starts empty: every block is on disk only
+    assert store.lookup(ns.ns_id, keys).disk_blocks == n_blocks
+    return store, ns.ns_id, keys
+
+
+def test_a_quick_acquire_promotes_blocks_the_page_cache_holds(tmp_path: Path) -> None:
+    store, ns, keys = disk_only_store(tmp_path, 4)
+    with store:
+        got = store.acquire(ns, keys, host_only=True)
+        assert got is not None and len(got.offsets) == 4 and got.lease_id
+        arena = store.arena.array()
+        assert [arena[o : o + BLOCK].tobytes() for o in got.offsets] == [block(i) for i in range(4)]
+        assert store.stats().promotions == 4
+        store.release(got.lease_id)
+        store.verify_invariants()
+
+
+def test_a_quick_acquire_that_would_wait_on_the_device_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, ns, keys = disk_only_store(tmp_path, 4)
+    real = os.preadv
+
+    def not_cached(fd: int, buffers: list, offset: int, flags: int = 0) -> int:
+        if flags:  # RWF_NOWAIT: the pages are not in the page cache
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", not_cached)
+    with store:
+        used = store.arena.used_bytes
+        assert store.acquire(ns, keys, host_only=True) is None
+        stats = store.stats()
+        assert stats.promotions == 0 and stats.leases == 0 and store.arena.used_bytes == used
+        assert stats.tier("disk").hits == 0 and stats.tier("host").misses == 0
+        store.verify_invariants()
+        got = store.acquire(ns, keys)  # the pool's acquire waits for the device
+        assert got is not None and len(got.offsets) == 4
+        store.release(got.lease_id)
+
+
+def test_a_quick_acquire_of_more_than_it_may_promote_changes_nothing(tmp_path: Path) -> None:
+    n = QUICK_PROMOTE_BYTES // BLOCK + 1
+    store, ns, keys = disk_only_store(tmp_path, n)
+    with store:
+        assert store.acquire(ns, keys, host_only=True) is None
+        assert store.stats().promotions == 0 and store.stats().leases == 0
+        store.verify_invariants()

@@ -188,8 +188,7 @@ class ReadHandlers:
                     return convert.located_response(
                         located, spec.block_tokens, self._store.arena_path or ""
                     )
-                if quick:  # a block is on disk only
-                    raise NeedsPool
+                # a block is on disk only: acquire promotes it (from the page cache, when quick)
             got = self._store.acquire(
                 spec.ns_id, keys, ttl, host_only=quick, count=not request.counted
             )

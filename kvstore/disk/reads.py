@@ -33,6 +33,9 @@ from kvstore.disk.state import (
 
 log = logging.getLogger(__name__)
 
+# preadv2 flag: fail with EAGAIN instead of waiting for the device (Linux >= 4.14)
+NOWAIT_FLAG: int | None = getattr(os, "RWF_NOWAIT", None)
+
 
 class DiskReads:
     """Reads (see the module docstring)."""
@@ -74,10 +77,15 @@ class DiskReads:
             return None
         return self._verified(key, found, None)
 
-    def read_all(self, keys: Sequence[bytes], outs: Sequence[memoryview]) -> int:
+    def read_all(
+        self, keys: Sequence[bytes], outs: Sequence[memoryview], nowait: bool = False
+    ) -> int:
         """Copy the payloads of ``keys`` into ``outs`` (as :meth:`read` with ``out``),
         the committed ones in one read transaction (one record lookup after another,
-        no transaction each); the number of leading keys read and verified."""
+        no transaction each); the number of leading keys read and verified.
+
+        ``nowait`` (a caller that must not wait on the device): BlockingIOError, with
+        nothing kept, when a payload is not all in the page cache."""
         wanted = [bytes(key) for key in keys]
         dsts = [_byte_view(out) for out in outs]
         queued: dict[int, _Write] = {}
@@ -100,9 +108,13 @@ class DiskReads:
                 with self._s.env.begin(buffers=True) as txn:
                     for i, key in enumerate(wanted):
                         if i not in queued:
-                            found[i] = self._read_in(txn, key, dsts[i])
+                            found[i] = self._read_in(txn, key, dsts[i], nowait)
         except lmdb.Error:
             damaged = True  # read() below finds out which block, and drops it
+        except BaseException:  # BlockingIOError (nowait), or anything unexpected
+            for write in queued.values():
+                self._unpin(write)
+            raise
         for i, key in enumerate(wanted):
             write = queued.pop(i, None)
             if write is not None:
@@ -157,7 +169,7 @@ class DiskReads:
         return data
 
     def _read_in(
-        self, txn: Any, key: bytes, dst: memoryview | None
+        self, txn: Any, key: bytes, dst: memoryview | None, nowait: bool = False
     ) -> tuple[bytes | memoryview, int] | None:
         """Copy a committed payload out inside the read transaction ``txn`` (views die
         with it): (its bytes, the checksum they must have); None when not there."""
@@ -173,21 +185,30 @@ class DiskReads:
             return b"", -1  # fails the checksum check
         if dst is not None:
             self._check_out(dst, record.size)
-            self._copy_value(view, dst[: record.size])
+            self._copy_value(view, dst[: record.size], nowait)
             return dst[: record.size], record.checksum
         return bytes(view), record.checksum
 
-    def _copy_value(self, view: memoryview, dst: memoryview) -> None:
+    def _copy_value(self, view: memoryview, dst: memoryview, nowait: bool = False) -> None:
         """Copy a value the open read transaction holds (``view``, into LMDB's map) to
         ``dst``. A value stored as an overflow run (every payload above ~2 KiB) is read
         with pread() at its file offset; the pages stay allocated while the transaction
         lives, and the page cache is the same one the map shows. Anything else is
-        copied from the map. The caller verifies the checksum of what lands in ``dst``
-        either way."""
+        copied from the map (its page is the one the lookup just read). The caller
+        verifies the checksum of what lands in ``dst`` either way. ``nowait``:
+        BlockingIOError when the run is not all in the page cache (``RWF_NOWAIT``)."""
         size = len(view)
         offset = self._s.file_offset(view)
-        if offset is not None and os.preadv(self._s.read_fd, [dst], offset) == size:
-            return
+        if offset is not None:
+            flags = 0
+            if nowait:
+                if NOWAIT_FLAG is None:
+                    raise BlockingIOError("reads that never wait need preadv2 RWF_NOWAIT")
+                flags = NOWAIT_FLAG
+            if os.preadv(self._s.read_fd, [dst], offset, flags) == size:
+                return
+            if nowait:  # part of it is not cached: the map would fault it in
+                raise BlockingIOError("a payload is not all in the page cache")
         _copy(dst, view)
 
     @staticmethod
