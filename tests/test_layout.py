@@ -117,16 +117,16 @@ def test_the_forbidden_import_check_finds_one(tmp_path: Path) -> None:
 
 
 def test_the_client_loads_nothing_of_the_daemon() -> None:
-    """Every module of kvclient imported in a fresh process: no kvstored module loads,
-    nor the disk tier's engine (kvstore.disk: its writer thread and LMDB handling)."""
+    """Every module of the client core imported in a fresh process: no kvstored module
+    loads, nor the disk tier (kvstore.disk: LMDB and the writer thread), through
+    whatever the core imports of kvstore. (The integrations import the core and, by the
+    rules above, nothing of the daemon; importing torch and vLLM here would cost most of
+    this test's time.)"""
     names = [name for name, _ in modules("kvclient") if ".integrations" not in name
              and name not in PUBLIC_PATHS]
     code = (
         "import importlib, sys\n"
         f"for name in {names!r}: importlib.import_module(name)\n"
-        "for name in ('kvclient.hf', 'kvclient.integrations.gpu', 'kvclient.vllm'):\n"
-        "    try: importlib.import_module(name)\n"
-        "    except ImportError: pass\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'kvstored'\n"
         "             or m.split('.')[:2] == ['kvstore', 'disk']))\n"
     )

@@ -231,9 +231,15 @@ def test_example_commands_run_as_written(command: str, session: dict[str, str]) 
 def test_an_example_without_a_daemon_says_so_in_one_line(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     env = {**os.environ, "KVSTORE_ADDR": f"unix://{tmp_path}/nobody.sock"}
-    for script in ("chat_reuse.py", "cag.py"):
-        proc = subprocess.run([sys.executable, str(REPO / "examples" / script), "--small"],
-                              env=env, capture_output=True, text=True, timeout=120)
+    scripts = ("chat_reuse.py", "cag.py")
+    running = [  # both at once: most of their time is importing torch
+        subprocess.Popen([sys.executable, str(REPO / "examples" / script), "--small"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for script in scripts
+    ]  # fmt: skip
+    for script, child in zip(scripts, running, strict=True):
+        stdout, stderr = child.communicate(timeout=120)
+        proc = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
         assert proc.returncode == 1 and proc.stdout == ""
         assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
         assert proc.stderr.startswith(f"{script}: no kvstored to talk to (")
