@@ -199,11 +199,6 @@ class Store:
         return self._arena.path
 
     @property
-    def disk_path(self) -> str | None:
-        """The disk tier's data file, if any."""
-        return self._disk.data_path if self._disk is not None else None
-
-    @property
     def arena_bytes(self) -> int:
         return self._arena.capacity_bytes
 

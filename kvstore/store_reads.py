@@ -158,9 +158,6 @@ class Reads:
         entry = self._namespaces.entry(ns_id)
         self._namespaces.check_keys(entry, keys)
         ttl = check_ttl(self._config, ttl_s)
-        if not count:
-            with self._lock:
-                self._counters.repeated_gets += 1
         pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
         if pinned is None:
             return None
@@ -177,6 +174,9 @@ class Reads:
         except BaseException:
             self._finish_pinned(entry, keys, nodes, fresh, 0, keep_pins=True, count=count)
             raise
+        if not count:  # here: a quick attempt that went to the pool is not a get
+            with self._lock:
+                self._counters.repeated_gets += 1
         self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
         kept = nodes[:ok]
         with self._lock:

@@ -297,41 +297,9 @@ class _EarlyWriteback:
 class DiskState:
     """What the disk tier's parts share: its settings, the LMDB environment, the queue
     of pending operations and the accounting, all guarded by ``cond`` (see the module
-    docstring). The tier fills in the environment's fields when it opens it."""
+    docstring). The tier fills in the fields below when it opens the environment."""
 
-    directory: str
-    data_path: str
-    configured_capacity_bytes: int
-    queue_limit: int
-    batch_bytes: int
-    metasync: bool
-    readahead: bool
     owner_fd: int
-    resize: _ResizeGuard
-    cond: threading.Condition  # guards the queue and the counters
-    ops: dict[bytes, _Op]  # pending operation per key, in seq order
-    unflushed: dict[bytes, _Write]  # written, not committed yet: read from here
-    sizes: dict[bytes, int]  # every live record (committed or queued): size
-    used: int
-    queued_bytes: int
-    pool: dict[int, list[bytearray]]  # recycled payload buffers by size
-    pool_bytes: int
-    seq: int
-    shrunk_pending: bool
-    stopping: bool
-    closed: bool
-    close_lock: threading.Lock
-    writes: int
-    bytes_written: int
-    reads: int
-    bytes_read: int
-    read_misses: int
-    corrupt_reads: int
-    map_full_events: int
-    dropped_writes: int
-    fault: str  # see DiskTier.fault
-    refused_writes: int
-    lost_writes: int
     map_size: int
     max_map_size: int
     capacity_floor: int
@@ -357,7 +325,6 @@ class DiskState:
     ) -> None:
         self.directory = directory
         self.data_path = os.path.join(directory, "data.mdb")
-        self.configured_capacity_bytes = capacity_bytes
         self.queue_limit = queue_bytes
         self.batch_bytes = batch_bytes
         self.metasync = metasync
@@ -411,15 +378,6 @@ class DiskState:
         return int(pgno * self.psize + _PAGE_HEADER)
 
     # --- accounting ------------------------------------------------------------
-    @property
-    def capacity_bytes(self) -> int:
-        """Effective capacity: the configured one, lowered after map-full events."""
-        return self.capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self.used
-
     def footprint(self, size: int) -> int:
         """Bytes a record with a ``size``-byte payload is accounted as.
 

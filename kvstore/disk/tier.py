@@ -82,12 +82,12 @@ class DiskTier:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         if queue_bytes <= 0 or batch_bytes <= 0:
             raise ValueError("queue_bytes and batch_bytes must be > 0")
-        self.directory = directory
-        self.data_path = os.path.join(directory, "data.mdb")
         self.configured_capacity_bytes = capacity_bytes
         self._s = DiskState(
             directory, capacity_bytes, queue_bytes, batch_bytes, metasync, readahead
         )
+        self.directory = self._s.directory
+        self.data_path = self._s.data_path
 
         os_page = mmap.PAGESIZE
         if _map_size_override is not None:
