@@ -61,15 +61,6 @@ class Reads:
 
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
-        self._lock = parts.lock
-        self._config = parts.config
-        self._namespaces = parts.namespaces
-        self._index = parts.index
-        self._counters = parts.counters
-        self._leases = parts.leases
-        self._arena = parts.arena
-        self._disk = parts.disk
-        self._tiers = parts.tiers
         self._promoters: ThreadPoolExecutor | None = None  # made on the first big promotion
 
     def close(self) -> None:
@@ -79,11 +70,11 @@ class Reads:
 
     # ------------------------------------------------------------------ read side
     def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> ReadyPrefix:
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
-        with self._lock:
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
+        with self._parts.lock:
             self._parts.expire()
-            return ready_prefix(self._index, keys)
+            return ready_prefix(self._parts.index, keys)
 
     def read(
         self,
@@ -97,8 +88,8 @@ class Reads:
         ``start`` are not copied (the caller has them) but must be ready too. Disk hits
         are verified and promoted into the host tier (parents first) when room can be
         made. Raises InvalidArgument if ``out`` cannot hold len(keys) - start blocks."""
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
         size = entry.spec.block_bytes
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
@@ -155,9 +146,9 @@ class Reads:
 
         ``count=False`` for a read counted already (the same get acquiring again): no
         hits or misses are counted, the blocks are touched as by any read."""
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
-        ttl = check_ttl(self._config, ttl_s)
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
+        ttl = check_ttl(self._parts.config, ttl_s)
         pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
         if pinned is None:
             return None
@@ -165,9 +156,9 @@ class Reads:
         try:
             ok = self._fill_promotions(nodes, fresh, nowait=host_only)
         except BlockingIOError:  # host_only: a block is not in the page cache
-            with self._lock:
+            with self._parts.lock:
                 for offset in fresh.values():
-                    self._arena.free(offset)
+                    self._parts.arena.free(offset)
                 for node in nodes:
                     node.pins -= 1
             return None
@@ -175,15 +166,15 @@ class Reads:
             self._finish_pinned(entry, keys, nodes, fresh, 0, keep_pins=True, count=count)
             raise
         if not count:  # here: a quick attempt that went to the pool is not a get
-            with self._lock:
-                self._counters.repeated_gets += 1
+            with self._parts.lock:
+                self._parts.counters.repeated_gets += 1
         self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
         kept = nodes[:ok]
-        with self._lock:
+        with self._parts.lock:
             size = entry.spec.block_bytes
             if not kept:
                 return Acquisition(0, 0.0, (), (), size)
-            lease = self._leases.new(entry, kept, write=False, ttl=ttl)
+            lease = self._parts.leases.new(entry, kept, write=False, ttl=ttl)
             keys = tuple([node.key for node in kept])
             offsets = tuple([node.host_offset for node in kept])
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
@@ -193,9 +184,9 @@ class Reads:
         nothing (an unpinned read: see :mod:`kvstore.host.slot_epochs`). Counts the hits and
         touches the prefix as a read does. None, having changed nothing, when a block of
         the prefix is on disk only (the caller acquires instead)."""
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
-        with self._lock:
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
+        with self._parts.lock:
             self._parts.check_open()
             self._parts.expire()
             nodes, on_disk = self._host_prefix(keys)
@@ -203,7 +194,7 @@ class Reads:
                 return None
             self._count_reads(entry, nodes, len(keys), reads=1, host_hits=len(nodes))
             offsets = [node.host_offset for node in nodes]
-            epochs = self._arena.epochs.read(self._arena.epochs.entries(offsets))
+            epochs = self._parts.arena.epochs.read(self._parts.arena.epochs.entries(offsets))
             return Located(tuple(offsets), epochs, entry.spec.block_bytes)
 
     def note_reads(self, ns_id: str, keys: Sequence[BlockKey], reads: int) -> int:
@@ -212,13 +203,13 @@ class Reads:
         read. From slots it knew (checked by their epochs): blocks that left the host
         tier since (and all after them) are not counted. Returns blocks counted per
         read."""
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
         if reads <= 0:
             return 0
-        with self._lock:
+        with self._parts.lock:
             self._parts.check_open()
-            self._counters.known_slot_gets += reads
+            self._parts.counters.known_slot_gets += reads
             nodes, _ = self._host_prefix(keys)
             if nodes:
                 self._count_reads(entry, nodes, len(nodes), reads, len(nodes))
@@ -229,11 +220,11 @@ class Reads:
         ready prefix it had looked up (the daemon's Get): hit rates stay honest."""
         if blocks <= 0:
             return
-        entry = self._namespaces.entry(ns_id)
-        with self._lock:
+        entry = self._parts.namespaces.entry(ns_id)
+        with self._parts.lock:
             entry.misses += blocks
-            self._counters.host_misses += blocks
-            self._counters.disk_misses += blocks
+            self._parts.counters.host_misses += blocks
+            self._parts.counters.disk_misses += blocks
 
     # --- pinned reads -----------------------------------------------------------
     def _pin_prefix(
@@ -252,7 +243,7 @@ class Reads:
         QUICK_PROMOTE_BYTES of disk-only blocks; None (nothing pinned or reserved) when
         they do not.
         """
-        with self._lock:
+        with self._parts.lock:
             self._parts.check_open()
             self._parts.expire()
             nodes = self._ready_prefix(keys)
@@ -272,7 +263,7 @@ class Reads:
             for i, node in enumerate(nodes):
                 if node.in_host:
                     continue
-                offset = self._tiers.alloc_host(node.size, node.ns.group)
+                offset = self._parts.tiers.alloc_host(node.size, node.ns.group)
                 if offset is None:
                     if promote_all:
                         for late in nodes[i:]:
@@ -286,7 +277,7 @@ class Reads:
         """Host slots for the disk-only blocks of ``nodes`` from the arena's free room
         (no eviction, within the tenant's quota), when they are at most
         QUICK_PROMOTE_BYTES; None, with nothing allocated, otherwise. Under the lock."""
-        if self._disk is None:
+        if self._parts.disk is None:
             return None
         on_disk = [i for i, node in enumerate(nodes) if not node.in_host]
         if sum(nodes[i].size for i in on_disk) > QUICK_PROMOTE_BYTES:
@@ -296,10 +287,11 @@ class Reads:
             node = nodes[i]
             quota = node.ns.group.quota.host_bytes
             held = node.ns.group.host_held + sum(nodes[j].size for j in fresh)
-            offset = None if quota and held + node.size > quota else self._arena.alloc(node.size)
+            over_quota = quota and held + node.size > quota
+            offset = None if over_quota else self._parts.arena.alloc(node.size)
             if offset is None:
                 for taken in fresh.values():
-                    self._arena.free(taken)
+                    self._parts.arena.free(taken)
                 return None
             fresh[i] = offset
         return fresh
@@ -309,7 +301,7 @@ class Reads:
     ) -> int:
         """Copy pinned blocks ``nodes[start:]`` into ``out`` and fill the promotion slots
         of all of them (no lock held); returns how many of ``nodes`` are good."""
-        array = self._arena.array()
+        array = self._parts.arena.array()
         dst = np.frombuffer(out, dtype=np.uint8)
         for i, node in enumerate(nodes):
             target = dst[(i - start) * size : (i - start + 1) * size] if i >= start else None
@@ -317,16 +309,16 @@ class Reads:
                 if target is not None:
                     target[:] = array[node.host_offset : node.host_offset + size]
                 continue
-            assert self._disk is not None
+            assert self._parts.disk is not None
             if i in fresh:
-                slot = self._arena.view(fresh[i], size)
-                if self._disk.read(node.key, out=slot) is None:
+                slot = self._parts.arena.view(fresh[i], size)
+                if self._parts.disk.read(node.key, out=slot) is None:
                     return i
                 if target is not None:
                     target[:] = array[fresh[i] : fresh[i] + size]
             elif target is not None:
                 window = out[(i - start) * size : (i - start + 1) * size]
-                if self._disk.read(node.key, out=window) is None:
+                if self._parts.disk.read(node.key, out=window) is None:
                     return i
         return len(nodes)
 
@@ -341,7 +333,7 @@ class Reads:
         ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once.
         ``nowait``: on this thread, BlockingIOError when a block is not in the page
         cache (see :meth:`acquire`)."""
-        disk = self._disk
+        disk = self._parts.disk
         todo = sorted(fresh)
         if not todo:
             return len(nodes)
@@ -349,7 +341,7 @@ class Reads:
         def fill_all(part: list[int]) -> int | None:
             """The first block of ``part`` that failed, or None."""
             assert disk is not None
-            slots = [self._arena.view(fresh[i], nodes[i].size) for i in part]
+            slots = [self._parts.arena.view(fresh[i], nodes[i].size) for i in part]
             good = disk.read_all([nodes[i].key for i in part], slots, nowait)
             return None if good == len(part) else part[good]
 
@@ -367,7 +359,7 @@ class Reads:
         return len(nodes) if first_bad is None else first_bad
 
     def _promote_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
+        with self._parts.lock:
             if self._promoters is None:
                 self._promoters = ThreadPoolExecutor(
                     PROMOTE_THREADS, thread_name_prefix="kvstore-promote"
@@ -387,7 +379,7 @@ class Reads:
     ) -> None:
         """Publish promotions of nodes[:ok], fix blocks lost on disk, count hits of the
         blocks the caller asked for (``start`` on; not with ``count=False``), unpin."""
-        with self._lock:
+        with self._parts.lock:
             host_hits = sum(1 for node in nodes[start:ok] if node.host_offset >= 0)
             promoted = 0  # served blocks read into a fresh slot (the rest came from host)
             for i, offset in fresh.items():
@@ -395,13 +387,13 @@ class Reads:
                 if start <= i < ok and not node.in_host:
                     promoted += 1
                 if i < ok and not node.in_host and not self._parts.closed:
-                    self._tiers.publish_promotion(node, offset)
+                    self._parts.tiers.publish_promotion(node, offset)
                 else:
-                    self._arena.free(offset)
+                    self._parts.arena.free(offset)
             for node in nodes[ok:] if keep_pins else nodes:
                 node.pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
-                self._tiers.lost_on_disk(nodes[ok])
+                self._parts.tiers.lost_on_disk(nodes[ok])
             if count:
                 self._count_served(
                     entry, len(keys) - start, max(ok - start, 0), host_hits, promoted
@@ -411,9 +403,9 @@ class Reads:
             # blocks deleted while pinned are not touched: their subtrees went with them,
             # so the still indexed ones are a prefix of the chain
             end = ok
-            while end and self._index.get(nodes[end - 1].key) is not nodes[end - 1]:
+            while end and self._parts.index.get(nodes[end - 1].key) is not nodes[end - 1]:
                 end -= 1
-            self._tiers.touch(nodes[:end])
+            self._parts.tiers.touch(nodes[:end])
 
     def _count_served(
         self, entry: NamespaceEntry, wanted: int, served: int, host_hits: int, promoted: int = 0
@@ -421,7 +413,7 @@ class Reads:
         """Hit and miss counters of a read that asked for ``wanted`` blocks and served
         ``served`` (``host_hits`` of them from host, ``promoted`` read into a fresh host
         slot, the rest straight from disk). Under the lock."""
-        c = self._counters
+        c = self._parts.counters
         c.host_hits += host_hits
         c.host_misses += wanted - host_hits
         c.disk_hits += served - host_hits
@@ -435,7 +427,7 @@ class Reads:
     def _ready_prefix(self, keys: Sequence[BlockKey]) -> list[Node]:
         """The ready blocks of ``keys``' prefix, in any tier. Under the lock."""
         nodes: list[Node] = []
-        for node in self._index.walk(keys):
+        for node in self._parts.index.walk(keys):
             if node.state != READY:
                 break
             nodes.append(node)
@@ -445,7 +437,7 @@ class Reads:
         """(the ready blocks of ``keys``' prefix up to the first one not in the host
         tier, whether that one is ready on disk only). Under the lock."""
         nodes: list[Node] = []
-        for node in self._index.walk(keys):
+        for node in self._parts.index.walk(keys):
             if node.state != READY:
                 break
             if node.host_offset < 0:
@@ -463,4 +455,4 @@ class Reads:
         self._count_served(entry, wanted * reads, n * reads, host_hits * reads)
         for node in nodes:
             node.hits += reads
-        self._tiers.touch(nodes)
+        self._parts.tiers.touch(nodes)

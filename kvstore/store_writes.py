@@ -43,18 +43,6 @@ class Writes:
 
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
-        self._lock = parts.lock
-        self._changed = parts.changed
-        self._clock = parts.clock
-        self._config = parts.config
-        self._namespaces = parts.namespaces
-        self._index = parts.index
-        self._counters = parts.counters
-        self._events = parts.events
-        self._leases = parts.leases
-        self._arena = parts.arena
-        self._disk = parts.disk
-        self._tiers = parts.tiers
 
     # ----------------------------------------------------------------- write side
     def put(
@@ -65,9 +53,9 @@ class Writes:
         start: int = 0,
         priority: int | None = None,
     ) -> PutResult:
-        entry = self._namespaces.entry(ns_id)
+        entry = self._parts.namespaces.entry(ns_id)
         size = entry.spec.block_bytes
-        self._namespaces.check_keys(entry, keys)
+        self._parts.namespaces.check_keys(entry, keys)
         if not 0 <= start <= len(keys) or start + len(payloads) > len(keys):
             raise InvalidArgument(
                 f"{len(payloads)} payloads from block {start} do not fit a chain of "
@@ -84,7 +72,7 @@ class Writes:
         reservation = self.reserve(ns_id, chain, start, priority=priority)
         reserved = len(reservation.offsets)
         try:
-            array = self._arena.array()
+            array = self._parts.arena.array()
             first = reservation.first_index - start
             for i, offset in enumerate(reservation.offsets):
                 array[offset : offset + size] = np.frombuffer(views[first + i], dtype=np.uint8)
@@ -123,21 +111,20 @@ class Writes:
         next put (fewer when the lease's limit or the room runs out; a new staging
         lease when ``stage_lease_id`` is 0). See the module docstring.
         """
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
         if staged_offsets and len(staged_offsets) != len(keys) - start:
             raise InvalidArgument(
                 f"{len(staged_offsets)} staged slots for {len(keys) - start} offered blocks"
             )
-        if not 0 <= stage_more <= self._config.max_blocks_per_request:
-            raise InvalidArgument(
-                f"stage_more={stage_more} is outside [0, {self._config.max_blocks_per_request}]"
-            )
-        prio = check_priority(self._config, priority)
-        ttl = check_ttl(self._config, ttl_s)
-        with self._lock:
+        most = self._parts.config.max_blocks_per_request
+        if not 0 <= stage_more <= most:
+            raise InvalidArgument(f"stage_more={stage_more} is outside [0, {most}]")
+        prio = check_priority(self._parts.config, priority)
+        ttl = check_ttl(self._parts.config, ttl_s)
+        with self._parts.lock:
             self._parts.check_open()
             self._parts.expire()
             staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
@@ -147,10 +134,10 @@ class Writes:
             if staging is None and stage_more == 0:
                 return reservation
             if staging is None:
-                staging = self._leases.new(entry, [], write=False, ttl=ttl)
+                staging = self._parts.leases.new(entry, [], write=False, ttl=ttl)
                 staging.staged, staging.ttl = set(), ttl
             granted = self._stage(staging, stage_more)
-            self._leases.renew(staging)
+            self._parts.leases.renew(staging)
             return replace(
                 reservation,
                 stage_lease_id=staging.lease_id,
@@ -167,7 +154,7 @@ class Writes:
             if offsets:
                 raise InvalidArgument("staged slots need the staging lease that holds them")
             return None
-        lease = self._leases.get(lease_id)
+        lease = self._parts.leases.get(lease_id)
         if lease.staged is None:
             raise LeaseError(f"lease {lease_id} is a {lease.kind} lease, not a staging lease")
         if lease.entry is not entry:
@@ -190,17 +177,17 @@ class Writes:
         leaves as a put would), within the lease's limit; the offsets granted."""
         assert lease.staged is not None
         size = lease.entry.spec.block_bytes
-        room = self._config.staged_bytes_limit // size - len(lease.staged)
+        room = self._parts.config.staged_bytes_limit // size - len(lease.staged)
         count = max(0, min(count, room))
         group = lease.entry.group
         if count and group.quota.host_bytes:
-            count = self._tiers.quota_blocks(group, count, size)
+            count = self._parts.tiers.quota_blocks(group, count, size)
         if count == 0:
             return []
-        offsets = self._arena.alloc_run(size, count)
+        offsets = self._parts.arena.alloc_run(size, count)
         group.staged_bytes += len(offsets) * size
         while len(offsets) < count:
-            offset = self._tiers.alloc_host(size, group)
+            offset = self._parts.tiers.alloc_host(size, group)
             if offset is None:
                 break
             offsets.append(offset)
@@ -218,7 +205,7 @@ class Writes:
         staging: Lease | None,
         staged_offsets: Sequence[int],
     ) -> Reservation:
-        walk = self._index.walk(keys)
+        walk = self._parts.index.walk(keys)
         offered = len(keys) - start
         if start > 0 and (len(walk) < start or not walk[start - 1].ready):
             return Reservation(0, 0.0, existing=0, refused=offered)
@@ -234,14 +221,14 @@ class Writes:
         try:
             parent = walk[-1] if walk else None
             # new blocks go to host, so their prefix must be there too (parents first)
-            promoted = all(self._tiers.promote_now(node) for node in walk if not node.in_host)
+            promoted = all(self._parts.tiers.promote_now(node) for node in walk if not node.in_host)
             out_of_space = not promoted
             first_new = max(start, len(walk))
             end = len(keys) if promoted else first_new
             size = entry.spec.block_bytes
             if entry.group.quota.host_bytes and end > first_new and not staged_offsets:
                 # (blocks going into staged slots were counted when the slots were staged)
-                fits = self._tiers.quota_blocks(entry.group, end - first_new, size)
+                fits = self._parts.tiers.quota_blocks(entry.group, end - first_new, size)
                 out_of_space = out_of_space or fits < end - first_new
                 end = first_new + fits
             # staged slots, or one carve for the whole batch when a free extent holds
@@ -249,33 +236,36 @@ class Writes:
             if staged_offsets:
                 run = list(staged_offsets[first_new - start : end - start])
             elif end > first_new:
-                run = self._arena.alloc_run(size, end - first_new)
+                run = self._parts.arena.alloc_run(size, end - first_new)
             if run:
-                created = self._tiers.add_pending_run(entry, keys[first_new:end], parent, prio, run)
+                created = self._parts.tiers.add_pending_run(
+                    entry, keys[first_new:end], parent, prio, run
+                )
                 if staging is not None and staging.staged is not None:
                     staging.staged.difference_update(run)
                     staging.entry.group.staged_bytes -= len(run) * size
             for i in range(first_new + len(created), end):
-                offset = self._tiers.alloc_host(size, entry.group)
+                offset = self._parts.tiers.alloc_host(size, entry.group)
                 if offset is None:
                     out_of_space = True
                     break
-                created += self._tiers.add_pending_run(
+                created += self._parts.tiers.add_pending_run(
                     entry, keys[i : i + 1], parent, prio, [offset]
                 )
                 parent = created[-1]
         finally:
             if not staged_offsets:
                 for offset in run[len(created) :]:  # only if something above raised
-                    self._arena.free(offset)
+                    self._parts.arena.free(offset)
             for node in walk:
                 node.pins -= 1
-        self._tiers.touch(walk[-1:] if self._tiers.host_policy.touch_prefix else walk[start:])
+        tiers = self._parts.tiers
+        tiers.touch(walk[-1:] if tiers.host_policy.touch_prefix else walk[start:])
         refused = offered - existing - len(created)
         if not created:
             return Reservation(0, 0.0, existing, refused, out_of_space)
-        self._tiers.pending += len(created)
-        lease = self._leases.new(entry, created, write=True, ttl=ttl)
+        self._parts.tiers.pending += len(created)
+        lease = self._parts.leases.new(entry, created, write=True, ttl=ttl)
         first = len(keys) - refused - len(created)
         lease.first_index = first
         return Reservation(
@@ -302,9 +292,9 @@ class Writes:
         until they are committed to disk; a block the disk tier refused (a fault, no
         room, below ``disk_min_priority``) is stored but not durable. (ready, durable);
         durable is 0 with the other admission modes, which promise nothing on a crash."""
-        with self._lock:
+        with self._parts.lock:
             self._parts.expire()
-            lease = self._leases.get(lease_id, write=True)
+            lease = self._parts.leases.get(lease_id, write=True)
             remaining = len(lease.nodes) - lease.committed
             n = remaining if count is None else count
             if not 0 <= n <= remaining:
@@ -312,37 +302,37 @@ class Writes:
                     f"count={count} is outside [0, {remaining}] for lease {lease_id}"
                 )
             batch = lease.nodes[lease.committed : lease.committed + n]
-            self._arena.epochs.bump([node.host_offset for node in batch])  # final bytes now
+            self._parts.arena.epochs.bump([node.host_offset for node in batch])  # final bytes now
             for node in batch:
                 node.state = READY
                 node.pins -= 1
-            self._tiers.pending -= n
-            self._counters.host_bytes_in += n * lease.entry.spec.block_bytes
+            self._parts.tiers.pending -= n
+            self._parts.counters.host_bytes_in += n * lease.entry.spec.block_bytes
             lease.committed += n
-            disk = self._disk
-            through = self._config.admission == "write-through" and disk is not None
+            disk = self._parts.disk
+            through = self._parts.config.admission == "write-through" and disk is not None
             if batch:
-                self._tiers.insert_used(batch)
-                self._events.emit_all(EventKind.STORED, batch, Tier.HOST)
+                self._parts.tiers.insert_used(batch)
+                self._parts.events.emit_all(EventKind.STORED, batch, Tier.HOST)
                 if through:
                     for node in batch:
-                        self._tiers.write_to_disk(node)
+                        self._parts.tiers.write_to_disk(node)
             if lease.committed == len(lease.nodes):
-                self._leases.forget(lease, "committed")
-            self._changed.notify_all()
+                self._parts.leases.forget(lease, "committed")
+            self._parts.changed.notify_all()
             on_disk = [node.key for node in batch if node.on_disk]
         if not through or not on_disk:
             return n, 0
         assert disk is not None
-        return n, disk.wait_committed(on_disk, self._config.write_through_wait_s)
+        return n, disk.wait_committed(on_disk, self._parts.config.write_through_wait_s)
 
     def claimed_slots(self, lease_id: int, count: int) -> tuple[SlotRef, ...]:
         """The next ``count`` uncommitted blocks of a write lease (chain order), for a
         caller that fills them and then commits ``count``: the arena writer, or the
         daemon delivering an inline Put into a claim."""
-        with self._lock:
+        with self._parts.lock:
             self._parts.expire()
-            lease = self._leases.get(lease_id, write=True)
+            lease = self._parts.leases.get(lease_id, write=True)
             remaining = len(lease.nodes) - lease.committed
             if not 0 < count <= remaining:
                 raise InvalidArgument(
@@ -367,15 +357,15 @@ class Writes:
                     f"payload {i} is {view.nbytes} bytes; the lease's blocks are {slot.size}"
                 )
         # the pending blocks stay pinned by the lease while their bytes are copied
-        array = self._arena.array()
+        array = self._parts.arena.array()
         for slot, view in zip(slots, views, strict=True):
             array[slot.offset : slot.offset + slot.size] = np.frombuffer(view, dtype=np.uint8)
         return self.commit(lease_id, len(views))
 
     def abandon(self, lease_id: int) -> int:
-        with self._lock:
+        with self._parts.lock:
             self._parts.expire()
-            lease = self._leases.get(lease_id, write=True)
+            lease = self._parts.leases.get(lease_id, write=True)
             dropped = len(lease.nodes) - lease.committed
             self._parts.end_lease(lease, "abandoned")
             return dropped
@@ -383,29 +373,29 @@ class Writes:
     def delete(self, ns_id: str, keys: Sequence[BlockKey], start: int = 0) -> int:
         """Drop block ``start`` of the chain and its descendants (busy ones stay); the
         number dropped. Returns once their deletions from disk are committed."""
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
         if not 0 <= start < max(len(keys), 1):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
 
         def drop() -> int:
-            walk = self._index.walk(keys)
-            return self._tiers.delete_subtree(walk[start]) if len(walk) > start else 0
+            walk = self._parts.index.walk(keys)
+            return self._parts.tiers.delete_subtree(walk[start]) if len(walk) > start else 0
 
         return self._drop_and_commit(drop)
 
     def clear(self, ns_id: str | None = None) -> int:
         """Drop every block of a namespace (of all when None; busy ones stay); the number
         dropped. Returns once their deletions from disk are committed."""
-        entries = [self._namespaces.entry(ns_id)] if ns_id is not None else None
+        entries = [self._parts.namespaces.entry(ns_id)] if ns_id is not None else None
 
         def drop() -> int:
             removed = 0
-            for entry in entries or list(self._namespaces):
+            for entry in entries or list(self._parts.namespaces):
                 for key in list(entry.roots):
-                    root = self._index.get(key)
+                    root = self._parts.index.get(key)
                     if root is not None:
-                        removed += self._tiers.delete_subtree(root)
+                        removed += self._parts.tiers.delete_subtree(root)
             return removed
 
         return self._drop_and_commit(drop)
@@ -414,16 +404,16 @@ class Writes:
         """Run ``drop`` (it removes blocks; returns how many) under the lock, then, once
         the lock is released, wait until the disk deletions it queued are committed: a
         restart does not bring the blocks back."""
-        with self._lock:
+        with self._parts.lock:
             self._parts.expire()
-            on_disk = self._tiers.disk_blocks
+            on_disk = self._parts.tiers.disk_blocks
             removed = drop()
-            deleted_on_disk = self._tiers.disk_blocks < on_disk
+            deleted_on_disk = self._parts.tiers.disk_blocks < on_disk
         if not deleted_on_disk:
             return removed
-        assert self._disk is not None
+        assert self._parts.disk is not None
         try:
-            self._disk.flush(timeout=DELETE_COMMIT_TIMEOUT_S)
+            self._parts.disk.flush(timeout=DELETE_COMMIT_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:  # the blocks are gone from the index
             log.warning("disk deletions not committed yet: %s", exc)
         return removed
@@ -436,17 +426,17 @@ class Writes:
         duration_s: float | None = None,
         start: int = 0,
     ) -> int:
-        entry = self._namespaces.entry(ns_id)
-        self._namespaces.check_keys(entry, keys)
-        prio = check_priority(self._config, priority)
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
+        prio = check_priority(self._parts.config, priority)
         if duration_s is not None and not duration_s > 0:
             raise InvalidArgument(f"duration_s must be > 0 when given, got {duration_s}")
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
-        with self._lock:
+        with self._parts.lock:
             self._parts.expire()
-            until = self._clock() + duration_s if duration_s else 0.0
-            changed = self._index.walk(keys)[start:]
+            until = self._parts.clock() + duration_s if duration_s else 0.0
+            changed = self._parts.index.walk(keys)[start:]
             for node in changed:
-                self._tiers.set_priority(node, prio, until)
+                self._parts.tiers.set_priority(node, prio, until)
             return len(changed)

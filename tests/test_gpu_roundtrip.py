@@ -195,7 +195,7 @@ def test_daemon_driven_round_trip(client: KVClient, gpu: GpuClient, layout: str)
         tokens = prompt(3000, 6)
         ids = ids_for(layout, 6)
         with gpu.register(ns, src_kv) as reg:
-            assert reg.num_blocks == src.num_blocks and reg.stacked
+            assert reg.reply.num_blocks == src.num_blocks and reg.reply.stacked
             out = reg.offload(tokens, ids)
             assert (out.stored, out.existing, out.refused) == (6, 0, 0)
             assert out.bytes == 6 * ns.block_bytes and not out.out_of_space
@@ -219,7 +219,7 @@ def test_daemon_driven_per_layer_tensors(client: KVClient, gpu: GpuClient) -> No
         fill_random(src_kv.kv, seed=4)
         tokens = prompt(4000, 4)
         with gpu.register(ns, src_kv) as reg:
-            assert not reg.stacked
+            assert not reg.reply.stacked
             assert reg.offload(tokens, [9, 1, 14, 3]).stored == 4
             check_stored(ns, tokens, src_kv.kv, [9, 1, 14, 3])
             snapshot = base.storage.clone()

@@ -16,7 +16,7 @@ from kvproto.v1.results import Event
 from kvstore.errors import InvalidArgument, UnknownNamespace
 from kvstored import convert
 from kvstored.config import MAX_CHUNK_BYTES
-from kvstored.dispatch import Calls
+from kvstored.dispatch import Calls, Ctx
 from kvstored.errors import grpc_errors
 from kvstored.owners import SESSION_OWNER
 
@@ -25,237 +25,236 @@ EVENT_BATCH = 1024
 SESSION_ID_MIN, SESSION_ID_MAX = 16, 64
 
 
-class AdminHandlers:
-    """See the module docstring."""
+# --- namespaces -------------------------------------------------------------------
 
-    def __init__(self, calls: Calls) -> None:
-        self._calls = calls
-        self._store = calls.store
 
-    # --- namespaces -------------------------------------------------------------------
-
-    @grpc_errors
-    async def OpenNamespace(
-        self, request: pb.OpenNamespaceRequest, context: grpc.aio.ServicerContext
-    ) -> pb.NamespaceInfo:
-        caller = self._calls.access.caller(context)
-        spec = self._calls.access.scoped(caller, convert.spec_from_proto(request.spec))
-        if spec.block_bytes > self._calls.config.max_transfer_bytes:
-            raise InvalidArgument(
-                f"block_bytes={spec.block_bytes} exceeds max_transfer_bytes="
-                f"{self._calls.config.max_transfer_bytes}: such a block could not be moved inline"
-            )
-        if request.name:
-            bind = self._calls.names.bind
-            opened = await self._calls.run(
-                bind, request.name, spec, self._store.open_namespace, caller.tenant
-            )
-        else:
-            opened = await self._calls.run(self._store.open_namespace, spec)
-        return convert.namespace_info(opened, request.name or self._name_of(opened.ns_id))
-
-    @grpc_errors
-    async def DescribeNamespace(
-        self, request: pb.DescribeNamespaceRequest, context: grpc.aio.ServicerContext
-    ) -> pb.NamespaceInfo:
-        caller = self._calls.access.caller(context)
-        if not request.ns_id:
-            raise InvalidArgument("ns_id is required")
-
-        def describe() -> pb.NamespaceInfo:
-            spec = self._calls.access.spec(request.ns_id, caller)
-            stats = {n.ns_id: n for n in self._store.stats().namespaces}.get(spec.ns_id)
-            return convert.namespace_info(spec, self._name_of(spec.ns_id), stats)
-
-        return await self._calls.run(describe)
-
-    @grpc_errors
-    async def ListNamespaces(
-        self, request: pb.ListNamespacesRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListNamespacesResponse:
-        caller = self._calls.access.caller(context)
-
-        def list_all() -> pb.ListNamespacesResponse:
-            names = self._calls.names.names_by_ns_id()
-            infos = []
-            for ns in self._store.stats().namespaces:
-                try:
-                    spec = self._store.namespace(ns.ns_id)
-                except UnknownNamespace:  # removed between the two calls
-                    continue
-                if not caller.owns(spec):
-                    continue
-                infos.append(convert.namespace_info(spec, names.get(ns.ns_id, ""), ns))
-            return pb.ListNamespacesResponse(namespaces=infos)
-
-        return await self._calls.run(list_all)
-
-    def _name_of(self, ns_id: str) -> str:
-        return self._calls.names.names_by_ns_id().get(ns_id, "")
-
-    @grpc_errors
-    async def ServerInfo(
-        self, request: pb.ServerInfoRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ServerInfoResponse:
-        caller = self._calls.access.caller(context)
-        cfg = self._calls.config
-        arena = self._store.arena
-        return pb.ServerInfoResponse(
-            version=self._calls.version,
-            platform=self._store.platform,
-            arena_path=self._store.arena_path or "",
-            arena_bytes=self._store.arena_bytes,
-            host_id=self._calls.host_id,
-            max_message_bytes=cfg.max_message_bytes,
-            max_blocks_per_request=cfg.max_blocks_per_request,
-            default_lease_ttl_s=cfg.lease_ttl_s,
-            max_lease_ttl_s=cfg.max_lease_ttl_s,
-            max_chunk_bytes=MAX_CHUNK_BYTES,
-            max_transfer_bytes=cfg.max_transfer_bytes,
-            pid=os.getpid(),
-            uptime_s=time.monotonic() - self._calls.started,
-            local_socket=self._calls.local_socket,
-            slot_epochs_offset=arena.epochs_offset if arena.path else 0,
-            slot_epochs_count=arena.epochs.count if arena.path else 0,
-            arena_prefaulted=self._store.config.prefault_arena,
-            admission=self._store.config.admission,
-            uid=os.getuid(),
-            tenant=caller.tenant,
+@grpc_errors
+async def OpenNamespace(
+    calls: Calls, request: pb.OpenNamespaceRequest, context: Ctx
+) -> pb.NamespaceInfo:
+    caller = calls.access.caller(context)
+    spec = calls.access.scoped(caller, convert.spec_from_proto(request.spec))
+    if spec.block_bytes > calls.config.max_transfer_bytes:
+        raise InvalidArgument(
+            f"block_bytes={spec.block_bytes} exceeds max_transfer_bytes="
+            f"{calls.config.max_transfer_bytes}: such a block could not be moved inline"
         )
-
-    @grpc_errors
-    async def Session(
-        self, request: pb.SessionRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.SessionResponse]:
-        """Hold a client's session open; end its leases when the stream ends (see the
-        proto). One message says the session is registered; then nothing until the
-        client goes or the daemon stops."""
-        self._calls.access.caller(context)
-        if not SESSION_ID_MIN <= len(request.session_id) <= SESSION_ID_MAX:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"session_id must be {SESSION_ID_MIN} to {SESSION_ID_MAX} characters, "
-                f"got {len(request.session_id)}",
-            )
-        owner = SESSION_OWNER + request.session_id
-        self._calls.owners.opened(owner)
-        try:
-            yield pb.SessionResponse()
-            await self._calls.stopping.wait()
-        finally:
-            self._calls.owners.closed(owner)
-
-    # --- management -------------------------------------------------------------------
-
-    @grpc_errors
-    async def Delete(
-        self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext
-    ) -> pb.DeleteResponse:
-        caller = self._calls.access.caller(context)
-
-        def delete() -> int:
-            spec, keys = self._calls.chain(
-                request.ns_id, request.tokens, request.extra_keys, caller
-            )
-            if request.start_block >= len(keys):
-                raise InvalidArgument(
-                    f"start_block={request.start_block} is not one of the {len(keys)} full "
-                    "blocks the tokens make"
-                )
-            return self._store.delete(spec.ns_id, keys, start=request.start_block)
-
-        return pb.DeleteResponse(removed=await self._calls.run(delete))
-
-    @grpc_errors
-    async def Clear(
-        self, request: pb.ClearRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ClearResponse:
-        caller = self._calls.access.caller(context)
-
-        def clear() -> int:
-            if request.ns_id:
-                return self._store.clear(self._calls.access.spec(request.ns_id, caller).ns_id)
-            if caller.admin:
-                return self._store.clear(None)
-            # a tenant's Clear with no namespace clears its own namespaces, no other
-            owned = [spec.ns_id for spec in self._store.namespaces() if caller.owns(spec)]
-            return sum(self._store.clear(ns_id) for ns_id in owned)
-
-        return pb.ClearResponse(removed=await self._calls.run(clear))
-
-    @grpc_errors
-    async def SetPriority(
-        self, request: pb.SetPriorityRequest, context: grpc.aio.ServicerContext
-    ) -> pb.SetPriorityResponse:
-        caller = self._calls.access.caller(context)
-        prio = convert.priority(request.priority)
-        duration = convert.seconds(request.duration_s, "duration_s")
-
-        def set_priority() -> int:
-            spec, keys = self._calls.chain(
-                request.ns_id, request.tokens, request.extra_keys, caller
-            )
-            if request.start_block > len(keys):
-                raise InvalidArgument(
-                    f"start_block={request.start_block} is beyond the {len(keys)} full "
-                    "blocks the tokens make"
-                )
-            return self._store.set_priority(
-                spec.ns_id, keys, prio, duration_s=duration, start=request.start_block
-            )
-
-        return pb.SetPriorityResponse(changed=await self._calls.run(set_priority))
-
-    # --- observability ----------------------------------------------------------------
-
-    @grpc_errors
-    async def Stats(
-        self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StatsResponse:
-        caller = self._calls.access.caller(context)
-        stats = await self._calls.run(self._store.stats)
-        if not caller.admin:  # a tenant sees its own namespaces, and no tenant's usage
-            own = tuple(n for n in stats.namespaces if self._calls.access.visible(caller, n.ns_id))
-            stats = dataclasses.replace(stats, namespaces=own, tenants=())
-        names = self._calls.names.names_by_ns_id()
-        named = tuple(dataclasses.replace(n, name=names.get(n.ns_id, "")) for n in stats.namespaces)
-        return result_messages.stats_response(
-            dataclasses.replace(
-                stats,
-                namespaces=named,
-                platform=self._store.platform,
-                uptime_s=time.monotonic() - self._calls.started,
-            )
+    if request.name:
+        bind = calls.names.bind
+        opened = await calls.run(
+            bind, request.name, spec, calls.store.open_namespace, caller.tenant
         )
+    else:
+        opened = await calls.run(calls.store.open_namespace, spec)
+    return convert.namespace_info(opened, request.name or _name_of(calls, opened.ns_id))
 
-    @grpc_errors
-    async def WatchEvents(
-        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.WatchEventsResponse]:
-        caller = self._calls.access.caller(context)
-        ns_filter = self._calls.access.spec(request.ns_id, caller).ns_id if request.ns_id else ""
-        kinds = set(request.kinds)
-        for kind in kinds:
-            if kind not in result_messages.EVENT_KINDS.values():
-                raise InvalidArgument(f"kinds: unknown event kind {kind}")
-        seq = await self._calls.run(self._latest_seq) if request.from_now else request.from_seq
-        while not self._calls.stopping.is_set():
-            events: list[Event] = await self._calls.run(
-                self._store.events_since, seq, EVENT_POLL_S, EVENT_BATCH, wait=True
-            )
-            if not events:
+
+@grpc_errors
+async def DescribeNamespace(
+    calls: Calls, request: pb.DescribeNamespaceRequest, context: Ctx
+) -> pb.NamespaceInfo:
+    caller = calls.access.caller(context)
+    if not request.ns_id:
+        raise InvalidArgument("ns_id is required")
+
+    def describe() -> pb.NamespaceInfo:
+        spec = calls.access.spec(request.ns_id, caller)
+        stats = {n.ns_id: n for n in calls.store.stats().namespaces}.get(spec.ns_id)
+        return convert.namespace_info(spec, _name_of(calls, spec.ns_id), stats)
+
+    return await calls.run(describe)
+
+
+@grpc_errors
+async def ListNamespaces(
+    calls: Calls, request: pb.ListNamespacesRequest, context: Ctx
+) -> pb.ListNamespacesResponse:
+    caller = calls.access.caller(context)
+
+    def list_all() -> pb.ListNamespacesResponse:
+        names = calls.names.names_by_ns_id()
+        infos = []
+        for ns in calls.store.stats().namespaces:
+            try:
+                spec = calls.store.namespace(ns.ns_id)
+            except UnknownNamespace:  # removed between the two calls
                 continue
-            missed = max(0, events[0].seq - seq - 1)
-            seq = events[-1].seq
-            out = [
-                result_messages.event_message(e)
-                for e in events
-                if (not ns_filter or e.ns_id == ns_filter)
-                and (not kinds or result_messages.EVENT_KINDS[e.kind] in kinds)
-                and self._calls.access.visible(caller, e.ns_id)
-            ]
-            if out or missed:
-                yield pb.WatchEventsResponse(events=out, missed=missed)
+            if not caller.owns(spec):
+                continue
+            infos.append(convert.namespace_info(spec, names.get(ns.ns_id, ""), ns))
+        return pb.ListNamespacesResponse(namespaces=infos)
 
-    def _latest_seq(self) -> int:
-        return self._store.last_event_seq
+    return await calls.run(list_all)
+
+
+def _name_of(calls: Calls, ns_id: str) -> str:
+    return calls.names.names_by_ns_id().get(ns_id, "")
+
+
+@grpc_errors
+async def ServerInfo(
+    calls: Calls, request: pb.ServerInfoRequest, context: Ctx
+) -> pb.ServerInfoResponse:
+    caller = calls.access.caller(context)
+    cfg = calls.config
+    arena = calls.store.arena
+    return pb.ServerInfoResponse(
+        version=calls.version,
+        platform=calls.store.platform,
+        arena_path=calls.store.arena_path or "",
+        arena_bytes=calls.store.arena_bytes,
+        host_id=calls.host_id,
+        max_message_bytes=cfg.max_message_bytes,
+        max_blocks_per_request=cfg.max_blocks_per_request,
+        default_lease_ttl_s=cfg.lease_ttl_s,
+        max_lease_ttl_s=cfg.max_lease_ttl_s,
+        max_chunk_bytes=MAX_CHUNK_BYTES,
+        max_transfer_bytes=cfg.max_transfer_bytes,
+        pid=os.getpid(),
+        uptime_s=time.monotonic() - calls.started,
+        local_socket=calls.local_socket,
+        slot_epochs_offset=arena.epochs_offset if arena.path else 0,
+        slot_epochs_count=arena.epochs.count if arena.path else 0,
+        arena_prefaulted=calls.store.config.prefault_arena,
+        admission=calls.store.config.admission,
+        uid=os.getuid(),
+        tenant=caller.tenant,
+    )
+
+
+@grpc_errors
+async def Session(
+    calls: Calls, request: pb.SessionRequest, context: Ctx
+) -> AsyncIterator[pb.SessionResponse]:
+    """Hold a client's session open; end its leases when the stream ends (see the
+    proto). One message says the session is registered; then nothing until the
+    client goes or the daemon stops."""
+    calls.access.caller(context)
+    if not SESSION_ID_MIN <= len(request.session_id) <= SESSION_ID_MAX:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"session_id must be {SESSION_ID_MIN} to {SESSION_ID_MAX} characters, "
+            f"got {len(request.session_id)}",
+        )
+    owner = SESSION_OWNER + request.session_id
+    calls.owners.opened(owner)
+    try:
+        yield pb.SessionResponse()
+        await calls.stopping.wait()
+    finally:
+        calls.owners.closed(owner)
+
+# --- management -------------------------------------------------------------------
+
+
+@grpc_errors
+async def Delete(calls: Calls, request: pb.DeleteRequest, context: Ctx) -> pb.DeleteResponse:
+    caller = calls.access.caller(context)
+
+    def delete() -> int:
+        spec, keys = calls.chain(
+            request.ns_id, request.tokens, request.extra_keys, caller
+        )
+        if request.start_block >= len(keys):
+            raise InvalidArgument(
+                f"start_block={request.start_block} is not one of the {len(keys)} full "
+                "blocks the tokens make"
+            )
+        return calls.store.delete(spec.ns_id, keys, start=request.start_block)
+
+    return pb.DeleteResponse(removed=await calls.run(delete))
+
+
+@grpc_errors
+async def Clear(calls: Calls, request: pb.ClearRequest, context: Ctx) -> pb.ClearResponse:
+    caller = calls.access.caller(context)
+
+    def clear() -> int:
+        if request.ns_id:
+            return calls.store.clear(calls.access.spec(request.ns_id, caller).ns_id)
+        if caller.admin:
+            return calls.store.clear(None)
+        # a tenant's Clear with no namespace clears its own namespaces, no other
+        owned = [spec.ns_id for spec in calls.store.namespaces() if caller.owns(spec)]
+        return sum(calls.store.clear(ns_id) for ns_id in owned)
+
+    return pb.ClearResponse(removed=await calls.run(clear))
+
+
+@grpc_errors
+async def SetPriority(
+    calls: Calls, request: pb.SetPriorityRequest, context: Ctx
+) -> pb.SetPriorityResponse:
+    caller = calls.access.caller(context)
+    prio = convert.priority(request.priority)
+    duration = convert.seconds(request.duration_s, "duration_s")
+
+    def set_priority() -> int:
+        spec, keys = calls.chain(
+            request.ns_id, request.tokens, request.extra_keys, caller
+        )
+        if request.start_block > len(keys):
+            raise InvalidArgument(
+                f"start_block={request.start_block} is beyond the {len(keys)} full "
+                "blocks the tokens make"
+            )
+        return calls.store.set_priority(
+            spec.ns_id, keys, prio, duration_s=duration, start=request.start_block
+        )
+
+    return pb.SetPriorityResponse(changed=await calls.run(set_priority))
+
+# --- observability ----------------------------------------------------------------
+
+
+@grpc_errors
+async def Stats(calls: Calls, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
+    caller = calls.access.caller(context)
+    stats = await calls.run(calls.store.stats)
+    if not caller.admin:  # a tenant sees its own namespaces, and no tenant's usage
+        own = tuple(n for n in stats.namespaces if calls.access.visible(caller, n.ns_id))
+        stats = dataclasses.replace(stats, namespaces=own, tenants=())
+    names = calls.names.names_by_ns_id()
+    named = tuple(dataclasses.replace(n, name=names.get(n.ns_id, "")) for n in stats.namespaces)
+    return result_messages.stats_response(
+        dataclasses.replace(
+            stats,
+            namespaces=named,
+            platform=calls.store.platform,
+            uptime_s=time.monotonic() - calls.started,
+        )
+    )
+
+
+@grpc_errors
+async def WatchEvents(
+    calls: Calls, request: pb.WatchEventsRequest, context: Ctx
+) -> AsyncIterator[pb.WatchEventsResponse]:
+    caller = calls.access.caller(context)
+    ns_filter = calls.access.spec(request.ns_id, caller).ns_id if request.ns_id else ""
+    kinds = set(request.kinds)
+    for kind in kinds:
+        if kind not in result_messages.EVENT_KINDS.values():
+            raise InvalidArgument(f"kinds: unknown event kind {kind}")
+    seq = await calls.run(_latest_seq, calls) if request.from_now else request.from_seq
+    while not calls.stopping.is_set():
+        events: list[Event] = await calls.run(
+            calls.store.events_since, seq, EVENT_POLL_S, EVENT_BATCH, wait=True
+        )
+        if not events:
+            continue
+        missed = max(0, events[0].seq - seq - 1)
+        seq = events[-1].seq
+        out = [
+            result_messages.event_message(e)
+            for e in events
+            if (not ns_filter or e.ns_id == ns_filter)
+            and (not kinds or result_messages.EVENT_KINDS[e.kind] in kinds)
+            and calls.access.visible(caller, e.ns_id)
+        ]
+        if out or missed:
+            yield pb.WatchEventsResponse(events=out, missed=missed)
+
+
+def _latest_seq(calls: Calls) -> int:
+    return calls.store.last_event_seq

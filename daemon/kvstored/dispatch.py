@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import grpc
+
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.store import Store
 from kvstored import convert, hostinfo
@@ -32,6 +34,7 @@ from kvstored.names import NamespaceNames
 from kvstored.owners import Owners
 
 T = TypeVar("T")
+Ctx = grpc.aio.ServicerContext  # a call's gRPC context, as every handler takes it
 
 CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
 QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool

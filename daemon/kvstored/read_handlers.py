@@ -9,8 +9,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import grpc
-
 from kvproto.v1 import data_frames
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
@@ -20,241 +18,238 @@ from kvstore.keys import BlockKey, NamespaceSpec
 from kvstored import convert
 from kvstored.auth import Caller
 from kvstored.config import GET_CHUNK_BYTES
-from kvstored.dispatch import Calls, NeedsPool
+from kvstored.dispatch import Calls, Ctx, NeedsPool
 from kvstored.errors import grpc_errors
 
 MAX_WAIT_PENDING_S = 300.0
 
 
-class ReadHandlers:
-    """See the module docstring."""
+@grpc_errors
+async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.LookupResponse:
+    caller = calls.access.caller(context)
+    wait = convert.seconds(request.wait_pending_s, "wait_pending_s")
+    if wait is not None and wait > MAX_WAIT_PENDING_S:
+        raise InvalidArgument(
+            f"wait_pending_s must be <= {MAX_WAIT_PENDING_S}, got {request.wait_pending_s}"
+        )
 
-    def __init__(self, calls: Calls) -> None:
-        self._calls = calls
-        self._store = calls.store
-
-    @grpc_errors
-    async def Lookup(
-        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
-    ) -> pb.LookupResponse:
-        caller = self._calls.access.caller(context)
-        wait = convert.seconds(request.wait_pending_s, "wait_pending_s")
-        if wait is not None and wait > MAX_WAIT_PENDING_S:
-            raise InvalidArgument(
-                f"wait_pending_s must be <= {MAX_WAIT_PENDING_S}, got {request.wait_pending_s}"
-            )
-
-        def lookup(quick: bool = False) -> pb.LookupResponse:
-            spec, keys, pulled = self._calls.read_chain(
-                request.ns_id, request.tokens, request.extra_keys, caller, quick
-            )
-            if wait:
-                result = self._store.wait_ready(spec.ns_id, keys, wait)
-            else:
-                result = self._store.lookup(spec.ns_id, keys)
-            result = replace(result, shared_blocks=min(pulled, result.host_blocks))
-            return convert.lookup_response(result, spec.block_tokens, len(keys))
-
-        if wait is not None:
-            return await self._calls.run(lookup, wait=True)
-        return await self._calls.run_quick(lookup)
-
-    @grpc_errors
-    async def Get(
-        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GetResponse | bytes]:
-        caller = self._calls.access.caller(context)
-        plan = await self._calls.run_quick(functools.partial(self._open_read, request, caller))
-        finished = False
-        try:
-            yield self._message(pb.GetResponse(header=plan.header))
-            for pieces, size in plan.chunks(GET_CHUNK_BYTES):
-                if self._calls.framed:
-                    yield data_frames.framed(pieces, size)  # one copy, out of the arena
-                else:
-                    yield pb.GetResponse(data=b"".join(pieces))
-            finished = True
-        finally:
-            if plan.lease_id:
-                released = self._release_quietly(plan.lease_id)
-                if finished and not released:
-                    # the slots may have been reused while we read them: the client must
-                    # not keep what it got, so the call ends with an error status
-                    ttl = self._calls.config.max_lease_ttl_s
-                    raise LeaseError(
-                        f"the read lease of this Get ran out after {ttl} s while the bytes "
-                        "were being sent; call again"
-                    )
-
-    def _open_read(self, request: pb.GetRequest, caller: Caller, quick: bool = False) -> _ReadPlan:
-        """Find what a Get sends and pin it: the header and the bytes."""
-        spec, keys, _ = self._calls.read_chain(
+    def lookup(quick: bool = False) -> pb.LookupResponse:
+        spec, keys, pulled = calls.read_chain(
             request.ns_id, request.tokens, request.extra_keys, caller, quick
         )
-        start, bb = request.start_block, spec.block_bytes
-        if start > len(keys):
-            raise InvalidArgument(
-                f"start_block={start} is beyond the {len(keys)} full blocks the tokens make"
-            )
-        found = self._store.lookup(spec.ns_id, keys)
-        if quick and (found.disk_blocks or start):
-            raise NeedsPool
-        ready = found.ready_blocks
-        asked = min(len(keys), start + request.max_blocks) if request.max_blocks else len(keys)
-        self._store.note_misses(spec.ns_id, asked - max(ready, start))
-        # one call moves at most max_transfer_bytes, but always at least one block
-        end = ready
-        if request.max_blocks:
-            end = min(end, start + request.max_blocks)
-        end = min(end, start + max(1, self._calls.config.max_transfer_bytes // bb))
-        if end <= start:
-            header = pb.GetHeader(
-                ready_blocks=ready,
-                ready_tokens=ready * spec.block_tokens,
-                start_block=start,
-                block_bytes=bb,
-            )
-            return _ReadPlan(header, [])
-        plan = self._pin_for_read(spec, keys[:end], start) if start == 0 else None
-        if plan is None:
-            n, view = self._store.read(spec.ns_id, keys[:end], start=start)
-            plan = _ReadPlan(pb.GetHeader(), [view] if n else [], n_blocks=n)
-        n = plan.n_blocks
-        if start + n < end:  # evicted between lookup and read: the prefix is shorter
-            ready = start + n
-        plan.header = pb.GetHeader(
+        if wait:
+            result = calls.store.wait_ready(spec.ns_id, keys, wait)
+        else:
+            result = calls.store.lookup(spec.ns_id, keys)
+        result = replace(result, shared_blocks=min(pulled, result.host_blocks))
+        return convert.lookup_response(result, spec.block_tokens, len(keys))
+
+    if wait is not None:
+        return await calls.run(lookup, wait=True)
+    return await calls.run_quick(lookup)
+
+
+@grpc_errors
+async def Get(
+    calls: Calls, request: pb.GetRequest, context: Ctx
+) -> AsyncIterator[pb.GetResponse | bytes]:
+    caller = calls.access.caller(context)
+    plan = await calls.run_quick(functools.partial(_open_read, calls, request, caller))
+    finished = False
+    try:
+        yield _message(calls, pb.GetResponse(header=plan.header))
+        for pieces, size in plan.chunks(GET_CHUNK_BYTES):
+            if calls.framed:
+                yield data_frames.framed(pieces, size)  # one copy, out of the arena
+            else:
+                yield pb.GetResponse(data=b"".join(pieces))
+        finished = True
+    finally:
+        if plan.lease_id:
+            released = _release_quietly(calls, plan.lease_id)
+            if finished and not released:
+                # the slots may have been reused while we read them: the client must
+                # not keep what it got, so the call ends with an error status
+                ttl = calls.config.max_lease_ttl_s
+                raise LeaseError(
+                    f"the read lease of this Get ran out after {ttl} s while the bytes "
+                    "were being sent; call again"
+                )
+
+
+def _open_read(
+    calls: Calls, request: pb.GetRequest, caller: Caller, quick: bool = False
+) -> _ReadPlan:
+    """Find what a Get sends and pin it: the header and the bytes."""
+    spec, keys, _ = calls.read_chain(
+        request.ns_id, request.tokens, request.extra_keys, caller, quick
+    )
+    start, bb = request.start_block, spec.block_bytes
+    if start > len(keys):
+        raise InvalidArgument(
+            f"start_block={start} is beyond the {len(keys)} full blocks the tokens make"
+        )
+    found = calls.store.lookup(spec.ns_id, keys)
+    if quick and (found.disk_blocks or start):
+        raise NeedsPool
+    ready = found.ready_blocks
+    asked = min(len(keys), start + request.max_blocks) if request.max_blocks else len(keys)
+    calls.store.note_misses(spec.ns_id, asked - max(ready, start))
+    # one call moves at most max_transfer_bytes, but always at least one block
+    end = ready
+    if request.max_blocks:
+        end = min(end, start + request.max_blocks)
+    end = min(end, start + max(1, calls.config.max_transfer_bytes // bb))
+    if end <= start:
+        header = pb.GetHeader(
             ready_blocks=ready,
             ready_tokens=ready * spec.block_tokens,
             start_block=start,
-            n_blocks=n,
             block_bytes=bb,
-            truncated=ready > end,
         )
-        return plan
+        return _ReadPlan(header, [])
+    plan = _pin_for_read(calls, spec, keys[:end], start) if start == 0 else None
+    if plan is None:
+        n, view = calls.store.read(spec.ns_id, keys[:end], start=start)
+        plan = _ReadPlan(pb.GetHeader(), [view] if n else [], n_blocks=n)
+    n = plan.n_blocks
+    if start + n < end:  # evicted between lookup and read: the prefix is shorter
+        ready = start + n
+    plan.header = pb.GetHeader(
+        ready_blocks=ready,
+        ready_tokens=ready * spec.block_tokens,
+        start_block=start,
+        n_blocks=n,
+        block_bytes=bb,
+        truncated=ready > end,
+    )
+    return plan
 
-    def _pin_for_read(
-        self, spec: NamespaceSpec, keys: list[BlockKey], start: int
-    ) -> _ReadPlan | None:
-        """Pin ``keys`` in host slots under a read lease; None (nothing pinned) when part
-        of the prefix cannot be (a disk block with no room to promote it: read() copies
-        it from disk instead)."""
-        got = self._store.acquire(spec.ns_id, keys, self._calls.config.max_lease_ttl_s)
-        if len(got.offsets) < len(keys):
-            if got.lease_id:
-                self._store.release(got.lease_id)
-            return None
-        arena = self._store.arena
-        bb = got.block_bytes
-        runs = slot_runs(got.offsets[start:], bb)  # adjacent slots: one view each
-        segments = [arena.view(run.offset, run.count * bb) for run in runs]
-        return _ReadPlan(pb.GetHeader(), segments, got.lease_id, len(keys) - start)
 
-    def _release_quietly(self, lease_id: int) -> bool:
-        """Release a lease the service took itself; False if it had already ended."""
-        try:
-            self._store.release(lease_id)
-        except LeaseError:
-            return False
-        except StoreError:  # the store closed: its leases are gone with it
-            return False
-        return True
+def _pin_for_read(
+    calls: Calls, spec: NamespaceSpec, keys: list[BlockKey], start: int
+) -> _ReadPlan | None:
+    """Pin ``keys`` in host slots under a read lease; None (nothing pinned) when part
+    of the prefix cannot be (a disk block with no room to promote it: read() copies
+    it from disk instead)."""
+    got = calls.store.acquire(spec.ns_id, keys, calls.config.max_lease_ttl_s)
+    if len(got.offsets) < len(keys):
+        if got.lease_id:
+            calls.store.release(got.lease_id)
+        return None
+    arena = calls.store.arena
+    bb = got.block_bytes
+    runs = slot_runs(got.offsets[start:], bb)  # adjacent slots: one view each
+    segments = [arena.view(run.offset, run.count * bb) for run in runs]
+    return _ReadPlan(pb.GetHeader(), segments, got.lease_id, len(keys) - start)
 
-    def _message(self, msg: Any) -> Any:
-        """A non-data message of Get, serialized here when Get is registered framed."""
-        return msg.SerializeToString() if self._calls.framed else msg
 
-    @grpc_errors
-    async def Acquire(
-        self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AcquireResponse:
-        caller = self._calls.access.caller(context)
-        if request.unpinned and not request.compact_slots:
-            raise InvalidArgument(
-                "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
-            )
-        ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
-        self._release_done(request.release_lease_ids)
-        owner = self._calls.owners.owner_of(context)
+def _release_quietly(calls: Calls, lease_id: int) -> bool:
+    """Release a lease the service took itself; False if it had already ended."""
+    try:
+        calls.store.release(lease_id)
+    except LeaseError:
+        return False
+    except StoreError:  # the store closed: its leases are gone with it
+        return False
+    return True
 
-        def acquire(quick: bool = False) -> pb.AcquireResponse:
-            spec, keys, _ = self._calls.read_chain(
-                request.ns_id, request.tokens, request.extra_keys, caller, quick
-            )
-            if request.max_blocks:
-                keys = keys[: request.max_blocks]
-            if request.unpinned:
-                located = self._store.locate(spec.ns_id, keys)
-                if located is not None:
-                    return convert.located_response(
-                        located, spec.block_tokens, self._store.arena_path or ""
-                    )
-                # a block is on disk only: acquire promotes it (from the page cache, when quick)
-            got = self._store.acquire(
-                spec.ns_id, keys, ttl, host_only=quick, count=not request.counted
-            )
-            if got is None:  # a block is on disk only: promoting it waits on the disk
-                raise NeedsPool
-            self._calls.owners.own(owner, (got.lease_id,))
-            return convert.acquire_response(
-                got, spec.block_tokens, self._store.arena_path or "", request.compact_slots
-            )
 
-        return await self._calls.run_quick(acquire)
+def _message(calls: Calls, msg: Any) -> Any:
+    """A non-data message of Get, serialized here when Get is registered framed."""
+    return msg.SerializeToString() if calls.framed else msg
 
-    @grpc_errors
-    async def Release(
-        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReleaseResponse:
-        self._calls.access.caller(context)
-        lease = convert.lease_id(request.lease_id)
-        self._release_done(request.more_lease_ids)
-        self._store.release(lease)  # no disk I/O: on the loop
-        return pb.ReleaseResponse()
 
-    @grpc_errors
-    async def ReportReads(
-        self, request: pb.ReportReadsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReportReadsResponse:
-        caller = self._calls.access.caller(context)
-        prefixes = request.prefixes
-        if len(prefixes) > MAX_REPORTED_PREFIXES:
-            raise InvalidArgument(
-                f"{len(prefixes)} prefixes in one ReportReads, more than {MAX_REPORTED_PREFIXES}"
-            )
-        limit = self._store.config.max_blocks_per_request
+@grpc_errors
+async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.AcquireResponse:
+    caller = calls.access.caller(context)
+    if request.unpinned and not request.compact_slots:
+        raise InvalidArgument(
+            "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
+        )
+    ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
+    _release_done(calls, request.release_lease_ids)
+    owner = calls.owners.owner_of(context)
 
-        def report(quick: bool = False) -> pb.ReportReadsResponse:
-            # every prefix is checked before any is counted: a bad one changes nothing
-            checked: list[tuple[str, list[BlockKey], int]] = []
-            for i, prefix in enumerate(prefixes):
-                spec, keys = self._calls.chain(
-                    prefix.ns_id, prefix.tokens, prefix.extra_keys, caller, quick
+    def acquire(quick: bool = False) -> pb.AcquireResponse:
+        spec, keys, _ = calls.read_chain(
+            request.ns_id, request.tokens, request.extra_keys, caller, quick
+        )
+        if request.max_blocks:
+            keys = keys[: request.max_blocks]
+        if request.unpinned:
+            located = calls.store.locate(spec.ns_id, keys)
+            if located is not None:
+                return convert.located_response(
+                    located, spec.block_tokens, calls.store.arena_path or ""
                 )
-                if prefix.n_blocks > min(len(keys), limit):
-                    raise InvalidArgument(
-                        f"prefixes[{i}]: n_blocks={prefix.n_blocks}, but its tokens make "
-                        f"{len(keys)} full blocks (max_blocks_per_request={limit})"
-                    )
-                if prefix.reads > MAX_READS_PER_PREFIX:
-                    raise InvalidArgument(
-                        f"prefixes[{i}]: reads={prefix.reads}, more than one report may "
-                        f"claim ({MAX_READS_PER_PREFIX}); report more often"
-                    )
-                checked.append((spec.ns_id, keys[: prefix.n_blocks], prefix.reads))
-            self._release_done(request.release_lease_ids)
-            counted = 0
-            for ns_id, keys, reads in checked:
-                counted += self._store.note_reads(ns_id, keys, reads) * reads
-            return pb.ReportReadsResponse(blocks_counted=counted)
+            # a block is on disk only: acquire promotes it (from the page cache, when quick)
+        got = calls.store.acquire(
+            spec.ns_id, keys, ttl, host_only=quick, count=not request.counted
+        )
+        if got is None:  # a block is on disk only: promoting it waits on the disk
+            raise NeedsPool
+        calls.owners.own(owner, (got.lease_id,))
+        return convert.acquire_response(
+            got, spec.block_tokens, calls.store.arena_path or "", request.compact_slots
+        )
 
-        return await self._calls.run_quick(report)
+    return await calls.run_quick(acquire)
 
-    def _release_done(self, lease_ids: Sequence[int]) -> None:
-        """Release leases a client is done with, skipping those that already ended."""
-        for lease in lease_ids:
-            with contextlib.suppress(LeaseError):
-                self._store.release(lease)
 
+@grpc_errors
+async def Release(calls: Calls, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
+    calls.access.caller(context)
+    lease = convert.lease_id(request.lease_id)
+    _release_done(calls, request.more_lease_ids)
+    calls.store.release(lease)  # no disk I/O: on the loop
+    return pb.ReleaseResponse()
+
+
+@grpc_errors
+async def ReportReads(
+    calls: Calls, request: pb.ReportReadsRequest, context: Ctx
+) -> pb.ReportReadsResponse:
+    caller = calls.access.caller(context)
+    prefixes = request.prefixes
+    if len(prefixes) > MAX_REPORTED_PREFIXES:
+        raise InvalidArgument(
+            f"{len(prefixes)} prefixes in one ReportReads, more than {MAX_REPORTED_PREFIXES}"
+        )
+    limit = calls.store.config.max_blocks_per_request
+
+    def report(quick: bool = False) -> pb.ReportReadsResponse:
+        # every prefix is checked before any is counted: a bad one changes nothing
+        checked: list[tuple[str, list[BlockKey], int]] = []
+        for i, prefix in enumerate(prefixes):
+            spec, keys = calls.chain(
+                prefix.ns_id, prefix.tokens, prefix.extra_keys, caller, quick
+            )
+            if prefix.n_blocks > min(len(keys), limit):
+                raise InvalidArgument(
+                    f"prefixes[{i}]: n_blocks={prefix.n_blocks}, but its tokens make "
+                    f"{len(keys)} full blocks (max_blocks_per_request={limit})"
+                )
+            if prefix.reads > MAX_READS_PER_PREFIX:
+                raise InvalidArgument(
+                    f"prefixes[{i}]: reads={prefix.reads}, more than one report may "
+                    f"claim ({MAX_READS_PER_PREFIX}); report more often"
+                )
+            checked.append((spec.ns_id, keys[: prefix.n_blocks], prefix.reads))
+        _release_done(calls, request.release_lease_ids)
+        counted = 0
+        for ns_id, keys, reads in checked:
+            counted += calls.store.note_reads(ns_id, keys, reads) * reads
+        return pb.ReportReadsResponse(blocks_counted=counted)
+
+    return await calls.run_quick(report)
+
+
+def _release_done(calls: Calls, lease_ids: Sequence[int]) -> None:
+    """Release leases a client is done with, skipping those that already ended."""
+    for lease in lease_ids:
+        with contextlib.suppress(LeaseError):
+            calls.store.release(lease)
 
 @dataclass(slots=True)
 class _ReadPlan:

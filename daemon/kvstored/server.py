@@ -264,7 +264,7 @@ async def start_local_calls(
             extra={"event": "local_calls_off"},
         )
         return None
-    service.local_socket = str(path)
+    service.calls.local_socket = str(path)
     return local
 
 

@@ -13,12 +13,14 @@ ReportReads), :mod:`kvstored.write_handlers` (Put, Reserve, Commit, Abandon) and
 :mod:`kvstored.admin_handlers` (namespaces, server info, sessions, management, stats
 and events).
 
-Each handler does three things: convert and validate the request (``convert``), run
-one synchronous function against the store (on the event loop when it is short:
-Release, Abandon, Commit unless write-through makes it write to disk, and Lookup,
-Acquire, Get, Reserve and Put when the chain is short and already in the host tier;
-else on a pool), convert the result. Errors are mapped to status codes in one place
-(``errors.grpc_errors``); a request that fails validation changed nothing in the store.
+Each handler is a module-level function of ``(calls, request, context)``; the servicer
+binds it to its :class:`~kvstored.dispatch.Calls`. It does three things: convert and
+validate the request (``convert``), run one synchronous function against the store
+(on the event loop when it is short: Release, Abandon, Commit unless write-through
+makes it write to disk, and Lookup, Acquire, Get, Reserve and Put when the chain is
+short and already in the host tier; else on a pool), convert the result. Errors are
+mapped to status codes in one place (``errors.grpc_errors``); a request that fails
+validation changed nothing in the store.
 
 Data paths (see proto/kvproto/v1/kvstore.proto):
 - Put: header {ns_id, tokens, start_block, n_blocks, priority}, then chunks that
@@ -42,17 +44,16 @@ are ordinary ``GetResponse`` / ``PutRequest`` messages either way.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import grpc
 
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstored.admin_handlers import AdminHandlers
+from kvstored import admin_handlers, read_handlers, write_handlers
 from kvstored.dispatch import Calls
 from kvstored.errors import tolerant
-from kvstored.read_handlers import ReadHandlers
-from kvstored.write_handlers import WriteHandlers
 
 
 class KVStoreService:
@@ -61,65 +62,44 @@ class KVStoreService:
     owns its thread pools, not the store."""
 
     def __init__(self, calls: Calls) -> None:
-        self._calls = calls
+        self.calls = calls  # also where the server sets ``framed`` and ``local_socket``
         self.access = calls.access
-        reads = ReadHandlers(calls)
-        writes = WriteHandlers(calls)
-        admin = AdminHandlers(calls)
-        # each RPC and the handler that serves it
-        self.Lookup = reads.Lookup
-        self.Get = reads.Get
-        self.Acquire = reads.Acquire
-        self.Release = reads.Release
-        self.ReportReads = reads.ReportReads
-        self.Put = writes.Put
-        self.Reserve = writes.Reserve
-        self.Commit = writes.Commit
-        self.Abandon = writes.Abandon
-        self.OpenNamespace = admin.OpenNamespace
-        self.DescribeNamespace = admin.DescribeNamespace
-        self.ListNamespaces = admin.ListNamespaces
-        self.ServerInfo = admin.ServerInfo
-        self.Session = admin.Session
-        self.Delete = admin.Delete
-        self.Clear = admin.Clear
-        self.SetPriority = admin.SetPriority
-        self.Stats = admin.Stats
-        self.WatchEvents = admin.WatchEvents
-
-    @property
-    def framed(self) -> bool:
-        """Whether Get and Put are registered on framed bytes (see add_to_server)."""
-        return self._calls.framed
-
-    @framed.setter
-    def framed(self, on: bool) -> None:
-        self._calls.framed = on
-
-    @property
-    def local_socket(self) -> str:
-        """The local-call socket ServerInfo names ("" until one is served)."""
-        return self._calls.local_socket
-
-    @local_socket.setter
-    def local_socket(self, path: str) -> None:
-        self._calls.local_socket = path
+        # each RPC and the handler that serves it, bound to the calls' parts
+        self.Lookup = partial(read_handlers.Lookup, calls)
+        self.Get = partial(read_handlers.Get, calls)
+        self.Acquire = partial(read_handlers.Acquire, calls)
+        self.Release = partial(read_handlers.Release, calls)
+        self.ReportReads = partial(read_handlers.ReportReads, calls)
+        self.Put = partial(write_handlers.Put, calls)
+        self.Reserve = partial(write_handlers.Reserve, calls)
+        self.Commit = partial(write_handlers.Commit, calls)
+        self.Abandon = partial(write_handlers.Abandon, calls)
+        self.OpenNamespace = partial(admin_handlers.OpenNamespace, calls)
+        self.DescribeNamespace = partial(admin_handlers.DescribeNamespace, calls)
+        self.ListNamespaces = partial(admin_handlers.ListNamespaces, calls)
+        self.ServerInfo = partial(admin_handlers.ServerInfo, calls)
+        self.Session = partial(admin_handlers.Session, calls)
+        self.Delete = partial(admin_handlers.Delete, calls)
+        self.Clear = partial(admin_handlers.Clear, calls)
+        self.SetPriority = partial(admin_handlers.SetPriority, calls)
+        self.Stats = partial(admin_handlers.Stats, calls)
+        self.WatchEvents = partial(admin_handlers.WatchEvents, calls)
 
     def begin_shutdown(self) -> None:
         """End the open WatchEvents and Session streams so a graceful stop does not
         wait for them."""
-        self._calls.stopping.set()
+        self.calls.stopping.set()
 
     def close(self) -> None:
-        self._calls.close()
+        self.calls.close()
 
     def owner_opened(self, owner: str) -> None:
         """A connection or stream of ``owner`` opened (see kvstored.owners)."""
-        self._calls.owners.opened(owner)
+        self.calls.owners.opened(owner)
 
     def owner_closed(self, owner: str) -> None:
         """One of ``owner``'s connections closed: its leases end with the last one."""
-        self._calls.owners.closed(owner)
+        self.calls.owners.closed(owner)
 
 
 # --- registration ---------------------------------------------------------------------
@@ -165,6 +145,6 @@ def add_to_server(service: KVStoreService, server: Any) -> None:
     methods["Put"] = grpc.stream_unary_rpc_method_handler(
         service.Put, request_deserializer=None, response_serializer=pb.PutResponse.SerializeToString
     )
-    service.framed = True
+    service.calls.framed = True
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, methods),))
     server.add_registered_method_handlers(SERVICE_NAME, methods)

@@ -7,7 +7,6 @@ import bisect
 import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 
-import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -20,251 +19,245 @@ from kvstore.results import Reservation, SlotRef
 from kvstored import convert
 from kvstored.auth import Caller
 from kvstored.config import MAX_CHUNK_BYTES
-from kvstored.dispatch import Calls, NeedsPool
+from kvstored.dispatch import Calls, Ctx, NeedsPool
 from kvstored.errors import grpc_errors
 
 
-class WriteHandlers:
-    """See the module docstring."""
+@grpc_errors
+async def Put(
+    calls: Calls,
+    request_iterator: AsyncIterable[pb.PutRequest | bytes],
+    context: Ctx,
+) -> pb.PutResponse:
+    caller = calls.access.caller(context)
+    messages = aiter(request_iterator)
+    first = await anext(messages, None)
+    head = _put_header(calls, first)
+    if head.lease_id:
+        return await _put_into_claim(calls, head, messages, caller)
+    prio = convert.optional_priority(head)
 
-    def __init__(self, calls: Calls) -> None:
-        self._calls = calls
-        self._store = calls.store
-
-    @grpc_errors
-    async def Put(
-        self,
-        request_iterator: AsyncIterable[pb.PutRequest | bytes],
-        context: grpc.aio.ServicerContext,
-    ) -> pb.PutResponse:
-        caller = self._calls.access.caller(context)
-        messages = aiter(request_iterator)
-        first = await anext(messages, None)
-        head = self._put_header(first)
-        if head.lease_id:
-            return await self._put_into_claim(head, messages, caller)
-        prio = convert.optional_priority(head)
-
-        def check_header(quick: bool = False) -> tuple[NamespaceSpec, list[BlockKey]]:
-            spec, keys = self._calls.chain(head.ns_id, head.tokens, head.extra_keys, caller, quick)
-            end = convert.block_range(head.start_block, head.n_blocks, len(keys))
-            if head.n_blocks == 0:
-                raise InvalidArgument("n_blocks must be > 0")
-            return spec, keys[:end]
-
-        spec, keys = await self._calls.run_quick(check_header)
-        bb = spec.block_bytes
-        expected = head.n_blocks * bb
-        if expected > self._calls.config.max_transfer_bytes:
-            raise OutOfSpace(
-                f"put of {head.n_blocks} blocks x {bb} bytes = {expected} bytes exceeds "
-                f"max_transfer_bytes={self._calls.config.max_transfer_bytes}; split it"
-            )
-
-        def reserve(quick: bool = False) -> Reservation:
-            if quick:
-                self._calls.check_room(spec.ns_id, keys, head.n_blocks)
-            return self._store.reserve(
-                spec.ns_id, keys, head.start_block, self._calls.config.max_lease_ttl_s, prio
-            )
-
-        reservation = await self._calls.run_quick(reserve)
-        lease = reservation.lease_id
-        sink = _SlotSink(self._store.arena.array(), reservation.slots, head.start_block, bb)
-        committed = durable = 0
-        try:
-            await self._receive(messages, sink, head.n_blocks, bb)
-            if lease:
-                committed, durable = await self._commit(lease, None)
-        except BaseException:
-            if lease and not committed:
-                with contextlib.suppress(StoreError):
-                    self._store.abandon(lease)  # short, and safe while being cancelled
-            raise
-        # Refused outright: a missing parent or another owner computing the first
-        # block is an ordinary answer; only lack of room is an error.
-        if reservation.out_of_space and committed == 0 and reservation.existing == 0:
-            raise OutOfSpace(
-                f"no room for any of the {head.n_blocks} blocks: the store is full "
-                "of leased or pending blocks"
-            )
-        return result_messages.put_response(
-            PutResult.of_reservation(
-                reservation.existing,
-                reservation.refused,
-                len(reservation.offsets),
-                committed,
-                durable,
-            )
-        )
-
-    async def _put_into_claim(
-        self,
-        head: pb.PutHeader,
-        messages: AsyncIterator[pb.PutRequest | bytes],
-        caller: Caller,
-    ) -> pb.PutResponse:
-        """Deliver the next ``n_blocks`` blocks of a claim (a write lease) and commit them.
-
-        A malformed delivery (wrong byte count, oversized chunk) is refused and changes
-        nothing; a broken transfer (cancelled, failed) abandons the claim: its waiters
-        compute for themselves rather than wait for bytes that are not coming.
-        """
-        lease = convert.lease_id(head.lease_id)
-        spec = self._calls.access.spec(head.ns_id, caller)
+    def check_header(quick: bool = False) -> tuple[NamespaceSpec, list[BlockKey]]:
+        spec, keys = calls.chain(head.ns_id, head.tokens, head.extra_keys, caller, quick)
+        end = convert.block_range(head.start_block, head.n_blocks, len(keys))
         if head.n_blocks == 0:
             raise InvalidArgument("n_blocks must be > 0")
-        slots = self._store.claimed_slots(lease, head.n_blocks)
-        if any(slot.size != spec.block_bytes for slot in slots):
-            raise InvalidArgument(f"lease {lease} is not a lease of namespace {head.ns_id}")
-        bb = spec.block_bytes
-        sink = _SlotSink(self._store.arena.array(), slots, slots[0].index, bb)
-        try:
-            await self._receive(messages, sink, head.n_blocks, bb)
-            committed, durable = await self._commit(lease, head.n_blocks)
-        except InvalidArgument:
-            raise  # a malformed delivery changes nothing: the claim stays, pending
-        except BaseException:
+        return spec, keys[:end]
+
+    spec, keys = await calls.run_quick(check_header)
+    bb = spec.block_bytes
+    expected = head.n_blocks * bb
+    if expected > calls.config.max_transfer_bytes:
+        raise OutOfSpace(
+            f"put of {head.n_blocks} blocks x {bb} bytes = {expected} bytes exceeds "
+            f"max_transfer_bytes={calls.config.max_transfer_bytes}; split it"
+        )
+
+    def reserve(quick: bool = False) -> Reservation:
+        if quick:
+            calls.check_room(spec.ns_id, keys, head.n_blocks)
+        return calls.store.reserve(
+            spec.ns_id, keys, head.start_block, calls.config.max_lease_ttl_s, prio
+        )
+
+    reservation = await calls.run_quick(reserve)
+    lease = reservation.lease_id
+    sink = _SlotSink(calls.store.arena.array(), reservation.slots, head.start_block, bb)
+    committed = durable = 0
+    try:
+        await _receive(calls, messages, sink, head.n_blocks, bb)
+        if lease:
+            committed, durable = await _commit(calls, lease, None)
+    except BaseException:
+        if lease and not committed:
             with contextlib.suppress(StoreError):
-                self._store.abandon(lease)
-            raise
-        return pb.PutResponse(stored=committed, durable=durable)
+                calls.store.abandon(lease)  # short, and safe while being cancelled
+        raise
+    # Refused outright: a missing parent or another owner computing the first
+    # block is an ordinary answer; only lack of room is an error.
+    if reservation.out_of_space and committed == 0 and reservation.existing == 0:
+        raise OutOfSpace(
+            f"no room for any of the {head.n_blocks} blocks: the store is full "
+            "of leased or pending blocks"
+        )
+    return result_messages.put_response(
+        PutResult.of_reservation(
+            reservation.existing,
+            reservation.refused,
+            len(reservation.offsets),
+            committed,
+            durable,
+        )
+    )
 
-    async def _receive(
-        self,
-        messages: AsyncIterator[pb.PutRequest | bytes],
-        sink: _SlotSink,
-        n_blocks: int,
-        block_bytes: int,
-    ) -> None:
-        """Copy a Put's data chunks into ``sink``; exactly n_blocks x block_bytes bytes."""
-        expected = n_blocks * block_bytes
-        received = 0
-        async for msg in messages:
-            chunk = self._put_data(msg)
-            size = len(chunk)
-            if size > MAX_CHUNK_BYTES:
-                raise InvalidArgument(
-                    f"data chunk of {size} bytes exceeds max_chunk_bytes={MAX_CHUNK_BYTES}"
-                )
-            if received + size > expected:
-                raise InvalidArgument(
-                    f"Put data exceeds n_blocks x block_bytes = {n_blocks} x {block_bytes} "
-                    f"= {expected} bytes (got at least {received + size})"
-                )
-            sink.write(received, chunk)
-            received += size
-        if received != expected:
+
+async def _put_into_claim(
+    calls: Calls,
+    head: pb.PutHeader,
+    messages: AsyncIterator[pb.PutRequest | bytes],
+    caller: Caller,
+) -> pb.PutResponse:
+    """Deliver the next ``n_blocks`` blocks of a claim (a write lease) and commit them.
+
+    A malformed delivery (wrong byte count, oversized chunk) is refused and changes
+    nothing; a broken transfer (cancelled, failed) abandons the claim: its waiters
+    compute for themselves rather than wait for bytes that are not coming.
+    """
+    lease = convert.lease_id(head.lease_id)
+    spec = calls.access.spec(head.ns_id, caller)
+    if head.n_blocks == 0:
+        raise InvalidArgument("n_blocks must be > 0")
+    slots = calls.store.claimed_slots(lease, head.n_blocks)
+    if any(slot.size != spec.block_bytes for slot in slots):
+        raise InvalidArgument(f"lease {lease} is not a lease of namespace {head.ns_id}")
+    bb = spec.block_bytes
+    sink = _SlotSink(calls.store.arena.array(), slots, slots[0].index, bb)
+    try:
+        await _receive(calls, messages, sink, head.n_blocks, bb)
+        committed, durable = await _commit(calls, lease, head.n_blocks)
+    except InvalidArgument:
+        raise  # a malformed delivery changes nothing: the claim stays, pending
+    except BaseException:
+        with contextlib.suppress(StoreError):
+            calls.store.abandon(lease)
+        raise
+    return pb.PutResponse(stored=committed, durable=durable)
+
+
+async def _receive(
+    calls: Calls,
+    messages: AsyncIterator[pb.PutRequest | bytes],
+    sink: _SlotSink,
+    n_blocks: int,
+    block_bytes: int,
+) -> None:
+    """Copy a Put's data chunks into ``sink``; exactly n_blocks x block_bytes bytes."""
+    expected = n_blocks * block_bytes
+    received = 0
+    async for msg in messages:
+        chunk = _put_data(calls, msg)
+        size = len(chunk)
+        if size > MAX_CHUNK_BYTES:
             raise InvalidArgument(
-                f"Put data is {received} bytes, expected n_blocks x block_bytes = "
-                f"{n_blocks} x {block_bytes} = {expected}"
+                f"data chunk of {size} bytes exceeds max_chunk_bytes={MAX_CHUNK_BYTES}"
             )
-
-    def _put_header(self, first: pb.PutRequest | bytes | None) -> pb.PutHeader:
-        msg = self._put_message(first) if isinstance(first, bytes) else first
-        if msg is None or msg.WhichOneof("kind") != "header":
-            raise InvalidArgument("the first Put message must be a header")
-        return msg.header
-
-    def _put_data(self, msg: pb.PutRequest | bytes) -> bytes | memoryview:
-        """The bytes of a Put data message (a view into a framed message: no copy)."""
-        if isinstance(msg, bytes):
-            span = data_frames.data_span(msg)
-            if span is not None:
-                offset, size = span
-                return memoryview(msg)[offset : offset + size]
-            msg = self._put_message(msg)
-        if msg.WhichOneof("kind") != "data":
-            raise InvalidArgument("Put sends one header, then only data chunks")
-        return msg.data
-
-    @staticmethod
-    def _put_message(raw: bytes) -> pb.PutRequest:
-        try:
-            return pb.PutRequest.FromString(raw)
-        except DecodeError:
-            raise InvalidArgument("a Put message is not a valid PutRequest") from None
-
-    @grpc_errors
-    async def Reserve(
-        self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ReserveResponse:
-        caller = self._calls.access.caller(context)
-        ttl = convert.seconds(request.ttl_s, "ttl_s")
-        prio = convert.optional_priority(request)
-
-        staged = list(request.staged_offsets)
-        if request.commit and not staged:
+        if received + size > expected:
             raise InvalidArgument(
-                "commit=true needs staged_offsets: only blocks already written into their "
-                "staged slots can be committed on arrival"
+                f"Put data exceeds n_blocks x block_bytes = {n_blocks} x {block_bytes} "
+                f"= {expected} bytes (got at least {received + size})"
             )
+        sink.write(received, chunk)
+        received += size
+    if received != expected:
+        raise InvalidArgument(
+            f"Put data is {received} bytes, expected n_blocks x block_bytes = "
+            f"{n_blocks} x {block_bytes} = {expected}"
+        )
 
-        owner = self._calls.owners.owner_of(context)
 
-        def reserve(quick: bool = False) -> pb.ReserveResponse:
-            spec, keys = self._calls.chain(
-                request.ns_id, request.tokens, request.extra_keys, caller, quick
+def _put_header(calls: Calls, first: pb.PutRequest | bytes | None) -> pb.PutHeader:
+    msg = _put_message(first) if isinstance(first, bytes) else first
+    if msg is None or msg.WhichOneof("kind") != "header":
+        raise InvalidArgument("the first Put message must be a header")
+    return msg.header
+
+
+def _put_data(calls: Calls, msg: pb.PutRequest | bytes) -> bytes | memoryview:
+    """The bytes of a Put data message (a view into a framed message: no copy)."""
+    if isinstance(msg, bytes):
+        span = data_frames.data_span(msg)
+        if span is not None:
+            offset, size = span
+            return memoryview(msg)[offset : offset + size]
+        msg = _put_message(msg)
+    if msg.WhichOneof("kind") != "data":
+        raise InvalidArgument("Put sends one header, then only data chunks")
+    return msg.data
+
+
+def _put_message(raw: bytes) -> pb.PutRequest:
+    try:
+        return pb.PutRequest.FromString(raw)
+    except DecodeError:
+        raise InvalidArgument("a Put message is not a valid PutRequest") from None
+
+
+@grpc_errors
+async def Reserve(calls: Calls, request: pb.ReserveRequest, context: Ctx) -> pb.ReserveResponse:
+    caller = calls.access.caller(context)
+    ttl = convert.seconds(request.ttl_s, "ttl_s")
+    prio = convert.optional_priority(request)
+
+    staged = list(request.staged_offsets)
+    if request.commit and not staged:
+        raise InvalidArgument(
+            "commit=true needs staged_offsets: only blocks already written into their "
+            "staged slots can be committed on arrival"
+        )
+
+    owner = calls.owners.owner_of(context)
+
+    def reserve(quick: bool = False) -> pb.ReserveResponse:
+        spec, keys = calls.chain(
+            request.ns_id, request.tokens, request.extra_keys, caller, quick
+        )
+        end = convert.block_range(request.start_block, request.n_blocks, len(keys))
+        if quick:  # staged slots are allocated already: only stage_more needs room
+            if request.commit and calls.write_through():
+                raise NeedsPool  # the commit queues disk writes, which may wait
+            fresh = 0 if staged else end - request.start_block
+            calls.check_room(spec.ns_id, keys[:end], fresh + request.stage_more)
+        res = calls.store.reserve(
+            spec.ns_id,
+            keys[:end],
+            start=request.start_block,
+            ttl_s=ttl,
+            priority=prio,
+            stage_lease_id=request.stage_lease_id,
+            staged_offsets=staged,
+            stage_more=request.stage_more,
+        )
+        if res.out_of_space and not res.offsets and not res.existing:
+            raise OutOfSpace(
+                f"no room to reserve any of the {end - request.start_block} blocks: the "
+                "store is full of leased or pending blocks"
             )
-            end = convert.block_range(request.start_block, request.n_blocks, len(keys))
-            if quick:  # staged slots are allocated already: only stage_more needs room
-                if request.commit and self._calls.write_through():
-                    raise NeedsPool  # the commit queues disk writes, which may wait
-                fresh = 0 if staged else end - request.start_block
-                self._calls.check_room(spec.ns_id, keys[:end], fresh + request.stage_more)
-            res = self._store.reserve(
-                spec.ns_id,
-                keys[:end],
-                start=request.start_block,
-                ttl_s=ttl,
-                priority=prio,
-                stage_lease_id=request.stage_lease_id,
-                staged_offsets=staged,
-                stage_more=request.stage_more,
-            )
-            if res.out_of_space and not res.offsets and not res.existing:
-                raise OutOfSpace(
-                    f"no room to reserve any of the {end - request.start_block} blocks: the "
-                    "store is full of leased or pending blocks"
-                )
-            durable = 0
-            if request.commit and res.lease_id:
-                durable = self._store.commit_durably(res.lease_id)[1]
-            else:
-                self._calls.owners.own(owner, (res.lease_id,))
-            self._calls.owners.own(owner, (res.stage_lease_id,))
-            response = convert.reserve_response(
-                res, self._store.arena_path or "", request.compact_slots
-            )
-            response.durable = durable
-            return response
+        durable = 0
+        if request.commit and res.lease_id:
+            durable = calls.store.commit_durably(res.lease_id)[1]
+        else:
+            calls.owners.own(owner, (res.lease_id,))
+        calls.owners.own(owner, (res.stage_lease_id,))
+        response = convert.reserve_response(
+            res, calls.store.arena_path or "", request.compact_slots
+        )
+        response.durable = durable
+        return response
 
-        return await self._calls.run_quick(reserve)
+    return await calls.run_quick(reserve)
 
-    @grpc_errors
-    async def Commit(
-        self, request: pb.CommitRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CommitResponse:
-        self._calls.access.caller(context)
-        lease = convert.lease_id(request.lease_id)
-        count = request.count if request.HasField("count") else None
-        committed, durable = await self._commit(lease, count)
-        return pb.CommitResponse(committed=committed, durable=durable)
 
-    async def _commit(self, lease: int, count: int | None) -> tuple[int, int]:
-        """(committed, durable): see Store.commit_durably."""
-        if self._calls.write_through():  # commit waits for the disk
-            return await self._calls.run(self._store.commit_durably, lease, count)
-        return self._store.commit_durably(lease, count)
+@grpc_errors
+async def Commit(calls: Calls, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
+    calls.access.caller(context)
+    lease = convert.lease_id(request.lease_id)
+    count = request.count if request.HasField("count") else None
+    committed, durable = await _commit(calls, lease, count)
+    return pb.CommitResponse(committed=committed, durable=durable)
 
-    @grpc_errors
-    async def Abandon(
-        self, request: pb.AbandonRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbandonResponse:
-        self._calls.access.caller(context)
-        lease = convert.lease_id(request.lease_id)
-        return pb.AbandonResponse(dropped=self._store.abandon(lease))  # no disk I/O
 
+async def _commit(calls: Calls, lease: int, count: int | None) -> tuple[int, int]:
+    """(committed, durable): see Store.commit_durably."""
+    if calls.write_through():  # commit waits for the disk
+        return await calls.run(calls.store.commit_durably, lease, count)
+    return calls.store.commit_durably(lease, count)
+
+
+@grpc_errors
+async def Abandon(calls: Calls, request: pb.AbandonRequest, context: Ctx) -> pb.AbandonResponse:
+    calls.access.caller(context)
+    lease = convert.lease_id(request.lease_id)
+    return pb.AbandonResponse(dropped=calls.store.abandon(lease))  # no disk I/O
 
 class _SlotSink:
     """Where the bytes of an inline Put go: data offset -> arena offset of the reserved

@@ -511,11 +511,8 @@ class Registration:
         owner: KVCache | SharedKV,
     ) -> None:
         self._gpu = gpu
+        self.reply = reply  # the daemon's view: ns_id, block_bytes, num_blocks, stacked
         self.registration_id = reply.registration_id
-        self.ns_id = reply.ns_id
-        self.block_bytes = reply.block_bytes
-        self.num_blocks = reply.num_blocks
-        self.stacked = reply.stacked
         self.block_tokens = kv.shape.block_tokens
         self.kv = kv
         self._owner = owner  # keeps the tensors (and their IPC exports) alive
