@@ -25,7 +25,7 @@ import hashlib
 import struct
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NewType
 
 import numpy as np
@@ -108,20 +108,7 @@ class NamespaceSpec:
 
     def to_dict(self) -> dict[str, object]:
         """The declared fields, for persistence (LMDB) and the wire; digest excluded."""
-        return {
-            "model": self.model,
-            "block_tokens": self.block_tokens,
-            "block_bytes": self.block_bytes,
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "tenant_salt": self.tenant_salt,
-            "hash_algorithm": self.hash_algorithm,
-            "vocab_size": self.vocab_size,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> NamespaceSpec:

@@ -14,11 +14,11 @@ could help.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvstore.index import READY, Node
 from kvstore.keys import BlockKey
-from kvstore.shared.tier import Outgoing, SharedTier
+from kvstore.shared.tier import Known, Lent, Outgoing, SharedTier, Wanted
 from kvstore.store_parts import StoreParts
 from kvstore.store_reads import ready_prefix
 from kvstore.store_writes import Writes
@@ -81,12 +81,7 @@ class SharedBlocks:
             return None
         return found.ready_blocks
 
-    def lend_blocks(
-        self,
-        wanted: Sequence[tuple[str, BlockKey]],
-        min_priority: int,
-        known: Callable[[BlockKey], bool],
-    ) -> tuple[list[Outgoing], Callable[[], None], int]:
+    def lend_blocks(self, wanted: Wanted, min_priority: int, known: Known) -> Lent:
         """For the shared tier's writer: the blocks of ``wanted`` (ns_id, key) that are
         not ``known`` to be on the cluster and are at or above ``min_priority``, each
         after its unsent ancestors, pinned in their host slots until the returned
@@ -138,4 +133,4 @@ class SharedBlocks:
                 for block in pinned:
                     block.pins -= 1
 
-        return lent, release, lost
+        return Lent(lent, release, lost)

@@ -24,6 +24,7 @@ import heapq
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -42,30 +43,23 @@ from kvstore.tenants import Group
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Tiers:
-    """Block placement over the host and disk tiers (see the module docstring)."""
+    """Block placement over the host and disk tiers (see the module docstring); the
+    parts it works on are its fields."""
 
-    def __init__(
-        self,
-        config: StoreConfig,
-        index: Index,
-        namespaces: Namespaces,
-        arena: HostArena,
-        disk: DiskTier | None,
-        counters: Counters,
-        events: EventLog,
-        wall: Callable[[], float],
-    ) -> None:
-        self._config = config
-        self._index = index
-        self._namespaces = namespaces
-        self._arena = arena
-        self._disk = disk
-        self._counters = counters
-        self._events = events
-        self._wall = wall
-        self.host_policy = GroupedPolicy(config.eviction_policy, "host")
-        self.disk_policy = GroupedPolicy(config.eviction_policy, "disk")
+    config: StoreConfig
+    index: Index
+    namespaces: Namespaces
+    arena: HostArena
+    disk: DiskTier | None
+    counters: Counters
+    events: EventLog
+    wall: Callable[[], float]
+
+    def __post_init__(self) -> None:
+        self.host_policy = GroupedPolicy(self.config.eviction_policy, "host")
+        self.disk_policy = GroupedPolicy(self.config.eviction_policy, "disk")
         self.host_blocks = 0
         self.disk_blocks = 0
         self.pending = 0  # blocks reserved and not committed yet
@@ -84,7 +78,7 @@ class Tiers:
     def host_drop(self, node: Node) -> None:
         if node in self.host_policy:
             self.host_policy.remove(node)
-        self._arena.free(node.host_offset)
+        self.arena.free(node.host_offset)
         node.host_offset = -1
         self.host_blocks -= 1
         node.ns.group.host_bytes -= node.size
@@ -100,8 +94,8 @@ class Tiers:
             node.parent.disk_children += 1
 
     def disk_drop(self, node: Node) -> None:
-        assert self._disk is not None
-        self._disk.delete(node.key)
+        assert self.disk is not None
+        self.disk.delete(node.key)
         self.disk_policy.remove(node)
         node.on_disk = False
         self.disk_blocks -= 1
@@ -115,15 +109,15 @@ class Tiers:
             self.host_drop(node)
         if node.on_disk:
             self.disk_drop(node)
-        self._index.remove(node)
+        self.index.remove(node)
         self._priority_until.pop(node, None)
-        self._counters.dropped += 1
-        self._events.emit(EventKind.REMOVED, node, "")
+        self.counters.dropped += 1
+        self.events.emit(EventKind.REMOVED, node, "")
 
     def delete_subtree(self, root: Node) -> int:
         """Drop ``root`` and its descendants, keeping busy blocks and their ancestors."""
         removed = 0
-        for node in self._index.subtree_postorder(root):
+        for node in self.index.subtree_postorder(root):
             if node.pins or not node.ready or node.first_child is not None:
                 continue
             self.drop_node(node)
@@ -136,8 +130,8 @@ class Tiers:
             self.host_policy.reprioritize(node)
         if node in self.disk_policy:
             self.disk_policy.reprioritize(node)
-            assert self._disk is not None
-            self._disk.touch(node.key, priority, node.last_access)
+            assert self.disk is not None
+            self.disk.touch(node.key, priority, node.last_access)
 
     def touch(self, named: Sequence[Node]) -> None:
         """Mark a use of the blocks a request named (root-to-leaf order).
@@ -148,7 +142,7 @@ class Tiers:
         """
         if not named:
             return
-        now = self._wall()
+        now = self.wall()
         last = named[-1]
         used: Sequence[Node]
         if not self.host_policy.touch_prefix:
@@ -160,7 +154,7 @@ class Tiers:
         for node in used:
             node.last_access = now
         self.host_policy.touch_all(used)
-        if self._disk is not None:
+        if self.disk is not None:
             self.disk_policy.touch_all(used)
 
     def insert_used(self, batch: Sequence[Node]) -> None:
@@ -168,7 +162,7 @@ class Tiers:
         host tier as just used, then touch their prefix: the order that inserting them
         and then ``touch(batch)`` gives, with one list operation per block, not three."""
         policy = self.host_policy
-        now = self._wall()
+        now = self.wall()
         for node in batch:
             node.last_access = now
         policy.insert_all(batch[::-1] if policy.touch_prefix else batch)
@@ -194,7 +188,7 @@ class Tiers:
             node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset)
             nodes.append(node)
             parent = node
-        self._index.add_chain(nodes)
+        self.index.add_chain(nodes)
         self.host_blocks += len(nodes)
         entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
         for holder in nodes[:-1]:
@@ -221,12 +215,12 @@ class Tiers:
             until, _, node = heapq.heappop(heap)
             if self._priority_until.get(node) == until:
                 del self._priority_until[node]
-                self.reprioritize(node, self._config.default_priority)
+                self.reprioritize(node, self.config.default_priority)
 
     def apply_shrunk_disk(self) -> None:
         """Evict disk leaves if the disk tier lowered its effective capacity."""
-        if self._disk is not None and self._disk.drain_shrunk():
-            self._shrink_disk(self._disk)
+        if self.disk is not None and self.disk.drain_shrunk():
+            self._shrink_disk(self.disk)
 
     # --- leases -----------------------------------------------------------------------
     def let_go(self, lease: Lease) -> None:
@@ -236,15 +230,15 @@ class Tiers:
             dropped = lease.nodes[lease.committed :]
             for node in reversed(dropped):
                 node.pins -= 1
-                self._events.emit(EventKind.PENDING_DROPPED, node, Tier.HOST)
+                self.events.emit(EventKind.PENDING_DROPPED, node, Tier.HOST)
                 self.host_drop(node)
-                self._index.remove(node)
+                self.index.remove(node)
             self.pending -= len(dropped)
         else:
             for node in lease.nodes:
                 node.pins -= 1
         for offset in lease.staged or ():
-            self._arena.free(offset)
+            self.arena.free(offset)
         if lease.staged:
             lease.entry.group.staged_bytes -= len(lease.staged) * lease.entry.spec.block_bytes
 
@@ -255,7 +249,7 @@ class Tiers:
         if not self._quota_room(group, size, host=True):
             return None
         while True:
-            offset = self._arena.alloc(size)
+            offset = self.arena.alloc(size)
             if offset is not None:
                 return offset
             victim = self._victim(self.host_policy, host=True)
@@ -303,25 +297,25 @@ class Tiers:
         return None
 
     def _subtree_busy(self, node: Node) -> bool:
-        return any(n.pins or not n.ready for n in self._index.subtree_postorder(node))
+        return any(n.pins or not n.ready for n in self.index.subtree_postorder(node))
 
     def _evict_from_host(self, node: Node) -> None:
-        self._counters.host_evictions += 1
+        self.counters.host_evictions += 1
         if not self.host_policy.leaf_first:  # plain LRU: descendants become unusable
-            for late in self._index.subtree_postorder(node)[:-1]:
+            for late in self.index.subtree_postorder(node)[:-1]:
                 self.drop_node(late)
         if node.on_disk or self.write_to_disk(node):
             self.host_drop(node)
-            self._counters.demotions += 1
-            self._events.emit(EventKind.DEMOTED, node, Tier.DISK)
+            self.counters.demotions += 1
+            self.events.emit(EventKind.DEMOTED, node, Tier.DISK)
             return
         self.drop_node(node)  # a host leaf that is not on disk has no disk children
 
     def admit(self, node: Node) -> bool:
-        if node.priority < self._config.disk_min_priority:
+        if node.priority < self.config.disk_min_priority:
             return False
-        if self._config.admission == "selective":
-            return node.hits >= self._config.selective_hits
+        if self.config.admission == "selective":
+            return node.hits >= self.config.selective_hits
         return True
 
     def write_to_disk(self, node: Node, evict: bool = True) -> bool:
@@ -333,7 +327,7 @@ class Tiers:
         free room (used at close, so persisting the host tier never pushes out blocks
         that were already committed to disk).
         """
-        disk = self._disk
+        disk = self.disk
         if disk is None or node.on_disk or not self.admit(node):
             return False
         if disk.fault:  # refused now, before making room for it
@@ -374,7 +368,7 @@ class Tiers:
     def _queue_disk_write(self, disk: DiskTier, node: Node) -> bool:
         """Hand a host block to the disk writer; False when the tier refuses it (a disk
         fault, or its queue is full: never waited for under the lock)."""
-        payload = self._arena.view(node.host_offset, node.size)
+        payload = self.arena.view(node.host_offset, node.size)
         parent = node.parent.key if node.parent is not None else b""
         record = DiskRecord(
             node.key,
@@ -383,16 +377,16 @@ class Tiers:
             node.size,
             xxhash.xxh3_64_intdigest(payload),
             node.priority,
-            node.last_access or self._wall(),
+            node.last_access or self.wall(),
         )
         if not disk.write(record, payload):
             return False
         self.disk_add(node)
-        self._counters.disk_bytes_in += node.size
+        self.counters.disk_bytes_in += node.size
         return True
 
     def _make_disk_room(self, nbytes: int) -> bool:
-        disk = self._disk
+        disk = self.disk
         assert disk is not None
         if disk.drain_shrunk():
             self._shrink_disk(disk)
@@ -416,9 +410,9 @@ class Tiers:
             self._evict_from_disk(victim)
 
     def _evict_from_disk(self, node: Node) -> None:
-        self._counters.disk_evictions += 1
+        self.counters.disk_evictions += 1
         if not self.disk_policy.leaf_first:
-            for late in self._index.subtree_postorder(node)[:-1]:
+            for late in self.index.subtree_postorder(node)[:-1]:
                 self.drop_node(late)
         if node.in_host:
             self.disk_drop(node)
@@ -427,8 +421,8 @@ class Tiers:
 
     def persist_host_blocks(self) -> None:
         """At close: write host-only ready blocks to disk, parents first, while room lasts."""
-        for entry in self._namespaces:
-            queue = [self._index.nodes[key] for key in entry.roots]
+        for entry in self.namespaces:
+            queue = [self.index.nodes[key] for key in entry.roots]
             while queue:
                 node = queue.pop()
                 if not node.in_host or not node.ready:
@@ -439,12 +433,12 @@ class Tiers:
 
     def rebuild_from_disk(self) -> None:
         """Rebuild the index of disk blocks from LMDB; drop records that lost their parent."""
-        disk = self._disk
+        disk = self.disk
         assert disk is not None
         for digest, spec_dict in disk.namespaces().items():
             spec = NamespaceSpec.from_dict(spec_dict)
             if spec.digest == digest:
-                self._namespaces.register(spec)
+                self.namespaces.register(spec)
         records = {record.key: record for record in disk.records()}
         depth: dict[bytes, int] = {}
         orphans: list[bytes] = []
@@ -453,15 +447,15 @@ class Tiers:
             cursor: bytes | None = key
             while cursor is not None and cursor not in depth:
                 record = records.get(cursor)
-                if record is None or record.ns_digest not in self._namespaces.by_digest:
+                if record is None or record.ns_digest not in self.namespaces.by_digest:
                     orphans.extend(r.key for r in chain)
                     chain = []
                     break
                 chain.append(record)
                 cursor = record.parent or None
             for record in reversed(chain):
-                parent = self._index.get(BlockKey(record.parent)) if record.parent else None
-                entry = self._namespaces.by_digest[record.ns_digest]
+                parent = self.index.get(BlockKey(record.parent)) if record.parent else None
+                entry = self.namespaces.by_digest[record.ns_digest]
                 if record.size != entry.spec.block_bytes:
                     orphans.append(record.key)
                     continue
@@ -473,7 +467,7 @@ class Tiers:
                     priority=record.priority,
                     last_access=record.last_access,
                 )
-                self._index.add(node)
+                self.index.add(node)
                 node.on_disk = True
                 self.disk_blocks += 1
                 entry.group.disk_bytes += record.size
@@ -484,10 +478,10 @@ class Tiers:
             disk.delete(key)
         order = sorted(depth, key=lambda k: (records[k].last_access, -depth[k]))
         for key in order:
-            self.disk_policy.insert(self._index.nodes[BlockKey(key)])
+            self.disk_policy.insert(self.index.nodes[BlockKey(key)])
         if orphans:
             log.warning("dropped %d disk blocks whose parent was missing", len(orphans))
-        log.info("rebuilt %d disk blocks in %d namespaces", len(depth), len(self._namespaces))
+        log.info("rebuilt %d disk blocks in %d namespaces", len(depth), len(self.namespaces))
 
     def promote_now(self, node: Node) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.
@@ -495,12 +489,12 @@ class Tiers:
         Only for the prefix of a reserve (a few blocks, usually after a restart); reads
         promote outside the lock. The caller pins ``node`` and its ancestors.
         """
-        assert self._disk is not None and node.on_disk and not node.in_host
+        assert self.disk is not None and node.on_disk and not node.in_host
         offset = self.alloc_host(node.size, node.ns.group)
         if offset is None:
             return False
-        if self._disk.read(node.key, out=self._arena.view(offset, node.size)) is None:
-            self._arena.free(offset)
+        if self.disk.read(node.key, out=self.arena.view(offset, node.size)) is None:
+            self.arena.free(offset)
             self.lost_on_disk(node)
             return False
         self.publish_promotion(node, offset)
@@ -508,13 +502,13 @@ class Tiers:
 
     def publish_promotion(self, node: Node, offset: int) -> None:
         """A disk block's bytes are verified in host slot ``offset``: it is in host now."""
-        self._arena.epochs.bump((offset,))  # the slot's bytes are final from here on
+        self.arena.epochs.bump((offset,))  # the slot's bytes are final from here on
         self.host_add(node, offset)
         self.host_policy.insert(node)
-        self._counters.promotions += 1
-        self._counters.host_bytes_in += node.size
-        self._counters.disk_bytes_out += node.size
-        self._events.emit(EventKind.PROMOTED, node, Tier.HOST)
+        self.counters.promotions += 1
+        self.counters.host_bytes_in += node.size
+        self.counters.disk_bytes_out += node.size
+        self.events.emit(EventKind.PROMOTED, node, Tier.HOST)
 
     def lost_on_disk(self, node: Node) -> None:
         """A block the index had on disk could not be read back (checksum or gone).
@@ -523,11 +517,11 @@ class Tiers:
         disk tier, disk-only ones are dropped. If a concurrent reader still pins a
         disk-only block of that subtree, cleanup waits for the next failed read.
         """
-        subtree = [n for n in self._index.subtree_postorder(node) if n.on_disk]
+        subtree = [n for n in self.index.subtree_postorder(node) if n.on_disk]
         if any(n.pins and not n.in_host for n in subtree):
             return
-        self._counters.lost_on_disk += 1
-        self._events.emit(EventKind.CORRUPT, node, Tier.DISK)
+        self.counters.lost_on_disk += 1
+        self.events.emit(EventKind.CORRUPT, node, Tier.DISK)
         for late in subtree:
             if late.in_host:
                 self.disk_drop(late)

@@ -52,12 +52,8 @@ class Layout:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.block_tokens
 
     def spec(self) -> dict[str, Any]:
-        return {
-            "num_layers": self.num_layers,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "dtype": self.dtype,
-        }
+        """The layout fields of ``KVClient.namespace``."""
+        return {f: getattr(self, f) for f in ("num_layers", "num_kv_heads", "head_dim", "dtype")}
 
 
 def _llama(tokens: int) -> Layout:

@@ -65,6 +65,7 @@ from kvctl.views import (
     resolve_namespace,
 )
 
+Handler = Callable[[KVClient, argparse.Namespace], int]  # a command: exit code
 PROG = "kvctl"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -263,24 +264,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection_arguments(common, argparse.SUPPRESS)  # after the command: wins
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("status", parents=[common], help="tier occupancy, hit rates, platform")
+    def command(
+        name: str, handler: Handler | None, help: str, description: str | None = None
+    ) -> argparse.ArgumentParser:
+        """A subcommand that takes the connection options and runs ``handler``."""
+        p = sub.add_parser(name, parents=[common], help=help, description=description)
+        p.set_defaults(handler=handler)
+        return p
+
+    p = command("status", cmd_status, "tier occupancy, hit rates, platform")
     p.add_argument(
         "--tenants", action="store_true", help="usage per tenant against its quotas (admin token)"
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=cmd_status)
 
-    p = sub.add_parser("top", parents=[common], help="live status view")
+    p = command("top", cmd_top, "live status view")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="print the status snapshot as JSON")
-    p.set_defaults(handler=cmd_top)
 
-    p = sub.add_parser("ls", parents=[common], help="namespaces with blocks and bytes")
+    p = command("ls", cmd_ls, "namespaces with blocks and bytes")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=cmd_ls)
 
-    p = sub.add_parser("lookup", parents=[common], help="how much of a token sequence is cached")
+    p = command("lookup", cmd_lookup, "how much of a token sequence is cached")
     p.add_argument(
         "ns_id",
         metavar="NAMESPACE",
@@ -289,18 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tokens", metavar="TOKENS", nargs="*", help="token ids")
     p.add_argument("--file", "-f", help="file of whitespace-separated token ids ('-': stdin)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=cmd_lookup)
 
-    p = sub.add_parser("clear", parents=[common], help="remove every block (of one namespace)")
+    p = command("clear", cmd_clear, "remove every block (of one namespace)")
     p.add_argument("--ns", metavar="NAMESPACE", help="only this namespace (as kvctl ls shows)")
     p.add_argument("--yes", action="store_true", help="confirm")
-    p.set_defaults(handler=cmd_clear)
 
-    p = sub.add_parser(
+    p = command(
         "events",
-        parents=[common],
-        help="follow the event stream, or tail it (--count)",
-        description="Without --count: every buffered event (after --from), then new ones "
+        cmd_events,
+        "follow the event stream, or tail it (--count)",
+        "Without --count: every buffered event (after --from), then new ones "
         "as they come. With --count N: the last N buffered events, then exit.",
     )
     p.add_argument(
@@ -324,19 +328,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["stored", "removed", "demoted", "promoted", "pending_dropped", "corrupt"],
     )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
-    p.set_defaults(handler=cmd_events)
 
     from kvbench.cli import add_arguments as add_bench_arguments  # its options only
 
-    p = sub.add_parser(
+    p = command(
         "bench",
-        parents=[common],
-        help="data-path speed beside memcpy, raw gRPC and Redis",
-        description="Measure put/get/lookup against --addr, or against a daemon started "
+        None,  # main() runs kvbench itself
+        "data-path speed beside memcpy, raw gRPC and Redis",
+        "Measure put/get/lookup against --addr, or against a daemon started "
         "in a temp dir when no --addr is given.",
     )
     add_bench_arguments(p)
-    p.set_defaults(handler=None)
     return parser
 
 
@@ -372,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvbench.cli import run_bench  # the harness: only for this command
 
         return run_bench(args, args.addr, [PROG, *(sys.argv[1:] if argv is None else argv)])
-    handler: Callable[[KVClient, argparse.Namespace], int] = args.handler
+    handler: Handler = args.handler
     addr = resolve_address(args.addr)
     try:
         token = token_of(args.token_file) if args.token_file else None

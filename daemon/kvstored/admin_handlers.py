@@ -95,9 +95,8 @@ def _name_of(calls: Calls, ns_id: str) -> str:
 async def ServerInfo(
     calls: Calls, request: pb.ServerInfoRequest, context: Ctx
 ) -> pb.ServerInfoResponse:
-    caller = calls.access.caller(context)
-    cfg = calls.config
-    arena = calls.store.arena
+    tenant = calls.access.caller(context).tenant
+    cfg, arena = calls.config, calls.store.arena
     return pb.ServerInfoResponse(
         version=calls.version,
         platform=calls.store.platform,
@@ -118,7 +117,7 @@ async def ServerInfo(
         arena_prefaulted=calls.store.config.prefault_arena,
         admission=calls.store.config.admission,
         uid=os.getuid(),
-        tenant=caller.tenant,
+        tenant=tenant,
     )
 
 

@@ -151,7 +151,6 @@ def scan_in_child(directory: str, timeout: float = SCAN_TIMEOUT_S) -> str | None
             capture_output=True,
             text=True,
             timeout=timeout,
-            check=False,
         )
     except subprocess.TimeoutExpired:
         return None  # slow is not damaged: the open path still checks what it reads

@@ -27,13 +27,14 @@ restarted empty.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from kvproto.v1.results import Event, SharedStats
@@ -95,6 +96,18 @@ class Outgoing:
     payload: memoryview
 
 
+class Lent(NamedTuple):
+    """What the store lends the writer for a batch of stored events."""
+
+    blocks: list[Outgoing]  # unsent ancestors first
+    release: Callable[[], None]  # unpins them; call once they are sent
+    lost: int  # wanted blocks no longer in the host tier (or an unsent ancestor)
+
+
+Known = Callable[[BlockKey], bool]  # whether a block is already on the cluster
+Wanted = Sequence[tuple[str, BlockKey]]  # (ns_id, key) of stored events
+
+
 class BlockSource(Protocol):
     """What the shared tier needs of its store."""
 
@@ -103,14 +116,9 @@ class BlockSource(Protocol):
 
     def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]: ...
 
-    def lend_blocks(
-        self,
-        wanted: Sequence[tuple[str, BlockKey]],
-        min_priority: int,
-        known: Callable[[BlockKey], bool],
-    ) -> tuple[list[Outgoing], Callable[[], None], int]:
-        """The blocks to send for ``wanted`` (stored events), their unsent ancestors
-        first, pinned; the release function; how many could not be lent."""
+    def lend_blocks(self, wanted: Wanted, min_priority: int, known: Known) -> Lent:
+        """The blocks to send for ``wanted`` that are not ``known`` to be on the
+        cluster, pinned in the host tier until released."""
         ...
 
 
@@ -197,16 +205,8 @@ class SharedTier:
         return self._n["blocks_written"]
 
     def stats(self) -> SharedStats:
-        link = self._link.stats()
-        return SharedStats(
-            url=self.config.shown_url,
-            connected=link.connected,
-            nodes=link.nodes,
-            reachable_nodes=link.reachable_nodes,
-            errors=link.errors,
-            breaker_changes=link.breaker_changes,
-            **self._n,
-        )
+        fields: dict[str, Any] = {**dataclasses.asdict(self._link.stats()), **self._n}
+        return SharedStats(url=self.config.shown_url, **fields)
 
     def close(self) -> None:
         self._stop.set()

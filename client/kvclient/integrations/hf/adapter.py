@@ -254,21 +254,20 @@ class HFPrefixCache:
         rest, and deliver them chunk by chunk (``chunk_tokens`` per forward pass) so that
         concurrent sessions can start before this prefill ends.
         """
-        if early_reuse and store:
-            return self._prefill_early(input_ids, logits_to_keep, chunk_tokens, wait_s)
         start_time = time.perf_counter()
         ids = _as_ids(input_ids)
         tokens = ids.tolist()
+        if early_reuse and store:
+            return self._prefill_early(ids, start_time, logits_to_keep, chunk_tokens, wait_s)
         n_tokens = len(tokens)
         T = self.block_tokens
-        device = self.device
         loaded = self.load(ids)
         cache = loaded.cache if loaded.cache is not None else hf_cache.new_cache(self.config)
         reused = loaded.tokens
         reused_blocks = reused // T
 
         cache, logits = self._forward(ids, reused, n_tokens, cache, logits_to_keep)
-        _synchronize(device)
+        _synchronize(self.device)
         ttft_s = time.perf_counter() - start_time
         self._learn_rate(n_tokens - reused, ttft_s - loaded.load_s)
 
@@ -301,7 +300,8 @@ class HFPrefixCache:
 
     def _prefill_early(
         self,
-        input_ids: torch.Tensor | Sequence[int],
+        ids: torch.Tensor,
+        start_time: float,
         logits_to_keep: int,
         chunk_tokens: int,
         wait_s: float | None,
@@ -317,8 +317,6 @@ class HFPrefixCache:
            completed, so they are ready for waiters before this prefill ends.
         4. Abandon what was not delivered (a failure, or blocks someone else owns).
         """
-        start_time = time.perf_counter()
-        ids = _as_ids(input_ids)
         tokens = ids.tolist()
         n_tokens = len(tokens)
         T = self.block_tokens
