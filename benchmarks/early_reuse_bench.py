@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 from kvbench.harness import write_program_report
+from kvbench.models import random_llama
 from kvbench.servers import OwnDaemon
 from kvclient import KVClient
-from kvclient.hf import HFPrefixCache, random_llama
+from kvclient.hf import HFPrefixCache
 
 SYSTEM_TOKENS = 2048
 SUFFIX_TOKENS = 32

@@ -99,7 +99,8 @@ def child(addr: str, n_blocks: int, put_seed: int, hf: bool) -> dict[str, Any]:
     )
     out.update(copy_floor(client.server_info().arena_path, n_blocks * ns.block_bytes))
     if hf:
-        from kvclient.hf import HFPrefixCache, random_llama
+        from kvbench.models import random_llama
+        from kvclient.hf import HFPrefixCache
 
         model = random_llama(HF_PRESET, seed=0)
         cache = HFPrefixCache(client, model, f"first-call-{HF_PRESET}", block_tokens=BLOCK_TOKENS)
@@ -181,7 +182,8 @@ def store_inputs(addr: str, n_blocks: int, hf: bool) -> None:
             rows = rng.integers(0, 256, (n_blocks, ns.block_bytes), np.uint8)
             ns.put(prefix_tokens(seed, n_blocks), rows)
         if hf:
-            from kvclient.hf import HFPrefixCache, random_llama
+            from kvbench.models import random_llama
+            from kvclient.hf import HFPrefixCache
 
             model = random_llama(HF_PRESET, seed=0)
             cache = HFPrefixCache(

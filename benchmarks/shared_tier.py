@@ -234,8 +234,9 @@ def data_path(url: str, rounds: int) -> tuple[list[list[str]], list[list[str]]]:
 def ttft(url: str, tokens: int, repeat: int) -> dict[str, float]:
     import torch
 
+    from kvbench.models import random_llama
     from kvclient import KVClient
-    from kvclient.hf import HFPrefixCache, random_llama
+    from kvclient.hf import HFPrefixCache
 
     model = random_llama("tiny", seed=0, max_position_embeddings=tokens + 16)
     prompt = torch.randint(0, model.config.vocab_size, (tokens,),

@@ -40,9 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvbench.models import LLAMA_PRESETS, random_llama  # noqa: E402
 from kvbench.servers import OwnDaemon  # noqa: E402
 from kvclient import KVClient  # noqa: E402
-from kvclient.hf import LLAMA_PRESETS, HFPrefixCache, random_llama  # noqa: E402
+from kvclient.hf import HFPrefixCache  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_LENGTHS = [512, 1024, 2048, 4096, 8192]

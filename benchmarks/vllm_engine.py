@@ -32,7 +32,7 @@ from kvbench.vllm_chat import ENGINE_ENV, transfer_config
 def make_model(directory: Path) -> Path:
     """A tiny random Llama with a word-level tokenizer in ``directory`` (offline): 4
     layers, 2 KV heads of 64, bfloat16, so 2 KiB of KV a token (kvclient.hf)."""
-    from kvclient.hf import save_random_llama
+    from kvbench.models import save_random_llama
 
     return save_random_llama(directory, "vllm-tiny")
 

@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 from daemon_check import daemon_address
 
+from kvbench.models import random_llama
 from kvclient import KVClient
-from kvclient.hf import HFPrefixCache, random_llama
+from kvclient.hf import HFPrefixCache
 
 DOC_PRIORITY = 90  # 0..100; ordinary prompts get the daemon's default (35)
 QUESTIONS = [

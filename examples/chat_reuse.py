@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from daemon_check import daemon_address
 
+from kvbench.models import random_llama
 from kvclient import KVClient
-from kvclient.hf import HFPrefixCache, random_llama
+from kvclient.hf import HFPrefixCache
 
 SYSTEM = (
     "You are a helpful assistant for a storage team. Answer briefly and precisely. "

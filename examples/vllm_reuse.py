@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model
     if model is None:
-        from kvclient.hf import save_random_llama
+        from kvbench.models import save_random_llama
 
         model = str(save_random_llama(Path(tempfile.gettempdir()) / "kvstore-vllm-tiny"))
     llm = LLM(

@@ -115,6 +115,23 @@ class NamespaceSpec:
         return cls(**data)  # type: ignore[arg-type]
 
 
+def layout_fields(
+    block_tokens: int,
+    block_bytes: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: str,
+) -> dict[str, int | str]:
+    """The layout fields of a namespace whose blocks are ``block_bytes`` each: all four
+    (the daemon then checks ``block_bytes`` against them) when they account for every
+    byte of a block, none when they do not (a padded engine page is described by
+    ``block_bytes`` alone). For an engine integration's ``KVClient.namespace`` call."""
+    fields = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    implied = 2 * num_layers * num_kv_heads * head_dim * block_tokens * DTYPE_BYTES.get(dtype, 0)
+    return {**fields, "dtype": dtype} if implied == block_bytes else {}
+
+
 def _validate(spec: NamespaceSpec) -> None:
     if not spec.model or len(spec.model) > 256:
         raise InvalidArgument("model must be a non-empty string of at most 256 characters")

@@ -28,8 +28,9 @@ pytest.importorskip("transformers")
 
 from conftest import Daemon  # noqa: E402
 
+from kvbench.models import random_llama  # noqa: E402
 from kvclient import KVClient  # noqa: E402
-from kvclient.hf import HFPrefixCache, random_llama  # noqa: E402
+from kvclient.hf import HFPrefixCache  # noqa: E402
 from kvclient.integrations.hf import cache as hf_cache  # noqa: E402
 
 BLOCK_TOKENS = 8

@@ -15,13 +15,13 @@ pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, MistralConfig  # noqa: E402
 
+from kvbench.models import random_llama  # noqa: E402
 from kvclient.hf import (  # noqa: E402
     KVLayout,
     UnsupportedModelError,
     blocks_from_cache,
     cache_from_blocks,
     config_fingerprint,
-    random_llama,
 )
 from kvclient.integrations.hf import cache as hf_cache  # noqa: E402
 from kvstore.keys import NamespaceSpec  # noqa: E402

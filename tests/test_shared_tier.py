@@ -334,7 +334,8 @@ def test_transformers_on_node_b_reuses_a_prompt_node_a_computed(
         truncated,
     )
 
-    from kvclient.hf import HFPrefixCache, random_llama
+    from kvbench.models import random_llama
+    from kvclient.hf import HFPrefixCache
 
     a, b = nodes
     model = random_llama("tiny", seed=0)

@@ -133,9 +133,9 @@ def test_the_reply_is_stored_as_it_is_generated_and_its_tail_when_it_finishes() 
     tokens += [105]
     assert state.take_save("r", computed_tokens=18) is not None  # block 3 now
     tokens += [106, 107, 108, 109]  # the reply ended: 20 tokens
-    tail = state.take_final_save("r", computed_tokens=19, block_ids=[20, 21, 22, 23, 24])
+    tail = state.take_save("r", computed_tokens=19, block_ids=[20, 21, 22, 23, 24], final=True)
     assert tail is None  # block 4 (tokens 16..19) lacks token 19's KV: nothing to store
-    tail = state.take_final_save("r", computed_tokens=20, block_ids=[20, 21, 22, 23, 24])
+    tail = state.take_save("r", computed_tokens=20, block_ids=[20, 21, 22, 23, 24], final=True)
     assert tail is not None and tail.final and (tail.start, tail.block_ids) == (4, [24])
 
 
@@ -145,7 +145,7 @@ def test_prompt_only_storing_stops_at_the_prompt() -> None:
     state.block_ids = [1, 2, 3, 4]
     save = state.take_save("r", computed_tokens=16)
     assert save is not None and save.block_ids == [1, 2]
-    assert state.take_final_save("r", computed_tokens=16, block_ids=[1, 2, 3, 4]) is None
+    assert state.take_save("r", computed_tokens=16, block_ids=[1, 2, 3, 4], final=True) is None
 
 
 def test_no_load_when_vllm_loads_nothing_after_all() -> None:

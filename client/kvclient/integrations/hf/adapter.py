@@ -83,7 +83,6 @@ from kvclient.integrations.hf.layout import (
     model_device,
     text_config,
 )
-from kvclient.integrations.hf.models import LLAMA_PRESETS, random_llama, save_random_llama
 from kvclient.namespace import Namespace
 from kvclient.sync_client import KVClient
 
@@ -99,7 +98,6 @@ _RECOVERABLE = (DaemonUnavailableError, RequestTimeoutError, OutOfSpaceError)
 
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
-    "LLAMA_PRESETS",
     "GenerateOutput",
     "HFPrefixCache",
     "KVLayout",
@@ -110,8 +108,6 @@ __all__ = [
     "blocks_from_cache",
     "cache_from_blocks",
     "config_fingerprint",
-    "random_llama",
-    "save_random_llama",
 ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,16 +16,9 @@ from transformers import PretrainedConfig
 
 from kvclient.integrations.hf import cache as hf_cache
 from kvclient.integrations.hf.cache import UnsupportedModelError
+from kvstore.keys import DTYPE_BYTES
 
 DEFAULT_BLOCK_TOKENS = 16
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float8_e4m3fn: "float8_e4m3fn",
-    torch.float8_e5m2: "float8_e5m2",
-}
 
 # Config entries that do not change what K/V a model computes (runtime switches,
 # bookkeeping); the dtype is part of the layout already.
@@ -75,14 +69,14 @@ class KVLayout:
     @property
     def dtype_name(self) -> str:
         """The dtype as kvstore's NamespaceSpec names it."""
-        try:
-            return _DTYPE_NAMES[self.dtype]
-        except KeyError:
-            raise UnsupportedModelError(f"KV dtype {self.dtype} has no kvstore name") from None
+        name = str(self.dtype).removeprefix("torch.")
+        if name not in DTYPE_BYTES:
+            raise UnsupportedModelError(f"KV dtype {self.dtype} has no kvstore name")
+        return name
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -92,14 +86,7 @@ class KVLayout:
     @property
     def block_bytes(self) -> int:
         """2 * layers * kv_heads * head_dim * dtype bytes * tokens per block."""
-        return (
-            2
-            * self.num_layers
-            * self.num_kv_heads
-            * self.head_dim
-            * self.dtype_bytes
-            * self.block_tokens
-        )
+        return math.prod(self.block_shape) * self.dtype_bytes
 
     def namespace_fields(self) -> dict[str, Any]:
         """The layout fields of ``KVClient.namespace`` (the daemon checks block_bytes)."""

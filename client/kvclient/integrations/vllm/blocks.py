@@ -22,6 +22,7 @@ staging buffer (a host <-> device copy of all n blocks at once).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -46,8 +47,8 @@ class PagedLayers:
         self.device = first.device
         self.dtype = first.dtype
         self.num_blocks = num_blocks
-        self.outer = _product(first.shape[:block_dim])
-        self.inner = _product(first.shape[block_dim + 1 :])  # elements per page part
+        self.outer = math.prod(first.shape[:block_dim])
+        self.inner = math.prod(first.shape[block_dim + 1 :])  # elements per page part
         # [outer, num_blocks, inner] views, one per layer
         self._pages = [layer.view(self.outer, num_blocks, self.inner) for layer in layers]
         self.page_bytes = self.outer * self.inner * first.element_size()
@@ -126,10 +127,3 @@ def _block_dim(shape: Sequence[int], num_blocks: int) -> int:
         if size == num_blocks:
             return dim
     raise ValueError(f"no dimension of the KV cache {tuple(shape)} has {num_blocks} blocks")
-
-
-def _product(sizes: Sequence[int]) -> int:
-    result = 1
-    for size in sizes:
-        result *= int(size)
-    return result

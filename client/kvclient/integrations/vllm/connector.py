@@ -78,11 +78,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvclient.integrations.vllm.plan import StepPlan
 from kvclient.integrations.vllm.scheduler import SchedulerSide
-from kvclient.integrations.vllm.settings import (
-    ConnectorSettings,
-    EngineLayout,
-    check_vllm_version,
-)
+from kvclient.integrations.vllm.settings import ConnectorSettings, EngineLayout, check_vllm_version
 from kvclient.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -208,16 +204,12 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 def _worker_rank() -> int:
     """This worker's rank among the engine's tensor- and pipeline-parallel workers."""
-    from vllm.distributed.parallel_state import (
-        get_pp_group,
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
+    from vllm.distributed import parallel_state
 
     try:
-        tp_rank = get_tensor_model_parallel_rank()
-        tp_size = get_tensor_model_parallel_world_size()
-        pp_rank = get_pp_group().rank_in_group
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        pp_rank = parallel_state.get_pp_group().rank_in_group
     except AssertionError:  # parallel state not initialised (a bare test engine)
         return 0
     return pp_rank * tp_size + tp_rank

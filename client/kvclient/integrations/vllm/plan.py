@@ -123,41 +123,27 @@ class RequestState:
         self.load_end = start
         if end <= start:
             return None
-        return LoadSpec(
-            req_id,
-            self.salt,
-            self.prompt[: end * self.block_size],
-            start,
-            self.block_ids[start:end],
-        )
+        tokens = self.prompt[: end * self.block_size]
+        return LoadSpec(req_id, self.salt, tokens, start, self.block_ids[start:end])
 
-    def take_save(self, req_id: str, computed_tokens: int) -> SaveSpec | None:
+    def take_save(
+        self,
+        req_id: str,
+        computed_tokens: int,
+        block_ids: list[int] | None = None,
+        *,
+        final: bool = False,
+    ) -> SaveSpec | None:
         """The blocks completed once ``computed_tokens`` tokens are computed and not
-        stored yet (once each)."""
-        return self._save_upto(req_id, computed_tokens, self.block_ids, final=False)
-
-    def take_final_save(
-        self, req_id: str, computed_tokens: int, block_ids: list[int]
-    ) -> SaveSpec | None:
-        """The blocks of a finished request (``block_ids``: its blocks, from vLLM's
-        ``request_finished``) computed and not stored yet."""
-        return self._save_upto(req_id, computed_tokens, block_ids, final=True)
-
-    def _save_upto(
-        self, req_id: str, computed_tokens: int, block_ids: list[int], *, final: bool
-    ) -> SaveSpec | None:
+        stored yet (once each). ``final``: the request finished, and ``block_ids`` are
+        its blocks as vLLM's ``request_finished`` names them."""
+        block_ids = self.block_ids if block_ids is None else block_ids
         done = min(computed_tokens, len(self.tokens)) // self.block_size
         done = min(done, len(block_ids))
         if done <= self.saved:
             return None
-        spec = SaveSpec(
-            req_id,
-            self.salt,
-            list(self.tokens[: done * self.block_size]),
-            self.saved,
-            list(block_ids[self.saved : done]),
-            self.claim,
-            final,
-        )
+        tokens = list(self.tokens[: done * self.block_size])
+        ids = list(block_ids[self.saved : done])
+        spec = SaveSpec(req_id, self.salt, tokens, self.saved, ids, self.claim, final)
         self.saved = done
         return spec

@@ -8,24 +8,20 @@ import time
 from typing import TYPE_CHECKING
 
 from kvclient.claims import Claim
-from kvclient.errors import (
-    KVStoreError,
-    LayoutMismatchError,
-    OutOfSpaceError,
-)
+from kvclient.errors import KVStoreError, LayoutMismatchError, OutOfSpaceError
 from kvclient.integrations.vllm.plan import RequestState, SaveSpec, StepPlan
-from kvclient.sync_client import KVClient
-
-if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.request import Request
 from kvclient.integrations.vllm.settings import (
     POLL_PENDING_S,
     ConnectorSettings,
     EngineLayout,
     EngineNamespaces,
-    Warnings,
 )
+from kvclient.outages import Outage
+from kvclient.sync_client import KVClient
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger("kvclient.vllm")
 
@@ -43,8 +39,7 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self.claims: dict[str, Claim] = {}
         self.final_saves: list[SaveSpec] = []  # of finished requests, for the next step
-        self.warnings = Warnings()
-        self._down_until = 0.0
+        self.outage = Outage(log, settings.retry_after_s)
         try:  # a layout clash is a start-up error; a daemon not there yet is not
             self.namespaces.get("")
         except LayoutMismatchError:
@@ -54,16 +49,12 @@ class SchedulerSide:
             self._failed(exc)
 
     def _failed(self, exc: KVStoreError) -> None:
-        self._down_until = time.monotonic() + self.settings.retry_after_s
-        self.warnings.warn(
+        self.outage.failed(
             "daemon",
             "kvstore at %s: %s; requests compute their prefixes (no reuse) until it answers",
             self.client.addr,
             exc,
         )
-
-    def _usable(self) -> bool:
-        return time.monotonic() >= self._down_until
 
     def matched(self, request: Request, local_tokens: int) -> int | None:
         state = self.requests.get(request.request_id)
@@ -75,7 +66,7 @@ class SchedulerSide:
                 tokens=request.all_token_ids if self.settings.store_replies else (),
             )
             self.requests[request.request_id] = state
-        if state.full_blocks == 0 or not self._usable():
+        if state.full_blocks == 0 or self.outage.down:
             return state.matched(local_tokens, 0)
         now = time.monotonic()
         if state.waiting_since is not None and now - state.last_lookup < POLL_PENDING_S:
@@ -127,7 +118,7 @@ class SchedulerSide:
     def plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan = StepPlan(saves=self.final_saves)
         self.final_saves = []
-        down = not self._usable()  # no saves for a daemon that just failed a call
+        down = self.outage.down  # no saves for a daemon that just failed a call
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
@@ -175,12 +166,12 @@ class SchedulerSide:
         (the reply's last blocks under async scheduling) -> whether vLLM must keep
         its blocks until the worker reports that save done."""
         state = self.requests.get(request.request_id)
-        if state is None or not self.settings.store_replies or not self._usable():
+        if state is None or not self.settings.store_replies or self.outage.down:
             self._end(request.request_id)
             return False
         # tokens whose KV exists: those of steps still in flight are not counted
         computed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
-        save = state.take_final_save(request.request_id, computed, list(block_ids))
+        save = state.take_save(request.request_id, computed, list(block_ids), final=True)
         self._end(request.request_id)
         if save is None:
             return False

@@ -1,24 +1,20 @@
 """What both sides of the vLLM connector share: its settings, the vLLM versions it
-supports, the engine's KV layout as a kvstore block, the namespaces of one engine and
-rate-limited warnings (the protocol: :mod:`kvclient.vllm`)."""
+supports, the engine's KV layout as a kvstore block and the namespaces of one engine
+(the protocol: :mod:`kvclient.vllm`)."""
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import vllm
 
-from kvclient.errors import (
-    InvalidArgumentError,
-    LayoutMismatchError,
-)
+from kvclient.errors import LayoutMismatchError
 from kvclient.namespace import Namespace
 from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
-from kvstore.keys import DTYPE_BYTES, MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS
+from kvstore.keys import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS, layout_fields
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,7 +24,6 @@ log = logging.getLogger("kvclient.vllm")
 
 # vLLM releases this connector is tested with: [first, end)
 SUPPORTED_VLLM = ((0, 32), (0, 33))
-WARN_EVERY_S = 60.0  # one warning of a kind per this many seconds
 POLL_PENDING_S = 0.02  # early reuse: least time between two lookups of a waiting request
 
 
@@ -54,13 +49,9 @@ class ConnectorSettings:
     token_file: str = ""
 
     def token(self) -> str | None:
-        """The token from ``token_file``; None: the client's default (environment)."""
-        if not self.token_file:
-            return None
-        try:
-            return read_token_file(self.token_file, "token_file")
-        except InvalidArgumentError as exc:
-            raise ValueError(f"KVStoreConnector: {exc}") from None
+        """The token from ``token_file`` (a ValueError names the key when it cannot be
+        read); None: the client's default (environment)."""
+        return read_token_file(self.token_file, "token_file") if self.token_file else None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -147,48 +138,25 @@ class EngineLayout:
         )
 
     def namespace_fields(self, rank: int, salt: str) -> dict[str, Any]:
-        """Arguments of ``KVClient.namespace``; the layout fields only when they account
-        for every byte of a page (a padded page is described by ``block_bytes``)."""
-        layout: dict[str, Any] = {
-            "model": self.model,
-            "block_tokens": self.block_tokens,
-            "block_bytes": self.block_bytes,
-            "rank": rank,
-            "world_size": self.world_size,
-            "tenant_salt": salt,
-        }
-        dtype_bytes = DTYPE_BYTES.get(self.dtype)
-        implied = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_tokens
-        if dtype_bytes is not None and implied * dtype_bytes == self.block_bytes:
-            layout.update(
-                num_layers=self.num_layers,
-                num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim,
-                dtype=self.dtype,
-            )
-        return layout
-
-    def describe(self) -> str:
-        return (
-            f"model={self.model} block_tokens={self.block_tokens} "
-            f"block_bytes={self.block_bytes} num_layers={self.num_layers} "
-            f"num_kv_heads={self.num_kv_heads} head_dim={self.head_dim} dtype={self.dtype} "
-            f"world_size={self.world_size}"
+        """Arguments of ``KVClient.namespace`` for the engine's ``rank`` and a
+        request's ``cache_salt``."""
+        layout = layout_fields(
+            self.block_tokens, self.block_bytes, self.num_layers, self.num_kv_heads,
+            self.head_dim, self.dtype,
+        )  # fmt: skip
+        return dict(
+            model=self.model,
+            block_tokens=self.block_tokens,
+            block_bytes=self.block_bytes,
+            rank=rank,
+            world_size=self.world_size,
+            tenant_salt=salt,
+            **layout,
         )
 
-
-class Warnings:
-    """At most one warning of each kind per WARN_EVERY_S (a broken daemon is seen by
-    every request; the log should say so once, not thousands of times)."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-
-    def warn(self, kind: str, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -WARN_EVERY_S) >= WARN_EVERY_S:
-            self._last[kind] = now
-            log.warning(message, *args)
+    def describe(self) -> str:
+        shown = (f.name for f in fields(self) if f.name != "layer_names")
+        return " ".join(f"{name}={getattr(self, name)}" for name in shown)
 
 
 class EngineNamespaces:

@@ -8,30 +8,19 @@ import logging
 import time
 import warnings
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvclient.claims import Claim
-from kvclient.errors import (
-    ArenaUnavailableError,
-    KVStoreError,
-    LeaseError,
-)
+from kvclient.errors import ArenaUnavailableError, KVStoreError, LeaseError
 from kvclient.integrations.vllm.blocks import PagedLayers
 from kvclient.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
+from kvclient.integrations.vllm.settings import ConnectorSettings, EngineLayout, EngineNamespaces
 from kvclient.namespace import Namespace
+from kvclient.outages import Outage
 from kvclient.puts_ahead import PendingPut
 from kvclient.sync_client import KVClient
-
-if TYPE_CHECKING:
-    pass
-from kvclient.integrations.vllm.settings import (
-    ConnectorSettings,
-    EngineLayout,
-    EngineNamespaces,
-    Warnings,
-)
 
 log = logging.getLogger("kvclient.vllm")
 
@@ -45,10 +34,9 @@ class WorkerSide:
         self.client = KVClient(settings.addr, timeout=settings.io_timeout_s, token=settings.token())
         self.namespaces = EngineNamespaces(self.client, layout, rank, name=settings.namespace)
         self.layers: PagedLayers | None = None
-        self.warnings = Warnings()
+        self.outage = Outage(log, settings.retry_after_s)  # after a failed call: no saves
         self.failed_blocks: set[int] = set()
         self.claims: dict[str, Claim | None] = {}  # None: the claim was lost, plain puts
-        self._down_until = 0.0  # after a failed call, no saves until then
         self.pending: deque[PendingPut] = deque()
         self.sent: set[str] = set()  # finished requests whose final save is done
         self._rows = torch.empty((0, layout.block_bytes), dtype=torch.uint8)
@@ -120,7 +108,7 @@ class WorkerSide:
                     self.layers.scatter(spec.block_ids[:got], rows[spec.start : spec.start + got])
                 return got
         except KVStoreError as exc:
-            self.warnings.warn("load", "kvstore load failed (%s); vLLM recomputes the blocks", exc)
+            self.outage.warn("load", "kvstore load failed (%s); vLLM recomputes the blocks", exc)
             return 0
 
     def _leased_rows(self, lease: Any, first: int, n: int) -> torch.Tensor:
@@ -146,15 +134,14 @@ class WorkerSide:
         # vLLM frees a finished request's blocks once told, stored or not
         self.sent.update(spec.req_id for spec in plan.saves if spec.final)
         for spec in plan.saves:
-            if time.monotonic() < self._down_until:
+            if self.outage.down:
                 return  # a daemon that just failed: do not stall steps on it
             started = time.perf_counter()
             try:
                 self._save(spec)
             except KVStoreError as exc:
                 self._drop_claim(spec.req_id)
-                self._down_until = time.monotonic() + self.settings.retry_after_s
-                self.warnings.warn("save", "kvstore did not take blocks (%s)", exc)
+                self.outage.failed("save", "kvstore did not take blocks (%s)", exc)
             log.debug(
                 "request %s: stored blocks %d..%d in %.2f ms",
                 spec.req_id, spec.start, spec.start + len(spec.block_ids),
@@ -210,7 +197,7 @@ class WorkerSide:
             try:
                 self.pending.popleft().result(timeout=0)
             except KVStoreError as exc:
-                self.warnings.warn("put", "kvstore refused a put sent ahead: %s", exc)
+                self.outage.warn("put", "kvstore refused a put sent ahead: %s", exc)
 
     def finished(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
