@@ -4,8 +4,10 @@
     python benchmarks/vllm_engine.py run --model DIR --prompts P.json --out R.json \\
         [--connector none|kvstore|example] [--extra '{"addr": ...}'] [--warmup] ...
 
-``P.json`` is a list of ``{"tokens": [...], "cache_salt": "..."}`` (salt optional);
-the prompts run one after another, each alone. ``R.json`` gets, per prompt, the tokens
+``P.json`` is a list of ``{"tokens": [...], "cache_salt": "...", "after": "PATH"}``
+(salt and after optional); the prompts run one after another, each alone. A prompt with
+``after`` waits until PATH exists, having written ``PATH.waiting``: its parent changes
+the daemon (or what it holds) between two prompts of one engine. ``R.json`` gets, per prompt, the tokens
 vLLM reported cached (``cached``: its own prefix cache plus the connector's), the greedy
 output tokens, the log-probability of each, and the seconds ``generate`` took (with
 ``--max-tokens 1``: the time to first token). ``--barrier FILE`` waits after start-up
@@ -64,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.005)
     results = []
     for prompt in prompts:
+        if prompt.get("after"):
+            Path(prompt["after"] + ".waiting").write_text("waiting")
+            while not Path(prompt["after"]).exists():
+                time.sleep(0.005)
         request = TokensPrompt(prompt_token_ids=list(prompt["tokens"]))
         if prompt.get("cache_salt"):
             request["cache_salt"] = prompt["cache_salt"]

@@ -19,7 +19,15 @@ figure is the median over rounds and prompts. Threads are pinned the same way in
 engine (``VLLM_CPU_NUM_OF_RESERVED_CPU=1``: vLLM reserves one more core whenever a
 connector is set). A hit loads ``(len - 1) // block_size`` blocks and computes the rest.
 
+``--before TREE`` (another checkout of this repository, as ``benchmarks/call_cost.py``
+takes it) measures a change instead: the three kvstore cases only, each checkout with
+its own daemon and connector (``PYTHONPATH`` naming that checkout's packages), the two
+in turns, the order reversed every other round; the report gives each side's median,
+their ratio, and the spread between one checkout's rounds (the run's own noise).
+
     .venv/bin/python benchmarks/vllm_ttft.py                       # CPU: ~10 minutes
+    .venv/bin/python benchmarks/vllm_ttft.py --before /tmp/before --lengths 2048,8192 \
+        --out docs/benchmarks/vllm_before_after.md                 # a change, A/B
     .venv/bin/python benchmarks/vllm_ttft.py --model PATH --lengths 8192,16384 \\
         --out docs/benchmarks/vllm_gpu.md                          # a GPU and a real model
 """
@@ -45,6 +53,7 @@ from kvbench.servers import OwnDaemon  # noqa: E402
 
 ENGINE = REPO / "benchmarks" / "vllm_engine.py"
 NOTES_MARK = "<!-- notes: kept when the report is generated again -->"
+ABTimes = dict[str, dict[str, dict[int, list[list[float]]]]]  # side, case, length, rounds
 CASES = ("cold", "vllm_hit", "example", "kv_unseen", "kv_host", "kv_disk")
 LABELS = {
     "cold": "cold (no connector)",
@@ -68,15 +77,21 @@ def engine(
     prompts: list[list[int]],
     connector: str = "none",
     extra: dict[str, Any] | None = None,
+    tree: Path = REPO,
 ) -> list[float]:
-    """Run one fresh engine over ``prompts`` -> the seconds to first token of each."""
+    """Run one fresh engine (of checkout ``tree``) over ``prompts`` -> the seconds to
+    first token of each."""
     prompts_path = workdir / f"{name}.prompts.json"
     prompts_path.write_text(json.dumps([{"tokens": p} for p in prompts]))
     out = workdir / f"{name}.out.json"
-    command = [sys.executable, str(ENGINE), "run", "--model", str(model)]
+    script = tree / ENGINE.relative_to(REPO)  # the engine of that checkout
+    command = [sys.executable, str(script), "run", "--model", str(model)]
     command += ["--prompts", str(prompts_path), "--out", str(out), "--warmup"]
     command += ["--connector", connector, "--extra", json.dumps(extra or {})]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    env = {**os.environ, "PYTHONPATH": _pythonpath(tree)}
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=tree, env=env, timeout=1800
+    )
     if done.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{(done.stdout + done.stderr)[-4000:]}")
     results = json.loads(out.read_text())
@@ -125,6 +140,98 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, dict[int, list
     finally:
         daemon.cleanup()  # stopped, its socket directory removed
     return times
+
+
+def kv_cases(
+    args: argparse.Namespace,
+    workdir: Path,
+    daemon: OwnDaemon,
+    name: str,
+    prompts: list[list[int]],
+    tree: Path = REPO,
+) -> dict[str, list[float]]:
+    """The three kvstore cases on ``prompts``: stored by one engine (unseen), loaded by
+    a fresh one (host hit), and again after a daemon restart (disk hit)."""
+    extra = {"addr": daemon.addr}
+    seconds: dict[str, list[float]] = {}
+    for case, step in (("kv_unseen", "store"), ("kv_host", "load"), ("kv_disk", "disk")):
+        if case == "kv_disk":  # the blocks on disk only
+            daemon.stop()
+            daemon.start()
+        name_of = f"{name}-{step}"
+        seconds[case] = engine(args.model, workdir, name_of, prompts, "kvstore", extra, tree)
+    return seconds
+
+
+def measure_ab(args: argparse.Namespace, workdir: Path) -> ABTimes:
+    """side -> case -> length -> each round's seconds: two checkouts in turns."""
+    trees = {"before": args.before.resolve(), "after": REPO}
+    ab_cases = ("kv_unseen", "kv_host", "kv_disk")
+    times = {side: {c: {n: [] for n in args.lengths} for c in ab_cases} for side in trees}
+    daemons = {}
+    for side, tree in trees.items():
+        daemon = OwnDaemon(workdir / side, host_bytes=args.host_bytes, disk_bytes=4 << 30)
+        daemon.env["PYTHONPATH"] = _pythonpath(tree)  # that checkout's daemon
+        daemon.workdir.mkdir(parents=True, exist_ok=True)
+        daemons[side] = daemon
+    k = args.prompts
+    try:
+        for r in range(args.rounds):
+            order = ("before", "after") if r % 2 == 0 else ("after", "before")
+            for i, side in enumerate(order):
+                print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
+                seed = 1000 * r + 100 * i
+                prompts = [prompt(n, seed + j) for n in args.lengths for j in range(k)]
+                daemon = daemons[side]
+                daemon.start()
+                seconds = kv_cases(args, workdir, daemon, f"{side}-{r}", prompts, trees[side])
+                daemon.stop()
+                for case, values in seconds.items():
+                    for li, length in enumerate(args.lengths):
+                        times[side][case][length].append(values[li * k : (li + 1) * k])
+    finally:
+        for daemon in daemons.values():
+            daemon.cleanup()
+    return times
+
+
+def report_ab(args: argparse.Namespace, times: ABTimes) -> str:
+    """Each side's median, after / before, and the spread of one side's round medians."""
+    lines = [
+        "# vLLM time to first token through kvstore's connector: two checkouts in turns",
+        "",
+        f"Generated by `benchmarks/vllm_ttft.py --before` on {time.strftime('%Y-%m-%d')}: "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+        f"{args.device_note}. Model: {args.model_note}. before = `{args.before_label}`, "
+        f"after = `{args.after_label}`; {args.rounds} rounds in turns (order reversed "
+        f"every other round), {args.prompts} prompts per case and length, each engine a "
+        "fresh process, each checkout its own daemon and connector. Noise: the largest "
+        "difference between two round medians of one checkout, relative to the smaller.",
+        "",
+        "| case | tokens | before | after | after / before | noise before | noise after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case in times["before"]:
+        for n in args.lengths:
+            med = {s: statistics.median(sum(times[s][case][n], [])) for s in times}
+            noise = {s: _spread([statistics.median(r) for r in times[s][case][n]]) for s in times}
+            lines.append(
+                f"| {LABELS[case]} | {n} | {med['before'] * 1e3:.1f} ms | "
+                f"{med['after'] * 1e3:.1f} ms | {med['after'] / med['before']:.2f} | "
+                f"{noise['before']:.0%} | {noise['after']:.0%} |"
+            )
+    lines += ["", "Raw seconds (side, case, length: one list per round):", "", "```json"]
+    lines += [json.dumps(times, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def _spread(values: list[float]) -> float:
+    return max(values) / min(values) - 1 if len(values) > 1 else 0.0
+
+
+def _pythonpath(tree: Path) -> str:
+    """The packages of checkout ``tree``, first on the path of a process run from it."""
+    return os.pathsep.join(str(tree / p) for p in ("client", "daemon", "proto", ".", "benchmarks"))
 
 
 def _record(into: dict[int, list[float]], lengths: list[int], k: int, seconds: list[float]) -> None:
@@ -199,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=3, help="distinct prompts per case")
     parser.add_argument("--host-bytes", type=int, default=2 << 30)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "vllm.md")
+    parser.add_argument("--before", type=Path, help="another checkout: A/B of kvstore's cases")
+    parser.add_argument("--before-label", default="before")
+    parser.add_argument("--after-label", default="after")
     args = parser.parse_args(argv)
     try:
         args.lengths = [int(n) for n in args.lengths.split(",")]
@@ -222,8 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             args.model_note = str(args.model)
         args.device_note = _device_note()
-        times = measure(args, workdir)
-    text = report(args, times)
+        if args.before is not None:
+            text = report_ab(args, measure_ab(args, workdir))
+        else:
+            text = report(args, measure(args, workdir))
     if args.out.exists() and NOTES_MARK in args.out.read_text():  # keep the notes
         text += "\n" + NOTES_MARK + args.out.read_text().split(NOTES_MARK, 1)[1]
     args.out.write_text(text)

@@ -60,26 +60,23 @@ def run_engine(
     name: str = "run",
     barrier: Path | None = None,
     chunk_tokens: int | None = None,
+    between: dict[str, Callable[[], None]] | None = None,
 ) -> tuple[list[dict[str, Any]], str]:
     """One engine process over ``prompts`` -> (its results, its log). ``addr`` None:
     no connector (and vLLM's own prefix cache on); else the kvstore connector with
-    vLLM's prefix cache off."""
+    vLLM's prefix cache off, so that a prompt run twice by one engine is loaded from
+    kvstore the second time. A prompt ``{"after": NAME}`` waits until ``between[NAME]``
+    ran (the engine idle between two prompts)."""
+    between = between or {}
+    pauses = [(p["after"], tmp_path / f"{name}.{p['after']}") for p in prompts if "after" in p]
+    prompts = [{**p, "after": str(tmp_path / f"{name}.{p['after']}")} if "after" in p else p
+               for p in prompts]  # fmt: skip
     prompts_path = tmp_path / f"{name}.prompts.json"
     prompts_path.write_text(json.dumps(prompts))
     out = tmp_path / f"{name}.out.json"
-    command = [
-        sys.executable,
-        str(ENGINE),
-        "run",
-        "--model",
-        str(model_dir),
-        "--prompts",
-        str(prompts_path),
-        "--out",
-        str(out),
-        "--max-tokens",
-        str(max_tokens),
-    ]
+    command = [sys.executable, str(ENGINE), "run", "--model", str(model_dir)]
+    command += ["--prompts", str(prompts_path), "--out", str(out)]
+    command += ["--max-tokens", str(max_tokens)]
     if addr is not None:
         settings = {"addr": addr, **(extra or {})}
         command += ["--connector", "kvstore", "--extra", json.dumps(settings)]
@@ -89,11 +86,29 @@ def run_engine(
     if barrier is not None:
         command += ["--barrier", str(barrier), "--ready", str(tmp_path / f"{name}.ready")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env, cwd=ROOT
-    )
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, f"engine failed ({done.returncode}):\n{log[-6000:]}"
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    try:
+        for step, go in pauses:
+            waiting = Path(f"{go}.waiting")
+            while not waiting.exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, f"engine {name} did not reach {step}"
+                time.sleep(0.02)
+            if proc.poll() is not None:
+                break  # it failed: its log says why
+            between[step]()
+            go.write_text("go")
+        proc.wait(max(deadline - time.monotonic(), 1))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text()
+    assert proc.returncode == 0, f"engine failed ({proc.returncode}):\n{log[-6000:]}"
     return json.loads(out.read_text()), log
 
 
@@ -174,18 +189,23 @@ def test_engines_reuse_prefixes_through_kvstore(
 def test_the_loaded_kv_is_what_the_engine_uses(
     kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
 ) -> None:
-    run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr)
-    # replace A's blocks by other (finite, small) bfloat16 values
-    with KVClient(kvstored.addr) as client:
-        ns = vllm_namespace(client)
-        assert ns.delete(PROMPT_A) == 7
-        rng = np.random.default_rng(0)
-        floats = rng.standard_normal((7, ns.block_bytes // 2), dtype=np.float32) * 0.5
-        other = (floats.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-        assert ns.put(PROMPT_A, other).stored == 7
-    (poisoned,), _ = run_engine(
-        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="poisoned"
+    def poison() -> None:  # replace A's blocks by other (finite, small) bfloat16 values
+        with KVClient(kvstored.addr) as client:
+            ns = vllm_namespace(client)
+            assert ns.delete(PROMPT_A) == 7
+            rng = np.random.default_rng(0)
+            floats = rng.standard_normal((7, ns.block_bytes // 2), dtype=np.float32) * 0.5
+            other = (floats.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+            assert ns.put(PROMPT_A, other).stored == 7
+
+    (stored, poisoned), _ = run_engine(
+        model_dir,
+        tmp_path,
+        [{"tokens": PROMPT_A}, {"tokens": PROMPT_A, "after": "poison"}],
+        addr=kvstored.addr,
+        between={"poison": poison},
     )
+    assert stored["cached"] == 0
     assert poisoned["cached"] == 896
     differs = poisoned["tokens"] != reference[0]["tokens"] or not np.allclose(
         poisoned["logprobs"], reference[0]["logprobs"], atol=1e-3, rtol=0
@@ -196,58 +216,62 @@ def test_the_loaded_kv_is_what_the_engine_uses(
 def test_a_chunked_prefill_stores_each_block_as_its_chunk_completes(
     kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
 ) -> None:
-    # 300-token chunks: blocks complete in the middle of chunks, a few per step
-    (chunked,), _ = run_engine(
-        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, chunk_tokens=300
+    def all_stored() -> None:
+        with KVClient(kvstored.addr) as client:
+            assert vllm_namespace(client).lookup(PROMPT_A).blocks == 7
+
+    # 300-token chunks: blocks complete in the middle of chunks, a few per step; then
+    # the same engine runs A again (its own prefix cache off): what the chunks stored
+    # is A's KV, so the output from it is A's
+    (chunked, again), _ = run_engine(
+        model_dir,
+        tmp_path,
+        [{"tokens": PROMPT_A}, {"tokens": PROMPT_A, "after": "stored"}],
+        addr=kvstored.addr,
+        chunk_tokens=300,
+        between={"stored": all_stored},
     )
     assert chunked["cached"] == 0
     assert chunked["tokens"] == reference[0]["tokens"]
-    with KVClient(kvstored.addr) as client:
-        assert vllm_namespace(client).lookup(PROMPT_A).blocks == 7
-    # what the chunks stored is A's KV: a fresh engine's output from it is A's
-    (warm,), _ = run_engine(
-        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="warm"
-    )
-    assert warm["cached"] == 896
-    assert warm["tokens"] == reference[0]["tokens"]
-    assert np.allclose(warm["logprobs"], reference[0]["logprobs"], atol=2e-2, rtol=0)
+    assert again["cached"] == 896
+    assert again["tokens"] == reference[0]["tokens"]
+    assert np.allclose(again["logprobs"], reference[0]["logprobs"], atol=2e-2, rtol=0)
 
 
-def test_a_block_that_fails_its_check_is_recomputed_and_stored_again(
+def test_after_a_restart_intact_blocks_load_from_disk_and_a_damaged_one_is_recomputed(
     kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
 ) -> None:
-    run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr)
+    prompt_c = [2000 + (i * 104729) % 29000 for i in range(1000)]  # 7 blocks of its own
+    (_, stored_c), _ = run_engine(
+        model_dir, tmp_path, [{"tokens": PROMPT_A}, {"tokens": prompt_c}], addr=kvstored.addr
+    )
     with KVClient(kvstored.addr) as client:
-        block_3 = vllm_namespace(client).get(PROMPT_A).blocks[3].tobytes()
-    # on disk only, and block 3 damaged there: its checksum no longer matches
+        c_block_3 = vllm_namespace(client).get(prompt_c).blocks[3].tobytes()
+    # the host tier is written to disk on the way down; then C's block 3 is damaged
+    # there: its checksum no longer matches
     assert kvstored.stop() == 0
-    damage_in_disk_file(kvstored.disk_dir, block_3)
+    damage_in_disk_file(kvstored.disk_dir, c_block_3)
     kvstored.start()
-    with KVClient(kvstored.addr) as client:
-        assert vllm_namespace(client).lookup(PROMPT_A).blocks == 7  # not read yet
-    (after,), _ = run_engine(
-        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="after"
-    )
-    # blocks 3..6 did not load: vLLM computed them, and the output is A's
-    assert after["tokens"] == reference[0]["tokens"]
-    assert np.allclose(after["logprobs"], reference[0]["logprobs"], atol=2e-2, rtol=0)
-    with KVClient(kvstored.addr) as client:  # and stored them again
-        assert vllm_namespace(client).lookup(PROMPT_A).blocks == 7
-
-
-def test_after_a_daemon_restart_the_hit_comes_from_disk(
-    kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
-) -> None:
-    run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr)
-    kvstored.restart()  # the host tier is written to disk on the way down
     with KVClient(kvstored.addr) as client:
         hit = vllm_namespace(client).lookup(PROMPT_A)
         assert (hit.blocks, hit.disk_blocks, hit.host_blocks) == (7, 7, 0)
-    (after,), _ = run_engine(
-        model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=kvstored.addr, name="after"
+        assert vllm_namespace(client).lookup(prompt_c).blocks == 7  # not read yet
+    (after_a, after_c), _ = run_engine(
+        model_dir,
+        tmp_path,
+        [{"tokens": PROMPT_A}, {"tokens": prompt_c}],
+        addr=kvstored.addr,
+        name="after",
     )
-    assert after["cached"] == 896
-    assert_same_output(after, reference[0])
+    assert after_a["cached"] == 896
+    assert_same_output(after_a, reference[0])
+    # C's block 3 failed its check, so blocks 3..6 did not load (vLLM still counts
+    # them as cached: it planned their load): vLLM computed them, the output is C's
+    assert after_c["tokens"] == stored_c["tokens"]
+    assert np.allclose(after_c["logprobs"], stored_c["logprobs"], atol=2e-2, rtol=0)
+    with KVClient(kvstored.addr) as client:  # the damage was seen; the blocks stored again
+        assert client.stats().corrupt_reads >= 1
+        assert vllm_namespace(client).lookup(prompt_c).blocks == 7
 
 
 def test_no_daemon_means_no_hits_one_warning_and_the_same_output(
