@@ -7,12 +7,12 @@
 ``P.json`` is a list of ``{"tokens": [...], "cache_salt": "...", "after": "PATH"}``
 (salt and after optional); the prompts run one after another, each alone. A prompt with
 ``after`` waits until PATH exists, having written ``PATH.waiting``: its parent changes
-the daemon (or what it holds) between two prompts of one engine. ``R.json`` gets, per prompt, the tokens
-vLLM reported cached (``cached``: its own prefix cache plus the connector's), the greedy
-output tokens, the log-probability of each, and the seconds ``generate`` took (with
-``--max-tokens 1``: the time to first token). ``--barrier FILE`` waits after start-up
-until FILE exists (``--ready FILE`` says when it waits), so that engines started
-together send their prompts together.
+the daemon (or what it holds) between two prompts of one engine. ``R.json`` gets, per
+prompt, the tokens vLLM reported cached (``cached``: its own prefix cache plus the
+connector's), the greedy output tokens, the log-probability of each, and the seconds
+``generate`` took (with ``--max-tokens 1``: the time to first token). ``--barrier
+FILE`` waits after start-up until FILE exists (``--ready FILE`` says when it waits), so
+that engines started together send their prompts together.
 
 Settings that make runs comparable on a small CPU machine (``kvbench.vllm_chat``'s
 ``ENGINE_ENV``): vLLM in this process, a 1 GiB KV cache, eager mode, and one reserved
