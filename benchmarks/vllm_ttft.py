@@ -172,6 +172,7 @@ def measure_ab(args: argparse.Namespace, workdir: Path) -> ABTimes:
     for side, tree in trees.items():
         daemon = OwnDaemon(workdir / side, host_bytes=args.host_bytes, disk_bytes=4 << 30)
         daemon.env["PYTHONPATH"] = _pythonpath(tree)  # that checkout's daemon
+        daemon.cwd = tree
         daemon.workdir.mkdir(parents=True, exist_ok=True)
         daemons[side] = daemon
     k = args.prompts

@@ -74,12 +74,14 @@ class OwnDaemon:
         if "metrics_listen" in KEYS_BY_NAME:  # no metrics endpoint (its port may be taken)
             self.args += ["--metrics_listen", "off"]
         self.proc: subprocess.Popen[bytes] | None = None
+        self.cwd: Path | None = None  # where it runs (``-m`` puts it first on the path)
 
     def start(self) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(
-            self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env
-        )
+            self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=self.env, cwd=self.cwd,
+        )  # fmt: skip
         log.close()
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
