@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -203,46 +202,18 @@ def example_commands() -> list[str]:
     return list(once.values())
 
 
-def example_script(command: str) -> str:
-    return next(arg for arg in shlex.split(command) if arg.startswith("examples/"))
-
-
-@pytest.fixture(scope="module")
-def example_runs(session: dict[str, str]) -> dict[str, subprocess.CompletedProcess]:
-    """Every example command that runs here, run once: the commands of one script in
-    order (``cag.py store`` before ``cag.py ask``), two scripts at a time (most of an
-    example's time is a process importing torch and building a model) -> each run."""
-    pytest.importorskip("torch")
-    addr = f"unix://{session['XDG_RUNTIME_DIR']}/kvstore/kvstored.sock"
-    lanes: dict[str, list[str]] = {}
-    for command in example_commands():
-        if any(command.startswith(prefix) for prefix in NOT_RUN):
-            continue
-        if "vllm_reuse" in command and importlib.util.find_spec("vllm") is None:
-            continue
-        lanes.setdefault(example_script(command), []).append(command)
-
-    def run_lane(commands: list[str]) -> list[tuple[str, subprocess.CompletedProcess]]:
-        # the docstrings' example path is the session daemon's
-        return [(c, run(c.replace("unix:///tmp/kv.sock", addr), session, timeout=600))
-                for c in commands]  # fmt: skip
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        lanes_run = list(pool.map(run_lane, lanes.values()))
-    return {command: proc for lane in lanes_run for command, proc in lane}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("command", example_commands())
-def test_example_commands_run_as_written(
-    command: str, example_runs: dict[str, subprocess.CompletedProcess]
-) -> None:
+def test_example_commands_run_as_written(command: str, session: dict[str, str]) -> None:
+    pytest.importorskip("torch")
     for prefix, why in NOT_RUN.items():
         if command.startswith(prefix):
             pytest.skip(f"not run here: {why}")
     if "vllm_reuse" in command:
         pytest.importorskip("vllm")
-    proc = example_runs[command]
+    addr = f"unix://{session['XDG_RUNTIME_DIR']}/kvstore/kvstored.sock"
+    command = command.replace("unix:///tmp/kv.sock", addr)  # the docstrings' example path
+    proc = run(command, session, timeout=600)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip()
     if "chat_reuse.py" in command:  # each turn reuses the whole previous turn
