@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,16 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvbench.checkouts import checkout_env
+
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("client", "daemon", "proto", ".", "benchmarks")
 Case = tuple[str, str, str, str, int]  # op, path, tier, layout, batch
 
 
 def run_bench(tree: Path, bench_args: list[str], out: Path) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(str(tree / p) for p in PACKAGES)
     cmd = [sys.executable, "-m", "kvbench", *bench_args, "--json", str(out)]
-    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, cwd=tree, env=checkout_env(tree), check=True, stdout=subprocess.DEVNULL)
     data: dict[str, Any] = json.loads(out.read_text())
     return data
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -32,8 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvbench import checkouts
+
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("client", "daemon", "proto", ".", "benchmarks")
 OPS = ("get", "miss", "acquire", "lookup")
 BLOCK_TOKENS, BLOCK_BYTES, BLOCKS = 2, 256 * 1024, 16
 
@@ -93,13 +93,9 @@ def _timed(call: Callable[[], object], calls: int) -> tuple[float, float]:
 
 
 def run_worker(tree: Path, calls: int) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(str(tree / p) for p in PACKAGES)
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", "--calls", str(calls)],
-        cwd=tree, env=env, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    result: dict[str, Any] = checkouts.run_worker(
+        Path(__file__).resolve(), tree, ["--calls", str(calls)]
+    )
     return result
 
 

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,8 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from kvbench import checkouts
+
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("client", "daemon", "proto", ".", "benchmarks")
 BLOCK_TOKENS, BLOCK_BYTES = 2, 256 * 1024
 MEASURES = ("first get", "acquire", "copy", "release", "host acquire")
 
@@ -91,12 +90,9 @@ def worker(chains: int) -> dict[str, float]:
 
 
 def run_worker(tree: Path, chains: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(tree / p) for p in PACKAGES)}
-    done = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", "--chains", str(chains)],
-        cwd=tree, env=env, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    result: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
+    result: dict[str, float] = checkouts.run_worker(
+        Path(__file__).resolve(), tree, ["--chains", str(chains)]
+    )
     return result
 
 

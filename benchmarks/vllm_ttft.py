@@ -49,6 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kvbench.checkouts import checkout_env, pythonpath  # noqa: E402
 from kvbench.servers import OwnDaemon  # noqa: E402
 
 ENGINE = REPO / "benchmarks" / "vllm_engine.py"
@@ -88,9 +89,8 @@ def engine(
     command = [sys.executable, str(script), "run", "--model", str(model)]
     command += ["--prompts", str(prompts_path), "--out", str(out), "--warmup"]
     command += ["--connector", connector, "--extra", json.dumps(extra or {})]
-    env = {**os.environ, "PYTHONPATH": _pythonpath(tree)}
     done = subprocess.run(
-        command, capture_output=True, text=True, cwd=tree, env=env, timeout=1800
+        command, capture_output=True, text=True, cwd=tree, env=checkout_env(tree), timeout=1800
     )
     if done.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{(done.stdout + done.stderr)[-4000:]}")
@@ -171,7 +171,7 @@ def measure_ab(args: argparse.Namespace, workdir: Path) -> ABTimes:
     daemons = {}
     for side, tree in trees.items():
         daemon = OwnDaemon(workdir / side, host_bytes=args.host_bytes, disk_bytes=4 << 30)
-        daemon.env["PYTHONPATH"] = _pythonpath(tree)  # that checkout's daemon
+        daemon.env["PYTHONPATH"] = pythonpath(tree)  # that checkout's daemon
         daemon.cwd = tree
         daemon.workdir.mkdir(parents=True, exist_ok=True)
         daemons[side] = daemon
@@ -228,11 +228,6 @@ def report_ab(args: argparse.Namespace, times: ABTimes) -> str:
 
 def _spread(values: list[float]) -> float:
     return max(values) / min(values) - 1 if len(values) > 1 else 0.0
-
-
-def _pythonpath(tree: Path) -> str:
-    """The packages of checkout ``tree``, first on the path of a process run from it."""
-    return os.pathsep.join(str(tree / p) for p in ("client", "daemon", "proto", ".", "benchmarks"))
 
 
 def _record(into: dict[int, list[float]], lengths: list[int], k: int, seconds: list[float]) -> None:
