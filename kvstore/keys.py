@@ -91,15 +91,8 @@ class NamespaceSpec:
 
     def layout_bytes(self) -> int:
         """Bytes per block implied by the layout fields (0 when they are not all given)."""
-        if not (self.num_layers and self.num_kv_heads and self.head_dim):
-            return 0
-        return (
-            2
-            * self.num_layers
-            * self.num_kv_heads
-            * self.head_dim
-            * DTYPE_BYTES[self.dtype]
-            * self.block_tokens
+        return layout_bytes(
+            self.block_tokens, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype
         )
 
     @property
@@ -127,9 +120,18 @@ def layout_fields(
     (the daemon then checks ``block_bytes`` against them) when they account for every
     byte of a block, none when they do not (a padded engine page is described by
     ``block_bytes`` alone). For an engine integration's ``KVClient.namespace`` call."""
-    fields = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    implied = 2 * num_layers * num_kv_heads * head_dim * block_tokens * DTYPE_BYTES.get(dtype, 0)
-    return {**fields, "dtype": dtype} if implied == block_bytes else {}
+    if layout_bytes(block_tokens, num_layers, num_kv_heads, head_dim, dtype) != block_bytes:
+        return {}
+    return {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+            "dtype": dtype}  # fmt: skip
+
+
+def layout_bytes(
+    block_tokens: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str
+) -> int:
+    """Bytes of one block the layout fields imply, ``2 (K, V) x layers x KV heads x
+    head dim x dtype bytes x tokens``: 0 when one of them is 0 or the dtype unknown."""
+    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES.get(dtype, 0) * block_tokens
 
 
 def _validate(spec: NamespaceSpec) -> None:

@@ -182,7 +182,7 @@ def test_settings_read_the_token_from_its_file(tmp_path) -> None:  # noqa: ANN00
     token.write_text("t0ken" * 4 + "\n")
     assert ConnectorSettings.from_extra({"token_file": str(token)}).token() == "t0ken" * 4
     assert ConnectorSettings.from_extra({}).token() is None  # the client's own default
-    with pytest.raises(ValueError, match="cannot read token_file"):
+    with pytest.raises(ValueError, match="^KVStoreConnector: .*cannot read token_file"):
         ConnectorSettings.from_extra({"token_file": str(tmp_path / "missing")}).token()
 
 

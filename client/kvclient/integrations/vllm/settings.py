@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import vllm
 
-from kvclient.errors import LayoutMismatchError
+from kvclient.errors import InvalidArgumentError, LayoutMismatchError
 from kvclient.namespace import Namespace
 from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
@@ -49,9 +49,13 @@ class ConnectorSettings:
     token_file: str = ""
 
     def token(self) -> str | None:
-        """The token from ``token_file`` (a ValueError names the key when it cannot be
-        read); None: the client's default (environment)."""
-        return read_token_file(self.token_file, "token_file") if self.token_file else None
+        """The token from ``token_file``; None: the client's default (environment)."""
+        if not self.token_file:
+            return None
+        try:
+            return read_token_file(self.token_file, "token_file")
+        except InvalidArgumentError as exc:
+            raise ValueError(f"KVStoreConnector: {exc}") from None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
