@@ -40,6 +40,10 @@ class Counters:
     known_slot_gets: int = 0  # gets clients served from slots they knew (note_reads)
     # gets read again, pinned, after an unpinned copy failed its slot epoch check
     repeated_gets: int = 0
+    # back-pressure from the disk writer (kvstore.tiering, kvstore.store_writes)
+    put_waits: int = 0  # puts that waited for the writer to make room
+    writer_refused: int = 0  # blocks refused after put_wait_ms (overflow = wait)
+    dirty_dropped: int = 0  # blocks evicted before written to disk (overflow = drop)
 
 
 class EventLog:

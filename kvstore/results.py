@@ -85,6 +85,8 @@ class Reservation:
     existing: int
     refused: int
     out_of_space: bool = False  # a block was refused because no room could be made
+    # ... because only the disk writer could make it, and put_wait_ms ran out
+    writer_behind: bool = False
     first_index: int = 0
     keys: tuple[BlockKey, ...] = ()
     offsets: tuple[int, ...] = ()

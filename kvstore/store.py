@@ -147,9 +147,10 @@ class Store:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> int:
-        """Persist host-only blocks to disk (if configured), flush the writer, free the
-        arena. Returns how many block writes to disk were due and never committed (a
-        disk fault: see DiskTier.fault); 0 after a clean close."""
+        """Persist the host blocks due on disk (if configured; waiting for the writer
+        for up to ``persist_timeout_s``), flush the writer, free the arena. Returns how
+        many blocks due on disk were never committed (the time ran out, or a disk fault:
+        see DiskTier.fault); 0 after a clean close."""
         shared = self._shared_blocks.shared
         if shared is not None:
             shared.close()  # its writer reads the arena
@@ -162,17 +163,8 @@ class Store:
                 parts.end_lease(lease, "the store closed")
             unpersisted = 0
             if self._disk is not None and self.config.persist_on_close:
-                if self._disk.fault:  # nothing can be written: count what was due
-                    unpersisted = sum(
-                        1
-                        for node in parts.index.nodes.values()
-                        if node.in_host
-                        and node.ready
-                        and not node.on_disk
-                        and parts.tiers.admit(node)
-                    )
-                else:
-                    parts.tiers.persist_host_blocks()
+                deadline = time.monotonic() + self.config.persist_timeout_s
+                unpersisted = parts.tiers.persist_host_blocks(deadline)
             parts.changed.notify_all()
         self._reaper_stop.set()
         self._reaper.join(timeout=5)
@@ -193,6 +185,12 @@ class Store:
         """Wait until every queued disk write is committed."""
         if self._disk is not None:
             self._disk.flush(timeout)
+
+    @property
+    def writer_behind(self) -> bool:
+        """A hint that puts which must evict may wait for the disk writer now (its
+        queue is nearly full: see :mod:`kvstore.store_writes`)."""
+        return self._disk is not None and self._disk.nearly_full
 
     @property
     def arena_path(self) -> str | None:
@@ -336,6 +334,9 @@ class Store:
                     "lost_on_disk": c.lost_on_disk,
                     "known_slot_gets": c.known_slot_gets,
                     "repeated_gets": c.repeated_gets,
+                    "put_waits": c.put_waits,
+                    "writer_refused": c.writer_refused,
+                    "dirty_dropped": c.dirty_dropped,
                     "event_seq": parts.events.seq,  # the newest event's seq (kvctl events --count)
                     **disk_counters,
                 },

@@ -14,6 +14,10 @@ from kvstore.tenants import NAME_RE, Quota
 
 DEFAULT_PRIORITY = 35
 ADMISSION_POLICIES = ("write-back", "write-through", "selective")
+# what a put does when its blocks need room that only the disk writer can make (every
+# block it could evict is due on disk and the writer's queue is full) for longer than
+# put_wait_ms: refuse its blocks (wait) or evict blocks due on disk unwritten (drop)
+OVERFLOW_POLICIES = ("wait", "drop")
 # a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
 PARALLEL_PROMOTE_BYTES = 4 << 20
 # a caller that must not wait on the disk (the daemon's event loop) promotes at most
@@ -40,12 +44,17 @@ class StoreConfig:
     arena_dir: str | None = None  # where the shared arena file lives (default /dev/shm)
     shared_arena: bool = True  # False: anonymous memory (single-process tests)
     persist_on_close: bool = True  # close() writes host-only blocks to disk first
+    persist_timeout_s: float = 90.0  # ... waiting for the disk writer this long at most
     event_buffer: int = 65536
     eviction_policy: str = "priority-lru"  # priority-lru | plain-lru (baseline only)
     prefault_arena: bool = False  # fault the arena's pages in on a background thread
     # staged slots one staging lease may hold (bytes); 0: a quarter of host_bytes
     max_staged_bytes: int = 0
     disk_queue_bytes: int = 256 << 20  # block bytes waiting for the disk writer, at most
+    # a put that needs room only the disk writer can make waits this long for it, then
+    # ``overflow`` decides (OVERFLOW_POLICIES); 0 with drop: evict unwritten at once
+    put_wait_ms: int = 5000
+    overflow: str = "wait"
     # write-through: how long a commit waits for its disk commit before answering
     write_through_wait_s: float = 30.0
     check_disk_in_child: bool = False  # at open, walk the disk tier's B-trees in a child
@@ -90,6 +99,14 @@ class StoreConfig:
             raise InvalidArgument(f"selective_hits must be >= 0, got {self.selective_hits}")
         if self.disk_queue_bytes < 1:
             raise InvalidArgument(f"disk_queue_bytes must be >= 1, got {self.disk_queue_bytes}")
+        if self.persist_timeout_s < 0:
+            raise InvalidArgument(f"persist_timeout_s must be >= 0, got {self.persist_timeout_s}")
+        if self.put_wait_ms < 0:
+            raise InvalidArgument(f"put_wait_ms must be >= 0, got {self.put_wait_ms}")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise InvalidArgument(
+                f"overflow must be one of {list(OVERFLOW_POLICIES)}, got {self.overflow!r}"
+            )
         if self.write_through_wait_s < 0:
             raise InvalidArgument(
                 f"write_through_wait_s must be >= 0, got {self.write_through_wait_s}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import overload
@@ -242,36 +243,64 @@ class Reads:
         With ``host_only``, slots come from free room only, for at most
         QUICK_PROMOTE_BYTES of disk-only blocks; None (nothing pinned or reserved) when
         they do not.
+
+        Room that only the disk writer can make (see :mod:`kvstore.tiering`) is waited
+        for as a put waits (outside the lock, up to ``put_wait_ms``): the blocks are on
+        disk, and a read that gave up on them would be a miss.
         """
-        with self._parts.lock:
-            self._parts.check_open()
-            self._parts.expire()
-            nodes = self._ready_prefix(keys)
-            all_host = all(node.host_offset >= 0 for node in nodes)
-            if host_only and not all_host:
-                fresh_room = self._free_room_slots(nodes)
-                if fresh_room is None:
-                    return None
+        deadline = time.monotonic() + self._parts.config.put_wait_ms / 1000
+        while True:
+            with self._parts.lock:
+                self._parts.check_open()
+                self._parts.expire()
+                nodes = self._ready_prefix(keys)
+                all_host = all(node.host_offset >= 0 for node in nodes)
+                if host_only and not all_host:
+                    fresh_room = self._free_room_slots(nodes)
+                    if fresh_room is None:
+                        return None
+                    for node in nodes:
+                        node.pins += 1
+                    return nodes, fresh_room
                 for node in nodes:
                     node.pins += 1
-                return nodes, fresh_room
-            for node in nodes:
-                node.pins += 1
-            if all_host:
-                return nodes, {}
-            fresh: dict[int, int] = {}
-            for i, node in enumerate(nodes):
-                if node.in_host:
-                    continue
-                offset = self._parts.tiers.alloc_host(node.size, node.ns.group)
-                if offset is None:
-                    if promote_all:
-                        for late in nodes[i:]:
-                            late.pins -= 1
-                        del nodes[i:]
-                    break
+                if all_host:
+                    return nodes, {}
+                fresh = self._promotion_slots(nodes, promote_all, deadline)
+                if fresh is not None:
+                    return nodes, fresh
+            disk = self._parts.disk
+            assert disk is not None
+            disk.wait_room(nodes[0].size, max(0.0, deadline - time.monotonic()))
+
+    def _promotion_slots(
+        self, nodes: list[Node], promote_all: bool, deadline: float
+    ) -> dict[int, int] | None:
+        """Host slots for the disk-only blocks of the pinned ``nodes`` (see
+        :meth:`_pin_prefix`); None, with ``nodes`` unpinned and nothing allocated, when
+        the disk writer is behind and ``deadline`` has not passed. Under the lock."""
+        tiers = self._parts.tiers
+        tiers.writer_blocked = False
+        fresh: dict[int, int] = {}
+        for i, node in enumerate(nodes):
+            if node.in_host:
+                continue
+            offset = tiers.alloc_host(node.size, node.ns.group)
+            if offset is not None:
                 fresh[i] = offset
-            return nodes, fresh
+                continue
+            if tiers.writer_blocked and time.monotonic() < deadline:
+                for taken in fresh.values():
+                    self._parts.arena.free(taken)
+                for late in nodes:
+                    late.pins -= 1
+                return None
+            if promote_all:
+                for late in nodes[i:]:
+                    late.pins -= 1
+                del nodes[i:]
+            break
+        return fresh
 
     def _free_room_slots(self, nodes: list[Node]) -> dict[int, int] | None:
         """Host slots for the disk-only blocks of ``nodes`` from the arena's free room

@@ -8,11 +8,20 @@ write lease, ready once committed (each as soon as its own bytes are: a commit m
 name the next ``count`` blocks only). Staged slots (a put with no round trip before
 its copy): a reserve may also set aside ``stage_more`` empty slots under a staging
 lease; the next reserve names them (``staged_offsets``) and its new blocks take them.
+
+Back-pressure: when a reserve needs room that only the disk writer can make (every
+block it could evict is due on disk and the writer's queue is full: see
+:mod:`kvstore.tiering`), it undoes what it reserved, waits outside the lock for queue
+room, and tries again, for up to ``put_wait_ms`` in all. Its last try then refuses what
+does not fit (``overflow = wait``: ``Reservation.writer_behind``, counted as
+``writer_refused``) or evicts dirty blocks unwritten (``overflow = drop``). Each outcome
+is one log line a minute at most.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -37,12 +46,15 @@ from kvstore.store_parts import StoreParts
 
 log = logging.getLogger(__name__)
 
+OVERFLOW_LOG_EVERY_S = 60.0  # one log line per this many seconds about back-pressure
+
 
 class Writes:
     """The write side (see the module docstring)."""
 
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
+        self._overflow_logged = -OVERFLOW_LOG_EVERY_S
 
     # ----------------------------------------------------------------- write side
     def put(
@@ -124,26 +136,80 @@ class Writes:
             raise InvalidArgument(f"stage_more={stage_more} is outside [0, {most}]")
         prio = check_priority(self._parts.config, priority)
         ttl = check_ttl(self._parts.config, ttl_s)
-        with self._parts.lock:
-            self._parts.check_open()
-            self._parts.expire()
-            staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
-            reservation = self._reserve_locked(
-                entry, keys, start, prio, ttl, staging, staged_offsets
-            )
-            if staging is None and stage_more == 0:
-                return reservation
-            if staging is None:
-                staging = self._parts.leases.new(entry, [], write=False, ttl=ttl)
-                staging.staged, staging.ttl = set(), ttl
-            granted = self._stage(staging, stage_more)
-            self._parts.leases.renew(staging)
-            return replace(
-                reservation,
-                stage_lease_id=staging.lease_id,
-                staged=tuple(granted),
-                stage_ttl_s=staging.ttl,
-            )
+        config, tiers = self._parts.config, self._parts.tiers
+        deadline = time.monotonic() + config.put_wait_ms / 1000
+        waited = False
+        while True:
+            with self._parts.lock:
+                self._parts.check_open()
+                self._parts.expire()
+                staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
+                last = time.monotonic() >= deadline
+                tiers.writer_blocked = False
+                tiers.drop_dirty = last and config.overflow == "drop"
+                dropped = self._parts.counters.dirty_dropped
+                try:
+                    found = self._reserve_locked(
+                        entry, keys, start, prio, ttl, staging, staged_offsets, undo=not last
+                    )
+                finally:
+                    tiers.drop_dirty = False
+                if found is not None:
+                    self._note_overflow(found, self._parts.counters.dirty_dropped - dropped)
+                    return self._stage_more(entry, found, staging, stage_more, ttl)
+                if not waited:
+                    waited = True
+                    self._parts.counters.put_waits += 1
+            # only the disk writer can make the room: wait for it, holding nothing
+            disk = self._parts.disk
+            assert disk is not None
+            disk.wait_room(entry.spec.block_bytes, max(0.0, deadline - time.monotonic()))
+
+    def _note_overflow(self, reservation: Reservation, dropped: int) -> None:
+        """Count and log (once a minute at most) what back-pressure cost a reserve."""
+        if not (reservation.writer_behind or dropped):
+            return
+        if reservation.writer_behind:
+            self._parts.counters.writer_refused += reservation.refused
+        now = time.monotonic()
+        if now - self._overflow_logged < OVERFLOW_LOG_EVERY_S:
+            return
+        self._overflow_logged = now
+        c = self._parts.counters
+        log.warning(
+            "the disk writer is behind (its queue of disk_queue_bytes stayed full for "
+            "put_wait_ms=%d): %s; so far %d blocks refused, %d dropped unwritten",
+            self._parts.config.put_wait_ms,
+            f"{reservation.refused} blocks of a put refused (overflow = wait)"
+            if reservation.writer_behind
+            else f"{dropped} blocks due on disk evicted unwritten (overflow = drop)",
+            c.writer_refused,
+            c.dirty_dropped,
+            extra={"event": "disk_writer_behind"},
+        )
+
+    def _stage_more(
+        self,
+        entry: NamespaceEntry,
+        reservation: Reservation,
+        staging: Lease | None,
+        stage_more: int,
+        ttl: float,
+    ) -> Reservation:
+        """A reserve's ``stage_more`` part (see :meth:`reserve`), under the lock."""
+        if staging is None and stage_more == 0:
+            return reservation
+        if staging is None:
+            staging = self._parts.leases.new(entry, [], write=False, ttl=ttl)
+            staging.staged, staging.ttl = set(), ttl
+        granted = self._stage(staging, stage_more)
+        self._parts.leases.renew(staging)
+        return replace(
+            reservation,
+            stage_lease_id=staging.lease_id,
+            staged=tuple(granted),
+            stage_ttl_s=staging.ttl,
+        )
 
     def _staging_lease(
         self, entry: NamespaceEntry, lease_id: int, offsets: Sequence[int]
@@ -204,7 +270,10 @@ class Writes:
         ttl: float,
         staging: Lease | None,
         staged_offsets: Sequence[int],
-    ) -> Reservation:
+        undo: bool,
+    ) -> Reservation | None:
+        """The reservation (see :meth:`reserve`); None, with nothing reserved, when
+        ``undo`` and some block found no room only because the disk writer is behind."""
         walk = self._parts.index.walk(keys)
         offered = len(keys) - start
         if start > 0 and (len(walk) < start or not walk[start - 1].ready):
@@ -253,6 +322,9 @@ class Writes:
                     entry, keys[i : i + 1], parent, prio, [offset]
                 )
                 parent = created[-1]
+            if undo and self._parts.tiers.writer_blocked and first_new + len(created) < len(keys):
+                self._unreserve(created)
+                return None
         finally:
             if not staged_offsets:
                 for offset in run[len(created) :]:  # only if something above raised
@@ -262,8 +334,9 @@ class Writes:
         tiers = self._parts.tiers
         tiers.touch(walk[-1:] if tiers.host_policy.touch_prefix else walk[start:])
         refused = offered - existing - len(created)
+        behind = refused > 0 and self._parts.tiers.writer_blocked
         if not created:
-            return Reservation(0, 0.0, existing, refused, out_of_space)
+            return Reservation(0, 0.0, existing, refused, out_of_space, behind)
         self._parts.tiers.pending += len(created)
         lease = self._parts.leases.new(entry, created, write=True, ttl=ttl)
         first = len(keys) - refused - len(created)
@@ -274,11 +347,21 @@ class Writes:
             existing,
             refused,
             out_of_space,
+            behind,
             first,
             tuple(keys[first : first + len(created)]),
             tuple([node.host_offset for node in created]),
             size,
         )
+
+    def _unreserve(self, created: list[Node]) -> None:
+        """Take back pending blocks made by this call (before its lease exists)."""
+        tiers = self._parts.tiers
+        for node in reversed(created):
+            node.pins -= 1
+            tiers.host_drop(node)
+            self._parts.index.remove(node)
+        created.clear()
 
     def commit(self, lease_id: int, count: int | None = None) -> int:
         """Make the next ``count`` (default: all) reserved blocks of a write lease ready;

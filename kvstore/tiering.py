@@ -8,10 +8,17 @@ tier: a block enters and leaves a tier here and nowhere else.
 - Only leaves leave a tier, lowest priority then least recently used first; a host
   leaf is written back to disk when admitted, else dropped; a tenant at its quota
   evicts its own blocks first.
+- A host block due on disk (admitted, not written yet: "dirty") never leaves the host
+  tier unwritten: when the disk writer's queue is full, eviction passes over dirty
+  blocks to clean ones (on disk, or not due there), and when none is left it reports
+  :attr:`Tiers.writer_blocked`, so that the put that needed the room waits for the
+  writer outside the lock (:mod:`kvstore.store_writes`). Only a put past that wait
+  under ``overflow = drop`` sets :attr:`Tiers.drop_dirty`, and each block dropped so
+  is counted (``dirty_dropped``).
 - A disk hit is promoted into a host slot, parents first; a disk block that cannot be
   read back is dropped with its disk-only descendants.
-- At start the disk tier's records rebuild the index; at close the host-only blocks
-  are written to disk while room lasts.
+- At start the disk tier's records rebuild the index; at close the host blocks due on
+  disk are written there, waiting for the writer until a deadline.
 - Ending a lease (:meth:`Tiers.let_go`) unpins its blocks, drops its pending ones and
   frees its staged slots.
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +49,8 @@ from kvstore.store_config import StoreConfig
 from kvstore.tenants import Group
 
 log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 2.0  # a stop that persists the host tier logs its progress this often
 
 
 @dataclass(eq=False)
@@ -66,6 +76,11 @@ class Tiers:
         self._priority_heap: list[tuple[float, int, Node]] = []
         self._priority_until: dict[Node, float] = {}  # blocks whose priority is timed
         self._priority_seq = itertools.count()
+        # set when a host eviction passed over dirty blocks for want of queue room and
+        # found nothing else (reset by whoever asks); see the module docstring
+        self.writer_blocked = False
+        self.drop_dirty = False  # evict dirty blocks unwritten (overflow = drop)
+        self._queue_full = False  # the last write_to_disk was refused for queue room
 
     # --- a tier's blocks ----------------------------------------------------------------------
     def host_add(self, node: Node, offset: int) -> None:
@@ -252,7 +267,7 @@ class Tiers:
             offset = self.arena.alloc(size)
             if offset is not None:
                 return offset
-            victim = self._victim(self.host_policy, host=True)
+            victim = self._host_victim()
             if victim is None:
                 return None
             self._evict_from_host(victim)
@@ -264,9 +279,11 @@ class Tiers:
         limit = group.quota.host_bytes if host else group.quota.disk_bytes
         if not limit:
             return True
-        policy = self.host_policy if host else self.disk_policy
         while (group.host_held if host else group.disk_bytes) + nbytes > limit:
-            victim = self._victim(policy, host, group.name)
+            if host:
+                victim = self._host_victim(group.name)
+            else:
+                victim = self._victim(self.disk_policy, False, group.name)
             if victim is None:
                 return False
             group.quota_evictions += 1
@@ -296,6 +313,37 @@ class Tiers:
                 return node
         return None
 
+    def _host_victim(self, group: str | None = None) -> Node | None:
+        """The host tier's next block to evict (see the module docstring): the first
+        evictable candidate that is clean, or dirty and now queued for the disk; a dirty
+        one the writer has no queue room for is passed over (and dropped only under
+        :attr:`drop_dirty`). Once the queue refused one, the scan tries no more writes."""
+        policy = self.host_policy
+        queue_full = False
+        for node in policy.candidates(group):
+            if node.pins or not node.ready:
+                continue
+            if policy.leaf_first:
+                if node.host_children:
+                    continue
+            elif self._subtree_busy(node):
+                continue
+            if node.on_disk or not self.due_on_disk(node):
+                return node
+            if not queue_full:
+                if self.write_to_disk(node) or not self._queue_full:
+                    return node  # queued now, or refused for good (no disk room, quota, fault)
+                queue_full = True
+            if self.drop_dirty:
+                self.counters.dirty_dropped += 1
+                return node
+            self.writer_blocked = True
+        return None
+
+    def due_on_disk(self, node: Node) -> bool:
+        """Whether a host block is dirty: admitted to the disk tier and not written."""
+        return self.disk is not None and not node.on_disk and self.admit(node)
+
     def _subtree_busy(self, node: Node) -> bool:
         return any(n.pins or not n.ready for n in self.index.subtree_postorder(node))
 
@@ -304,7 +352,7 @@ class Tiers:
         if not self.host_policy.leaf_first:  # plain LRU: descendants become unusable
             for late in self.index.subtree_postorder(node)[:-1]:
                 self.drop_node(late)
-        if node.on_disk or self.write_to_disk(node):
+        if node.on_disk:  # _host_victim queued it when it was due there
             self.host_drop(node)
             self.counters.demotions += 1
             self.events.emit(EventKind.DEMOTED, node, Tier.DISK)
@@ -328,6 +376,7 @@ class Tiers:
         that were already committed to disk).
         """
         disk = self.disk
+        self._queue_full = False
         if disk is None or node.on_disk or not self.admit(node):
             return False
         if disk.fault:  # refused now, before making room for it
@@ -380,6 +429,7 @@ class Tiers:
             node.last_access or self.wall(),
         )
         if not disk.write(record, payload):
+            self._queue_full = not disk.fault
             return False
         self.disk_add(node)
         self.counters.disk_bytes_in += node.size
@@ -419,17 +469,84 @@ class Tiers:
         else:
             self.drop_node(node)
 
-    def persist_host_blocks(self) -> None:
-        """At close: write host-only ready blocks to disk, parents first, while room lasts."""
+    def persist_host_blocks(self, deadline: float) -> int:
+        """At close: write the host blocks due on disk, parents first, into the disk
+        tier's free room (never evicting blocks committed there), waiting for the
+        writer's queue until ``deadline`` (monotonic) and logging progress. Returns how
+        many due blocks were not queued for want of time or because the disk failed;
+        blocks that do not fit its capacity are logged, as an eviction would be."""
+        disk = self.disk
+        assert disk is not None
+        due = self._due_blocks()
+        total, total_bytes = len(due), sum(node.size for node in due)
+        if not due:
+            return 0
+        log.info(
+            "persisting the host tier: %d blocks (%.1f MiB) due on disk",
+            total, total_bytes / 2**20, extra={"event": "persisting"},
+        )  # fmt: skip
+        started = shown = time.monotonic()
+        lost: set[Node] = set()
+        no_room = written = written_bytes = 0
+        for node in due:
+            parent = node.parent
+            if parent is not None and not parent.on_disk:  # not written: this would be
+                missed = parent in lost  # an orphan on disk; it shares its parent's fate
+            elif self._persist_one(disk, node, deadline):
+                written += 1
+                written_bytes += node.size
+                if time.monotonic() - shown >= PROGRESS_EVERY_S:
+                    shown = time.monotonic()
+                    log.info(
+                        "persisting the host tier: %d of %d blocks (%.1f MiB) left",
+                        total - written, total, (total_bytes - written_bytes) / 2**20,
+                        extra={"event": "persisting"},
+                    )  # fmt: skip
+                continue
+            else:
+                missed = bool(disk.fault) or self._queue_full
+            if missed:
+                lost.add(node)
+            else:
+                no_room += 1
+        if no_room:
+            log.info(
+                "%d host blocks did not fit the disk tier's capacity at close; not persisted",
+                no_room,
+            )
+        log.info(
+            "persisted %d of %d host blocks (%.1f MiB) in %.1f s",
+            written, total, written_bytes / 2**20, time.monotonic() - started,
+            extra={"event": "persisted"},
+        )  # fmt: skip
+        return len(lost)
+
+    def _due_blocks(self) -> list[Node]:
+        """The host blocks due on disk, parents first (a block not admitted there
+        keeps its descendants off it: they would be orphans on disk)."""
+        due: list[Node] = []
         for entry in self.namespaces:
             queue = [self.index.nodes[key] for key in entry.roots]
             while queue:
                 node = queue.pop()
-                if not node.in_host or not node.ready:
+                if not node.ready or not (node.on_disk or node.in_host):
                     continue
-                if not node.on_disk and not self.write_to_disk(node, evict=False):
-                    continue  # not admitted: its descendants would be orphans on disk
+                if not node.on_disk:
+                    if not node.in_host or not self.admit(node):
+                        continue
+                    due.append(node)
                 queue.extend(node.children())
+        return due
+
+    def _persist_one(self, disk: DiskTier, node: Node, deadline: float) -> bool:
+        """Queue one block for the disk at close, waiting for queue room until
+        ``deadline``; False when it was not queued (see :meth:`persist_host_blocks`)."""
+        while not self.write_to_disk(node, evict=False):
+            if not self._queue_full:
+                return False
+            if not disk.wait_room(node.size, deadline - time.monotonic()):
+                return False
+        return True
 
     def rebuild_from_disk(self) -> None:
         """Rebuild the index of disk blocks from LMDB; drop records that lost their parent."""

@@ -204,7 +204,7 @@ def test_sidecar_shares_the_arena_and_socket_and_accounts_for_them() -> None:
     assert not any("runAsUser" in c.get("securityContext", {}) for c in containers(spec))
 
     assert_probes_use_the_healthcheck(kvstored)
-    assert spec["terminationGracePeriodSeconds"] > cfg.grace_s
+    assert spec["terminationGracePeriodSeconds"] > cfg.grace_s + cfg.persist_timeout_s
     metrics_port = int(cfg.metrics_listen.rpartition(":")[2])
     assert kvstored["ports"][0]["containerPort"] == metrics_port
 
@@ -287,7 +287,7 @@ def test_daemonset_shares_the_socket_and_keeps_lmdb_on_the_node(tmp_path: Path) 
     assert env_of(engine)["KVSTORE_ADDR"] == cfg.listen
 
     assert_probes_use_the_healthcheck(kvstored)
-    assert spec["terminationGracePeriodSeconds"] > cfg.grace_s
+    assert spec["terminationGracePeriodSeconds"] > cfg.grace_s + cfg.persist_timeout_s
     assert_tokens_come_from_the_secret(found, cfg, kvstored, spec)
     assert secret_ref(engine, "KVSTORE_TOKEN") == ("kvstored-tokens", "team-a.token")
 
@@ -380,7 +380,7 @@ def test_systemd_unit_dirs_hardening_and_stop_timeout() -> None:
     # clients share /dev/shm (the arena) and CUDA needs /dev/nvidia*
     assert "PrivateDevices" not in unit and "RemoveIPC" not in unit
     # a stop lets in-flight calls drain (grace_s) and then persists the host tier
-    assert int(unit["TimeoutStopSec"][0]) > cfg.grace_s + 30
+    assert int(unit["TimeoutStopSec"][0]) > cfg.grace_s + cfg.persist_timeout_s
     assert unit["RestartPreventExitStatus"] == ["2"]  # bad config: restarting won't help
 
 

@@ -286,3 +286,39 @@ def test_a_disk_dir_has_one_owner(tmp_path: Path) -> None:
     ):
         make_store(tmp_path, host_blocks=4)
     make_store(tmp_path, host_blocks=4).close()  # free again once the first closed
+
+
+def test_a_block_due_on_disk_is_never_evicted_unwritten(tmp_path: Path) -> None:
+    # a one-block write queue: a put that must evict 32 blocks due on disk finds the
+    # queue full after the first; with no wait allowed (put_wait_ms=0, overflow=wait)
+    # it refuses what did not fit, and evicts nothing it could not write
+    with make_store(
+        tmp_path, host_blocks=32, disk_blocks=256, disk_queue_bytes=BLOCK, put_wait_ms=0
+    ) as s:
+        ns = open_ns(s)
+        first = s.keys_for(ns, seq(0, 32))
+        assert s.put(ns, first, [payload(i) for i in range(32)]).stored == 32
+        second = s.keys_for(ns, seq(10_000, 32))
+        result = s.put(ns, second, [payload(100 + i) for i in range(32)])
+        assert result.refused > 0 and result.stored + result.refused == 32
+        counters = s.stats().counters
+        assert counters["writer_refused"] == result.refused
+        assert counters["dirty_dropped"] == 0 and counters["dropped"] == 0
+        s.flush()
+        n, data = s.read(ns, first)  # every block of the first put is still somewhere
+        assert n == 32 and bytes(data) == b"".join(payload(i) for i in range(32))
+        s.verify_invariants()
+
+
+def test_overflow_drop_evicts_unwritten_and_counts_it(tmp_path: Path) -> None:
+    with make_store(
+        tmp_path, host_blocks=32, disk_blocks=256, disk_queue_bytes=BLOCK, put_wait_ms=0,
+        overflow="drop",
+    ) as s:  # fmt: skip
+        ns = open_ns(s)
+        s.put(ns, s.keys_for(ns, seq(0, 32)), [payload(i) for i in range(32)])
+        result = s.put(ns, s.keys_for(ns, seq(10_000, 32)), [payload(i) for i in range(32)])
+        assert result.stored == 32
+        counters = s.stats().counters
+        assert counters["dirty_dropped"] > 0 and counters["writer_refused"] == 0
+        s.verify_invariants()

@@ -256,6 +256,13 @@ def render_status(data: JSONDict) -> str:
     lines = [head, "", render_tiers(data["tiers"], None), "", summary]
     if data.get("shared"):
         lines.append(render_shared(data["shared"]))
+    counters = data.get("counters", {})
+    if counters.get("put_waits") or counters.get("writer_refused") or counters.get("dirty_dropped"):
+        lines.append(
+            f"disk writer behind: puts waited {counters.get('put_waits', 0)}  "
+            f"blocks refused {counters.get('writer_refused', 0)}  "
+            f"dropped unwritten {counters.get('dirty_dropped', 0)}"
+        )
     if data.get("disk_fault"):
         lines.append(f"disk tier NOT TAKING WRITES: {data['disk_fault']} (retrying)")
     if data.get("tenant"):

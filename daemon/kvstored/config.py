@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 from kvproto.v1.addresses import is_loopback
 from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
+from kvstore.store_config import OVERFLOW_POLICIES
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants
 
@@ -331,9 +332,16 @@ KEYS: tuple[Key, ...] = (
         "host arena bytes one writer may hold set aside (staged) for its next puts; "
         "0: a quarter of host_bytes", _at_least(0, "size")),
     Key("disk_queue_bytes", "size", parse_size, 256 << 20,
-        "block bytes waiting for the disk writer, at most; when full, blocks are not "
-        "written to disk (never waited for); with write-back also the most a crash "
-        "loses beyond the host tier", _at_least(1 << 20, "size")),
+        "block bytes waiting for the disk writer, at most; when full, puts that need "
+        "room wait for it (put_wait_ms, overflow); with write-back also the most a "
+        "crash loses beyond the host tier", _at_least(1 << 20, "size")),
+    Key("put_wait_ms", "int", parse_int, 5000,
+        "a put whose room only the disk writer can make (every block it could evict is "
+        "due on disk and disk_queue_bytes is full) waits this long for it, then "
+        "overflow decides; 0: decide at once", _at_least(0)),
+    Key("overflow", "choice", _choice(OVERFLOW_POLICIES), "wait",
+        "past put_wait_ms: wait (refuse the put's blocks that do not fit: nothing it "
+        "was told is stored is lost) | drop (evict blocks due on disk unwritten)"),
     Key("write_through_wait_s", "float", parse_float, 30.0,
         "write-through: how long a commit waits for its disk commit before answering "
         "(the blocks it did not see committed are not counted durable)",
@@ -353,6 +361,10 @@ KEYS: tuple[Key, ...] = (
         "puts run at copy speed (commits the memory up front); false: on first use"),
     Key("persist_on_close", "bool", parse_bool, True,
         "on shutdown, write host-only blocks to disk"),
+    Key("persist_timeout_s", "float", parse_float, 90.0,
+        "on shutdown, how long writing the host tier to disk may wait for the disk "
+        "writer; blocks due on disk left unwritten then make the exit code 3",
+        lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
     Key("event_buffer", "int", parse_int, 65536, "events kept for WatchEvents", _at_least(16)),
     Key("workers", "int", parse_int, 8, "threads that run store calls (copies, disk reads)",
         _between(1, 256)),
@@ -416,6 +428,8 @@ class DaemonConfig:
     max_blocks_per_request: int
     max_staged_bytes: int
     disk_queue_bytes: int
+    put_wait_ms: int
+    overflow: str
     write_through_wait_s: float
     max_message_bytes: int
     max_transfer_bytes: int
@@ -423,6 +437,7 @@ class DaemonConfig:
     shared_arena: bool
     prefault_arena: bool
     persist_on_close: bool
+    persist_timeout_s: float
     event_buffer: int
     workers: int
     grace_s: float
@@ -463,12 +478,15 @@ class DaemonConfig:
             max_blocks_per_request=self.max_blocks_per_request,
             max_staged_bytes=self.max_staged_bytes,
             disk_queue_bytes=self.disk_queue_bytes,
+            put_wait_ms=self.put_wait_ms,
+            overflow=self.overflow,
             write_through_wait_s=self.write_through_wait_s,
             check_disk_in_child=True,  # a damaged file costs its blocks, never the start
             arena_dir=self.arena_dir or None,
             shared_arena=self.shared_arena,
             prefault_arena=self.prefault_arena,
             persist_on_close=self.persist_on_close,
+            persist_timeout_s=self.persist_timeout_s,
             event_buffer=self.event_buffer,
             quotas={t.name: t.quota for t in self.tenants},
             shared=self.shared_config(),

@@ -117,12 +117,15 @@ class Calls:
         pool = self._wait_pool if wait else self._pool
         return await loop.run_in_executor(pool, functools.partial(fn, *args))
 
-    async def run_quick(self, fn: Callable[[bool], T]) -> T:
-        """``fn(quick=True)`` on the event loop; on the pool when it raises NeedsPool."""
+    async def run_quick(self, fn: Callable[[bool], T], may_wait: bool = False) -> T:
+        """``fn(quick=True)`` on the event loop; on the pool when it raises NeedsPool.
+        A call that ``may_wait`` for the disk writer (a put under back-pressure) goes to
+        the wait pool while the writer is behind, so it never holds a thread that
+        reads and lookups need."""
         try:
             return fn(True)
         except NeedsPool:
-            return await self.run(fn, False)
+            return await self.run(fn, False, wait=may_wait and self.store.writer_behind)
 
     def check_host(self, ns_id: str, keys: Sequence[BlockKey]) -> None:
         """Quick calls only: every ready block of ``keys`` is in the host tier."""

@@ -7,8 +7,8 @@ configuration that is invalid or that this machine cannot use (a path that canno
 written, a port or socket in use, an arena larger than its file system: one line
 naming the key, found by ``preflight.check`` before anything is allocated, or a
 disk_dir another daemon holds), 1 when the daemon fails after that, 3 after a shutdown
-that could not persist every block due on disk (the disk tier was failing: the log
-says how many).
+that could not persist every block due on disk (the disk tier was failing, or
+persist_timeout_s ran out: the log says how many).
 """
 
 from __future__ import annotations

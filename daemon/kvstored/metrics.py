@@ -65,6 +65,21 @@ STORE_COUNTERS = {
         "kvstore_disk_dropped_writes",
         "Queued disk writes dropped because they did not fit the LMDB map.",
     ),
+    "put_waits": (
+        "kvstore_put_waits",
+        "Puts that waited for the disk writer: every block they could evict was due on "
+        "disk and its queue was full (back-pressure, bounded by put_wait_ms).",
+    ),
+    "writer_refused": (
+        "kvstore_writer_refused_blocks",
+        "Blocks of puts refused because the disk writer stayed behind for put_wait_ms "
+        "(overflow = wait; the put's answer counts them as refused).",
+    ),
+    "dirty_dropped": (
+        "kvstore_dirty_dropped_blocks",
+        "Blocks due on disk evicted from the host tier before they were written, because "
+        "the disk writer stayed behind for put_wait_ms (overflow = drop): lost from the cache.",
+    ),
     "dropped": (
         "kvstore_blocks_removed",
         "Blocks removed from the store entirely (evicted from the last tier, deleted, "

@@ -234,8 +234,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         if unpersisted:
             log.error(
                 "stopped uncleanly: %d blocks due on disk could not be persisted (the "
-                "disk tier was failing; see its log lines); exit %d",
-                unpersisted, EXIT_UNPERSISTED,
+                "disk tier was failing, or persist_timeout_s=%g ran out; see the log "
+                "lines above); exit %d",
+                unpersisted, config.persist_timeout_s, EXIT_UNPERSISTED,
                 extra={"event": "stopped_unclean", "unpersisted": unpersisted},
             )
         else:

@@ -23,6 +23,20 @@ from kvstored.dispatch import Calls, Ctx, NeedsPool
 from kvstored.errors import grpc_errors
 
 
+def no_room(calls: Calls, reservation: Reservation, n_blocks: int) -> OutOfSpace:
+    """The RESOURCE_EXHAUSTED of a put none of whose blocks found room, naming why."""
+    if reservation.writer_behind:
+        return OutOfSpace(
+            f"no room for any of the {n_blocks} blocks: the disk writer is behind (every "
+            "block that could make room is due on disk, and its queue stayed full for "
+            f"put_wait_ms={calls.store.config.put_wait_ms}); retry later"
+        )
+    return OutOfSpace(
+        f"no room for any of the {n_blocks} blocks: the store is full of leased or "
+        "pending blocks"
+    )
+
+
 @grpc_errors
 async def Put(
     calls: Calls,
@@ -60,7 +74,7 @@ async def Put(
             spec.ns_id, keys, head.start_block, calls.config.max_lease_ttl_s, prio
         )
 
-    reservation = await calls.run_quick(reserve)
+    reservation = await calls.run_quick(reserve, may_wait=True)
     lease = reservation.lease_id
     sink = _SlotSink(calls.store.arena.array(), reservation.slots, head.start_block, bb)
     committed = durable = 0
@@ -76,10 +90,7 @@ async def Put(
     # Refused outright: a missing parent or another owner computing the first
     # block is an ordinary answer; only lack of room is an error.
     if reservation.out_of_space and committed == 0 and reservation.existing == 0:
-        raise OutOfSpace(
-            f"no room for any of the {head.n_blocks} blocks: the store is full "
-            "of leased or pending blocks"
-        )
+        raise no_room(calls, reservation, head.n_blocks)
     return result_messages.put_response(
         PutResult.of_reservation(
             reservation.existing,
@@ -218,10 +229,7 @@ async def Reserve(calls: Calls, request: pb.ReserveRequest, context: Ctx) -> pb.
             stage_more=request.stage_more,
         )
         if res.out_of_space and not res.offsets and not res.existing:
-            raise OutOfSpace(
-                f"no room to reserve any of the {end - request.start_block} blocks: the "
-                "store is full of leased or pending blocks"
-            )
+            raise no_room(calls, res, end - request.start_block)
         durable = 0
         if request.commit and res.lease_id:
             durable = calls.store.commit_durably(res.lease_id)[1]
@@ -234,7 +242,7 @@ async def Reserve(calls: Calls, request: pb.ReserveRequest, context: Ctx) -> pb.
         response.durable = durable
         return response
 
-    return await calls.run_quick(reserve)
+    return await calls.run_quick(reserve, may_wait=True)
 
 
 @grpc_errors

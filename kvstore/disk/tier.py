@@ -221,6 +221,27 @@ class DiskTier:
             self._s.set_op(key, op)
             return True
 
+    @property
+    def nearly_full(self) -> bool:
+        """Whether the write queue is more than 7/8 full (a lock-free hint: a put that
+        must evict may have to wait for the writer)."""
+        return self._s.queued_bytes * 8 > self._s.queue_limit * 7
+
+    def wait_room(self, nbytes: int, timeout: float) -> bool:
+        """Wait (up to ``timeout`` seconds) until the write queue has room for
+        ``nbytes`` more; False at once when the tier is not writable (:attr:`fault`),
+        stopping, or still full at the deadline. Takes no room: a caller that waited
+        writes next, and may find it taken again."""
+        deadline = time.monotonic() + timeout
+        st = self._s
+        with st.cond:
+            while st.queued_bytes and st.queued_bytes + nbytes > st.queue_limit:
+                remaining = deadline - time.monotonic()
+                if st.fault or st.stopping or remaining <= 0:
+                    return False
+                st.cond.wait(remaining)
+            return not st.fault and not st.stopping
+
     def wait_committed(self, keys: Sequence[bytes], timeout: float) -> int:
         """Wait (up to ``timeout`` seconds, never past a fault) until none of ``keys``
         is still queued; how many of them are then committed and live (on disk, in the
