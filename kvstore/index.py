@@ -131,7 +131,11 @@ class Index:
 
     def add(self, node: Node) -> None:
         """Insert a new childless node under its parent (which must be indexed)."""
-        self.add_chain((node,))
+        assert node.key not in self.nodes, "block indexed twice"
+        self.nodes[node.key] = node
+        self._attach(node)
+        node.ns.blocks += 1
+        node.ns.bytes += node.ns.spec.block_bytes
 
     def add_chain(self, nodes: Sequence[Node]) -> None:
         """Insert new childless nodes that form a chain (each the parent of the next;
@@ -140,24 +144,28 @@ class Index:
         if not nodes:
             return
         index = self.nodes
-        first = nodes[0]
-        ns = first.ns
         for node in nodes:
             assert node.key not in index, "block indexed twice"
             index[node.key] = node
         for holder, child in zip(nodes, nodes[1:], strict=False):
             holder.first_child = child  # new: no other children, no siblings
-        parent = first.parent
+        first = nodes[0]
+        self._attach(first)
+        first.ns.blocks += len(nodes)
+        first.ns.bytes += len(nodes) * first.ns.spec.block_bytes
+
+    @staticmethod
+    def _attach(node: Node) -> None:
+        """Link a new node as its parent's first child, or as a root of its namespace."""
+        parent = node.parent
         if parent is None:
-            ns.roots.add(first.key)
-        else:
-            head = parent.first_child
-            first.next_sibling = head
-            if head is not None:
-                head.prev_sibling = first
-            parent.first_child = first
-        ns.blocks += len(nodes)
-        ns.bytes += len(nodes) * ns.spec.block_bytes
+            node.ns.roots.add(node.key)
+            return
+        head = parent.first_child
+        node.next_sibling = head
+        if head is not None:
+            head.prev_sibling = node
+        parent.first_child = node
 
     def remove(self, node: Node) -> None:
         """Unlink a childless node that has left every tier."""

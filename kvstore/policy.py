@@ -65,6 +65,23 @@ class LruList:
         self.tail = before
         self.size += len(nodes)
 
+    def push_oldest_run(self, nodes: Sequence[Node]) -> None:
+        """Link ``nodes`` (oldest first) in front of the oldest entry, as one run."""
+        if not self.head:
+            self.push_run(nodes)
+            return
+        prev_attr, next_attr, owner = self._prev, self._next, self._owner
+        after = self.head
+        for node in reversed(nodes):
+            assert getattr(node, owner) is None, "node already in an eviction list"
+            setattr(node, next_attr, after)
+            setattr(after, prev_attr, node)
+            setattr(node, owner, self)
+            after = node
+        setattr(after, prev_attr, None)
+        self.head = after
+        self.size += len(nodes)
+
     def insert_by_time(self, node: Node) -> None:
         """Insert at the place its ``last_access`` gives (scanning from the newest end).
 
@@ -156,6 +173,7 @@ class TierPolicy(Protocol):
 
     def insert(self, node: Node) -> None: ...
     def insert_all(self, nodes: Sequence[Node]) -> None: ...
+    def insert_oldest(self, nodes: Sequence[Node]) -> None: ...
     def touch(self, node: Node) -> None: ...
     def touch_all(self, nodes: Sequence[Node]) -> None: ...
     def remove(self, node: Node) -> None: ...
@@ -196,6 +214,19 @@ class _ListPolicy:
             return
         for node in nodes:
             self.insert(node)
+
+    def insert_oldest(self, nodes: Sequence[Node]) -> None:
+        """List ``nodes`` (oldest first) as older than every block listed now: blocks
+        loaded from disk after a start, behind the blocks used since."""
+        runs: dict[int, list[Node]] = {}
+        lists: dict[int, LruList] = {}
+        for node in nodes:
+            lst = self._list_of(node)
+            runs.setdefault(id(lst), []).append(node)
+            lists[id(lst)] = lst
+        for key, run in runs.items():
+            if run:
+                lists[key].push_oldest_run(run)
 
     def touch(self, node: Node) -> None:
         lst: LruList = getattr(node, self._owner)
@@ -305,6 +336,14 @@ class GroupedPolicy:
     def insert_all(self, nodes: Sequence[Node]) -> None:
         if nodes:
             self._of(nodes[0]).insert_all(nodes)
+
+    def insert_oldest(self, nodes: Sequence[Node]) -> None:
+        """:meth:`_ListPolicy.insert_oldest`, per group."""
+        groups: dict[str, list[Node]] = {}
+        for node in nodes:
+            groups.setdefault(node.ns.group.name, []).append(node)
+        for run in groups.values():
+            self._of(run[0]).insert_oldest(run)
 
     def touch(self, node: Node) -> None:
         self._of(node).touch(node)

@@ -45,6 +45,7 @@ from kvstore.errors import InvalidArgument, LayoutMismatch
 from kvstore.events import Counters, EventLog
 from kvstore.host.arena import HostArena, PinHook
 from kvstore.index import Index, NamespaceEntry
+from kvstore.index_load import IndexLoad
 from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
 from kvstore.leases import LeaseTable
 from kvstore.namespaces import Namespaces
@@ -97,6 +98,7 @@ class Store:
                     # write-through promises durability: the meta page is synced too
                     metasync=config.admission == "write-through",
                     deep_check=config.check_disk_in_child,
+                    lazy=True,  # its records are indexed by an IndexLoad, after the start
                 )
             namespaces = Namespaces(config.quotas, config.max_blocks_per_request)
             index = Index()
@@ -109,8 +111,10 @@ class Store:
                 config, clock, wall, self._lock, changed, namespaces, index, counters, events,
                 LeaseTable(clock), self._arena, self._disk, tiers,
             )  # fmt: skip
+            self._load: IndexLoad | None = None
             if self._disk is not None:
-                tiers.rebuild_from_disk()
+                self._load = IndexLoad(self._parts)
+                self._load.start()
         except BaseException:
             self._arena.close()
             if self._disk is not None:
@@ -154,6 +158,8 @@ class Store:
         shared = self._shared_blocks.shared
         if shared is not None:
             shared.close()  # its writer reads the arena
+        if self._load is not None:
+            self._load.stop()
         parts = self._parts
         with self._lock:
             if parts.closed:
@@ -338,6 +344,7 @@ class Store:
                     "writer_refused": c.writer_refused,
                     "dirty_dropped": c.dirty_dropped,
                     "event_seq": parts.events.seq,  # the newest event's seq (kvctl events --count)
+                    **self._load_progress(),
                     **disk_counters,
                 },
                 staged_bytes=sum(
@@ -349,6 +356,18 @@ class Store:
                 tenants=self._tenant_usage(),
                 shared=None if shared is None else shared.stats(),
             )
+
+    def _load_progress(self) -> dict[str, int]:
+        """The disk index load's records, loaded of the total (none without a disk)."""
+        if self._load is None:
+            return {}
+        loaded = self._load.total if self._load.done.is_set() else self._load.loaded
+        return {"index_records_loaded": loaded, "index_records_total": self._load.total}
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Wait until the disk tier's index is loaded (see :mod:`kvstore.index_load`);
+        whether it is."""
+        return self._load is None or self._load.done.wait(timeout)
 
     def _tenant_usage(self) -> tuple[TenantStats, ...]:
         """Each group's usage (under the lock); none when no namespace has a tenant."""

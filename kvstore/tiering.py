@@ -17,8 +17,9 @@ tier: a block enters and leaves a tier here and nowhere else.
   is counted (``dirty_dropped``).
 - A disk hit is promoted into a host slot, parents first; a disk block that cannot be
   read back is dropped with its disk-only descendants.
-- At start the disk tier's records rebuild the index; at close the host blocks due on
-  disk are written there, waiting for the writer until a deadline.
+- At close the host blocks due on disk are written there, waiting for the writer
+  until a deadline. (At start the disk tier's records are indexed by
+  :mod:`kvstore.index_load`, behind the store's first answers.)
 - Ending a lease (:meth:`Tiers.let_go`) unpins its blocks, drops its pending ones and
   frees its staged slots.
 
@@ -40,7 +41,7 @@ from kvstore.disk import DiskRecord, DiskTier
 from kvstore.events import Counters, EventLog
 from kvstore.host.arena import HostArena
 from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
-from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.keys import BlockKey
 from kvstore.leases import Lease
 from kvstore.namespaces import Namespaces
 from kvstore.policy import GroupedPolicy
@@ -111,7 +112,8 @@ class Tiers:
     def disk_drop(self, node: Node) -> None:
         assert self.disk is not None
         self.disk.delete(node.key)
-        self.disk_policy.remove(node)
+        if node in self.disk_policy:  # (not yet while the index loads: kvstore.index_load)
+            self.disk_policy.remove(node)
         node.on_disk = False
         self.disk_blocks -= 1
         node.ns.group.disk_bytes -= node.size
@@ -547,58 +549,6 @@ class Tiers:
             if not disk.wait_room(node.size, deadline - time.monotonic()):
                 return False
         return True
-
-    def rebuild_from_disk(self) -> None:
-        """Rebuild the index of disk blocks from LMDB; drop records that lost their parent."""
-        disk = self.disk
-        assert disk is not None
-        for digest, spec_dict in disk.namespaces().items():
-            spec = NamespaceSpec.from_dict(spec_dict)
-            if spec.digest == digest:
-                self.namespaces.register(spec)
-        records = {record.key: record for record in disk.records()}
-        depth: dict[bytes, int] = {}
-        orphans: list[bytes] = []
-        for key in records:
-            chain: list[DiskRecord] = []
-            cursor: bytes | None = key
-            while cursor is not None and cursor not in depth:
-                record = records.get(cursor)
-                if record is None or record.ns_digest not in self.namespaces.by_digest:
-                    orphans.extend(r.key for r in chain)
-                    chain = []
-                    break
-                chain.append(record)
-                cursor = record.parent or None
-            for record in reversed(chain):
-                parent = self.index.get(BlockKey(record.parent)) if record.parent else None
-                entry = self.namespaces.by_digest[record.ns_digest]
-                if record.size != entry.spec.block_bytes:
-                    orphans.append(record.key)
-                    continue
-                node = Node(
-                    BlockKey(record.key),
-                    entry,
-                    parent,
-                    state=READY,
-                    priority=record.priority,
-                    last_access=record.last_access,
-                )
-                self.index.add(node)
-                node.on_disk = True
-                self.disk_blocks += 1
-                entry.group.disk_bytes += record.size
-                if parent is not None:
-                    parent.disk_children += 1
-                depth[record.key] = depth.get(record.parent, -1) + 1
-        for key in orphans:
-            disk.delete(key)
-        order = sorted(depth, key=lambda k: (records[k].last_access, -depth[k]))
-        for key in order:
-            self.disk_policy.insert(self.index.nodes[BlockKey(key)])
-        if orphans:
-            log.warning("dropped %d disk blocks whose parent was missing", len(orphans))
-        log.info("rebuilt %d disk blocks in %d namespaces", len(depth), len(self.namespaces))
 
     def promote_now(self, node: Node) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.

@@ -257,6 +257,13 @@ def render_status(data: JSONDict) -> str:
     if data.get("shared"):
         lines.append(render_shared(data["shared"]))
     counters = data.get("counters", {})
+    total = counters.get("index_records_total", 0)
+    if counters.get("index_records_loaded", total) < total:
+        done = counters["index_records_loaded"]
+        lines.append(
+            f"disk index loading: {done} of {total} records ({percent(done / total)}); "
+            "blocks not loaded yet are misses"
+        )
     if counters.get("put_waits") or counters.get("writer_refused") or counters.get("dirty_dropped"):
         lines.append(
             f"disk writer behind: puts waited {counters.get('put_waits', 0)}  "

@@ -98,6 +98,20 @@ STORE_COUNTERS = {
 }
 
 
+# Store figures in the same dict that go up and down (or stop): gauges.
+STORE_GAUGES = {
+    "index_records_loaded": (
+        "kvstore_index_records_loaded",
+        "Disk records indexed since the start (the index loads in the background; equal "
+        "to kvstore_index_records_total once it is done).",
+    ),
+    "index_records_total": (
+        "kvstore_index_records_total",
+        "Disk records found at the start, to be indexed.",
+    ),
+}
+
+
 class StoreCollector(Collector):
     """Metric families from one ``Store.stats()`` snapshot per scrape."""
 
@@ -268,6 +282,9 @@ def _store_families(stats: Stats) -> Iterator[Metric]:
     for key, (name, doc) in STORE_COUNTERS.items():
         if key in stats.counters:
             yield CounterMetricFamily(name, doc, value=stats.counters[key])
+    for key, (name, doc) in STORE_GAUGES.items():
+        if key in stats.counters:
+            yield GaugeMetricFamily(name, doc, value=stats.counters[key])
     if stats.shared is not None:
         for family, name, doc, field in _SHARED_FIGURES:
             value = getattr(stats.shared, field)

@@ -348,6 +348,14 @@ class DiskState:
         self.corrupt_reads = self.map_full_events = self.dropped_writes = 0
         self.fault = ""  # see DiskTier.fault
         self.refused_writes = self.lost_writes = 0
+        # a lazy open (DiskTier(lazy=True)): the writer commits nothing until the deep
+        # check passed (``checked``); until the index load ends (``loading``), ``sizes``
+        # holds only what was adopted or written, ``used`` is LMDB's page count, and
+        # ``touched`` names the keys written or deleted since the open
+        self.checked = True
+        self.closed_unopened = False  # a lazy open failed: see DiskTier.give_up_open
+        self.loading = False
+        self.touched: set[bytes] = set()
 
 
     # --- the environment -------------------------------------------------------
@@ -435,6 +443,8 @@ class DiskState:
         size = self.sizes.pop(key, None)
         if size is None:
             return
+        if self.loading:
+            self.touched.add(key)
         self.used -= self.footprint(size)
         queued = self.unflushed.pop(key, None)
         if queued is not None:

@@ -10,7 +10,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -76,6 +76,7 @@ class DiskTier:
         readahead: bool = True,
         metasync: bool = False,
         deep_check: bool = False,
+        lazy: bool = False,
         _map_size_override: int | None = None,
     ) -> None:
         if capacity_bytes <= 0:
@@ -98,27 +99,24 @@ class DiskTier:
         _tune_malloc()
         self._s.owner_fd = lock_directory(directory)  # one owner at a time (disk.files)
 
+        self._requested = requested
+        self._deep_check = deep_check
+        self._s.psize = os_page  # LMDB's page size is the OS's (until the open says)
+        self._s.capacity = self._s.ceiling = capacity_bytes
+        self._s.reserve_bytes = min(_RESERVE_MAX, max(_RESERVE_MIN, capacity_bytes // 64))
+        self._s.map_size = 0
+        self._s.checked = not lazy  # lazy: the writer waits for open_checked()
+        self._s.loading = lazy
         try:
-            self._open_sound(requested, deep_check)
+            if lazy:  # only what reads no B-tree page now (see open_checked)
+                damage = find_damage(directory)
+                if damage is not None:
+                    self._move_aside(damage)
+            else:
+                self._open_now(deep_check)
         except BaseException:
             os.close(self._s.owner_fd)
             raise
-        # LMDB keeps an existing file's size if it is larger than what we asked for.
-        self._s.map_size = self._s.env.info()["map_size"]
-        self._s.max_map_size = max(self._s.map_size, requested + int(requested * _MAX_GROWTH))
-        self._s.capacity_floor = min(capacity_bytes, self._s.max_map_size // 8)
-        self._s.capacity = capacity_bytes
-        self._s.reserve_bytes = min(_RESERVE_MAX, max(_RESERVE_MIN, capacity_bytes // 64))
-        make_reserve(directory, self._s.reserve_bytes)  # no room for it: none, for now
-        # the most the capacity may be: configured, lowered for good by map-full events;
-        # a fault lowers the capacity below it until space comes back (_regain_capacity)
-        self._s.ceiling = capacity_bytes
-
-        # Committed payloads are read with pread() from here into the caller's buffer:
-        # no page faults on the map (a fresh process has mapped none of it), GIL released.
-        self._s.read_fd = os.open(self._s.data_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        with open_here_lock:
-            open_here.add(os.path.realpath(directory))
         self._reads = DiskReads(self._s)
         self._writer = DiskWriter(self._s)
         self._writer.start()
@@ -219,6 +217,8 @@ class DiskTier:
             self._s.sizes[key] = size
             self._s.used += self._s.footprint(size)
             self._s.set_op(key, op)
+            if self._s.loading:
+                self._s.touched.add(key)
             return True
 
     @property
@@ -344,9 +344,101 @@ class DiskTier:
             if not self._s.closed:
                 self._s.env.sync(True)
 
+    # --- a lazy open: the environment, its check and its records, after the start --
+    def open_checked(self) -> bool:
+        """A lazy open's second half (a no-op otherwise or when done): the deep check
+        (every B-tree walked in a child process: a damaged page must not crash this
+        one), moving a damaged environment aside, then the open. Until then nothing
+        reads the file: writes queue up (and are read from the queue), the writer
+        waits. Whether a damaged environment was moved aside."""
+        with self._s.close_lock:
+            if self._s.checked or self._s.closed:
+                return False
+            damage = scan_in_child(self._s.directory) if self._deep_check else None
+            if damage is not None:
+                self._move_aside(damage)
+            with self._s.resize.exclusive():
+                self._open_now(deep_check=False)
+                with self._s.cond:
+                    self._s.used += self._pages_used()  # exact once the load ends
+                    self._s.checked = True
+                    self._s.cond.notify_all()
+            return damage is not None
+
+    def file_bytes(self) -> int:
+        """The size of the environment's data file (0 when there is none yet)."""
+        try:
+            return os.stat(self._s.data_path).st_size
+        except FileNotFoundError:
+            return 0
+
+    @property
+    def opened(self) -> bool:
+        """Whether the environment is open (a lazy open: once :meth:`open_checked` ran)."""
+        return self._s.checked
+
+    def give_up_open(self, reason: str) -> None:
+        """A lazy open failed (:meth:`open_checked` raised): the tier takes no writes
+        from now on (:attr:`fault`), and its queue is given up at close."""
+        with self._s.cond:
+            self._s.fault = f"the disk tier could not be opened: {reason}"
+            self._s.closed_unopened = True
+            self._s.cond.notify_all()
+
+    def record_count(self) -> int:
+        """Records committed in the environment (LMDB's own count: no scan)."""
+        with self._s.resize.reading(), self._s.env.begin() as txn:
+            return int(txn.stat(self._s.meta)["entries"])
+
+    def scan_chunks(self, chunk: int) -> Iterator[list[tuple[bytes, bytes]]]:
+        """The committed records as (key, raw meta value), in key order, ``chunk`` at a
+        time, each chunk read in one short read transaction (nothing stays open while
+        the caller works)."""
+        last: bytes | None = None
+        while True:
+            found: list[tuple[bytes, bytes]] = []
+            with self._s.resize.reading():
+                self._s.check_open()
+                with self._s.env.begin() as txn:
+                    cursor = txn.cursor(db=self._s.meta)
+                    ok = cursor.first() if last is None else cursor.set_range(last)
+                    if ok and last is not None and cursor.key() == last:
+                        ok = cursor.next()
+                    while ok and len(found) < chunk:
+                        found.append((cursor.key(), cursor.value()))
+                        ok = cursor.next()
+            if not found:
+                return
+            last = found[-1][0]
+            yield found
+
+    def adopt(self, records: Sequence[tuple[bytes, int]]) -> list[bool]:
+        """During a lazy open's load: count committed records (key, payload size) as
+        live, except keys written or deleted since the open (their record is stale or
+        already counted); which were adopted."""
+        with self._s.cond:
+            sizes, touched = self._s.sizes, self._s.touched
+            taken = [key not in touched and key not in sizes for key, _ in records]
+            for (key, size), take in zip(records, taken, strict=True):
+                if take:
+                    sizes[key] = size
+            return taken
+
+    def end_load(self) -> None:
+        """Every live record is known now: ``used_bytes`` becomes exact."""
+        with self._s.cond:
+            self._s.loading = False
+            self._s.touched.clear()
+            footprint = self._s.footprint
+            self._s.used = sum(footprint(size) for size in self._s.sizes.values())
+            if self._s.used > self._s.capacity:
+                self._s.shrunk_pending = True  # the store evicts down to capacity
+
     # --- lifecycle --------------------------------------------------------------
     def close(self) -> None:
         """Commit everything queued, stop the writer, close the environment (idempotent)."""
+        if not self._s.closed_unopened:
+            self.open_checked()  # a lazy open never finished: the queue still goes to disk
         with self._s.close_lock:
             with self._s.cond:
                 if self._s.closed:
@@ -354,6 +446,12 @@ class DiskTier:
                 self._s.stopping = True  # new writes are refused; the writer drains
                 self._s.cond.notify_all()
             self._writer.join()
+            if not self._s.checked:  # never opened: nothing to sync or close
+                os.close(self._s.owner_fd)
+                with self._s.cond:
+                    self._s.closed = True
+                    self._s.cond.notify_all()
+                return
             with self._s.resize.exclusive():
                 try:
                     self._s.env.sync(True)
@@ -374,31 +472,47 @@ class DiskTier:
         self.close()
 
     # --- internals: start-up ------------------------------------------------------
-    def _open_sound(self, map_size: int, deep_check: bool) -> None:
+    def _open_now(self, deep_check: bool) -> None:
         """Open the environment, moving a damaged one aside first (see
         :mod:`kvstore.disk.files`): a damaged file never stops the start, it costs the
-        blocks it held. ``deep_check`` also walks every B-tree in a child process."""
+        blocks it held. ``deep_check`` also walks every B-tree in a child process. Then
+        what depends on the open: the map's size and growth limit, the reserve file,
+        the descriptor reads use."""
         damage = find_damage(self._s.directory)
         if damage is None and deep_check:
             damage = scan_in_child(self._s.directory)
         if damage is None:
             try:
-                self._open_env(map_size)
-                return
+                self._open_env(self._requested)
+                damage = ""
             except _DAMAGE_ERRORS as exc:  # not I/O errors: a full disk is not damage
                 damage = f"LMDB could not read it: {exc}"
+        if damage:
+            self._move_aside(damage)
+            if not self._s.loading:  # (a lazy open counts only its queued writes so far)
+                self._s.sizes.clear()
+                self._s.used = 0
+            self._open_env(self._requested)
+        st = self._s
+        # LMDB keeps an existing file's size if it is larger than what we asked for.
+        st.map_size = st.env.info()["map_size"]
+        requested = self._requested
+        st.max_map_size = max(st.map_size, requested + int(requested * _MAX_GROWTH))
+        st.capacity_floor = min(self.configured_capacity_bytes, st.max_map_size // 8)
+        make_reserve(st.directory, st.reserve_bytes)  # no room for it: none, for now
+        # Committed payloads are read with pread() from here into the caller's buffer:
+        # no page faults on the map (a fresh process has mapped none of it), GIL released.
+        st.read_fd = os.open(st.data_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        with open_here_lock:
+            open_here.add(os.path.realpath(st.directory))
+
+    def _move_aside(self, damage: str) -> None:
         moved = move_aside(self._s.directory)
         log.error(
             "disk tier in %s was damaged (%s); moved it aside to %s and started with an "
             "empty disk tier",
-            self._s.directory,
-            damage,
-            moved,
-            extra={"event": "disk_damaged"},
-        )
-        self._s.sizes.clear()
-        self._s.used = 0
-        self._open_env(map_size)
+            self._s.directory, damage, moved, extra={"event": "disk_damaged"},
+        )  # fmt: skip
 
     def _open_env(self, map_size: int) -> None:
         """Open LMDB, its databases, check the format and load the size map."""
@@ -423,7 +537,8 @@ class DiskTier:
             self._s.info = self._s.env.open_db(b"info")
             self._check_format()
             self._s.psize = self._s.env.stat()["psize"]
-            self._load_sizes()
+            if not self._s.loading:  # lazy: counted by the loader (open_checked, adopt)
+                self._load_sizes()
         except BaseException:
             self._s.env.close()
             raise
@@ -438,6 +553,16 @@ class DiskTier:
                 f"{self._s.directory} holds an LMDB disk tier of format {found!r}, "
                 f"this build reads {FORMAT!r}"
             )
+
+    def _pages_used(self) -> int:
+        """Bytes of the pages the records occupy (a lazy open's ``used_bytes`` until
+        its load ends: no record is read for it)."""
+        used = 0
+        with self._s.env.begin() as txn:
+            for db in (self._s.meta, self._s.payload):
+                st = txn.stat(db)
+                used += (st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"]) * st["psize"]
+        return used
 
     def _load_sizes(self) -> None:
         """Rebuild the size map and used_bytes from ``meta``; drop malformed records."""

@@ -50,12 +50,7 @@ class DiskWriter:
 
     def __init__(self, state: DiskState) -> None:
         self._s = state
-        self._writeback: _EarlyWriteback | None = None
-        if _LIBC is not None:
-            try:
-                self._writeback = _EarlyWriteback(state.data_path)
-            except OSError:
-                log.warning("early writeback off: cannot open data.mdb", exc_info=True)
+        self._writeback: _EarlyWriteback | None = None  # opened with the environment
         self._thread = threading.Thread(
             target=self._run_writer, name="kvstore-disk-writer", daemon=True
         )
@@ -74,6 +69,17 @@ class DiskWriter:
 
     # --- internals: the writer thread -------------------------------------------
     def _run_writer(self) -> None:
+        with self._s.cond:  # a lazy open: nothing is committed before the deep check
+            while not self._s.checked and not self._s.stopping:
+                self._s.cond.wait()
+            if not self._s.checked:  # it never opened (DiskTier.give_up_open)
+                self._abandon_locked()
+                return
+        if _LIBC is not None:
+            try:
+                self._writeback = _EarlyWriteback(self._s.data_path)
+            except OSError:
+                log.warning("early writeback off: cannot open data.mdb", exc_info=True)
         failures = 0
         checked_readers = time.monotonic()
         while True:

@@ -1,0 +1,250 @@
+"""Loading the disk tier's records into the index after a start (:class:`IndexLoad`).
+
+A restart must not keep the engines of a node waiting for an index of millions of
+records to be rebuilt: the store answers at once, serves hits for what is loaded and
+misses for the rest, and this part loads the records behind it.
+
+- First the deep check (every B-tree walked in a child process:
+  :mod:`kvstore.disk.files`), then the open (:meth:`DiskTier.open_checked`): nothing
+  in this process reads the file before a check passed, since a damaged page may
+  crash it. Until then the disk writer commits nothing (writes queue up; puts that
+  need the writer wait as under back-pressure); when the check finds damage the
+  environment goes aside and the queued writes go to an empty one. Then the
+  namespaces are registered (a handful of records; clients that open theirs before
+  that register them themselves).
+- Records are read in key order (hash order: random with respect to chains), CHUNK at
+  a time, decoded outside the store's lock and indexed under it, one hold per chunk.
+  A block becomes visible only with its ancestors: a record whose parent is not
+  indexed yet waits for it (in memory); records still waiting at the end lost their
+  parent and are deleted, as are records of unknown namespaces or of the wrong size.
+- Writes during the load are safe: a key the store wrote or deleted since the start is
+  never taken from the scan (:meth:`DiskTier.adopt`), and a record whose block the
+  store holds in host only (put again during the load) is deleted (the host copy is
+  written again when it is evicted): no block is indexed twice, none is lost.
+- Eviction order: at the end the loaded blocks enter the disk tier's eviction order by
+  last use, older than the blocks written since the start, in slices, each under the
+  lock. Until then they are not evicted (a full disk tier evicts what was written since
+  the start first, for the time the load takes).
+- A tier whose file is at most SYNC_FILE_BYTES is loaded before the store answers
+  (small tiers behave as if loading were instant); a larger one on a thread, logging
+  progress.
+  ``kvctl status`` and the metrics show records loaded of the total.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from operator import attrgetter
+
+from kvstore.disk.format import KEY_SIZES, META, META_VERSION, unpack_record
+from kvstore.index import READY, Node
+from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.store_parts import StoreParts
+
+log = logging.getLogger(__name__)
+
+# a disk tier whose file is at most this size loads before the store answers: with
+# blocks of 64 KiB or more (a KV block of any real model) that is a few thousand records
+SYNC_FILE_BYTES = 512 << 20
+CHUNK = 8192  # records indexed per hold of the store's lock
+ORDER_SLICE = 65536  # blocks put in eviction order per hold of the lock, at the end
+PROGRESS_EVERY_S = 2.0
+_PARENT_LENGTHS = (0, *KEY_SIZES)
+
+# (key, namespace digest, parent key or b"", payload size, priority, last access)
+Loaded = tuple[bytes, bytes, bytes, int, int, float]
+
+
+def decode(key: bytes, raw: bytes) -> Loaded | None:
+    """A meta record's fields the index needs; None when it is malformed."""
+    try:
+        if len(raw) == META.size and raw[0] == META_VERSION:
+            _, digest, parent_len, parent, size, _, priority, last, _ = META.unpack(raw)
+            if parent_len not in _PARENT_LENGTHS:
+                return None
+            return key, digest, parent[:parent_len], size, priority, last
+        rec = unpack_record(key, raw)  # an older version
+    except (ValueError, struct.error):
+        return None
+    return key, rec.ns_digest, rec.parent, rec.size, rec.priority, rec.last_access
+
+
+class IndexLoad:
+    """The load of one store's disk tier (see the module docstring): :meth:`start` it
+    once the store's parts exist, :meth:`stop` it before the store closes."""
+
+    def __init__(self, parts: StoreParts) -> None:
+        assert parts.disk is not None
+        self._parts = parts
+        self._disk = parts.disk
+        self.total = 0  # records in the environment, once it is open
+        self.loaded = 0  # records read so far (indexed, waiting for a parent, or dropped)
+        self.done = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        size = self._disk.file_bytes()
+        if size <= SYNC_FILE_BYTES:
+            try:
+                self._load()  # its errors are the store's open's
+            finally:
+                self.done.set()
+            return
+        log.info(
+            "loading the disk tier's index in the background (%.1f GiB of records); hits "
+            "for what is loaded, misses for the rest until then", size / 2**30,
+            extra={"event": "index_loading"},
+        )  # fmt: skip
+        self._thread = threading.Thread(target=self._run, name="kvstore-index-load", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the load early (at close): what is loaded stays, the rest is not indexed."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _register_namespaces(self) -> None:
+        for digest, spec_dict in self._disk.namespaces().items():
+            spec = NamespaceSpec.from_dict(spec_dict)
+            if spec.digest == digest:
+                self._parts.namespaces.register(spec)
+
+    def _run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:
+            if not self._disk.opened:
+                log.exception("the disk tier could not be opened; it takes no writes")
+                self._disk.give_up_open(f"{type(exc).__name__}: {exc}")
+            else:
+                log.exception("loading the disk tier's index failed; the rest stays unindexed")
+        finally:
+            self.done.set()
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        self._disk.open_checked()
+        self._register_namespaces()
+        self.total = self._disk.record_count()
+        waiting: dict[bytes, list[Loaded]] = {}
+        loaded: list[Node] = []
+        dropped = 0
+        shown = started
+        for chunk in self._disk.scan_chunks(CHUNK):
+            if self._stop.is_set():
+                return
+            records = [decode(key, raw) for key, raw in chunk]
+            with self._parts.lock:
+                if self._parts.closed:
+                    return
+                bad = [(k, 0) for (k, _), rec in zip(chunk, records, strict=True) if rec is None]
+                good = [rec for rec in records if rec is not None]
+                taken = self._disk.adopt([(rec[0], rec[3]) for rec in good] + bad)
+                fresh = [rec for rec, take in zip(good, taken, strict=False) if take]
+                dropped += self._index(fresh, waiting, loaded)
+                for (key, _), take in zip(bad, taken[len(good) :], strict=True):
+                    if take:  # (not a key the store wrote since: that one is live)
+                        self._disk.delete(key)
+                        dropped += 1
+            self.loaded += len(chunk)
+            if time.monotonic() - shown >= PROGRESS_EVERY_S:
+                shown = time.monotonic()
+                self._log_progress(shown - started)
+        with self._parts.lock:
+            for late in waiting.values():  # their parent never came: orphans
+                for rec in late:
+                    self._disk.delete(rec[0])
+                    dropped += 1
+        self._order(loaded)
+        self._disk.end_load()
+        with self._parts.lock:
+            self._parts.tiers.apply_shrunk_disk()
+        if dropped:
+            log.warning(
+                "dropped %d disk records: malformed, of an unknown namespace, or whose "
+                "parent was missing", dropped,
+            )  # fmt: skip
+        log.info(
+            "loaded the disk tier's index: %d blocks in %d namespaces in %.1f s",
+            len(loaded), len(self._parts.namespaces), time.monotonic() - started,
+            extra={"event": "index_loaded", "blocks": len(loaded)},
+        )  # fmt: skip
+
+    def _index(
+        self, records: list[Loaded], waiting: dict[bytes, list[Loaded]], loaded: list[Node]
+    ) -> int:
+        """Index a chunk's records (and the waiting children each one completes), then
+        list them in the disk tier's eviction order; how many were stale and deleted.
+        Under the lock."""
+        index = self._parts.index
+        tiers = self._parts.tiers
+        by_digest = self._parts.namespaces.by_digest
+        added: list[Node] = []
+        stale: list[bytes] = []
+        todo = records[::-1]
+        while todo:
+            rec = todo.pop()
+            key, digest, parent_key, size, priority, last = rec
+            if key in index.nodes:  # the store holds it already: written or put again
+                if not index.nodes[BlockKey(key)].on_disk:
+                    stale.append(key)
+                continue
+            entry = by_digest.get(digest)
+            if entry is None or size != entry.spec.block_bytes:
+                stale.append(key)
+                continue
+            parent = None
+            if parent_key:
+                parent = index.nodes.get(BlockKey(parent_key))
+                if parent is None:
+                    waiting.setdefault(parent_key, []).append(rec)
+                    continue
+                if not parent.on_disk:  # put again during the load: not a disk prefix
+                    stale.append(key)
+                    continue
+            node = Node(BlockKey(key), entry, parent, READY, priority, last, on_disk=True)
+            index.add(node)
+            tiers.disk_blocks += 1
+            entry.group.disk_bytes += size
+            if parent is not None:
+                parent.disk_children += 1
+            added.append(node)
+            children = waiting.pop(key, None)
+            if children:
+                todo.extend(children)
+        for key in stale:
+            self._disk.delete(key)
+        loaded.extend(added)
+        return len(stale)
+
+    def _order(self, nodes: list[Node]) -> None:
+        """List the loaded blocks in the disk tier's eviction order, by last use, older
+        than the blocks written since the start; newest first, a slice per hold of the
+        lock, each slice in front of the last. Until then they are not evicted."""
+        # oldest first; of equal times children first (the load adds parents first),
+        # so that every parent is newer than its children, as a touch leaves it
+        nodes.reverse()
+        nodes.sort(key=attrgetter("last_access"))
+        policy = self._parts.tiers.disk_policy
+        for end in range(len(nodes), 0, -ORDER_SLICE):
+            with self._parts.lock:
+                if self._parts.closed:
+                    return
+                part = nodes[max(0, end - ORDER_SLICE) : end]
+                policy.insert_oldest([n for n in part if n.on_disk and n.disk_list is None])
+
+    def _log_progress(self, elapsed: float) -> None:
+        total = max(self.total, self.loaded, 1)
+        done = self.loaded / total
+        bar = "#" * int(done * 20)
+        left = elapsed / done - elapsed if done else 0.0
+        log.info(
+            "loading the disk tier's index [%-20s] %3.0f%%  %d of %d records, about %.0f s left",
+            bar, 100 * done, self.loaded, total, left,
+            extra={"event": "index_loading", "loaded": self.loaded, "records": total},
+        )  # fmt: skip

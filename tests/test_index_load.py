@@ -1,0 +1,190 @@
+"""The disk tier's index loads behind the store's first answers (kvstore.index_load):
+hits for what is loaded, misses for the rest, a block never visible without its
+ancestors, writes during the load safe, and everything there once it ends."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvstore.index_load as index_load
+from kvstore.disk import DiskTier
+from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.store import Store, StoreConfig
+
+BLOCK = 4096
+TOKENS = 4
+CHAINS = 60
+LENGTH = 6
+
+
+def payload(chain: int, i: int) -> bytes:
+    return bytes([(chain * 7 + i) % 251]) * BLOCK
+
+
+def tokens(chain: int) -> list[int]:
+    return [chain * 1000 + t for t in range(LENGTH * TOKENS)]
+
+
+def make_store(tmp_path: Path) -> Store:
+    return Store(
+        StoreConfig(
+            host_bytes=64 * BLOCK,
+            disk_dir=str(tmp_path / "lmdb"),
+            disk_bytes=4096 * 3 * BLOCK,
+            shared_arena=False,
+        )
+    )
+
+
+def open_ns(store: Store) -> str:
+    return store.open_namespace(NamespaceSpec("m", block_tokens=TOKENS, block_bytes=BLOCK)).ns_id
+
+
+def fill(tmp_path: Path) -> None:
+    with make_store(tmp_path) as store:
+        ns = open_ns(store)
+        for chain in range(CHAINS):
+            keys = store.keys_for(ns, tokens(chain))
+            assert store.put(ns, keys, [payload(chain, i) for i in range(LENGTH)]).stored == LENGTH
+
+
+class Paused:
+    """Holds the load after its first chunk until :meth:`go` (a test's handle on the
+    background thread; the load itself is the real one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.first_chunk_done = threading.Event()
+        self._go = threading.Event()
+        scan = DiskTier.scan_chunks
+
+        def paused(tier: DiskTier, chunk: int) -> Iterator[list[tuple[bytes, bytes]]]:
+            for n, found in enumerate(scan(tier, chunk)):
+                if n == 1:
+                    self.first_chunk_done.set()
+                    assert self._go.wait(60), "the test never let the load go on"
+                yield found
+
+        monkeypatch.setattr(DiskTier, "scan_chunks", paused)
+        monkeypatch.setattr(index_load, "SYNC_FILE_BYTES", 0)  # always in the background
+        monkeypatch.setattr(index_load, "CHUNK", 64)
+
+    def go(self) -> None:
+        self._go.set()
+
+    def __enter__(self) -> Paused:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.go()  # a failed test must not leave the load waiting
+
+
+def test_serves_while_loading_and_writes_during_the_load_are_safe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fill(tmp_path)
+    paused = Paused(monkeypatch)
+    with make_store(tmp_path) as store, paused:
+        assert paused.first_chunk_done.wait(30)
+        ns = store.namespaces()[0].ns_id  # registered before the first records
+        counters = store.stats().counters
+        assert 0 < counters["index_records_loaded"] < counters["index_records_total"]
+        assert counters["index_records_total"] == CHAINS * LENGTH
+        seen = [store.lookup(ns, store.keys_for(ns, tokens(c))).ready_blocks for c in range(CHAINS)]
+        assert sum(seen) < CHAINS * LENGTH  # misses for what is not loaded yet
+        for chain, found in enumerate(seen):  # what is served is a prefix: read it whole
+            n, data = store.read(ns, store.keys_for(ns, tokens(chain)))
+            assert n >= found
+            assert bytes(data) == b"".join(payload(chain, i) for i in range(n))
+        # writes during the load: a new chain, a chain put again before its records
+        # loaded, a loaded chain deleted
+        new = CHAINS + 1
+        store.put(ns, store.keys_for(ns, tokens(new)), [payload(new, i) for i in range(LENGTH)])
+        again = next(c for c, found in enumerate(seen) if found == 0)
+        store.put(
+            ns, store.keys_for(ns, tokens(again)), [payload(again, i) for i in range(LENGTH)]
+        )
+        # (a chain partly loaded: the rest of its records must not come back)
+        gone = next(c for c, found in enumerate(seen) if found > 0)
+        assert store.delete(ns, store.keys_for(ns, tokens(gone))) == seen[gone]
+        paused.go()
+        assert store.wait_loaded(60)
+        store.verify_invariants()
+        counters = store.stats().counters
+        assert counters["index_records_loaded"] == counters["index_records_total"]
+        for chain in [*range(CHAINS), new]:
+            n, data = store.read(ns, store.keys_for(ns, tokens(chain)))
+            want = 0 if chain == gone else LENGTH
+            assert n == want, f"chain {chain}: {n} blocks"
+            assert bytes(data) == b"".join(payload(chain, i) for i in range(n))
+        store.flush()
+        disk = store._parts.disk
+        assert disk is not None
+        exact = sum(disk.footprint(size) for size in disk._s.sizes.values())
+        assert disk.used_bytes == exact
+    # and the next start finds the same, with nothing indexed twice or orphaned
+    monkeypatch.undo()
+    with make_store(tmp_path) as store:
+        store.verify_invariants()
+        ns = store.namespaces()[0].ns_id
+        for chain in [*range(CHAINS), new]:
+            found = store.lookup(ns, store.keys_for(ns, tokens(chain))).ready_blocks
+            assert found == (0 if chain == gone else LENGTH)
+
+
+def test_a_record_without_its_parent_is_never_indexed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fill(tmp_path)
+    # take the first block of one chain out of the disk tier, behind the store's back
+    with make_store(tmp_path) as store:
+        ns = store.namespaces()[0].ns_id
+        first = store.keys_for(ns, tokens(3))[0]
+    tier = DiskTier(str(tmp_path / "lmdb"), 4096 * 3 * BLOCK)
+    tier.delete(first)
+    tier.close()
+    monkeypatch.setattr(index_load, "SYNC_FILE_BYTES", 0)
+    monkeypatch.setattr(index_load, "CHUNK", 16)
+    with make_store(tmp_path) as store:
+        assert store.wait_loaded(60)
+        store.verify_invariants()
+        assert store.lookup(ns, store.keys_for(ns, tokens(3))).ready_blocks == 0
+        assert store.lookup(ns, store.keys_for(ns, tokens(4))).ready_blocks == LENGTH
+        keys: list[BlockKey] = store.keys_for(ns, tokens(3))
+        disk = store._parts.disk
+        assert disk is not None
+        assert not any(disk.contains(key) for key in keys)  # the orphans were deleted
+
+
+def test_damage_found_by_the_background_check_costs_the_old_blocks_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvbench.torture_kit import damage_btree
+
+    fill(tmp_path)
+    assert damage_btree(tmp_path / "lmdb" / "data.mdb") > 0
+    monkeypatch.setattr(index_load, "SYNC_FILE_BYTES", 0)
+    config = StoreConfig(
+        host_bytes=8 * BLOCK,  # a put of 12 blocks sends some to the disk's queue
+        disk_dir=str(tmp_path / "lmdb"),
+        disk_bytes=4096 * 3 * BLOCK,
+        shared_arena=False,
+        check_disk_in_child=True,
+    )
+    with Store(config) as store:
+        ns = open_ns(store)  # before the check may have finished: nothing reads the file
+        new = [CHAINS + 1, CHAINS + 2]
+        for chain in new:
+            blocks = [payload(chain, i) for i in range(LENGTH)]
+            store.put(ns, store.keys_for(ns, tokens(chain)), blocks)
+        assert store.wait_loaded(60)
+        store.verify_invariants()
+        assert [p.name for p in (tmp_path / "lmdb").glob("data.mdb.damaged-*")]
+        for chain in new:  # what was written since the start is all there
+            n, data = store.read(ns, store.keys_for(ns, tokens(chain)))
+            assert n == LENGTH
+            assert bytes(data) == b"".join(payload(chain, i) for i in range(n))
+        assert store.lookup(ns, store.keys_for(ns, tokens(0))).ready_blocks == 0
