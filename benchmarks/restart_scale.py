@@ -3,12 +3,12 @@ floor.
 
 A program, not a test. For each size (``--records``, e.g. 1M and 10M) it fills a disk
 directory with synthetic records written straight into LMDB in the disk tier's format
-(chains of 16 blocks of 64 bytes, one namespace, times of last use spread over the
-chains), then, in turns, per checkout (``--before``: another checkout of this
-repository, ``PYTHONPATH`` naming its packages, run from it, as in
-``benchmarks/first_disk_read.py``), a worker process opens a store on it as the daemon
-does (the deep check in a child process included) and reports, in seconds from the
-call that opens it:
+(:mod:`kvbench.disk_fill`: chains of 16 blocks of 64 bytes under the keys their tokens
+give, one namespace, times of last use spread over the chains), then, in turns, per
+checkout (``--before``: another checkout of this repository, ``PYTHONPATH`` naming its
+packages, run from it, as in ``benchmarks/first_disk_read.py``), a worker process
+opens a store on it as the daemon does (the deep check in a child process included)
+and reports, in seconds from the call that opens it:
 
 - ``first answer``: the store answered a lookup (a chain's blocks, found or not);
 - ``loaded``: the whole index is loaded (before the background load, both are the
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -37,54 +36,27 @@ from pathlib import Path
 from typing import Any
 
 from kvbench import checkouts
+from kvbench.disk_fill import chain_tokens, fill_disk
 
 REPO = Path(__file__).resolve().parent.parent
 CHAIN = 16
 SIZE = 64  # payload bytes of a synthetic record
-TXN_RECORDS = 200_000
 FOOTPRINT = 3 * 4096  # disk bytes a record is accounted as, with room to spare
 
 
-def key_of(n: int) -> bytes:
-    return struct.pack("<QQ", n, 0x5EED)  # 16 bytes, spread over the key space
+SPEC = {"model": "restart-scale", "block_tokens": 16, "block_bytes": SIZE}
 
 
 def fill(directory: Path, records: int) -> None:
     """Write ``records`` synthetic records (see the module docstring)."""
-    import lmdb
-    import xxhash
+    shown = [time.monotonic()]
 
-    from kvstore.disk import DiskTier
-    from kvstore.disk.format import DiskRecord, pack_record
-    from kvstore.keys import NamespaceSpec
+    def progress(chains: int) -> None:
+        if time.monotonic() - shown[0] > 10:
+            shown[0] = time.monotonic()
+            print(f"  filled {chains * CHAIN:,} of {records:,}", flush=True)
 
-    spec = NamespaceSpec("restart-scale", block_tokens=16, block_bytes=SIZE)
-    tier = DiskTier(str(directory), capacity_bytes=records * FOOTPRINT + (1 << 30))
-    tier.save_namespace(spec.digest, spec.to_dict())
-    tier.flush()
-    tier.close()
-    env = lmdb.open(
-        str(directory), map_size=2 * records * FOOTPRINT + (1 << 30), max_dbs=8, sync=False
-    )
-    meta, payload = env.open_db(b"meta"), env.open_db(b"payload")
-    value = b"x" * SIZE
-    checksum = xxhash.xxh3_64_intdigest(value)
-    now = time.time()
-    shown = time.monotonic()
-    for begin in range(0, records, TXN_RECORDS):
-        with env.begin(write=True) as txn:
-            for n in range(begin, min(records, begin + TXN_RECORDS)):
-                parent = b"" if n % CHAIN == 0 else key_of(n - 1)
-                # a chain's blocks share one time of last use, as a touch leaves them
-                used = now - (records - n // CHAIN * CHAIN) * 1e-3
-                rec = DiskRecord(key_of(n), spec.digest, parent, SIZE, checksum, 35, used)
-                txn.put(rec.key, value, db=payload)
-                txn.put(rec.key, pack_record(rec), db=meta)
-        if time.monotonic() - shown > 10:
-            shown = time.monotonic()
-            print(f"  filled {begin + TXN_RECORDS} of {records}", flush=True)
-    env.sync(True)
-    env.close()
+    fill_disk(directory, records // CHAIN, CHAIN, SPEC, lambda c, i: b"x" * SIZE, progress)
 
 
 def worker(directory: str, records: int) -> dict[str, Any]:
@@ -92,7 +64,7 @@ def worker(directory: str, records: int) -> dict[str, Any]:
     from kvstore.keys import NamespaceSpec
     from kvstore.store import Store, StoreConfig
 
-    spec = NamespaceSpec("restart-scale", block_tokens=16, block_bytes=SIZE)
+    spec = NamespaceSpec(**SPEC)  # type: ignore[arg-type]
     config = StoreConfig(
         host_bytes=64 << 20,
         disk_dir=directory,
@@ -103,7 +75,7 @@ def worker(directory: str, records: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     store = Store(config)
     ns = store.open_namespace(spec).ns_id
-    store.lookup(ns, [key_of(records - CHAIN)])  # type: ignore[list-item]
+    store.lookup(ns, store.keys_for(ns, chain_tokens(records // CHAIN - 1, CHAIN, 16)))
     first = time.perf_counter() - t0
     wait = getattr(store, "wait_loaded", None)  # the background load's, when there is one
     if wait is not None:

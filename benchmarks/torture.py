@@ -13,6 +13,8 @@ Parts (each against a real kvstored on a unix socket in a temp dir):
   a stream of write-through puts, with the latency of every call while full.
 - ``damage``: data.mdb truncated, emptied, its B-tree pages or a value overwritten,
   replaced by noise; whether the daemon starts, moves it aside, serves anything corrupt.
+- ``indexload``: kill -9 while a large disk tier's index loads behind the start;
+  nothing committed lost, nothing indexed without its ancestors.
 - ``fuzz``: random and mutated requests over both sockets (gRPC and local calls).
 - ``load``: N processes of mixed traffic for a while: latency percentiles per call,
   errors, the daemon's memory.
@@ -66,7 +68,7 @@ from kvproto.v1 import local_calls as frames
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PARTS = ("crash", "client", "diskfull", "damage", "fuzz", "load")
+PARTS = ("crash", "client", "diskfull", "damage", "indexload", "fuzz", "load")
 MODEL = "torture"
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 
@@ -446,6 +448,106 @@ def part_damage(work: Path, quick: bool) -> Section:
          "see the table", all_ok)])
 
 
+# --- indexload: kill -9 while a large disk tier's index loads ------------------------------
+
+LOAD_MODEL = "torture-load"
+LOAD_BLOCK = 4096  # a filled block: 2 LMDB pages, so a few hundred MiB hold 40k+ records
+LOAD_BLOCKS = 16  # blocks per filled chain
+
+
+def load_payload(chain: int, block: int) -> bytes:
+    return block_of(10**7 + chain, block, LOAD_BLOCK)
+
+
+def load_progress(addr: str) -> tuple[int, int]:
+    """(records loaded, total) of the daemon's disk index load."""
+    with KVClient(addr, timeout=5) as client:
+        counters = client.stats().counters
+    return counters.get("index_records_loaded", 0), counters.get("index_records_total", 0)
+
+
+def part_indexload(work: Path, quick: bool) -> Section:
+    from kvbench.disk_fill import chain_tokens, fill_disk
+    from kvstore.index_load import SYNC_FILE_BYTES
+
+    cycles = 2 if quick else 6
+    # enough records for a file over SYNC_FILE_BYTES: the load runs behind the start
+    chains = SYNC_FILE_BYTES // (2 * 4096 * LOAD_BLOCKS) * 5 // 4 * (1 if quick else 3)
+    daemon = Kvstored(work / "indexload", admission="write-through", disk_bytes="8GiB")
+    spec = {"model": LOAD_MODEL, "block_tokens": TOKENS, "block_bytes": LOAD_BLOCK}
+    fill_disk(Path(daemon.disk_dir), chains, LOAD_BLOCKS, spec, load_payload)
+    written = Chains()
+    seeds = iter(range(1, 10**9))
+    during = 0
+    try:
+        for _ in range(cycles):
+            daemon.start()
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=writer, args=(daemon.addr, "arena", written, seeds, stop)
+            )
+            thread.start()
+            kill_at = random.uniform(0.1, 0.8)  # of the records loaded
+            while True:
+                loaded, total = load_progress(daemon.addr)
+                if total and loaded < total and loaded >= kill_at * total:
+                    during += 1
+                    break
+                if total and loaded >= total:
+                    break
+                time.sleep(0.005)
+            daemon.kill()
+            stop.set()
+            thread.join(30)
+        daemon.start()
+        while True:  # the last start loads to the end
+            loaded, total = load_progress(daemon.addr)
+            if total and loaded >= total:
+                break
+            time.sleep(0.05)
+        final = verify(daemon.addr, written)
+        lost = corrupt = 0
+        with KVClient(daemon.addr, timeout=30) as client:
+            ns = client.namespace(LOAD_MODEL, block_tokens=TOKENS, block_bytes=LOAD_BLOCK)
+            for chain in range(chains):
+                got = ns.get(chain_tokens(chain, LOAD_BLOCKS, TOKENS))
+                lost += LOAD_BLOCKS - got.n_blocks
+                want = b"".join(load_payload(chain, i) for i in range(got.n_blocks))
+                corrupt += got.n_blocks * (got.blocks.tobytes() != want)
+            indexed = sum(n.blocks for n in client.stats().namespaces if n.model == LOAD_MODEL)
+        daemon.stop()
+    finally:
+        daemon.close()
+    records = chains * LOAD_BLOCKS
+    extra = indexed - (records - lost)  # indexed but not reachable from a chain's root
+    body = [
+        "| records filled | kill -9 cycles | killed during the load | filled blocks lost | "
+        "corrupt served | indexed without their chain | written during loads, answered "
+        "durable | durable lost |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {records} | {cycles} | {during} | {lost} | {corrupt + final.get('corrupt', 0)} | "
+        f"{extra + final.get('orphans', 0)} | {final.get('durable', 0)} | "
+        f"{final.get('durable_lost', 0)} |",
+        "",
+        f"A disk tier filled straight through LMDB with {chains} chains of {LOAD_BLOCKS} "
+        f"blocks of {LOAD_BLOCK} bytes (a file over the {SYNC_FILE_BYTES >> 20} MiB a start "
+        "loads before it answers), a write-through writer putting chains meanwhile; each "
+        "cycle starts the daemon and kills it (-9) at a random point of its background "
+        "index load. After the last start has loaded the whole index, every filled chain "
+        "and every chain the writer was answered durable for is read back.",
+    ]
+    ok = (
+        during == cycles and lost == 0 and corrupt + final.get("corrupt", 0) == 0
+        and extra + final.get("orphans", 0) == 0 and final.get("durable_lost", 0) == 0
+    )
+    return Section("Killed while the index loads", body, [(
+        f"{cycles} kill -9 during the background index load: nothing committed lost, "
+        "nothing corrupt, nothing indexed without its ancestors",
+        f"{during} kills during the load, {lost} filled blocks lost, "
+        f"{final.get('durable_lost', 0)} durable lost, {extra} extra indexed", ok,
+    )])
+
+
 # --- fuzz ---------------------------------------------------------------------------------
 
 
@@ -599,7 +701,7 @@ def part_load(work: Path, quick: bool) -> Section:
 
 RUNNERS: dict[str, Callable[[Path, bool], Section]] = {
     "crash": part_crash, "client": part_client, "diskfull": part_diskfull,
-    "damage": part_damage, "fuzz": part_fuzz, "load": part_load,
+    "damage": part_damage, "indexload": part_indexload, "fuzz": part_fuzz, "load": part_load,
 }
 
 

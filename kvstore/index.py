@@ -58,6 +58,7 @@ class Node:
     pins: int = 0
     host_offset: int = -1
     on_disk: bool = False
+    shared_due: bool = False  # in the shared tier's write-behind queue (store_shared)
     host_children: int = 0
     disk_children: int = 0
     # tree links

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvproto.v1.results import Event, NamespaceStats, Stats, TenantStats, TierStats
+from kvproto.v1.results import Event, NamespaceStats, SharedStats, Stats, TenantStats, TierStats
 from kvstore.disk import DiskTier
 from kvstore.errors import InvalidArgument, LayoutMismatch
 from kvstore.events import Counters, EventLog
@@ -54,7 +54,7 @@ from kvstore.shared.tier import SharedTier
 from kvstore.store_config import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstore.store_parts import StoreParts
 from kvstore.store_reads import Reads, ready_prefix
-from kvstore.store_shared import SharedBlocks
+from kvstore.store_shared import SharedBlocks, SharedQueue
 from kvstore.store_writes import Writes
 from kvstore.tiering import Tiers
 
@@ -107,9 +107,11 @@ class Store:
             tiers = Tiers(
                 config, index, namespaces, self._arena, self._disk, counters, events, wall
             )
+            queue = None if config.shared is None else SharedQueue(config.shared)
+            tiers.shared_wait = queue is not None and queue.wait
             self._parts = StoreParts(
                 config, clock, wall, self._lock, changed, namespaces, index, counters, events,
-                LeaseTable(clock), self._arena, self._disk, tiers,
+                LeaseTable(clock), self._arena, self._disk, tiers, queue,
             )  # fmt: skip
             self._load: IndexLoad | None = None
             if self._disk is not None:
@@ -142,7 +144,7 @@ class Store:
         self.set_priority = self._writes.set_priority
         self.shared_gap = self._shared_blocks.shared_gap
         self.pull_shared = self._shared_blocks.pull_shared
-        self.lend_blocks = self._shared_blocks.lend_blocks
+        self.lend_queued = self._shared_blocks.lend_queued
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
         self._reaper.start()
@@ -354,8 +356,13 @@ class Store:
                 ),
                 disk_fault=fault,
                 tenants=self._tenant_usage(),
-                shared=None if shared is None else shared.stats(),
+                shared=None if shared is None else self._shared_stats(shared),
             )
+
+    def _shared_stats(self, shared: SharedTier) -> SharedStats:
+        queue = self._parts.shared_queue
+        assert queue is not None
+        return shared.stats(queue_bytes=queue.bytes, queue_dropped=queue.dropped)
 
     def _load_progress(self) -> dict[str, int]:
         """The disk index load's records, loaded of the total (none without a disk)."""

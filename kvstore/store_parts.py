@@ -7,7 +7,8 @@ A :class:`kvstore.store.Store` is a façade over these parts, behind one lock:
 - ``counters`` and ``events`` (:mod:`kvstore.events`): what the store tells about itself;
 - ``leases`` (:mod:`kvstore.leases`): who holds which blocks and slots, until when;
 - ``arena`` (:mod:`kvstore.host.arena`) and ``disk`` (:mod:`kvstore.disk`): the tiers' bytes;
-- ``tiers`` (:mod:`kvstore.tiering`): where each block is, and moving it.
+- ``tiers`` (:mod:`kvstore.tiering`): where each block is, and moving it;
+- ``shared_queue`` (:mod:`kvstore.store_shared`): blocks due on the shared tier.
 
 The store's operations (:mod:`kvstore.store_reads`, :mod:`kvstore.store_writes`,
 :mod:`kvstore.store_shared`) are classes that take these parts and call them. What no
@@ -22,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.disk import DiskTier
 from kvstore.errors import StoreClosed
@@ -32,6 +34,9 @@ from kvstore.leases import Lease, LeaseTable
 from kvstore.namespaces import Namespaces
 from kvstore.store_config import StoreConfig
 from kvstore.tiering import Tiers
+
+if TYPE_CHECKING:
+    from kvstore.store_shared import SharedQueue
 
 
 @dataclass(eq=False)
@@ -51,6 +56,7 @@ class StoreParts:
     arena: HostArena
     disk: DiskTier | None
     tiers: Tiers
+    shared_queue: SharedQueue | None = None  # with a shared tier (kvstore.store_shared)
     closed: bool = False
 
     def check_open(self) -> None:

@@ -269,6 +269,9 @@ class Reads:
                 fresh = self._promotion_slots(nodes, promote_all, deadline)
                 if fresh is not None:
                     return nodes, fresh
+                if self._parts.tiers.shared_blocked:  # the shared tier's writer makes it
+                    self._parts.changed.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                    continue
             disk = self._parts.disk
             assert disk is not None
             disk.wait_room(nodes[0].size, max(0.0, deadline - time.monotonic()))
@@ -280,7 +283,7 @@ class Reads:
         :meth:`_pin_prefix`); None, with ``nodes`` unpinned and nothing allocated, when
         the disk writer is behind and ``deadline`` has not passed. Under the lock."""
         tiers = self._parts.tiers
-        tiers.writer_blocked = False
+        tiers.writer_blocked = tiers.shared_blocked = False
         fresh: dict[int, int] = {}
         for i, node in enumerate(nodes):
             if node.in_host:

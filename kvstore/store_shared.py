@@ -10,20 +10,69 @@ usual admission. A chain whose next block is pending here is not pulled: a sessi
 this node is computing it (early reuse). The daemon calls it before its reads; a call
 on the event loop asks :meth:`shared_gap` first and moves to a pool thread when a pull
 could help.
+
+Writes go out behind the puts through :class:`SharedQueue`: each committed block at or
+above ``min_priority`` is queued (a flag on its node, ``shared_due``, and its bytes
+counted) until the writer takes it (:meth:`SharedBlocks.lend_queued`). Past
+``queue_bytes``, ``overflow = drop`` queues no more (counted as dropped), ``wait``
+keeps queueing and holds the puts back instead: a put waits while the queue is over
+its bound, and the host tier does not evict a queued block (:mod:`kvstore.tiering`),
+so a put that needs the room waits for the writer, as for the disk writer's.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kvstore.index import READY, Node
 from kvstore.keys import BlockKey
-from kvstore.shared.tier import Known, Lent, Outgoing, SharedTier, Wanted
+from kvstore.shared.tier import Known, Lent, Outgoing, SharedConfig, SharedTier
 from kvstore.store_parts import StoreParts
 from kvstore.store_reads import ready_prefix
 from kvstore.store_writes import Writes
 
 MAX_ANCESTORS = 8192  # the longest unsent run of parents lent with one block
+
+
+class SharedQueue:
+    """The shared tier's write-behind queue (see the module docstring). Under the
+    store's lock."""
+
+    def __init__(self, config: SharedConfig) -> None:
+        self.wait = config.overflow == "wait"
+        self.limit = config.queue_bytes
+        self.min_priority = config.min_priority
+        self.nodes: deque[Node] = deque()
+        self.bytes = 0
+        self.dropped = 0  # blocks not queued because it was full (overflow = drop)
+
+    def add(self, batch: Sequence[Node]) -> None:
+        """Queue just-committed blocks that are due on the cluster."""
+        for node in batch:
+            if node.priority < self.min_priority:
+                continue
+            if not self.wait and self.bytes + node.size > self.limit:
+                self.dropped += 1
+                continue
+            node.shared_due = True
+            self.nodes.append(node)
+            self.bytes += node.size
+
+    @property
+    def full(self) -> bool:
+        """Whether puts must wait for the writer (overflow = wait, over the bound)."""
+        return self.wait and self.bytes > self.limit
+
+    def take(self, limit: int) -> list[Node]:
+        """The oldest ``limit`` queued blocks, off the queue."""
+        taken: list[Node] = []
+        while self.nodes and len(taken) < limit:
+            node = self.nodes.popleft()
+            node.shared_due = False
+            self.bytes -= node.size
+            taken.append(node)
+        return taken
 
 
 class SharedBlocks:
@@ -81,24 +130,34 @@ class SharedBlocks:
             return None
         return found.ready_blocks
 
-    def lend_blocks(self, wanted: Wanted, min_priority: int, known: Known) -> Lent:
-        """For the shared tier's writer: the blocks of ``wanted`` (ns_id, key) that are
-        not ``known`` to be on the cluster and are at or above ``min_priority``, each
-        after its unsent ancestors, pinned in their host slots until the returned
-        release is called; and how many could not be lent (no longer in the host tier,
-        nor an unsent ancestor)."""
+    def lend_queued(self, limit: int, known: Known, timeout: float, drop: bool) -> Lent:
+        """For the shared tier's writer (see :class:`kvstore.shared.tier.BlockSource`):
+        the next queued blocks not ``known`` to be on the cluster, each after its
+        unsent ancestors, pinned in their host slots until the returned release is
+        called; and how many could not be lent (no longer in the host tier, nor an
+        unsent ancestor, or ``drop``)."""
+        queue = self._parts.shared_queue
+        assert queue is not None
         lent: list[Outgoing] = []
         pinned: list[Node] = []
         lost = 0
         with self._lock:
+            self._parts.check_open()
+            if not queue.nodes:
+                self._parts.changed.wait(timeout)
+            taken = queue.take(limit)
+            if taken:
+                self._parts.changed.notify_all()  # puts waiting for the queue to shrink
+            if drop:
+                return Lent([], lambda: None, len(taken))
             array = self._arena.array()
             chosen: set[BlockKey] = set()
-            for ns_id, key in wanted:
-                node = self._index.get(key)
-                if node is None or node.ns.spec.ns_id != ns_id:
+            for node in taken:
+                key = node.key
+                if self._index.get(key) is not node:  # gone (evicted, deleted) meanwhile
                     lost += 1
                     continue
-                if known(key) or key in chosen or node.priority < min_priority:
+                if known(key) or key in chosen:
                     continue
                 chain = [node]
                 parent = node.parent

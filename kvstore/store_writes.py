@@ -145,21 +145,28 @@ class Writes:
                 self._parts.expire()
                 staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
                 last = time.monotonic() >= deadline
-                tiers.writer_blocked = False
-                tiers.drop_dirty = last and config.overflow == "drop"
-                dropped = self._parts.counters.dirty_dropped
-                try:
-                    found = self._reserve_locked(
-                        entry, keys, start, prio, ttl, staging, staged_offsets, undo=not last
-                    )
-                finally:
-                    tiers.drop_dirty = False
-                if found is not None:
-                    self._note_overflow(found, self._parts.counters.dirty_dropped - dropped)
-                    return self._stage_more(entry, found, staging, stage_more, ttl)
+                queue = self._parts.shared_queue
+                tiers.writer_blocked = tiers.shared_blocked = False
+                found = None
+                if last or queue is None or not queue.full:
+                    tiers.drop_dirty = last and config.overflow == "drop"
+                    dropped = self._parts.counters.dirty_dropped
+                    try:
+                        found = self._reserve_locked(
+                            entry, keys, start, prio, ttl, staging, staged_offsets, undo=not last
+                        )
+                    finally:
+                        tiers.drop_dirty = False
+                    if found is not None:
+                        self._note_overflow(found, self._parts.counters.dirty_dropped - dropped)
+                        return self._stage_more(entry, found, staging, stage_more, ttl)
                 if not waited:
                     waited = True
                     self._parts.counters.put_waits += 1
+                if queue is not None and (queue.full or tiers.shared_blocked):
+                    # the shared tier's writer makes the room: it notifies when it takes
+                    self._parts.changed.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                    continue
             # only the disk writer can make the room: wait for it, holding nothing
             disk = self._parts.disk
             assert disk is not None
@@ -397,6 +404,8 @@ class Writes:
             if batch:
                 self._parts.tiers.insert_used(batch)
                 self._parts.events.emit_all(EventKind.STORED, batch, Tier.HOST)
+                if self._parts.shared_queue is not None:
+                    self._parts.shared_queue.add(batch)
                 if through:
                     for node in batch:
                         self._parts.tiers.write_to_disk(node)

@@ -81,6 +81,10 @@ class Tiers:
         # found nothing else (reset by whoever asks); see the module docstring
         self.writer_blocked = False
         self.drop_dirty = False  # evict dirty blocks unwritten (overflow = drop)
+        # the shared tier's queue holds its blocks in host (shared_overflow = wait):
+        # eviction passes over them and says so here (kvstore.store_shared)
+        self.shared_wait = False
+        self.shared_blocked = False
         self._queue_full = False  # the last write_to_disk was refused for queue room
 
     # --- a tier's blocks ----------------------------------------------------------------------
@@ -330,6 +334,9 @@ class Tiers:
                     continue
             elif self._subtree_busy(node):
                 continue
+            if node.shared_due and self.shared_wait:
+                self.writer_blocked = self.shared_blocked = True
+                continue
             if node.on_disk or not self.due_on_disk(node):
                 return node
             if not queue_full:
@@ -525,16 +532,18 @@ class Tiers:
 
     def _due_blocks(self) -> list[Node]:
         """The host blocks due on disk, parents first (a block not admitted there
-        keeps its descendants off it: they would be orphans on disk)."""
+        keeps its descendants off it: they would be orphans on disk). The host tier
+        holds whole prefixes (parents are promoted first, evicted last), so the walk
+        stops at the first block of a chain that is not in it."""
         due: list[Node] = []
         for entry in self.namespaces:
             queue = [self.index.nodes[key] for key in entry.roots]
             while queue:
                 node = queue.pop()
-                if not node.ready or not (node.on_disk or node.in_host):
+                if not node.ready or not node.in_host:
                     continue
                 if not node.on_disk:
-                    if not node.in_host or not self.admit(node):
+                    if not self.admit(node):
                         continue
                     due.append(node)
                 queue.extend(node.children())

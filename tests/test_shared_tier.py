@@ -404,3 +404,69 @@ def test_an_acl_user_with_its_password_in_a_file(
         wait_for(
             lambda: "invalid username-password pair" in c.output(), 20, "the password's log line"
         )
+
+
+# --- the write-behind queue: bounded in bytes, drop or wait --------------------------------
+
+BURST_BLOCK = 256 << 10
+
+
+def burst(daemon: Daemon, chains: int, first: int) -> int:
+    """Put ``chains`` chains of 8 blocks of 256 KiB as fast as one client can; blocks
+    answered stored."""
+    stored = 0
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("burst-model", BLOCK_TOKENS, BURST_BLOCK)
+        data = np.random.default_rng(first).integers(0, 256, (8, BURST_BLOCK), dtype=np.uint8)
+        for chain in range(first, first + chains):
+            tokens = list(range(chain * 1000, chain * 1000 + 8 * BLOCK_TOKENS))
+            stored += ns.put(tokens, data).stored
+    return stored
+
+
+def settled(daemon: Daemon, stored: int) -> object:
+    """The shared stats once every stored block was sent, dropped or failed."""
+    def done() -> bool:
+        s = shared_stats(daemon)
+        return s.blocks_written + s.writes_dropped + s.write_errors >= stored  # type: ignore[attr-defined]
+
+    wait_for(done, 60, "the write-behind queue to drain")
+    return shared_stats(daemon)
+
+
+def test_write_behind_wait_sends_every_block_of_a_burst(
+    healthy: ValkeyCluster, kvstored_factory: Callable[..., Daemon]
+) -> None:
+    # a queue of 1 MiB (four blocks) and a host tier of 8 MiB: the writer cannot keep up
+    # with the burst, so the puts wait for it (and the host tier keeps what is queued)
+    daemon = kvstored_factory(
+        shared_url=healthy.url, shared_timeout_ms=TIMEOUT_MS, shared_overflow="wait",
+        shared_queue_bytes="1MiB", host_bytes="8MiB", disk_bytes=0,
+    )  # fmt: skip
+    wait_connected(daemon)
+    stored = burst(daemon, 16, 1)  # 32 MiB, four times the host tier
+    assert stored == 16 * 8
+    stats = settled(daemon, stored)
+    assert (stats.blocks_written, stats.writes_dropped) == (stored, 0)  # type: ignore[attr-defined]
+    with KVClient(daemon.addr) as client:
+        assert client.stats().counters["put_waits"] > 0, "the queue never filled: not tested"
+
+
+def test_write_behind_drop_counts_what_it_did_not_send(
+    healthy: ValkeyCluster, kvstored_factory: Callable[..., Daemon]
+) -> None:
+    daemon = kvstored_factory(
+        shared_url=healthy.url, shared_timeout_ms=TIMEOUT_MS, shared_queue_bytes="1MiB",
+    )  # fmt: skip
+    wait_connected(daemon)
+    stored = burst(daemon, 16, 100)
+    assert stored == 16 * 8  # drop never slows a put
+    stats = settled(daemon, stored)
+    assert stats.writes_dropped > 0  # type: ignore[attr-defined]
+    assert stats.blocks_written + stats.writes_dropped == stored  # type: ignore[attr-defined]
+    assert stats.queue_limit_bytes == 1 << 20  # type: ignore[attr-defined]
+    text = subprocess.run(
+        [sys.executable, "-m", "kvctl", "--addr", daemon.addr, "status"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "queue 0 B of 1.0 MiB" in text and f"dropped {stats.writes_dropped}" in text  # type: ignore[attr-defined]

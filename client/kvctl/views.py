@@ -287,7 +287,9 @@ def render_shared(shared: JSONDict) -> str:
         f"({shared['blocks_read']} blocks, hit rate {percent(shared['hit_rate'])})  "
         f"written {human_bytes(shared['bytes_written'])} ({shared['blocks_written']} blocks)  "
         f"errors {shared['errors']}  write errors {shared['write_errors']}  "
-        f"dropped {shared['writes_dropped']}  corrupt {shared['corrupt']}"
+        f"dropped {shared['writes_dropped']}  corrupt {shared['corrupt']}  "
+        f"queue {human_bytes(shared.get('queue_bytes', 0))} of "
+        f"{human_bytes(shared.get('queue_limit_bytes', 0))}"
     )
 
 

@@ -407,6 +407,12 @@ KEYS: tuple[Key, ...] = (
     Key("shared_min_priority", "int", parse_int, 0,
         "shared tier: blocks below this priority are not written to the cluster",
         _between(0, 100)),
+    Key("shared_queue_bytes", "size", parse_size, 256 << 20,
+        "shared tier: block bytes stored and not yet sent to the cluster, at most",
+        _at_least(1 << 20, "size")),
+    Key("shared_overflow", "choice", _choice(("drop", "wait")), "drop",
+        "shared tier, past shared_queue_bytes: drop (new blocks are not sent, counted) "
+        "| wait (puts wait for the writer, up to put_wait_ms, as for the disk's)"),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
@@ -456,6 +462,8 @@ class DaemonConfig:
     shared_timeout_ms: int
     shared_ttl_s: int
     shared_min_priority: int
+    shared_queue_bytes: int
+    shared_overflow: str
     sources: Mapping[str, str]
     config_file: str = ""
     tenants: tuple[TenantConfig, ...] = ()  # the config file's [tenants.<name>] tables
@@ -504,6 +512,8 @@ class DaemonConfig:
             ttl_s=self.shared_ttl_s,
             min_priority=self.shared_min_priority,
             password=password,
+            queue_bytes=self.shared_queue_bytes,
+            overflow=self.shared_overflow,
         )
 
     @property

@@ -258,6 +258,9 @@ _SHARED_FIGURES: tuple[tuple[type[Metric], str, str, str], ...] = (
     (CounterMetricFamily, "kvstore_shared_writes_dropped",
      "Stored blocks never sent: the writer fell behind, the block left the host tier "
      "first, or its parent was gone.", "writes_dropped"),
+    (GaugeMetricFamily, "kvstore_shared_queue_bytes",
+     "Block bytes stored on this node and not yet sent to the shared tier (its "
+     "write-behind queue, at most shared_queue_bytes).", "queue_bytes"),
     (CounterMetricFamily, "kvstore_shared_corrupt",
      "Shared-tier values that failed their check (served as misses).", "corrupt"),
     (CounterMetricFamily, "kvstore_shared_errors",

@@ -11,14 +11,19 @@ failing its check (:mod:`kvstore.shared.format`): a block is never served withou
 ancestors, and a bad value is a miss. The store then puts what came back into its
 host tier, where the usual admission takes it to disk.
 
-Writes happen behind the put, on this tier's own thread. It follows the store's event
-log: each block stored on this node (not pulled from the cluster) and at or above
-``min_priority`` is read out of its host slot and sent, batched and pipelined per
-cluster node. Prefix-closed from the writer's side: a block goes out only in the same
-batch as its parent or after it, and a parent this process has not sent (e.g. one
-rebuilt from disk after a restart) is sent first when the node still holds it. The
-writer never slows a put: blocks it cannot keep up with (the event log overran), that
-left the host tier first, or whose parent is gone are counted as dropped.
+Writes happen behind the put, on this tier's own thread. The store queues each block
+stored on this node at or above ``min_priority`` (:class:`kvstore.store_shared.SharedQueue`,
+bounded by ``queue_bytes``); the writer takes the queue's blocks out of their host
+slots and sends them, batched and pipelined per cluster node (blocks pulled from the
+cluster are known to be there and skipped). Prefix-closed from the writer's side: a
+block goes out only in the same batch as its parent or after it, and a parent this
+process has not sent (e.g. one loaded from disk after a restart) is sent first when
+the node still holds it. Past ``queue_bytes``, ``overflow = drop`` (the default: the
+shared tier is a best-effort second copy) leaves new blocks unsent, and ``wait`` slows
+puts down instead: a queued block is not evicted from the host tier before it is sent,
+and puts wait for the writer as they wait for the disk's. Blocks that left the host
+tier first, whose parent is gone, or that were queued while the cluster was
+unreachable, are counted as dropped.
 
 Which blocks the cluster holds is remembered per process for up to ``KNOWN_BLOCKS``
 keys (sent, or pulled); a cluster error forgets them, because the cluster may have
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from kvproto.v1.results import Event, SharedStats
+from kvproto.v1.results import SharedStats
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.shared.cluster import CHECK_S, ClusterLink
@@ -62,6 +67,10 @@ class SharedConfig:
     ttl_s: int = 0  # 0: values never expire (the cluster's maxmemory-policy evicts)
     min_priority: int = 0  # blocks below this priority stay on the node
     password: str = ""  # from the daemon's shared_password_file, never in the URL
+    # the write-behind queue: at most this many block bytes stored and not sent yet;
+    # past it, drop (not sent, counted) or wait (puts slow down: kvstore.store_shared)
+    queue_bytes: int = 256 << 20
+    overflow: str = "drop"
 
     def validate(self) -> None:
         scheme = urlsplit(self.url).scheme
@@ -75,6 +84,12 @@ class SharedConfig:
             raise InvalidArgument(f"shared_timeout_ms must be in [1, 60000], got {self.timeout_ms}")
         if self.ttl_s < 0:
             raise InvalidArgument(f"shared_ttl_s must be >= 0, got {self.ttl_s}")
+        if self.queue_bytes < 1:
+            raise InvalidArgument(f"shared_queue_bytes must be >= 1, got {self.queue_bytes}")
+        if self.overflow not in ("drop", "wait"):
+            raise InvalidArgument(
+                f"shared_overflow must be drop or wait, got {self.overflow!r}"
+            )
 
     @property
     def shown_url(self) -> str:
@@ -97,28 +112,24 @@ class Outgoing:
 
 
 class Lent(NamedTuple):
-    """What the store lends the writer for a batch of stored events."""
+    """What the store lends the writer: the next blocks of its write-behind queue."""
 
     blocks: list[Outgoing]  # unsent ancestors first
     release: Callable[[], None]  # unpins them; call once they are sent
-    lost: int  # wanted blocks no longer in the host tier (or an unsent ancestor)
+    lost: int  # queued blocks no longer in the host tier (or an unsent ancestor)
 
 
 Known = Callable[[BlockKey], bool]  # whether a block is already on the cluster
-Wanted = Sequence[tuple[str, BlockKey]]  # (ns_id, key) of stored events
 
 
 class BlockSource(Protocol):
     """What the shared tier needs of its store."""
 
-    @property
-    def last_event_seq(self) -> int: ...
-
-    def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]: ...
-
-    def lend_blocks(self, wanted: Wanted, min_priority: int, known: Known) -> Lent:
-        """The blocks to send for ``wanted`` that are not ``known`` to be on the
-        cluster, pinned in the host tier until released."""
+    def lend_queued(self, limit: int, known: Known, timeout: float, drop: bool) -> Lent:
+        """The next (up to ``limit``) blocks of the write-behind queue that are not
+        ``known`` to be on the cluster, each after its unsent ancestors, pinned in the
+        host tier until released; waits up to ``timeout`` for one. ``drop``: take
+        them off the queue, lend none (the cluster is unreachable)."""
         ...
 
 
@@ -204,9 +215,17 @@ class SharedTier:
         """Blocks sent so far (a cheap read for a waiter; :meth:`stats` has them all)."""
         return self._n["blocks_written"]
 
-    def stats(self) -> SharedStats:
+    def stats(self, queue_bytes: int = 0, queue_dropped: int = 0) -> SharedStats:
+        """The tier's figures; the store adds its write-behind queue's (bytes held,
+        blocks it refused while full)."""
         fields: dict[str, Any] = {**dataclasses.asdict(self._link.stats()), **self._n}
-        return SharedStats(url=self.config.shown_url, **fields)
+        fields["writes_dropped"] += queue_dropped
+        return SharedStats(
+            url=self.config.shown_url,
+            queue_bytes=queue_bytes,
+            queue_limit_bytes=self.config.queue_bytes,
+            **fields,
+        )
 
     def close(self) -> None:
         self._stop.set()
@@ -215,7 +234,6 @@ class SharedTier:
 
     # --- writes (this tier's thread) --------------------------------------------------
     def _run(self) -> None:
-        seq = self._source.last_event_seq  # blocks stored before the start stay local
         next_check = 0.0
         errors = 0
         while not self._stop.is_set():
@@ -226,30 +244,21 @@ class SharedTier:
             if self._link.errors != errors:  # any call failed: the cluster may be empty now
                 errors = self._link.errors
                 self._forget_known()
+            usable = self._link.usable()
             try:
-                events = self._source.events_since(seq, timeout=0.2, limit=WRITE_BATCH_BLOCKS)
+                lent = self._source.lend_queued(
+                    WRITE_BATCH_BLOCKS, self.is_known, timeout=0.2, drop=not usable
+                )
             except Exception:  # noqa: BLE001 - the store closed under us
                 return
-            if not events:
-                continue
-            if events[0].seq > seq + 1:  # the event log overran: those blocks stay local
-                self._n["writes_dropped"] += events[0].seq - seq - 1
-            seq = events[-1].seq
-            wanted = [(e.ns_id, BlockKey(e.key)) for e in events if e.kind == "stored"]
-            if wanted and self._link.usable():
-                self._write(wanted)
-            elif wanted:
-                self._n["writes_dropped"] += len(wanted)
+            self._n["writes_dropped"] += lent.lost
+            self._write(lent)
 
-    def _write(self, wanted: list[tuple[str, BlockKey]]) -> None:
-        """Send the blocks of ``wanted`` (and their unsent ancestors), packed into the
-        writer's scratch buffer (allocated once: fresh pages cost more than the copy)
-        in runs of at most SCRATCH_BYTES; the blocks stay pinned until the last run is
-        sent."""
-        blocks, release, lost = self._source.lend_blocks(
-            wanted, self.config.min_priority, self.is_known
-        )
-        self._n["writes_dropped"] += lost
+    def _write(self, lent: Lent) -> None:
+        """Send the lent blocks (unsent ancestors first), packed into the writer's
+        scratch buffer (allocated once: fresh pages cost more than the copy) in runs
+        of at most SCRATCH_BYTES; the blocks stay pinned until the last run is sent."""
+        blocks = lent.blocks
         try:
             begin = 0
             while begin < len(blocks):
@@ -262,7 +271,7 @@ class SharedTier:
                 self._send(blocks[begin:end], used)
                 begin = end
         finally:
-            release()
+            lent.release()
 
     def _send(self, blocks: list[Outgoing], nbytes: int) -> None:
         if len(self._scratch) < nbytes:

@@ -140,6 +140,8 @@ class SharedStats:
     corrupt: int  # values that failed their check (served as misses)
     errors: int  # failed node calls
     breaker_changes: int
+    queue_bytes: int = 0  # block bytes stored and not sent yet (the write-behind queue)
+    queue_limit_bytes: int = 0  # shared_queue_bytes
 
     @property
     def hit_rate(self) -> float:
