@@ -451,7 +451,7 @@ def part_damage(work: Path, quick: bool) -> Section:
 # --- indexload: kill -9 while a large disk tier's index loads ------------------------------
 
 LOAD_MODEL = "torture-load"
-LOAD_BLOCK = 4096  # a filled block: 2 LMDB pages, so a few hundred MiB hold 40k+ records
+LOAD_BLOCK = 512  # small records: many of them in a small file, a load of many chunks
 LOAD_BLOCKS = 16  # blocks per filled chain
 
 
@@ -468,12 +468,12 @@ def load_progress(addr: str) -> tuple[int, int]:
 
 def part_indexload(work: Path, quick: bool) -> Section:
     from kvbench.disk_fill import chain_tokens, fill_disk
-    from kvstore.index_load import SYNC_FILE_BYTES
 
     cycles = 2 if quick else 6
-    # enough records for a file over SYNC_FILE_BYTES: the load runs behind the start
-    chains = SYNC_FILE_BYTES // (2 * 4096 * LOAD_BLOCKS) * 5 // 4 * (1 if quick else 3)
-    daemon = Kvstored(work / "indexload", admission="write-through", disk_bytes="8GiB")
+    chains = 4000 if quick else 40_000  # 64k or 640k records: a load of 8 or 80 chunks
+    daemon = Kvstored(
+        work / "indexload", admission="write-through", disk_bytes="8GiB", sync_index_bytes=0
+    )
     spec = {"model": LOAD_MODEL, "block_tokens": TOKENS, "block_bytes": LOAD_BLOCK}
     fill_disk(Path(daemon.disk_dir), chains, LOAD_BLOCKS, spec, load_payload)
     written = Chains()
@@ -530,8 +530,8 @@ def part_indexload(work: Path, quick: bool) -> Section:
         f"{final.get('durable_lost', 0)} |",
         "",
         f"A disk tier filled straight through LMDB with {chains} chains of {LOAD_BLOCKS} "
-        f"blocks of {LOAD_BLOCK} bytes (a file over the {SYNC_FILE_BYTES >> 20} MiB a start "
-        "loads before it answers), a write-through writer putting chains meanwhile; each "
+        f"blocks of {LOAD_BLOCK} bytes, its index loaded behind the first answers "
+        "(`sync_index_bytes = 0`), a write-through writer putting chains meanwhile; each "
         "cycle starts the daemon and kills it (-9) at a random point of its background "
         "index load. After the last start has loaded the whole index, every filled chain "
         "and every chain the writer was answered durable for is read back.",

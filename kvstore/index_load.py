@@ -25,7 +25,7 @@ misses for the rest, and this part loads the records behind it.
   last use, older than the blocks written since the start, in slices, each under the
   lock. Until then they are not evicted (a full disk tier evicts what was written since
   the start first, for the time the load takes).
-- A tier whose file is at most SYNC_FILE_BYTES is loaded before the store answers
+- A tier whose file is at most ``sync_index_bytes`` is loaded before the store answers
   (small tiers behave as if loading were instant); a larger one on a thread, logging
   progress.
   ``kvctl status`` and the metrics show records loaded of the total.
@@ -46,9 +46,6 @@ from kvstore.store_parts import StoreParts
 
 log = logging.getLogger(__name__)
 
-# a disk tier whose file is at most this size loads before the store answers: with
-# blocks of 64 KiB or more (a KV block of any real model) that is a few thousand records
-SYNC_FILE_BYTES = 512 << 20
 CHUNK = 8192  # records indexed per hold of the store's lock
 ORDER_SLICE = 65536  # blocks put in eviction order per hold of the lock, at the end
 PROGRESS_EVERY_S = 2.0
@@ -88,7 +85,7 @@ class IndexLoad:
 
     def start(self) -> None:
         size = self._disk.file_bytes()
-        if size <= SYNC_FILE_BYTES:
+        if size <= self._parts.config.sync_index_bytes:
             try:
                 self._load()  # its errors are the store's open's
             finally:

@@ -58,6 +58,9 @@ class StoreConfig:
     # write-through: how long a commit waits for its disk commit before answering
     write_through_wait_s: float = 30.0
     check_disk_in_child: bool = False  # at open, walk the disk tier's B-trees in a child
+    # a disk tier whose data file is at most this size is indexed before the store
+    # answers; a larger one in the background (kvstore.index_load); 0: always behind
+    sync_index_bytes: int = 512 << 20
     # tenant -> its quota (kvstore.tenants); tenants not named here have none
     quotas: Mapping[str, Quota] = field(default_factory=dict)
     shared: SharedConfig | None = None  # a shared tier on a Valkey / Redis Cluster
@@ -101,6 +104,8 @@ class StoreConfig:
             raise InvalidArgument(f"disk_queue_bytes must be >= 1, got {self.disk_queue_bytes}")
         if self.persist_timeout_s < 0:
             raise InvalidArgument(f"persist_timeout_s must be >= 0, got {self.persist_timeout_s}")
+        if self.sync_index_bytes < 0:
+            raise InvalidArgument(f"sync_index_bytes must be >= 0, got {self.sync_index_bytes}")
         if self.put_wait_ms < 0:
             raise InvalidArgument(f"put_wait_ms must be >= 0, got {self.put_wait_ms}")
         if self.overflow not in OVERFLOW_POLICIES:

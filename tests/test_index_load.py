@@ -29,13 +29,15 @@ def tokens(chain: int) -> list[int]:
     return [chain * 1000 + t for t in range(LENGTH * TOKENS)]
 
 
-def make_store(tmp_path: Path) -> Store:
+def make_store(tmp_path: Path, behind: bool = True) -> Store:
+    """A store on the test's disk tier; ``behind``: its index loads in the background."""
     return Store(
         StoreConfig(
             host_bytes=64 * BLOCK,
             disk_dir=str(tmp_path / "lmdb"),
             disk_bytes=4096 * 3 * BLOCK,
             shared_arena=False,
+            sync_index_bytes=0 if behind else 512 << 20,
         )
     )
 
@@ -45,7 +47,7 @@ def open_ns(store: Store) -> str:
 
 
 def fill(tmp_path: Path) -> None:
-    with make_store(tmp_path) as store:
+    with make_store(tmp_path, behind=False) as store:
         ns = open_ns(store)
         for chain in range(CHAINS):
             keys = store.keys_for(ns, tokens(chain))
@@ -69,7 +71,6 @@ class Paused:
                 yield found
 
         monkeypatch.setattr(DiskTier, "scan_chunks", paused)
-        monkeypatch.setattr(index_load, "SYNC_FILE_BYTES", 0)  # always in the background
         monkeypatch.setattr(index_load, "CHUNK", 64)
 
     def go(self) -> None:
@@ -127,7 +128,7 @@ def test_serves_while_loading_and_writes_during_the_load_are_safe(
         assert disk.used_bytes == exact
     # and the next start finds the same, with nothing indexed twice or orphaned
     monkeypatch.undo()
-    with make_store(tmp_path) as store:
+    with make_store(tmp_path, behind=False) as store:
         store.verify_invariants()
         ns = store.namespaces()[0].ns_id
         for chain in [*range(CHAINS), new]:
@@ -140,13 +141,12 @@ def test_a_record_without_its_parent_is_never_indexed(
 ) -> None:
     fill(tmp_path)
     # take the first block of one chain out of the disk tier, behind the store's back
-    with make_store(tmp_path) as store:
+    with make_store(tmp_path, behind=False) as store:
         ns = store.namespaces()[0].ns_id
         first = store.keys_for(ns, tokens(3))[0]
     tier = DiskTier(str(tmp_path / "lmdb"), 4096 * 3 * BLOCK)
     tier.delete(first)
     tier.close()
-    monkeypatch.setattr(index_load, "SYNC_FILE_BYTES", 0)
     monkeypatch.setattr(index_load, "CHUNK", 16)
     with make_store(tmp_path) as store:
         assert store.wait_loaded(60)
@@ -166,13 +166,13 @@ def test_damage_found_by_the_background_check_costs_the_old_blocks_only(
 
     fill(tmp_path)
     assert damage_btree(tmp_path / "lmdb" / "data.mdb") > 0
-    monkeypatch.setattr(index_load, "SYNC_FILE_BYTES", 0)
     config = StoreConfig(
         host_bytes=8 * BLOCK,  # a put of 12 blocks sends some to the disk's queue
         disk_dir=str(tmp_path / "lmdb"),
         disk_bytes=4096 * 3 * BLOCK,
         shared_arena=False,
         check_disk_in_child=True,
+        sync_index_bytes=0,
     )
     with Store(config) as store:
         ns = open_ns(store)  # before the check may have finished: nothing reads the file

@@ -361,6 +361,11 @@ KEYS: tuple[Key, ...] = (
         "puts run at copy speed (commits the memory up front); false: on first use"),
     Key("persist_on_close", "bool", parse_bool, True,
         "on shutdown, write host-only blocks to disk"),
+    Key("sync_index_bytes", "size", parse_size, 512 << 20,
+        "a disk tier whose data file is at most this size is indexed before the daemon "
+        "answers (with KV blocks of 64 KiB or more, a few thousand records); a larger "
+        "one loads behind the first answers (hits for what is loaded); 0: always behind",
+        _at_least(0, "size")),
     Key("persist_timeout_s", "float", parse_float, 90.0,
         "on shutdown, how long writing the host tier to disk may wait for the disk "
         "writer; blocks due on disk left unwritten then make the exit code 3",
@@ -443,6 +448,7 @@ class DaemonConfig:
     shared_arena: bool
     prefault_arena: bool
     persist_on_close: bool
+    sync_index_bytes: int
     persist_timeout_s: float
     event_buffer: int
     workers: int
@@ -495,6 +501,7 @@ class DaemonConfig:
             prefault_arena=self.prefault_arena,
             persist_on_close=self.persist_on_close,
             persist_timeout_s=self.persist_timeout_s,
+            sync_index_bytes=self.sync_index_bytes,
             event_buffer=self.event_buffer,
             quotas={t.name: t.quota for t in self.tenants},
             shared=self.shared_config(),
