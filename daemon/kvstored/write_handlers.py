@@ -28,7 +28,8 @@ def no_room(calls: Calls, reservation: Reservation, n_blocks: int) -> OutOfSpace
     if reservation.writer_behind:
         return OutOfSpace(
             f"no room for any of the {n_blocks} blocks: the disk writer is behind (every "
-            "block that could make room is due on disk, and its queue stayed full for "
+            "block that could make room is due on disk, or on the shared tier with "
+            "shared_overflow = wait, and its writer's queue stayed full for "
             f"put_wait_ms={calls.store.config.put_wait_ms}); retry later"
         )
     return OutOfSpace(
