@@ -105,6 +105,10 @@ def event_dict(event: Event) -> JSONDict:
     }
 
 
+STATUS_FIGURES = ("pending_blocks", "leases", "staged_bytes", "demotions", "promotions",
+                  "corrupt_reads", "disk_queue_bytes", "disk_fault")  # fmt: skip
+
+
 def collect_status(client: KVClient) -> JSONDict:
     """Everything ``status`` and ``top`` show: one Stats and one ServerInfo call."""
     stats = client.stats()
@@ -120,14 +124,7 @@ def collect_status(client: KVClient) -> JSONDict:
         "local_socket": info.local_socket,
         "tiers": [tier_dict(t) for t in stats.tiers],
         "namespaces": [namespace_dict(ns) for ns in stats.namespaces],
-        "pending_blocks": stats.pending_blocks,
-        "leases": stats.leases,
-        "staged_bytes": stats.staged_bytes,
-        "demotions": stats.demotions,
-        "promotions": stats.promotions,
-        "corrupt_reads": stats.corrupt_reads,
-        "disk_queue_bytes": stats.disk_queue_bytes,
-        "disk_fault": stats.disk_fault,
+        **{k: getattr(stats, k) for k in STATUS_FIGURES},
         "counters": dict(stats.counters),
         "tenant": info.tenant,
         "tenants": [dataclasses.asdict(t) for t in stats.tenants],
@@ -256,20 +253,13 @@ def render_status(data: JSONDict) -> str:
     lines = [head, "", render_tiers(data["tiers"], None), "", summary]
     if data.get("shared"):
         lines.append(render_shared(data["shared"]))
-    counters = data.get("counters", {})
-    total = counters.get("index_records_total", 0)
-    if counters.get("index_records_loaded", total) < total:
-        done = counters["index_records_loaded"]
-        lines.append(
-            f"disk index loading: {done} of {total} records ({percent(done / total)}); "
-            "blocks not loaded yet are misses"
-        )
-    if counters.get("put_waits") or counters.get("writer_refused") or counters.get("dirty_dropped"):
-        lines.append(
-            f"disk writer behind: puts waited {counters.get('put_waits', 0)}  "
-            f"blocks refused {counters.get('writer_refused', 0)}  "
-            f"dropped unwritten {counters.get('dirty_dropped', 0)}"
-        )
+    n = {"index_records_loaded": 0, "index_records_total": 0, **data.get("counters", {})}
+    if n["index_records_loaded"] < n["index_records_total"]:
+        lines.append("disk index loading: {index_records_loaded} of {index_records_total} "
+                     "records (the rest are misses)".format_map(n))
+    if any(n.get(k) for k in ("put_waits", "writer_refused", "dirty_dropped")):
+        lines.append("disk writer behind: puts waited {put_waits}  blocks refused "
+                     "{writer_refused}  dropped unwritten {dirty_dropped}".format_map(n))
     if data.get("disk_fault"):
         lines.append(f"disk tier NOT TAKING WRITES: {data['disk_fault']} (retrying)")
     if data.get("tenant"):
@@ -288,8 +278,7 @@ def render_shared(shared: JSONDict) -> str:
         f"written {human_bytes(shared['bytes_written'])} ({shared['blocks_written']} blocks)  "
         f"errors {shared['errors']}  write errors {shared['write_errors']}  "
         f"dropped {shared['writes_dropped']}  corrupt {shared['corrupt']}  "
-        f"queue {human_bytes(shared.get('queue_bytes', 0))} of "
-        f"{human_bytes(shared.get('queue_limit_bytes', 0))}"
+        f"queue {human_bytes(shared['queue_bytes'])} of {human_bytes(shared['queue_limit_bytes'])}"
     )
 
 
