@@ -8,7 +8,6 @@ smallest), so writers that outrun the disk hit the queue at once.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -67,12 +66,9 @@ def whole_chains(addr: str, writers: int, chains: int) -> tuple[int, int]:
     return whole, blocks
 
 
-def status_json(addr: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvctl", "--addr", addr, "status", "--json"],
-        capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
-    return json.loads(out.stdout)
+def counters(addr: str) -> dict[str, int]:
+    with KVClient(addr) as client:
+        return dict(client.stats().counters)
 
 
 def run_writers(daemon: Daemon, writers: int) -> list[int]:
@@ -100,9 +96,9 @@ def test_writers_faster_than_the_disk_lose_nothing(
     assert stored == [CHAINS * CHAIN_BLOCKS] * writers
     total = writers * CHAINS
     assert whole_chains(daemon.addr, writers, CHAINS) == (total, total * CHAIN_BLOCKS)
-    counters = status_json(daemon.addr)["counters"]
-    assert counters["dirty_dropped"] == 0 and counters["writer_refused"] == 0
-    assert counters["put_waits"] > 0, "the queue never filled: the test did not test"
+    seen = counters(daemon.addr)
+    assert seen["dirty_dropped"] == 0 and seen["writer_refused"] == 0
+    assert seen["put_waits"] > 0, "the queue never filled: the test did not test"
     assert daemon.stop() == 0
 
 
@@ -110,18 +106,17 @@ def test_overflow_drop_counts_what_it_loses(kvstored_factory: Callable[..., Daem
     daemon = kvstored_factory(**SMALL_QUEUE, overflow="drop", put_wait_ms=0)
     stored = run_writers(daemon, 1)
     assert stored == [CHAINS * CHAIN_BLOCKS]  # drop never refuses a put: it evicts
-    status = status_json(daemon.addr)
-    counters = status["counters"]
+    seen = counters(daemon.addr)
     whole, _ = whole_chains(daemon.addr, 1, CHAINS)
     # each dropped block cost the chain it belonged to (and nothing else did)
-    assert counters["dirty_dropped"] > 0
-    assert CHAINS - whole <= counters["dirty_dropped"]
-    assert counters["put_waits"] == 0 and counters["writer_refused"] == 0
+    assert seen["dirty_dropped"] > 0
+    assert CHAINS - whole <= seen["dirty_dropped"]
+    assert seen["put_waits"] == 0 and seen["writer_refused"] == 0
     text = subprocess.run(
         [sys.executable, "-m", "kvctl", "--addr", daemon.addr, "status"],
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
-    assert f"dropped unwritten {counters['dirty_dropped']}" in text
+    assert f"dropped unwritten {seen['dirty_dropped']}" in text
     assert daemon.stop() == 0
     assert daemon.output().count("the disk writer is behind") == 1  # once a minute at most
 
@@ -134,8 +129,9 @@ def test_a_graceful_stop_persists_a_host_tier_larger_than_the_queue(
     stored = [0]
     write_chains(daemon.addr, 0, 6, stored)
     assert stored == [6 * CHAIN_BLOCKS]
-    tiers = {t["name"]: t for t in status_json(daemon.addr)["tiers"]}
-    assert tiers["disk"]["blocks"] == 0, "blocks went to disk before the stop"
+    with KVClient(daemon.addr) as client:
+        disk = next(t for t in client.stats().tiers if t.name == "disk")
+    assert disk.blocks == 0, "blocks went to disk before the stop"
     assert daemon.stop() == 0
     assert "persisting the host tier: 48 blocks (12.0 MiB) due on disk" in daemon.output()
     assert "persisted 48 of 48 host blocks" in daemon.output()
