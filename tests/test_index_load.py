@@ -12,6 +12,7 @@ import pytest
 
 import kvstore.index_load as index_load
 from kvstore.disk import DiskTier
+from kvstore.disk.reads import DiskReads
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.store import Store, StoreConfig
 
@@ -61,16 +62,16 @@ class Paused:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.first_chunk_done = threading.Event()
         self._go = threading.Event()
-        scan = DiskTier.scan_chunks
+        scan = DiskReads.scan_chunks
 
-        def paused(tier: DiskTier, chunk: int) -> Iterator[list[tuple[bytes, bytes]]]:
+        def paused(tier: DiskReads, chunk: int) -> Iterator[list[tuple[bytes, bytes]]]:
             for n, found in enumerate(scan(tier, chunk)):
                 if n == 1:
                     self.first_chunk_done.set()
                     assert self._go.wait(60), "the test never let the load go on"
                 yield found
 
-        monkeypatch.setattr(DiskTier, "scan_chunks", paused)
+        monkeypatch.setattr(DiskReads, "scan_chunks", paused)
         monkeypatch.setattr(index_load, "CHUNK", 64)
 
     def go(self) -> None:

@@ -231,15 +231,13 @@ class DiskReads:
                 self._s.delete_locked(key)
         log.warning("disk record %s is damaged (checksum or page); dropped", key.hex())
 
-    def records(self) -> Iterator[DiskRecord]:
-        """Every live record: the committed ones (queued touches applied, queued deletes
-        left out) and the queued writes. Reads LMDB in chunks, one short read
-        transaction each, so nothing stays open while the caller iterates."""
-        with self._s.cond:
-            pending = dict(self._s.ops)
+    def scan_chunks(self, chunk: int) -> Iterator[list[tuple[bytes, bytes]]]:
+        """The committed records as (key, raw meta value), in key order, ``chunk`` at a
+        time, each chunk read in one short read transaction (nothing stays open while
+        the caller works)."""
         last: bytes | None = None
         while True:
-            chunk: list[tuple[bytes, bytes]] = []
+            found: list[tuple[bytes, bytes]] = []
             with self._s.resize.reading():
                 self._s.check_open()
                 with self._s.env.begin() as txn:
@@ -247,9 +245,20 @@ class DiskReads:
                     ok = cursor.first() if last is None else cursor.set_range(last)
                     if ok and last is not None and cursor.key() == last:
                         ok = cursor.next()
-                    while ok and len(chunk) < _SCAN_CHUNK:
-                        chunk.append((cursor.key(), cursor.value()))
+                    while ok and len(found) < chunk:
+                        found.append((cursor.key(), cursor.value()))
                         ok = cursor.next()
+            if not found:
+                return
+            last = found[-1][0]
+            yield found
+
+    def records(self) -> Iterator[DiskRecord]:
+        """Every live record: the committed ones (queued touches applied, queued deletes
+        left out) and the queued writes. Reads LMDB in chunks (:meth:`scan_chunks`)."""
+        with self._s.cond:
+            pending = dict(self._s.ops)
+        for chunk in self.scan_chunks(_SCAN_CHUNK):
             for key, raw in chunk:
                 op = pending.get(key)
                 if isinstance(op, _Write | _Delete):
@@ -262,9 +271,6 @@ class DiskReads:
                 if isinstance(op, _Touch):
                     record = replace(record, priority=op.priority, last_access=op.last_access)
                 yield record
-            if len(chunk) < _SCAN_CHUNK:
-                break
-            last = chunk[-1][0]
         for op in pending.values():
             if isinstance(op, _Write):
                 if op.touched is not None:

@@ -10,7 +10,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -125,6 +125,7 @@ class DiskTier:
         self.read = self._reads.read
         self.read_all = self._reads.read_all
         self.records = self._reads.records
+        self.scan_chunks = self._reads.scan_chunks
         self.namespaces = self._reads.namespaces
 
     # --- accounting -------------------------------------------------------------
@@ -389,28 +390,6 @@ class DiskTier:
         """Records committed in the environment (LMDB's own count: no scan)."""
         with self._s.resize.reading(), self._s.env.begin() as txn:
             return int(txn.stat(self._s.meta)["entries"])
-
-    def scan_chunks(self, chunk: int) -> Iterator[list[tuple[bytes, bytes]]]:
-        """The committed records as (key, raw meta value), in key order, ``chunk`` at a
-        time, each chunk read in one short read transaction (nothing stays open while
-        the caller works)."""
-        last: bytes | None = None
-        while True:
-            found: list[tuple[bytes, bytes]] = []
-            with self._s.resize.reading():
-                self._s.check_open()
-                with self._s.env.begin() as txn:
-                    cursor = txn.cursor(db=self._s.meta)
-                    ok = cursor.first() if last is None else cursor.set_range(last)
-                    if ok and last is not None and cursor.key() == last:
-                        ok = cursor.next()
-                    while ok and len(found) < chunk:
-                        found.append((cursor.key(), cursor.value()))
-                        ok = cursor.next()
-            if not found:
-                return
-            last = found[-1][0]
-            yield found
 
     def adopt(self, records: Sequence[tuple[bytes, int]]) -> list[bool]:
         """During a lazy open's load: count committed records (key, payload size) as
