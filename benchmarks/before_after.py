@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvbench import checkouts
 from kvbench.checkouts import checkout_env
 
 REPO = Path(__file__).resolve().parent.parent
@@ -99,25 +100,22 @@ def render(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", type=Path, required=True, help="the old checkout")
-    parser.add_argument("--after", type=Path, default=REPO, help="the new checkout")
-    parser.add_argument("--before-label", default="before")
-    parser.add_argument("--after-label", default="after")
+    checkouts.add_arguments(parser, REPO)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="docs/benchmarks/before_after.md")
     parser.add_argument("bench_args", nargs="*", help="after --: arguments of kvctl bench")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.before is None:
+        parser.error("--before is required")
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     with tempfile.TemporaryDirectory(prefix="kvbeforeafter-") as tmp:
-        for r in range(args.rounds):
-            order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
-            for side in order:
-                print(f"round {r + 1}: {side}", flush=True)
-                out = Path(tmp) / f"{side}-{r}.json"
-                runs[side].append(run_bench(trees[side], args.bench_args, out))
+        for r, _, side in checkouts.in_turns(args.rounds):
+            print(f"round {r + 1}: {side}", flush=True)
+            out = Path(tmp) / f"{side}-{r}.json"
+            runs[side].append(run_bench(trees[side], args.bench_args, out))
     text = render(runs["before"], runs["after"], args)
     Path(args.out).write_text(text)
     print(text)

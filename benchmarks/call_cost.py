@@ -132,10 +132,7 @@ def render(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> s
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--before", type=Path, help="the old checkout")
-    parser.add_argument("--after", type=Path, default=REPO, help="the new checkout")
-    parser.add_argument("--before-label", default="before")
-    parser.add_argument("--after-label", default="after")
+    checkouts.add_arguments(parser, REPO)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--out", default="docs/benchmarks/call_cost.md")
@@ -147,10 +144,9 @@ def main() -> int:
         parser.error("--before is required")
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    for r in range(args.rounds):
-        for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            print(f"round {r + 1}: {side}", flush=True)
-            runs[side].append(run_worker(trees[side], args.calls))
+    for r, _, side in checkouts.in_turns(args.rounds):
+        print(f"round {r + 1}: {side}", flush=True)
+        runs[side].append(run_worker(trees[side], args.calls))
     text = render(runs, args)
     Path(args.out).write_text(text)
     print(text)

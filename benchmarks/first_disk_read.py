@@ -122,10 +122,7 @@ def render(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", type=Path, help="the old checkout")
-    parser.add_argument("--after", type=Path, default=REPO)
-    parser.add_argument("--before-label", default="before")
-    parser.add_argument("--after-label", default="after")
+    checkouts.add_arguments(parser, REPO)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chains", type=int, default=300)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -138,10 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--before is required")
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-    for r in range(args.rounds):
-        for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
-            runs[side].append(run_worker(trees[side], args.chains))
+    for r, _, side in checkouts.in_turns(args.rounds):
+        print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
+        runs[side].append(run_worker(trees[side], args.chains))
     text = render(runs, args)
     args.out.write_text(text)
     print(text)

@@ -165,10 +165,7 @@ def render(results: dict[int, dict[str, Any]], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", type=Path, help="the old checkout")
-    parser.add_argument("--after", type=Path, default=REPO)
-    parser.add_argument("--before-label", default="before")
-    parser.add_argument("--after-label", default="after")
+    checkouts.add_arguments(parser, REPO)
     parser.add_argument("--records", type=int, nargs="+", default=[1_000_000, 10_000_000])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dir", type=Path, help="where the disk tiers go (a temp dir)")
@@ -189,15 +186,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"filling {records:,} records into {directory}", flush=True)
             fill(directory, records)
             r: dict[str, Any] = {"before": [], "after": []}
-            for n in range(args.rounds):
-                for side in ("before", "after") if n % 2 == 0 else ("after", "before"):
-                    print(f"{records:,} records, round {n + 1}: {side}", flush=True)
-                    r[side].append(
-                        checkouts.run_worker(
-                            Path(__file__).resolve(), trees[side], [str(directory), str(records)]
-                        )
+            for n, _, side in checkouts.in_turns(args.rounds):
+                print(f"{records:,} records, round {n + 1}: {side}", flush=True)
+                r[side].append(
+                    checkouts.run_worker(
+                        Path(__file__).resolve(), trees[side], [str(directory), str(records)]
                     )
-                    print(f"  {r[side][-1]}", flush=True)
+                )
+                print(f"  {r[side][-1]}", flush=True)
             r["floor"] = floor(str(directory))
             r["daemon"] = daemon_first_answer(directory, records)
             print(f"  floor {r['floor']:.2f} s, kvstored first answer {r['daemon']:.2f} s")

@@ -49,7 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvbench.checkouts import checkout_env, pythonpath  # noqa: E402
+from kvbench.checkouts import checkout_env, in_turns, pythonpath  # noqa: E402
 from kvbench.servers import OwnDaemon  # noqa: E402
 
 ENGINE = REPO / "benchmarks" / "vllm_engine.py"
@@ -177,19 +177,17 @@ def measure_ab(args: argparse.Namespace, workdir: Path) -> ABTimes:
         daemons[side] = daemon
     k = args.prompts
     try:
-        for r in range(args.rounds):
-            order = ("before", "after") if r % 2 == 0 else ("after", "before")
-            for i, side in enumerate(order):
-                print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
-                seed = 1000 * r + 100 * i
-                prompts = [prompt(n, seed + j) for n in args.lengths for j in range(k)]
-                daemon = daemons[side]
-                daemon.start()
-                seconds = kv_cases(args, workdir, daemon, f"{side}-{r}", prompts, trees[side])
-                daemon.stop()
-                for case, values in seconds.items():
-                    for li, length in enumerate(args.lengths):
-                        times[side][case][length].append(values[li * k : (li + 1) * k])
+        for r, i, side in in_turns(args.rounds):
+            print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
+            seed = 1000 * r + 100 * i
+            prompts = [prompt(n, seed + j) for n in args.lengths for j in range(k)]
+            daemon = daemons[side]
+            daemon.start()
+            seconds = kv_cases(args, workdir, daemon, f"{side}-{r}", prompts, trees[side])
+            daemon.stop()
+            for case, values in seconds.items():
+                for li, length in enumerate(args.lengths):
+                    times[side][case][length].append(values[li * k : (li + 1) * k])
     finally:
         for daemon in daemons.values():
             daemon.cleanup()

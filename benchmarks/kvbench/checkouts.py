@@ -5,10 +5,12 @@ working directory or the script's folder first on the path)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +35,20 @@ def run_worker(script: Path, tree: Path, args: list[str]) -> Any:
         cwd=tree, env=checkout_env(tree), check=True, capture_output=True, text=True,
     )  # fmt: skip
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def add_arguments(parser: argparse.ArgumentParser, repo: Path) -> None:
+    """The A/B programs' checkout options: ``--before`` (the old checkout), ``--after``
+    (default: ``repo``, this one) and the labels their reports print."""
+    parser.add_argument("--before", type=Path, help="the old checkout")
+    parser.add_argument("--after", type=Path, default=repo, help="the new checkout")
+    parser.add_argument("--before-label", default="before")
+    parser.add_argument("--after-label", default="after")
+
+
+def in_turns(rounds: int) -> Iterator[tuple[int, int, str]]:
+    """(round, position in it, side) in the order the runs go: before then after,
+    reversed every other round, so that the host's drift hits both checkouts alike."""
+    for r in range(rounds):
+        for i, side in enumerate(("before", "after") if r % 2 == 0 else ("after", "before")):
+            yield r, i, side
