@@ -21,6 +21,7 @@ reaper thread).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -68,6 +69,20 @@ class StoreParts:
         self.tiers.let_go(lease)
         self.leases.forget(lease, why)
         self.changed.notify_all()
+
+    def wait_for_writer(self, nbytes: int, deadline: float, shared: bool) -> None:
+        """Wait, not holding the lock, until ``deadline`` at most, for the writer that
+        makes host room (back-pressure: :mod:`kvstore.tiering`): the shared tier's
+        (``shared``; it notifies ``changed`` as it takes blocks, and so does every
+        commit, hence a short wait before the caller looks again) or the disk's (until
+        its queue takes ``nbytes`` more)."""
+        remaining = max(0.0, deadline - time.monotonic())
+        if shared:
+            with self.lock:
+                self.changed.wait(min(0.05, remaining))
+            return
+        assert self.disk is not None
+        self.disk.wait_room(nbytes, remaining)
 
     def expire(self) -> None:
         """End the leases and timed priorities that ran out; apply a disk capacity the

@@ -244,9 +244,9 @@ class Reads:
         QUICK_PROMOTE_BYTES of disk-only blocks; None (nothing pinned or reserved) when
         they do not.
 
-        Room that only the disk writer can make (see :mod:`kvstore.tiering`) is waited
-        for as a put waits (outside the lock, up to ``put_wait_ms``): the blocks are on
-        disk, and a read that gave up on them would be a miss.
+        Room that only a writer can make (see :mod:`kvstore.tiering`) is waited for as
+        a put waits (:meth:`StoreParts.wait_for_writer`, up to ``put_wait_ms``): the
+        blocks are on disk, and a read that gave up on them would be a miss.
         """
         deadline = time.monotonic() + self._parts.config.put_wait_ms / 1000
         while True:
@@ -269,12 +269,8 @@ class Reads:
                 fresh = self._promotion_slots(nodes, promote_all, deadline)
                 if fresh is not None:
                     return nodes, fresh
-                if self._parts.tiers.shared_blocked:  # the shared tier's writer makes it
-                    self._parts.changed.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-                    continue
-            disk = self._parts.disk
-            assert disk is not None
-            disk.wait_room(nodes[0].size, max(0.0, deadline - time.monotonic()))
+                shared = self._parts.tiers.shared_blocked
+            self._parts.wait_for_writer(nodes[0].size, deadline, shared)
 
     def _promotion_slots(
         self, nodes: list[Node], promote_all: bool, deadline: float

@@ -163,14 +163,9 @@ class Writes:
                 if not waited:
                     waited = True
                     self._parts.counters.put_waits += 1
-                if queue is not None and (queue.full or tiers.shared_blocked):
-                    # the shared tier's writer makes the room: it notifies when it takes
-                    self._parts.changed.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-                    continue
-            # only the disk writer can make the room: wait for it, holding nothing
-            disk = self._parts.disk
-            assert disk is not None
-            disk.wait_room(entry.spec.block_bytes, max(0.0, deadline - time.monotonic()))
+                shared = queue is not None and (queue.full or tiers.shared_blocked)
+            # only a writer can make the room: wait for it, holding nothing
+            self._parts.wait_for_writer(entry.spec.block_bytes, deadline, shared)
 
     def _note_overflow(self, reservation: Reservation, dropped: int) -> None:
         """Count and log (once a minute at most) what back-pressure cost a reserve."""

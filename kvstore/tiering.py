@@ -543,7 +543,7 @@ class Tiers:
                 if not node.ready or not node.in_host:
                     continue
                 if not node.on_disk:
-                    if not self.admit(node):
+                    if not self.due_on_disk(node):
                         continue
                     due.append(node)
                 queue.extend(node.children())
