@@ -346,25 +346,21 @@ class DiskTier:
                 self._s.env.sync(True)
 
     # --- a lazy open: the environment, its check and its records, after the start --
-    def open_checked(self) -> bool:
-        """A lazy open's second half (a no-op otherwise or when done): the deep check
-        (every B-tree walked in a child process: a damaged page must not crash this
-        one), moving a damaged environment aside, then the open. Until then nothing
-        reads the file: writes queue up (and are read from the queue), the writer
-        waits. Whether a damaged environment was moved aside."""
+    def open_checked(self) -> None:
+        """A lazy open's second half (a no-op otherwise or when done): the open as a
+        plain one does it (:meth:`_open_now`: the deep check in a child process, since
+        a damaged page must not crash this one, a damaged environment moved aside).
+        Until then nothing reads the file: writes queue up (and are read from the
+        queue), the writer waits."""
         with self._s.close_lock:
             if self._s.checked or self._s.closed:
-                return False
-            damage = scan_in_child(self._s.directory) if self._deep_check else None
-            if damage is not None:
-                self._move_aside(damage)
+                return
             with self._s.resize.exclusive():
-                self._open_now(deep_check=False)
+                self._open_now(self._deep_check)
                 with self._s.cond:
                     self._s.used += self._pages_used()  # exact once the load ends
                     self._s.checked = True
                     self._s.cond.notify_all()
-            return damage is not None
 
     def file_bytes(self) -> int:
         """The size of the environment's data file (0 when there is none yet)."""
