@@ -29,6 +29,9 @@ from typing import Any, Protocol
 from kvstore.index import Node
 
 MAX_PRIORITY = 100
+# what a put does past its wait for a writer that is behind (kvstore.store_writes): the
+# disk's (``overflow``) and the shared tier's (``shared_overflow``) offer the same two
+OVERFLOW_POLICIES = ("wait", "drop")
 
 
 class LruList:

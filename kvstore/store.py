@@ -196,9 +196,13 @@ class Store:
 
     @property
     def writer_behind(self) -> bool:
-        """A hint that puts which must evict may wait for the disk writer now (its
-        queue is nearly full: see :mod:`kvstore.store_writes`)."""
-        return self._disk is not None and self._disk.nearly_full
+        """A hint that puts which must evict may wait for a writer now: the disk's
+        queue is nearly full, or the shared tier's is over its bound with
+        ``shared_overflow = wait`` (see :mod:`kvstore.store_writes`)."""
+        queue = self._parts.shared_queue
+        return (self._disk is not None and self._disk.nearly_full) or (
+            queue is not None and queue.full
+        )
 
     @property
     def arena_path(self) -> str | None:

@@ -8,16 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
-from kvstore.policy import MAX_PRIORITY, POLICIES
+from kvstore.policy import MAX_PRIORITY, OVERFLOW_POLICIES, POLICIES
 from kvstore.shared.tier import SharedConfig
 from kvstore.tenants import NAME_RE, Quota
 
 DEFAULT_PRIORITY = 35
 ADMISSION_POLICIES = ("write-back", "write-through", "selective")
-# what a put does when its blocks need room that only the disk writer can make (every
-# block it could evict is due on disk and the writer's queue is full) for longer than
-# put_wait_ms: refuse its blocks (wait) or evict blocks due on disk unwritten (drop)
-OVERFLOW_POLICIES = ("wait", "drop")
 # a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
 PARALLEL_PROMOTE_BYTES = 4 << 20
 # a caller that must not wait on the disk (the daemon's event loop) promotes at most
@@ -51,8 +47,10 @@ class StoreConfig:
     # staged slots one staging lease may hold (bytes); 0: a quarter of host_bytes
     max_staged_bytes: int = 0
     disk_queue_bytes: int = 256 << 20  # block bytes waiting for the disk writer, at most
-    # a put that needs room only the disk writer can make waits this long for it, then
-    # ``overflow`` decides (OVERFLOW_POLICIES); 0 with drop: evict unwritten at once
+    # a put that needs room only the disk writer can make (every block it could evict
+    # is due on disk, the writer's queue is full) waits this long for it, then
+    # ``overflow`` decides: refuse what does not fit (wait) or evict unwritten (drop);
+    # 0 with drop: evict unwritten at once
     put_wait_ms: int = 5000
     overflow: str = "wait"
     # write-through: how long a commit waits for its disk commit before answering

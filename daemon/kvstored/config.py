@@ -33,9 +33,9 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from kvproto.v1.addresses import is_loopback
+from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
-from kvstore.store_config import OVERFLOW_POLICIES
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants
 
@@ -415,7 +415,7 @@ KEYS: tuple[Key, ...] = (
     Key("shared_queue_bytes", "size", parse_size, 256 << 20,
         "shared tier: block bytes stored and not yet sent to the cluster, at most",
         _at_least(1 << 20, "size")),
-    Key("shared_overflow", "choice", _choice(("drop", "wait")), "drop",
+    Key("shared_overflow", "choice", _choice(OVERFLOW_POLICIES), "drop",
         "shared tier, past shared_queue_bytes: drop (new blocks are not sent, counted) "
         "| wait (puts wait for the writer, up to put_wait_ms, as for the disk's)"),
 )

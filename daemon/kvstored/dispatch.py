@@ -119,7 +119,7 @@ class Calls:
 
     async def run_quick(self, fn: Callable[[bool], T], may_wait: bool = False) -> T:
         """``fn(quick=True)`` on the event loop; on the pool when it raises NeedsPool.
-        A call that ``may_wait`` for the disk writer (a put under back-pressure) goes to
+        A call that ``may_wait`` for a writer (a put under back-pressure) goes to
         the wait pool while the writer is behind, so it never holds a thread that
         reads and lookups need."""
         try:

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 from kvproto.v1.results import SharedStats
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.cluster import CHECK_S, ClusterLink
 from kvstore.shared.format import block_name, pack_into, packed_size, unpack_value
 
@@ -86,9 +87,10 @@ class SharedConfig:
             raise InvalidArgument(f"shared_ttl_s must be >= 0, got {self.ttl_s}")
         if self.queue_bytes < 1:
             raise InvalidArgument(f"shared_queue_bytes must be >= 1, got {self.queue_bytes}")
-        if self.overflow not in ("drop", "wait"):
+        if self.overflow not in OVERFLOW_POLICIES:
             raise InvalidArgument(
-                f"shared_overflow must be drop or wait, got {self.overflow!r}"
+                f"shared_overflow must be one of {list(OVERFLOW_POLICIES)}, "
+                f"got {self.overflow!r}"
             )
 
     @property
