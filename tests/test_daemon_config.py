@@ -196,6 +196,12 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         (["--shared-url", "redis://127.0.0.1:99999"], {}, "shared_url"),
         ([], {"KVSTORED_SHARED_TIMEOUT_MS": "0"}, "shared_timeout_ms"),
         (["--shared-password-file", "/nonexistent"], {}, "shared_password_file"),
+        (["--put-wait-ms", "-1"], {}, "put_wait_ms"),
+        (["--overflow", "sometimes"], {}, "overflow"),
+        (["--persist-timeout-s", "-1"], {}, "persist_timeout_s"),
+        ([], {"KVSTORED_SYNC_INDEX_BYTES": "lots"}, "sync_index_bytes"),
+        (["--shared-queue-bytes", "512KiB"], {}, "shared_queue_bytes"),
+        (["--shared-overflow", "block"], {}, "shared_overflow"),
     ],
 )
 def test_bad_values_exit_2_with_one_line_naming_the_key(
