@@ -39,7 +39,7 @@ import threading
 import time
 from operator import attrgetter
 
-from kvstore.disk.format import KEY_SIZES, META, META_VERSION, unpack_record
+from kvstore.disk.format import unpack_fields
 from kvstore.index import READY, Node
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.store_parts import StoreParts
@@ -49,7 +49,6 @@ log = logging.getLogger(__name__)
 CHUNK = 8192  # records indexed per hold of the store's lock
 ORDER_SLICE = 65536  # blocks put in eviction order per hold of the lock, at the end
 PROGRESS_EVERY_S = 2.0
-_PARENT_LENGTHS = (0, *KEY_SIZES)
 
 # (key, namespace digest, parent key or b"", payload size, priority, last access)
 Loaded = tuple[bytes, bytes, bytes, int, int, float]
@@ -58,15 +57,10 @@ Loaded = tuple[bytes, bytes, bytes, int, int, float]
 def decode(key: bytes, raw: bytes) -> Loaded | None:
     """A meta record's fields the index needs; None when it is malformed."""
     try:
-        if len(raw) == META.size and raw[0] == META_VERSION:
-            _, digest, parent_len, parent, size, _, priority, last, _ = META.unpack(raw)
-            if parent_len not in _PARENT_LENGTHS:
-                return None
-            return key, digest, parent[:parent_len], size, priority, last
-        rec = unpack_record(key, raw)  # an older version
+        digest, parent, size, _, priority, last, _ = unpack_fields(raw)
     except (ValueError, struct.error):
         return None
-    return key, rec.ns_digest, rec.parent, rec.size, rec.priority, rec.last_access
+    return key, digest, parent, size, priority, last
 
 
 class IndexLoad:

@@ -22,6 +22,7 @@ EXTENT_AT = 1 + 32 + 1 + 32  # ... at this byte
 OFFSET = struct.Struct("<Q")  # the payload offset field of META ...
 OFFSET_AT = META.size - 8  # ... at this byte
 KEY_SIZES = (16, 32)
+_PARENT_LENGTHS = (0, *KEY_SIZES)
 DIGEST_SIZE = 32
 MAX_PRIORITY = 100
 
@@ -82,27 +83,30 @@ def pack_record(rec: DiskRecord) -> bytes:
     )
 
 
+# a meta value's fields: ns_digest, parent, size, checksum, priority, last_access, offset
+RecordFields = tuple[bytes, bytes, int, int, int, float, int]
+
+
+def unpack_fields(raw: bytes | memoryview) -> RecordFields:
+    """Decode a ``meta`` value into its fields (what :func:`unpack_record` holds, for a
+    caller that reads millions and needs no object per record). Raises ValueError (or
+    struct.error) if it is malformed."""
+    if len(raw) == META.size and raw[0] == META_VERSION:
+        _, digest, parent_len, parent, size, checksum, priority, last, offset = META.unpack(raw)
+    elif len(raw) == META_V1.size and raw[0] == 1:
+        _, digest, parent_len, parent, size, checksum, priority, last = META_V1.unpack(raw)
+        offset = 0
+    else:
+        version = raw[0] if len(raw) else None
+        raise ValueError(f"bad meta record (version {version}, {len(raw)} bytes)")
+    if parent_len not in _PARENT_LENGTHS:
+        raise ValueError(f"bad meta record (parent length {parent_len})")
+    return digest, parent[:parent_len], size, checksum, priority, last, offset
+
+
 def unpack_record(key: bytes, raw: bytes | memoryview) -> DiskRecord:
     """Decode a ``meta`` value. Raises ValueError (or struct.error) if it is malformed."""
-    offset = 0
-    if len(raw) == META_V1.size and raw[0] == 1:
-        fields = META_V1.unpack(raw)
-    else:
-        *rest, offset = META.unpack(raw)
-        fields = tuple(rest)
-    version, ns_digest, parent_len, parent, size, checksum, priority, last = fields
-    if version not in (1, META_VERSION) or parent_len not in (0, *KEY_SIZES):
-        raise ValueError(f"bad meta record (version {version}, parent length {parent_len})")
-    return DiskRecord(
-        key=bytes(key),
-        ns_digest=ns_digest,
-        parent=parent[:parent_len],
-        size=size,
-        checksum=checksum,
-        priority=priority,
-        last_access=last,
-        offset=offset,
-    )
+    return DiskRecord(bytes(key), *unpack_fields(raw))
 
 
 def committed_extent(raw: bytes | memoryview) -> DiskExtent | None:
