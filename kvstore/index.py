@@ -59,6 +59,9 @@ class Node:
     host_offset: int = -1
     on_disk: bool = False
     shared_due: bool = False  # in the shared tier's write-behind queue (store_shared)
+    # the block's tokens (packed uint32), kept while it is in the host tier: what KV
+    # events and its disk record carry (kvstore.keys.KeyChain; None: not known)
+    tokens: bytes | None = None
     host_children: int = 0
     disk_children: int = 0
     # tree links

@@ -21,6 +21,9 @@ misses for the rest, and this part loads the records behind it.
   never taken from the scan (:meth:`DiskTier.adopt`), and a record whose block the
   store holds in host only (put again during the load) is deleted (the host copy is
   written again when it is evicted): no block is indexed twice, none is lost.
+- Routers (KV events: :mod:`kvstore.tier_events`) hear AllBlocksCleared for the
+  namespaces on disk, then every indexed block, parents first; a chunk waits for the
+  feed to have room for it (FEED_WAIT_S at most), so a large tier is told whole.
 - Eviction order: at the end the loaded blocks enter the disk tier's eviction order by
   last use, older than the blocks written since the start, in slices, each under the
   lock. Until then they are not evicted (a full disk tier evicts what was written since
@@ -43,6 +46,7 @@ from kvstore.disk.format import unpack_fields
 from kvstore.index import READY, Node
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.store_parts import StoreParts
+from kvstore.tier_events import DISK
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +54,19 @@ CHUNK = 8192  # records indexed per hold of the store's lock
 ORDER_SLICE = 65536  # blocks put in eviction order per hold of the lock, at the end
 PROGRESS_EVERY_S = 2.0
 
-# (key, namespace digest, parent key or b"", payload size, priority, last access)
-Loaded = tuple[bytes, bytes, bytes, int, int, float]
+FEED_WAIT_S = 30.0  # a chunk waits this long at most for the KV event feed to take it
+
+# (key, namespace digest, parent key or b"", payload size, priority, last access, tokens)
+Loaded = tuple[bytes, bytes, bytes, int, int, float, bytes]
 
 
 def decode(key: bytes, raw: bytes) -> Loaded | None:
     """A meta record's fields the index needs; None when it is malformed."""
     try:
-        digest, parent, size, _, priority, last, _ = unpack_fields(raw)
+        digest, parent, size, _, priority, last, _, tokens = unpack_fields(raw)
     except (ValueError, struct.error):
         return None
-    return key, digest, parent, size, priority, last
+    return key, digest, parent, size, priority, last, tokens
 
 
 class IndexLoad:
@@ -100,10 +106,15 @@ class IndexLoad:
             self._thread.join()
 
     def _register_namespaces(self) -> None:
+        """Register the namespaces on disk; routers hear that these namespaces'
+        blocks are void (their blocks follow as they are indexed: the warm start)."""
+        specs = []
         for digest, spec_dict in self._disk.namespaces().items():
             spec = NamespaceSpec.from_dict(spec_dict)
             if spec.digest == digest:
                 self._parts.namespaces.register(spec)
+                specs.append(spec)
+        self._parts.tiers.feed.cleared(specs)
 
     def _run(self) -> None:
         try:
@@ -126,9 +137,11 @@ class IndexLoad:
         loaded: list[Node] = []
         dropped = 0
         shown = started
+        feed = self._parts.tiers.feed
         for chunk in self._disk.scan_chunks(CHUNK):
             if self._stop.is_set():
                 return
+            feed.wait_room(len(chunk), FEED_WAIT_S)  # (routers hear of every block)
             records = [decode(key, raw) for key, raw in chunk]
             with self._parts.lock:
                 if self._parts.closed:
@@ -176,11 +189,12 @@ class IndexLoad:
         tiers = self._parts.tiers
         by_digest = self._parts.namespaces.by_digest
         added: list[Node] = []
+        added_tokens: list[bytes | None] = []
         stale: list[bytes] = []
         todo = records[::-1]
         while todo:
             rec = todo.pop()
-            key, digest, parent_key, size, priority, last = rec
+            key, digest, parent_key, size, priority, last, tokens = rec
             if key in index.nodes:  # the store holds it already: written or put again
                 if not index.nodes[BlockKey(key)].on_disk:
                     stale.append(key)
@@ -205,11 +219,13 @@ class IndexLoad:
             if parent is not None:
                 parent.disk_children += 1
             added.append(node)
+            added_tokens.append(tokens or None)
             children = waiting.pop(key, None)
             if children:
                 todo.extend(children)
         for key in stale:
             self._disk.delete(key)
+        tiers.feed.stored(added, DISK, added_tokens)  # parents first (the warm start)
         loaded.extend(added)
         return len(stale)
 

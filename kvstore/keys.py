@@ -289,3 +289,36 @@ def chain_keys(
             parent = h.digest()
             append(parent)
     return keys  # type: ignore[return-value]  # BlockKey is bytes at run time
+
+
+class KeyChain(list[BlockKey]):
+    """The key chain of a prompt together with its tokens: block ``i`` covers
+    ``tokens[i * block_tokens : (i + 1) * block_tokens]`` (little-endian uint32).
+
+    The store keeps each stored block's tokens (what KV events and disk records carry)
+    from the chain that names it. A prefix of a chain is a chain (``chain[:n]`` keeps
+    the tokens); any other slice, or a plain list of keys, knows no tokens.
+    """
+
+    __slots__ = ("block_tokens", "tokens")
+
+    def __init__(self, keys: Sequence[BlockKey], tokens: np.ndarray, block_tokens: int) -> None:
+        super().__init__(keys)
+        self.tokens = tokens
+        self.block_tokens = block_tokens
+
+    def __getitem__(self, item):  # type: ignore[no-untyped-def,override]
+        if isinstance(item, slice) and item.start in (None, 0) and item.step in (None, 1):
+            return KeyChain(list.__getitem__(self, item), self.tokens, self.block_tokens)
+        return list.__getitem__(self, item)
+
+
+def run_tokens(keys: Sequence[BlockKey], first: int, end: int) -> list[bytes | None]:
+    """The tokens (packed little-endian uint32) of blocks ``first .. end - 1`` of a
+    chain; Nones when ``keys`` is not a :class:`KeyChain`."""
+    if not isinstance(keys, KeyChain):
+        return [None] * (end - first)
+    step = keys.block_tokens
+    raw = keys.tokens[first * step : end * step].astype("<u4", copy=False).tobytes()
+    width = 4 * step
+    return [raw[i * width : (i + 1) * width] for i in range(end - first)]

@@ -46,7 +46,7 @@ from kvstore.events import Counters, EventLog
 from kvstore.host.arena import HostArena, PinHook
 from kvstore.index import Index, NamespaceEntry
 from kvstore.index_load import IndexLoad
-from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
+from kvstore.keys import BlockKey, KeyChain, NamespaceSpec, chain_keys, tokens_array
 from kvstore.leases import LeaseTable
 from kvstore.namespaces import Namespaces
 from kvstore.results import ReadyPrefix, Tier
@@ -56,6 +56,7 @@ from kvstore.store_parts import StoreParts
 from kvstore.store_reads import Reads, ready_prefix
 from kvstore.store_shared import SharedBlocks, SharedQueue
 from kvstore.store_writes import Writes
+from kvstore.tier_events import TierFeed
 from kvstore.tiering import Tiers
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,10 @@ class Store:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         pin: PinHook | None = None,
+        feed: TierFeed | None = None,
     ) -> None:
+        """``feed``: where the store tells each block that enters or leaves a tier
+        (for a KV event publisher: :mod:`kvstore.tier_events`); none by default."""
         config.validate()
         self.config = config
         self._lock = threading.RLock()
@@ -105,8 +109,9 @@ class Store:
             counters = Counters()
             events = EventLog(config.event_buffer, changed, wall)
             tiers = Tiers(
-                config, index, namespaces, self._arena, self._disk, counters, events, wall
-            )
+                config, index, namespaces, self._arena, self._disk, counters, events, wall,
+                feed if feed is not None else TierFeed(0),
+            )  # fmt: skip
             queue = None if config.shared is None else SharedQueue(config.shared)
             tiers.shared_wait = queue is not None and queue.wait
             self._parts = StoreParts(
@@ -269,7 +274,7 @@ class Store:
                 f"{arr.size} tokens make {n_blocks} blocks, more than "
                 f"max_blocks_per_request={self.config.max_blocks_per_request}"
             )
-        return chain_keys(spec, arr, extra)
+        return KeyChain(chain_keys(spec, arr, extra), arr, spec.block_tokens)
 
     # -------------------------------------------------------------- observability
     def stats(self) -> Stats:

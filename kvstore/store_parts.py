@@ -66,7 +66,7 @@ class StoreParts:
 
     def end_lease(self, lease: Lease, why: str) -> None:
         """End a live lease now (``why`` names it in later errors). Under the lock."""
-        self.tiers.let_go(lease)
+        self.tiers.let_go(lease, expired=why == "expired")
         self.leases.forget(lease, why)
         self.changed.notify_all()
 

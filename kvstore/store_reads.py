@@ -23,7 +23,7 @@ from kvstore.errors import (
     InvalidArgument,
 )
 from kvstore.index import READY, Index, NamespaceEntry, Node
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, run_tokens
 from kvstore.results import (
     Acquisition,
     Located,
@@ -415,7 +415,8 @@ class Reads:
                 if start <= i < ok and not node.in_host:
                     promoted += 1
                 if i < ok and not node.in_host and not self._parts.closed:
-                    self._parts.tiers.publish_promotion(node, offset)
+                    tokens = run_tokens(keys, i, i + 1)[0]
+                    self._parts.tiers.publish_promotion(node, offset, tokens)
                 else:
                     self._parts.arena.free(offset)
             for node in nodes[ok:] if keep_pins else nodes:

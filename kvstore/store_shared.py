@@ -23,7 +23,7 @@ so a put that needs the room waits for the writer, as for the disk writer's.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvstore.index import READY, Node
 from kvstore.keys import BlockKey
@@ -31,6 +31,7 @@ from kvstore.shared.tier import Known, Lent, Outgoing, SharedConfig, SharedTier
 from kvstore.store_parts import StoreParts
 from kvstore.store_reads import ready_prefix
 from kvstore.store_writes import Writes
+from kvstore.tier_events import SHARED
 
 MAX_ANCESTORS = 8192  # the longest unsent run of parents lent with one block
 
@@ -149,7 +150,7 @@ class SharedBlocks:
             if taken:
                 self._parts.changed.notify_all()  # puts waiting for the queue to shrink
             if drop:
-                return Lent([], lambda: None, len(taken))
+                return Lent([], lambda _sent: None, len(taken))
             array = self._arena.array()
             chosen: set[BlockKey] = set()
             for node in taken:
@@ -187,9 +188,12 @@ class SharedBlocks:
                         )
                     )
 
-        def release() -> None:
+        def release(sent: Collection[BlockKey]) -> None:
             with self._lock:
                 for block in pinned:
                     block.pins -= 1
+                feed = self._parts.tiers.feed
+                if feed.on:  # (each block after its parent: the order they were lent)
+                    feed.stored([b for b in pinned if b.key in sent], SHARED)
 
         return Lent(lent, release, lost)

@@ -33,7 +33,7 @@ from kvstore.errors import (
     LeaseError,
 )
 from kvstore.index import READY, NamespaceEntry, Node
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, run_tokens
 from kvstore.leases import Lease
 from kvstore.results import (
     EventKind,
@@ -43,6 +43,7 @@ from kvstore.results import (
 )
 from kvstore.store_config import DELETE_COMMIT_TIMEOUT_S, check_priority, check_ttl
 from kvstore.store_parts import StoreParts
+from kvstore.tier_events import HOST
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,11 @@ class Writes:
         try:
             parent = walk[-1] if walk else None
             # new blocks go to host, so their prefix must be there too (parents first)
-            promoted = all(self._parts.tiers.promote_now(node) for node in walk if not node.in_host)
+            promoted = all(
+                self._parts.tiers.promote_now(node, run_tokens(keys, i, i + 1)[0])
+                for i, node in enumerate(walk)
+                if not node.in_host
+            )
             out_of_space = not promoted
             first_new = max(start, len(walk))
             end = len(keys) if promoted else first_new
@@ -310,8 +315,9 @@ class Writes:
                 run = self._parts.arena.alloc_run(size, end - first_new)
             if run:
                 created = self._parts.tiers.add_pending_run(
-                    entry, keys[first_new:end], parent, prio, run
-                )
+                    entry, keys[first_new:end], parent, prio, run,
+                    run_tokens(keys, first_new, first_new + len(run)),
+                )  # fmt: skip
                 if staging is not None and staging.staged is not None:
                     staging.staged.difference_update(run)
                     staging.entry.group.staged_bytes -= len(run) * size
@@ -321,7 +327,7 @@ class Writes:
                     out_of_space = True
                     break
                 created += self._parts.tiers.add_pending_run(
-                    entry, keys[i : i + 1], parent, prio, [offset]
+                    entry, keys[i : i + 1], parent, prio, [offset], run_tokens(keys, i, i + 1)
                 )
                 parent = created[-1]
             if undo and self._parts.tiers.writer_blocked and first_new + len(created) < len(keys):
@@ -399,6 +405,7 @@ class Writes:
             if batch:
                 self._parts.tiers.insert_used(batch)
                 self._parts.events.emit_all(EventKind.STORED, batch, Tier.HOST)
+                self._parts.tiers.feed.stored(batch, HOST)
                 if self._parts.shared_queue is not None:
                     self._parts.shared_queue.add(batch)
                 if through:
@@ -483,6 +490,8 @@ class Writes:
                     root = self._parts.index.get(key)
                     if root is not None:
                         removed += self._parts.tiers.delete_subtree(root)
+            if entries is None and not self._parts.index.nodes:
+                self._parts.tiers.feed.cleared()  # (busy blocks that stayed: not all)
             return removed
 
         return self._drop_and_commit(drop)

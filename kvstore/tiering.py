@@ -33,7 +33,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -43,11 +43,13 @@ from kvstore.host.arena import HostArena
 from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey
 from kvstore.leases import Lease
+from kvstore.misses import CORRUPT, DELETED, PRIORITY, QUOTA, TTL, Loss, RecentLosses
 from kvstore.namespaces import Namespaces
 from kvstore.policy import GroupedPolicy
 from kvstore.results import EventKind, Tier
 from kvstore.store_config import StoreConfig
 from kvstore.tenants import Group
+from kvstore.tier_events import DISK, HOST, TierFeed
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class Tiers:
     counters: Counters
     events: EventLog
     wall: Callable[[], float]
+    feed: TierFeed = field(default_factory=lambda: TierFeed(0))  # what routers hear
+    losses: RecentLosses = field(default_factory=RecentLosses)  # what `why` answers
 
     def __post_init__(self) -> None:
         self.host_policy = GroupedPolicy(self.config.eviction_policy, "host")
@@ -99,7 +103,9 @@ class Tiers:
         if node in self.host_policy:
             self.host_policy.remove(node)
         self.arena.free(node.host_offset)
+        self.feed.removed(node, HOST)
         node.host_offset = -1
+        node.tokens = None  # kept while in host only (kvstore.index)
         self.host_blocks -= 1
         node.ns.group.host_bytes -= node.size
         if node.parent is not None:
@@ -112,20 +118,26 @@ class Tiers:
         self.disk_policy.insert(node)
         if node.parent is not None:
             node.parent.disk_children += 1
+        self.feed.stored((node,), DISK)
 
     def disk_drop(self, node: Node) -> None:
         assert self.disk is not None
         self.disk.delete(node.key)
         if node in self.disk_policy:  # (not yet while the index loads: kvstore.index_load)
             self.disk_policy.remove(node)
+        self.feed.removed(node, DISK)
         node.on_disk = False
         self.disk_blocks -= 1
         node.ns.group.disk_bytes -= node.size
         if node.parent is not None:
             node.parent.disk_children -= 1
 
-    def drop_node(self, node: Node) -> None:
-        """Remove a childless, unpinned block from every tier and the index."""
+    def drop_node(self, node: Node, rule: str = DELETED) -> None:
+        """Remove a childless, unpinned block from every tier and the index; the
+        store remembers by which rule (kvstore.misses)."""
+        if node.ready:
+            tier = Tier.DISK if node.on_disk else Tier.HOST
+            self.losses.note(node.key, Loss(self.wall(), tier.value, rule))
         if node.in_host:
             self.host_drop(node)
         if node.on_disk:
@@ -198,15 +210,16 @@ class Tiers:
         parent: Node | None,
         prio: int,
         offsets: Sequence[int],
+        tokens: Sequence[bytes | None],
     ) -> list[Node]:
         """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
         the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
         by the write lease to come: what ``Index.add`` and ``_host_add`` do per block,
         in one pass (a put's blocks are one such run; a slot-by-slot reserve makes
-        runs of one)."""
+        runs of one). ``tokens[i]`` are block i's tokens (kvstore.keys.run_tokens)."""
         nodes: list[Node] = []
-        for key, offset in zip(keys, offsets, strict=True):
-            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset)
+        for key, offset, toks in zip(keys, offsets, tokens, strict=True):
+            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset, tokens=toks)
             nodes.append(node)
             parent = node
         self.index.add_chain(nodes)
@@ -244,14 +257,17 @@ class Tiers:
             self._shrink_disk(self.disk)
 
     # --- leases -----------------------------------------------------------------------
-    def let_go(self, lease: Lease) -> None:
+    def let_go(self, lease: Lease, expired: bool = False) -> None:
         """What ending a lease does to blocks and slots: a read lease unpins its blocks,
-        a write lease drops its uncommitted ones, a staging lease frees its slots."""
+        a write lease drops its uncommitted ones (remembered as lost to ``expired``:
+        its TTL ran out), a staging lease frees its slots."""
         if lease.write:
             dropped = lease.nodes[lease.committed :]
             for node in reversed(dropped):
                 node.pins -= 1
                 self.events.emit(EventKind.PENDING_DROPPED, node, Tier.HOST)
+                if expired:
+                    self.losses.note(node.key, Loss(self.wall(), Tier.HOST.value, TTL))
                 self.host_drop(node)
                 self.index.remove(node)
             self.pending -= len(dropped)
@@ -294,9 +310,9 @@ class Tiers:
                 return False
             group.quota_evictions += 1
             if host:
-                self._evict_from_host(victim)
+                self._evict_from_host(victim, QUOTA)
             else:
-                self._evict_from_disk(victim)
+                self._evict_from_disk(victim, QUOTA)
         return True
 
     def quota_blocks(self, group: Group, n: int, size: int) -> int:
@@ -356,17 +372,17 @@ class Tiers:
     def _subtree_busy(self, node: Node) -> bool:
         return any(n.pins or not n.ready for n in self.index.subtree_postorder(node))
 
-    def _evict_from_host(self, node: Node) -> None:
+    def _evict_from_host(self, node: Node, rule: str = PRIORITY) -> None:
         self.counters.host_evictions += 1
         if not self.host_policy.leaf_first:  # plain LRU: descendants become unusable
             for late in self.index.subtree_postorder(node)[:-1]:
-                self.drop_node(late)
+                self.drop_node(late, rule)
         if node.on_disk:  # _host_victim queued it when it was due there
             self.host_drop(node)
             self.counters.demotions += 1
             self.events.emit(EventKind.DEMOTED, node, Tier.DISK)
             return
-        self.drop_node(node)  # a host leaf that is not on disk has no disk children
+        self.drop_node(node, rule)  # a host leaf that is not on disk has no disk children
 
     def admit(self, node: Node) -> bool:
         if node.priority < self.config.disk_min_priority:
@@ -436,6 +452,7 @@ class Tiers:
             xxhash.xxh3_64_intdigest(payload),
             node.priority,
             node.last_access or self.wall(),
+            tokens=node.tokens or b"",
         )
         if not disk.write(record, payload):
             self._queue_full = not disk.fault
@@ -468,15 +485,15 @@ class Tiers:
                 return
             self._evict_from_disk(victim)
 
-    def _evict_from_disk(self, node: Node) -> None:
+    def _evict_from_disk(self, node: Node, rule: str = PRIORITY) -> None:
         self.counters.disk_evictions += 1
         if not self.disk_policy.leaf_first:
             for late in self.index.subtree_postorder(node)[:-1]:
-                self.drop_node(late)
+                self.drop_node(late, rule)
         if node.in_host:
             self.disk_drop(node)
         else:
-            self.drop_node(node)
+            self.drop_node(node, rule)
 
     def persist_host_blocks(self, deadline: float) -> int:
         """At close: write the host blocks due on disk, parents first, into the disk
@@ -559,7 +576,7 @@ class Tiers:
                 return False
         return True
 
-    def promote_now(self, node: Node) -> bool:
+    def promote_now(self, node: Node, tokens: bytes | None = None) -> bool:
         """Copy a disk-only block into a host slot while holding the lock.
 
         Only for the prefix of a reserve (a few blocks, usually after a restart); reads
@@ -573,18 +590,21 @@ class Tiers:
             self.arena.free(offset)
             self.lost_on_disk(node)
             return False
-        self.publish_promotion(node, offset)
+        self.publish_promotion(node, offset, tokens)
         return True
 
-    def publish_promotion(self, node: Node, offset: int) -> None:
-        """A disk block's bytes are verified in host slot ``offset``: it is in host now."""
+    def publish_promotion(self, node: Node, offset: int, tokens: bytes | None = None) -> None:
+        """A disk block's bytes are verified in host slot ``offset``: it is in host now
+        (with its ``tokens``, from the chain of the read that promoted it)."""
         self.arena.epochs.bump((offset,))  # the slot's bytes are final from here on
         self.host_add(node, offset)
+        node.tokens = tokens
         self.host_policy.insert(node)
         self.counters.promotions += 1
         self.counters.host_bytes_in += node.size
         self.counters.disk_bytes_out += node.size
         self.events.emit(EventKind.PROMOTED, node, Tier.HOST)
+        self.feed.stored((node,), HOST)
 
     def lost_on_disk(self, node: Node) -> None:
         """A block the index had on disk could not be read back (checksum or gone).
@@ -602,4 +622,4 @@ class Tiers:
             if late.in_host:
                 self.disk_drop(late)
             else:
-                self.drop_node(late)
+                self.drop_node(late, CORRUPT)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import msgspec
 import pytest
 
 import kvbench
@@ -162,12 +163,16 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
 # the standard library's documented extension points: a class made to be subclassed,
 # whose one hook (error, format, the protocol callbacks) is overridden
 HOOKS = (argparse.ArgumentParser, logging.Formatter, asyncio.Protocol)
+# declared records and plain values: msgspec's Struct (its dataclass, as NamedTuple is
+# tuple's), and a builtin list with data beside it (kvstore.keys.KeyChain)
+VALUES = (msgspec.Struct, list)
 
 
 def is_interface(base: type) -> bool:
     """What a class may inherit from another module: a Protocol, an abstract base
     class, an exception, an enum, a NamedTuple's tuple, a generated gRPC servicer (the
-    service's interface: each of its methods answers UNIMPLEMENTED), a HOOKS class."""
+    service's interface: each of its methods answers UNIMPLEMENTED), a HOOKS class, a
+    VALUES type."""
     return (
         base is object
         or getattr(base, "_is_protocol", False)
@@ -176,6 +181,7 @@ def is_interface(base: type) -> bool:
         or base is tuple
         or base.__module__.endswith("_pb2_grpc")
         or base in HOOKS
+        or base in VALUES
     )
 
 

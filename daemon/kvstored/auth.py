@@ -40,7 +40,7 @@ from kvstored.names import NamespaceNames
 AUTH_METADATA = "authorization"
 BEARER = "Bearer "
 MIN_TOKEN_CHARS = 16
-TENANT_KEYS = ("token_file", "host_bytes", "disk_bytes")
+TENANT_KEYS = ("token_file", "host_bytes", "disk_bytes", "events_topic")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,7 @@ class TenantConfig:
     name: str
     token_file: str
     quota: Quota
+    events_topic: str = ""  # its namespaces' KV events go on this topic; "": not published
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,11 @@ def parse_tenants(
             )
         except ValueError as exc:
             raise ValueError(f"tenants.{name}: {exc} ({source})") from None
-        out.append(TenantConfig(name, os.path.abspath(os.path.expanduser(token_file)), quota))
+        topic = entry.get("events_topic", "")
+        if not isinstance(topic, str):
+            raise ValueError(f"tenants.{name}: events_topic must be a string ({source})")
+        path = os.path.abspath(os.path.expanduser(token_file))
+        out.append(TenantConfig(name, path, quota, topic))
     return tuple(out)
 
 

@@ -38,6 +38,9 @@ from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants
+from kvstored.kv_events import ENCODINGS as EVENT_ENCODINGS
+from kvstored.kv_events import HASH_FORMS as EVENT_HASH_FORMS
+from kvstored.kv_events import EventSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -189,6 +192,29 @@ def parse_metrics_listen(raw: object) -> str:
     host, sep, port = text.rpartition(":")
     if not sep or not host or "/" in host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"expected host:port or off, got {raw!r}")
+    return text
+
+
+def parse_zmq_endpoint(raw: object) -> str:
+    """``tcp://host:port`` (``*`` for every address; port 0 picks a free one) or
+    ``ipc:///path`` of a ZMQ socket the daemon binds; "" or ``off`` -> "" (none)."""
+    if not isinstance(raw, str):
+        raise ValueError(f"expected tcp://host:port, ipc:///path or off, got {raw!r}")
+    text = raw.strip()
+    if text.lower() in ("", "off"):
+        return ""
+    if text.startswith("ipc:///") and len(text) > len("ipc:///"):
+        return text
+    host, sep, port = text.removeprefix("tcp://").rpartition(":")
+    if (
+        not text.startswith("tcp://")
+        or not sep
+        or not host
+        or "/" in host
+        or not port.isdigit()
+        or not 0 <= int(port) < 65536
+    ):
+        raise ValueError(f"expected tcp://host:port, ipc:///path or off, got {raw!r}")
     return text
 
 
@@ -418,6 +444,17 @@ KEYS: tuple[Key, ...] = (
     Key("shared_overflow", "choice", _choice(OVERFLOW_POLICIES), "drop",
         "shared tier, past shared_queue_bytes: drop (new blocks are not sent, counted) "
         "| wait (puts wait for the writer, up to put_wait_ms, as for the disk's)"),
+    Key("kv_events_listen", "address", parse_zmq_endpoint, "",
+        "KV events for routers, in vLLM's format: the ZMQ PUB address "
+        "(tcp://127.0.0.1:5557, ipc:///path); empty: off"),
+    Key("kv_events_replay_listen", "address", parse_zmq_endpoint, "",
+        "KV events: the ZMQ ROUTER address that replays kept batches from a "
+        "sequence number; empty: no replay"),
+    Key("kv_events_encoding", "choice", _choice(EVENT_ENCODINGS), "map",
+        "KV events: map (vLLM's current encoding) | array (the older one)"),
+    Key("kv_events_hashes", "choice", _choice(EVENT_HASH_FORMS), "bytes",
+        "KV events: block hashes as bytes (kvstore's chain keys) | int (their low 64 "
+        "bits, as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)"),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
@@ -470,6 +507,10 @@ class DaemonConfig:
     shared_min_priority: int
     shared_queue_bytes: int
     shared_overflow: str
+    kv_events_listen: str
+    kv_events_replay_listen: str
+    kv_events_encoding: str
+    kv_events_hashes: str
     sources: Mapping[str, str]
     config_file: str = ""
     tenants: tuple[TenantConfig, ...] = ()  # the config file's [tenants.<name>] tables
@@ -528,6 +569,18 @@ class DaemonConfig:
         """Whether every call must carry a token (tenants or an admin token)."""
         return bool(self.tenants or self.admin_token_file)
 
+    def event_settings(self) -> EventSettings | None:
+        """The KV event publisher's settings (kvstored.kv_events); None when off."""
+        if not self.kv_events_listen:
+            return None
+        return EventSettings(
+            self.kv_events_listen,
+            self.kv_events_replay_listen,
+            self.kv_events_encoding,
+            self.kv_events_hashes,
+            tenant_topics={t.name: t.events_topic for t in self.tenants if t.events_topic},
+        )
+
     @property
     def namespace_metrics(self) -> bool:
         if self.metrics_namespaces == "auto":
@@ -554,6 +607,8 @@ class DaemonConfig:
                 f"host_bytes = {tenant.quota.host_bytes}",
                 f"disk_bytes = {tenant.quota.disk_bytes}",
             ]
+            if tenant.events_topic:
+                lines.append(f'events_topic = "{tenant.events_topic}"')
         return "\n".join(lines) + "\n"
 
 

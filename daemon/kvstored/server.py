@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import grpc
+import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -47,6 +48,7 @@ from kvstored.config import (
 )
 from kvstored.dispatch import Calls
 from kvstored.gpu_service import KVGpuService
+from kvstored.kv_events import Publisher
 from kvstored.local_calls import LocalCallServer
 from kvstored.metrics import DaemonMetrics, MetricsBindError, StoreCollector
 from kvstored.names import NamespaceNames
@@ -138,11 +140,15 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     sock_path = config.socket_path  # made ready by preflight.check
     gpu = await asyncio.to_thread(kv_platform.detect)  # no torch/CUDA context on cpu-only
     pin = pinning.arena_pin_hook(gpu)  # cudaHostRegister of the arena when CUDA is there
+    publisher = start_kv_events(config)  # before the store: it tells what the start finds
+    feed = None if publisher is None else publisher.feed
     try:
-        store = await asyncio.to_thread(Store, config.store_config(), pin=pin)
-    except DiskDirInUse as exc:
-        raise StartupError(str(exc), exit_code=2) from exc
+        store = await asyncio.to_thread(Store, config.store_config(), pin=pin, feed=feed)
     except Exception as exc:
+        if publisher is not None:
+            publisher.close()
+        if isinstance(exc, DiskDirInUse):
+            raise StartupError(str(exc), exit_code=2) from exc
         raise StartupError(f"cannot open the store: {_reason(exc)}") from exc
     store.set_platform(gpu.profile.value)
 
@@ -151,6 +157,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         tokens = Tokens(config.tenants, config.admin_token_file)
     except ValueError as exc:  # preflight read them: changed since
         await asyncio.to_thread(store.close)
+        close_kv_events(publisher)
         raise StartupError(str(exc), exit_code=2) from exc
     access = Access(store, names, tokens)
     service = KVStoreService(Calls(store, config, names, daemon_version(), access))
@@ -188,6 +195,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         await server.stop(None)
         gpu_service.close()
         await asyncio.to_thread(store.close)
+        close_kv_events(publisher)
         service.close()
         if isinstance(exc, MetricsBindError):
             raise StartupError(f"cannot listen on {exc}") from exc
@@ -225,6 +233,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
             extra={"event": "closing"},
         )
         unpersisted = await asyncio.to_thread(store.close)
+        await asyncio.to_thread(close_kv_events, publisher)  # after the close's last moves
         service.close()
         if local is not None:
             local.close()
@@ -242,6 +251,31 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         else:
             log.info("stopped", extra={"event": "stopped"})
     return EXIT_UNPERSISTED if unpersisted else 0
+
+
+def start_kv_events(config: DaemonConfig) -> Publisher | None:
+    """Bind and start the KV event publisher when ``kv_events_listen`` is set."""
+    settings = config.event_settings()
+    if settings is None:
+        return None
+    try:
+        publisher = Publisher(settings)
+    except zmq.ZMQError as exc:
+        raise StartupError(f"cannot listen for KV events on {settings.listen}: {exc}") from exc
+    publisher.start()
+    log.info(
+        "KV events on %s (replay %s; %s encoding, %s hashes)",
+        publisher.endpoint, publisher.replay_endpoint or "off", settings.encoding,
+        settings.hashes,
+        extra={"event": "kv_events", "url": publisher.endpoint,
+               "replay": publisher.replay_endpoint},
+    )  # fmt: skip
+    return publisher
+
+
+def close_kv_events(publisher: Publisher | None) -> None:
+    if publisher is not None:
+        publisher.close()
 
 
 async def start_local_calls(

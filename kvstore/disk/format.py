@@ -14,13 +14,12 @@ import struct
 import threading
 from dataclasses import dataclass
 
-META = struct.Struct("<B32sB32sQQBdQ")  # version 2: + the payload's offset in data.mdb
-META_V1 = struct.Struct("<B32sB32sQQBd")  # records written before version 2 (still read)
-META_VERSION = 2
-EXTENT = struct.Struct("<QQ")  # size and checksum fields of META (and of META_V1) ...
-EXTENT_AT = 1 + 32 + 1 + 32  # ... at this byte
-OFFSET = struct.Struct("<Q")  # the payload offset field of META ...
-OFFSET_AT = META.size - 8  # ... at this byte
+# version 3: + the block's tokens (a u16 count, then that many little-endian u32)
+META = struct.Struct("<B32sB32sQQBdQH")
+META_V2 = struct.Struct("<B32sB32sQQBdQ")  # + the payload's offset in data.mdb
+META_V1 = struct.Struct("<B32sB32sQQBd")  # records of versions 1 and 2 are still read
+META_VERSION = 3
+MAX_RECORD_TOKENS = 0xFFFF
 KEY_SIZES = (16, 32)
 _PARENT_LENGTHS = (0, *KEY_SIZES)
 DIGEST_SIZE = 32
@@ -57,20 +56,11 @@ class DiskRecord:
     priority: int  # 0..100
     last_access: float  # wall-clock seconds (time.time())
     offset: int = 0  # of the payload in data.mdb, once committed (0: not known)
-
-
-@dataclass(frozen=True, slots=True)
-class DiskExtent:
-    """Where a committed payload lies in ``data.mdb``: ``size`` bytes from byte
-    ``offset``, whose xxh3-64 is ``checksum`` (what a reader checks after reading)."""
-
-    offset: int
-    size: int
-    checksum: int
+    tokens: bytes = b""  # the block's token ids, packed little-endian uint32 (b"": unknown)
 
 
 def pack_record(rec: DiskRecord) -> bytes:
-    return META.pack(
+    head = META.pack(
         META_VERSION,
         rec.ns_digest,
         len(rec.parent),
@@ -80,19 +70,29 @@ def pack_record(rec: DiskRecord) -> bytes:
         rec.priority,
         rec.last_access,
         rec.offset,
+        len(rec.tokens) // 4,
     )
+    return head + rec.tokens
 
 
-# a meta value's fields: ns_digest, parent, size, checksum, priority, last_access, offset
-RecordFields = tuple[bytes, bytes, int, int, int, float, int]
+# a meta value's fields: ns_digest, parent, size, checksum, priority, last_access, offset,
+# tokens
+RecordFields = tuple[bytes, bytes, int, int, int, float, int, bytes]
 
 
 def unpack_fields(raw: bytes | memoryview) -> RecordFields:
     """Decode a ``meta`` value into its fields (what :func:`unpack_record` holds, for a
     caller that reads millions and needs no object per record). Raises ValueError (or
     struct.error) if it is malformed."""
-    if len(raw) == META.size and raw[0] == META_VERSION:
-        _, digest, parent_len, parent, size, checksum, priority, last, offset = META.unpack(raw)
+    tokens = b""
+    if len(raw) >= META.size and raw[0] == META_VERSION:
+        fields = META.unpack_from(raw)
+        _, digest, parent_len, parent, size, checksum, priority, last, offset, count = fields
+        if len(raw) != META.size + 4 * count:
+            raise ValueError(f"bad meta record ({count} tokens in {len(raw)} bytes)")
+        tokens = bytes(raw[META.size :])
+    elif len(raw) == META_V2.size and raw[0] == 2:
+        _, digest, parent_len, parent, size, checksum, priority, last, offset = META_V2.unpack(raw)
     elif len(raw) == META_V1.size and raw[0] == 1:
         _, digest, parent_len, parent, size, checksum, priority, last = META_V1.unpack(raw)
         offset = 0
@@ -101,23 +101,12 @@ def unpack_fields(raw: bytes | memoryview) -> RecordFields:
         raise ValueError(f"bad meta record (version {version}, {len(raw)} bytes)")
     if parent_len not in _PARENT_LENGTHS:
         raise ValueError(f"bad meta record (parent length {parent_len})")
-    return digest, parent[:parent_len], size, checksum, priority, last, offset
+    return digest, parent[:parent_len], size, checksum, priority, last, offset, tokens
 
 
 def unpack_record(key: bytes, raw: bytes | memoryview) -> DiskRecord:
     """Decode a ``meta`` value. Raises ValueError (or struct.error) if it is malformed."""
     return DiskRecord(bytes(key), *unpack_fields(raw))
-
-
-def committed_extent(raw: bytes | memoryview) -> DiskExtent | None:
-    """Where the payload of a ``meta`` record lies in ``data.mdb``, for a reader with its
-    own read transaction (the record and its payload are of one snapshot); None for a
-    record that does not say (version 1, offset not known) or is malformed."""
-    if len(raw) != META.size or raw[0] != META_VERSION:
-        return None
-    size, checksum = EXTENT.unpack_from(raw, EXTENT_AT)
-    (offset,) = OFFSET.unpack_from(raw, OFFSET_AT)
-    return DiskExtent(offset, size, checksum) if offset else None
 
 
 def check_record(rec: DiskRecord) -> None:
@@ -131,3 +120,5 @@ def check_record(rec: DiskRecord) -> None:
         raise ValueError(f"priority must be in [0, {MAX_PRIORITY}], got {rec.priority}")
     if not 0 <= rec.checksum < 1 << 64:
         raise ValueError("checksum must be an unsigned 64-bit integer")
+    if len(rec.tokens) % 4 or len(rec.tokens) > 4 * MAX_RECORD_TOKENS:
+        raise ValueError(f"tokens must be packed uint32, at most {MAX_RECORD_TOKENS}")

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -117,7 +117,8 @@ class Lent(NamedTuple):
     """What the store lends the writer: the next blocks of its write-behind queue."""
 
     blocks: list[Outgoing]  # unsent ancestors first
-    release: Callable[[], None]  # unpins them; call once they are sent
+    # unpins them; call once they are sent, with the keys the cluster took
+    release: Callable[[Collection[BlockKey]], None]
     lost: int  # queued blocks no longer in the host tier (or an unsent ancestor)
 
 
@@ -261,6 +262,7 @@ class SharedTier:
         scratch buffer (allocated once: fresh pages cost more than the copy) in runs
         of at most SCRATCH_BYTES; the blocks stay pinned until the last run is sent."""
         blocks = lent.blocks
+        sent: set[BlockKey] = set()
         try:
             begin = 0
             while begin < len(blocks):
@@ -270,12 +272,13 @@ class SharedTier:
                 ):
                     used += packed_size(blocks[end].payload.nbytes)
                     end += 1
-                self._send(blocks[begin:end], used)
+                sent |= self._send(blocks[begin:end], used)
                 begin = end
         finally:
-            lent.release()
+            lent.release(sent)
 
-    def _send(self, blocks: list[Outgoing], nbytes: int) -> None:
+    def _send(self, blocks: list[Outgoing], nbytes: int) -> set[BlockKey]:
+        """Store ``blocks`` on the cluster; the keys it took, each with its parent."""
         if len(self._scratch) < nbytes:
             self._scratch = memoryview(bytearray(max(nbytes, SCRATCH_BYTES)))
         items, at = [], 0
@@ -295,6 +298,7 @@ class SharedTier:
             elif not ok:
                 self._n["write_errors"] += 1
         self.note_known([b.key for b in blocks if b.key in sent])
+        return sent
 
     def _forget_known(self) -> None:
         with self._known_lock:
