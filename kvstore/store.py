@@ -135,6 +135,7 @@ class Store:
         self.read = self._reads.read
         self.acquire = self._reads.acquire
         self.locate = self._reads.locate
+        self.why = self._reads.why
         self.note_reads = self._reads.note_reads
         self.note_misses = self._reads.note_misses
         self.put = self._writes.put

@@ -24,6 +24,7 @@ from kvstore.errors import (
 )
 from kvstore.index import READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, run_tokens
+from kvstore.misses import MissReason, explain
 from kvstore.results import (
     Acquisition,
     Located,
@@ -76,6 +77,14 @@ class Reads:
         with self._parts.lock:
             self._parts.expire()
             return ready_prefix(self._parts.index, keys)
+
+    def why(self, ns_id: str, keys: Sequence[BlockKey]) -> MissReason:
+        """Why ``keys`` are not served whole: the first block that is not, and the
+        reason the store knows (kvstore.misses)."""
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
+        with self._parts.lock:
+            return explain(self._parts.index, self._parts.tiers.losses, keys)
 
     def read(
         self,

@@ -152,7 +152,7 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     client = FOLDERS["kvclient"]
     wings = client / "integrations"
     assert lines(client, without=wings) <= 5000
-    assert lines(FOLDERS["kvctl"]) <= 800
+    assert lines(FOLDERS["kvctl"]) <= 850  # (+50 for `kvctl why`, issue 43)
     assert lines(wings / "vllm") <= 1100
     assert lines(wings / "hf") <= 900
 

@@ -35,6 +35,7 @@ from kvclient.sync_client import KVClient
 from kvproto.v1.results import (
     Event,
     LookupResult,
+    MissReason,
     NamespaceInfo,
     NamespaceStats,
     PutResult,
@@ -62,6 +63,7 @@ __all__ = [
     "LayoutMismatchError",
     "LeaseError",
     "LookupResult",
+    "MissReason",
     "Namespace",
     "NamespaceInfo",
     "NamespaceNotFoundError",

@@ -23,7 +23,7 @@ from kvclient.effects import Op
 from kvclient.puts_ahead import PendingPut
 from kvclient.results import GetResult
 from kvclient.wire import ExtraKeys, extra_bytes
-from kvproto.v1.results import LookupResult, NamespaceInfo, PutResult
+from kvproto.v1.results import LookupResult, MissReason, NamespaceInfo, PutResult
 
 if TYPE_CHECKING:
     from kvclient.async_client import AsyncKVClient
@@ -48,6 +48,9 @@ class _Namespace:
             f"{type(self).__name__}({self.ns_id!r}, block_tokens={self.block_tokens}, "
             f"block_bytes={self.block_bytes})"
         )
+
+    def _why(self, tokens: Tokens, extra_keys: ExtraKeys) -> Op[MissReason]:
+        return reads.why(self._conn, self.info, tokens, extra_keys)
 
     def _lookup(self, tokens: Tokens, extra_keys: ExtraKeys, wait_s: float) -> Op[LookupResult]:
         return reads.lookup(self._conn, self.info, tokens, extra_keys, wait_s)
@@ -101,6 +104,11 @@ class Namespace(_Namespace):
         """Longest cached prefix of ``tokens`` (and what other sessions are computing).
         ``wait_pending_s``: wait that long for pending blocks."""
         return self.client._drive(self._lookup(tokens, extra_keys, wait_pending_s))
+
+    def why(self, tokens: Tokens, *, extra_keys: ExtraKeys = ()) -> MissReason:
+        """Why ``tokens`` are not served whole: the first block that is not, and the
+        reason the daemon knows (:class:`MissReason`)."""
+        return self.client._drive(self._why(tokens, extra_keys))
 
     def get(
         self, tokens: Tokens, *, extra_keys: ExtraKeys = (), out: np.ndarray | None = None
@@ -211,6 +219,9 @@ class AsyncNamespace(_Namespace):
         self, tokens: Tokens, *, extra_keys: ExtraKeys = (), wait_pending_s: float = 0.0
     ) -> LookupResult:
         return await self.client._drive(self._lookup(tokens, extra_keys, wait_pending_s))
+
+    async def why(self, tokens: Tokens, *, extra_keys: ExtraKeys = ()) -> MissReason:
+        return await self.client._drive(self._why(tokens, extra_keys))
 
     async def get(
         self, tokens: Tokens, *, extra_keys: ExtraKeys = (), out: np.ndarray | None = None

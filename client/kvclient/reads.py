@@ -35,19 +35,33 @@ from kvclient.results import GetResult
 from kvclient.unpinned_reads import UnpinnedGet, wanted_blocks
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import result_messages
-from kvproto.v1.results import LookupResult, NamespaceInfo
+from kvproto.v1.results import LookupResult, MissReason, NamespaceInfo
 
 
-def lookup(
-    conn: Connection, ns: NamespaceInfo, tokens: Any, extra_keys: wire.ExtraKeys, wait_s: float
-) -> Op[LookupResult]:
-    request = pb.LookupRequest(
+def lookup_request(
+    ns: NamespaceInfo, tokens: Any, extra_keys: wire.ExtraKeys, wait_s: float = 0.0
+) -> pb.LookupRequest:
+    return pb.LookupRequest(
         ns_id=ns.ns_id,
         tokens=as_tokens(tokens).tolist(),
         extra_keys=wire.extra_bytes(extra_keys),
         wait_pending_s=wait_s,
     )
+
+
+def lookup(
+    conn: Connection, ns: NamespaceInfo, tokens: Any, extra_keys: wire.ExtraKeys, wait_s: float
+) -> Op[LookupResult]:
+    request = lookup_request(ns, tokens, extra_keys, wait_s)
     return result_messages.lookup_result((yield from conn.call("Lookup", request)))
+
+
+def why(
+    conn: Connection, ns: NamespaceInfo, tokens: Any, extra_keys: wire.ExtraKeys
+) -> Op[MissReason]:
+    request = lookup_request(ns, tokens, extra_keys)
+    request.explain = True
+    return result_messages.miss_reason((yield from conn.call("Lookup", request)).miss)
 
 
 class Get:

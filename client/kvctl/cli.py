@@ -4,6 +4,7 @@
     kvctl top [--interval S] [--once] [--json]
     kvctl ls [--json]
     kvctl lookup NAMESPACE (TOKENS... | --file F) [--json]
+    kvctl why NAMESPACE (TOKENS... | --file F) [--json]
     kvctl clear [--ns NAMESPACE] --yes
     kvctl events [--count N [--follow]] [--from SEQ] [--duration S] [--ns NAMESPACE]
                  [--kind K] [--json]
@@ -49,6 +50,12 @@ from kvclient.errors import InvalidArgumentError, KVStoreError
 from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
 from kvctl.views import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    PROG,
+    JSONDict,
     LiveScreen,
     UsageError,
     collect_lookup,
@@ -64,12 +71,9 @@ from kvctl.views import (
     render_top,
     resolve_namespace,
 )
+from kvctl.why import collect_why, render_why
 
 Handler = Callable[[KVClient, argparse.Namespace], int]  # a command: exit code
-PROG = "kvctl"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-JSONDict = dict[str, Any]
 
 
 # -- commands --------------------------------------------------------------------------
@@ -155,11 +159,12 @@ def read_tokens(args: argparse.Namespace) -> list[int]:
 
 
 def cmd_lookup(client: KVClient, args: argparse.Namespace) -> int:
-    data = collect_lookup(client, args.ns_id, read_tokens(args))
+    collect, render = (collect_why, render_why) if args.why else (collect_lookup, render_lookup)
+    data = collect(client, args.ns_id, read_tokens(args))
     if args.json:
         _print_json(data)
     else:
-        print(render_lookup(data))
+        print(render(data))
     return EXIT_OK
 
 
@@ -286,15 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("ls", cmd_ls, "namespaces with blocks and bytes")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = command("lookup", cmd_lookup, "how much of a token sequence is cached")
-    p.add_argument(
-        "ns_id",
-        metavar="NAMESPACE",
-        help="what kvctl ls shows: namespace id, bound name, or model (when unique)",
-    )
-    p.add_argument("tokens", metavar="TOKENS", nargs="*", help="token ids")
-    p.add_argument("--file", "-f", help="file of whitespace-separated token ids ('-': stdin)")
-    p.add_argument("--json", action="store_true", help="print JSON")
+    for name, why, what in (("lookup", False, "how much of a token sequence is cached"),
+                            ("why", True, "why a token sequence is not served whole")):
+        p = command(name, cmd_lookup, what)
+        p.set_defaults(why=why)
+        p.add_argument("ns_id", metavar="NAMESPACE",
+                       help="what kvctl ls shows: namespace id, bound name, or model (when unique)")
+        p.add_argument("tokens", metavar="TOKENS", nargs="*", help="token ids")
+        p.add_argument("--file", "-f", help="file of whitespace-separated token ids ('-': stdin)")
+        p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("clear", cmd_clear, "remove every block (of one namespace)")
     p.add_argument("--ns", metavar="NAMESPACE", help="only this namespace (as kvctl ls shows)")

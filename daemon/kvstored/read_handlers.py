@@ -15,7 +15,7 @@ from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
 from kvstore.errors import InvalidArgument, LeaseError, StoreError
 from kvstore.host.slot_runs import slot_runs
 from kvstore.keys import BlockKey, NamespaceSpec
-from kvstored import convert
+from kvstored import convert, why
 from kvstored.auth import Caller
 from kvstored.config import GET_CHUNK_BYTES
 from kvstored.dispatch import Calls, Ctx, NeedsPool
@@ -42,10 +42,14 @@ async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.Lo
         else:
             result = calls.store.lookup(spec.ns_id, keys)
         result = replace(result, shared_blocks=min(pulled, result.host_blocks))
-        return convert.lookup_response(result, spec.block_tokens, len(keys))
+        response = convert.lookup_response(result, spec.block_tokens, len(keys))
+        if request.explain:
+            tokens, extra = convert.tokens(request.tokens), convert.extra_keys(request.extra_keys)
+            response.miss.CopyFrom(why.explain(calls.store, spec, keys, tokens, extra, caller))
+        return response
 
-    if wait is not None:
-        return await calls.run(lookup, wait=True)
+    if wait is not None or request.explain:  # (explain looks in every namespace)
+        return await calls.run(lookup, wait=wait is not None)
     return await calls.run_quick(lookup)
 
 

@@ -170,19 +170,39 @@ class SessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "wait_pending_s")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "wait_pending_s", "explain")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     WAIT_PENDING_S_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     wait_pending_s: float
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., wait_pending_s: _Optional[float] = ...) -> None: ...
+    explain: bool
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., wait_pending_s: _Optional[float] = ..., explain: _Optional[bool] = ...) -> None: ...
+
+class MissReason(_message.Message):
+    __slots__ = ("block", "reason", "tier", "rule", "when", "other_ns", "differs")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    WHEN_FIELD_NUMBER: _ClassVar[int]
+    OTHER_NS_FIELD_NUMBER: _ClassVar[int]
+    DIFFERS_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    reason: str
+    tier: str
+    rule: str
+    when: float
+    other_ns: str
+    differs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block: _Optional[int] = ..., reason: _Optional[str] = ..., tier: _Optional[str] = ..., rule: _Optional[str] = ..., when: _Optional[float] = ..., other_ns: _Optional[str] = ..., differs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("ready_blocks", "ready_tokens", "host_blocks", "disk_blocks", "pending_blocks", "total_blocks", "shared_blocks")
+    __slots__ = ("ready_blocks", "ready_tokens", "host_blocks", "disk_blocks", "pending_blocks", "total_blocks", "shared_blocks", "miss")
     READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     READY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +210,7 @@ class LookupResponse(_message.Message):
     PENDING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_FIELD_NUMBER: _ClassVar[int]
     ready_blocks: int
     ready_tokens: int
     host_blocks: int
@@ -197,7 +218,8 @@ class LookupResponse(_message.Message):
     pending_blocks: int
     total_blocks: int
     shared_blocks: int
-    def __init__(self, ready_blocks: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
+    miss: MissReason
+    def __init__(self, ready_blocks: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissReason, _Mapping]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "max_blocks")

@@ -62,6 +62,10 @@ def lookup_result(message: pb.LookupResponse) -> r.LookupResult:
     )
 
 
+def miss_reason(message: pb.MissReason) -> r.MissReason:
+    return from_message(r.MissReason, message, differs=tuple(message.differs))
+
+
 def server_info(message: pb.ServerInfoResponse) -> r.ServerInfo:
     """The daemon's ServerInfo (a daemon too old to say its uid says no version)."""
     return from_message(r.ServerInfo, message, uid=message.uid if message.version else None)

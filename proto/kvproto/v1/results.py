@@ -52,6 +52,27 @@ class PutResult:
 
 
 @dataclass(frozen=True, slots=True)
+class MissReason:
+    """Why a prompt is not served whole (``Namespace.why``; ``kvctl why``): its first
+    block that is not, and the reason the daemon knows.
+
+    ``reason``: ``served`` (every block is), ``pending`` (another writer is computing
+    it), ``lost`` (it left the store: from ``tier``, by ``rule`` -- priority, quota,
+    ttl, corrupt, deleted -- at wall-clock ``when``), ``never_stored`` (or lost longer
+    ago than the daemon remembers), ``other_namespace`` (namespace ``other_ns`` holds
+    it; the two differ in the fields ``differs`` names).
+    """
+
+    block: int
+    reason: str
+    tier: str = ""
+    rule: str = ""
+    when: float = 0.0
+    other_ns: str = ""
+    differs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     """Longest usable prefix of a prompt.
 
