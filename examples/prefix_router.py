@@ -1,0 +1,153 @@
+"""A prefix router over kvstored's KV events: which node holds most of a prompt.
+
+Each kvstored started with ``kv_events_listen`` publishes, in vLLM's KV event format,
+every block that enters or leaves its host, disk and shared tiers (README.md, "Routing
+by prefix"). This router subscribes to several daemons and keeps, per node, the blocks
+it holds; asked for a prompt, it answers the node holding its longest prefix.
+
+It bridges through tokens, as llm-d's scorer does: a ``BlockStored`` carries each
+block's tokens and its parent's hash, so the router learns "the block after P with
+these tokens is H" and walks a prompt block by block without knowing how hashes are
+computed. Blocks of the shared tier (``locality`` REMOTE) are every node's to pull and
+choose no node. It decodes batches without vLLM's classes, so both encodings (map and
+the older array) and both hash forms (bytes, int) work.
+
+    python examples/prefix_router.py --node a=tcp://10.0.0.1:5557 \\
+        --node b=tcp://10.0.0.2:5557 --topic MODEL --listen-s 5 < prompt.txt
+
+reads whitespace-separated token ids on stdin, listens for ``--listen-s`` seconds (a
+router would listen for good), and prints the chosen node and the tokens it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                 "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                 "kv_cache_spec_sliding_window", "locality")  # fmt: skip
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
+
+
+def fields(event: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """(type, fields) of a decoded event: a map (``type`` key) or an array (tag first)."""
+    if isinstance(event, dict):
+        return event["type"], event
+    return event[0], dict(zip(names, event[1:], strict=False))
+
+
+class PrefixRouter:
+    """Subscribes to ``nodes`` (name -> PUB address) on ``topic``; :meth:`poll` applies
+    what arrived, :meth:`route` answers a prompt."""
+
+    def __init__(self, nodes: Mapping[str, str], topic: str = "") -> None:
+        self.ctx = zmq.Context()
+        self.sockets: dict[zmq.Socket[bytes], str] = {}
+        self.poller = zmq.Poller()
+        for name, address in nodes.items():
+            sub = self.ctx.socket(zmq.SUB)
+            sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+            sub.connect(address)
+            self.sockets[sub] = name
+            self.poller.register(sub, zmq.POLLIN)
+        self.next: dict[tuple[Any, tuple[int, ...]], Any] = {}  # (parent, tokens) -> hash
+        self.held: dict[str, dict[Any, set[str]]] = {n: {} for n in nodes}  # hash -> tiers
+        self.block_size = 0
+        self.heard: set[str] = set()  # nodes heard from
+
+    def poll(self, timeout_s: float = 0.0) -> int:
+        """Apply the batches that arrive within ``timeout_s``; how many."""
+        applied = 0
+        deadline = time.monotonic() + timeout_s
+        while ready := dict(self.poller.poll(max(0, int((deadline - time.monotonic()) * 1000)))):
+            for sock in ready:
+                _topic, _seq, payload = sock.recv_multipart()
+                self.apply(self.sockets[sock], msgspec.msgpack.decode(payload))
+                applied += 1
+        return applied
+
+    def apply(self, node: str, batch: Sequence[Any]) -> None:
+        self.heard.add(node)
+        held = self.held[node]
+        for event in batch[1]:
+            kind, f = fields(event, STORED_FIELDS)
+            if kind == "AllBlocksCleared":
+                held.clear()
+            elif kind == "BlockStored":
+                where = f"{f['medium']}/{f.get('locality') or 'LOCAL'}"
+                size = self.block_size = f["block_size"]
+                parent, tokens = f["parent_block_hash"], f["token_ids"]
+                for i, block in enumerate(f["block_hashes"]):
+                    if len(tokens) >= (i + 1) * size:
+                        self.next[(parent, tuple(tokens[i * size : (i + 1) * size]))] = block
+                    held.setdefault(block, set()).add(where)
+                    parent = block
+            elif kind == "BlockRemoved":
+                _, f = fields(event, REMOVED_FIELDS)
+                where = f"{f['medium']}/{f.get('locality') or 'LOCAL'}"
+                for block in f["block_hashes"]:
+                    tiers = held.get(block)
+                    if tiers is not None:
+                        tiers.discard(where)
+                        if not tiers:
+                            del held[block]
+
+    def route(self, tokens: Sequence[int]) -> tuple[str | None, int]:
+        """The node holding the longest prefix of ``tokens`` on its own tiers, and how
+        many tokens that prefix covers; (None, 0) when no node holds its first block."""
+        size = self.block_size
+        chain, parent = [], None
+        for i in range(len(tokens) // size if size else 0):
+            block = self.next.get((parent, tuple(tokens[i * size : (i + 1) * size])))
+            if block is None:
+                break
+            chain.append(block)
+            parent = block
+        best: tuple[str | None, int] = (None, 0)
+        for node, held in self.held.items():
+            n = 0
+            while n < len(chain) and any(t.endswith("LOCAL") for t in held.get(chain[n], ())):
+                n += 1
+            if n * size > best[1]:
+                best = (node, n * size)
+        return best
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--node",
+        action="append",
+        required=True,
+        metavar="NAME=ADDRESS",
+        help="a daemon's kv_events_listen address (repeatable)",
+    )
+    parser.add_argument("--topic", default="", help="the model to route ('': every topic)")
+    parser.add_argument("--listen-s", type=float, default=5.0, help="seconds to listen")
+    args = parser.parse_args(argv)
+    nodes = dict(spec.split("=", 1) for spec in args.node)
+    tokens = [int(word) for word in sys.stdin.read().split()]
+    router = PrefixRouter(nodes, args.topic)
+    try:
+        router.poll(args.listen_s)
+        node, covered = router.route(tokens)
+    finally:
+        router.close()
+    print(f"{node or 'none'} {covered}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
