@@ -356,6 +356,7 @@ class Store:
                     "writer_refused": c.writer_refused,
                     "dirty_dropped": c.dirty_dropped,
                     "event_seq": parts.events.seq,  # the newest event's seq (kvctl events --count)
+                    **self._feed_figures(),
                     **self._load_progress(),
                     **disk_counters,
                 },
@@ -368,6 +369,13 @@ class Store:
                 tenants=self._tenant_usage(),
                 shared=None if shared is None else self._shared_stats(shared),
             )
+
+    def _feed_figures(self) -> dict[str, int]:
+        """The KV event feed's figures, when a publisher takes it (kvstore.tier_events)."""
+        feed = self._parts.tiers.feed
+        if not feed.on:
+            return {}
+        return {"kv_events_dropped": feed.dropped, "kv_events_queued": len(feed)}
 
     def _shared_stats(self, shared: SharedTier) -> SharedStats:
         queue = self._parts.shared_queue

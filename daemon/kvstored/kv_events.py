@@ -35,7 +35,9 @@ every FLUSH_S, encodes and sends them; nothing of this runs under the store's lo
 
 from __future__ import annotations
 
+import array
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -44,7 +46,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from kvstore.keys import NamespaceSpec
@@ -119,6 +120,14 @@ def _event_types(array_like: bool) -> tuple[type, type, type]:
         pass
 
     return BlockStored, BlockRemoved, AllBlocksCleared
+
+
+def token_list(packed: bytes) -> list[int]:
+    """Token ids packed as little-endian uint32 (kvstore.keys) -> ints."""
+    ids = array.array("I", packed)
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        ids.byteswap()
+    return ids.tolist()
 
 
 class Publisher:
@@ -253,7 +262,7 @@ class Publisher:
                 events.append(self._removed([key], medium, locality=locality, ownership=OWNERSHIP))
                 continue
             tokens = change.tokens
-            token_ids = [] if tokens is None else np.frombuffer(tokens, dtype="<u4").tolist()
+            token_ids = [] if tokens is None else token_list(tokens)
             if (
                 run is not None
                 and tokens is not None

@@ -90,6 +90,11 @@ STORE_COUNTERS = {
         "Disk reads of a block the index held that failed (checksum mismatch or missing "
         "record); the block and its disk-only descendants were dropped.",
     ),
+    "kv_events_dropped": (
+        "kvstore_kv_events_dropped",
+        "Tier changes not published as KV events because the publisher fell behind by "
+        "its whole feed (routers' indexes of this node miss them until its next start).",
+    ),
     "known_slot_gets": (
         "kvstore_known_slot_gets",
         "Gets a same-host client served from arena slots it knew, with no call of its "
@@ -100,6 +105,10 @@ STORE_COUNTERS = {
 
 # Store figures in the same dict that go up and down (or stop): gauges.
 STORE_GAUGES = {
+    "kv_events_queued": (
+        "kvstore_kv_events_queued",
+        "Tier changes waiting for the KV event publisher.",
+    ),
     "index_records_loaded": (
         "kvstore_index_records_loaded",
         "Disk records indexed since the start (the index loads in the background; equal "
