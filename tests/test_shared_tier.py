@@ -470,3 +470,46 @@ def test_write_behind_drop_counts_what_it_did_not_send(
         capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert "queue 0 B of 1.0 MiB" in text and f"dropped {stats.writes_dropped}" in text  # type: ignore[attr-defined]
+
+
+def test_kv_events_tell_what_was_written_to_the_cluster_as_remote_storage(
+    healthy: ValkeyCluster, kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Routers see the shared tier: a block the writer sent is BlockStored STORAGE with
+    locality REMOTE (read through the replay socket: every batch since the start)."""
+    import msgspec
+    import zmq
+
+    replay = f"ipc://{tmp_path}/replay"
+    daemon = kvstored_factory(
+        shared_url=healthy.url, kv_events_listen=f"ipc://{tmp_path}/events",
+        kv_events_replay_listen=replay,
+    )  # fmt: skip
+    wait_connected(daemon)
+    tokens, blocks = prompt(9_000, 3), blocks_for(9, 3)
+    store_on(daemon, tokens, blocks)
+    _, keys = keys_of(tokens)
+
+    def remote() -> list[bytes]:
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(replay)
+        told: list[bytes] = []
+        try:
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            while dealer.poll(20_000):
+                _, topic, seq, payload = dealer.recv_multipart()
+                if not topic:
+                    if seq == (-1).to_bytes(8, "big", signed=True):
+                        return told
+                    continue
+                for event in msgspec.msgpack.decode(payload)[1]:
+                    if event["type"] == "BlockStored" and event["locality"] == "REMOTE":
+                        assert event["medium"] == "STORAGE"
+                        told += event["block_hashes"]
+            raise AssertionError("the replay socket did not answer")
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+
+    wait_for(lambda: remote() == keys, 20, "the shared tier's BlockStored events")

@@ -47,11 +47,13 @@ shared/exclusive lock keeps every read transaction closed while the writer calls
 On-disk format (one environment at ``directory``, files ``data.mdb`` + ``lock.mdb``):
 
 - named db ``payload``: BlockKey (16 or 32 bytes) -> the block's bytes, verbatim.
-- named db ``meta``: BlockKey -> ``struct "<B32sB32sQQBdQ"``: record version (2),
+- named db ``meta``: BlockKey -> ``struct "<B32sB32sQQBdQH"``: record version (3),
   namespace digest, parent length + parent key (zero-padded to 32), payload size,
-  xxh3-64 checksum of the payload, priority, last access (``time.time()`` seconds), and
-  the byte offset of the payload in ``data.mdb`` (0: not known). Version 1 records
-  (written before the offset was kept: the same without it) are still read.
+  xxh3-64 checksum of the payload, priority, last access (``time.time()`` seconds), the
+  byte offset of the payload in ``data.mdb`` (0: not known) and the number of the
+  block's tokens, then those tokens (little-endian uint32: what a restart tells routers,
+  kvstore.tier_events). Records of version 2 (no tokens) and 1 (no offset either) are
+  still read.
 - named db ``namespaces``: namespace digest (32 bytes) -> ``NamespaceSpec.to_dict()`` as
   UTF-8 JSON with sorted keys. ``meta`` and ``payload`` are always changed together in
   the same transaction, so a restart never sees one without the other.
