@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.codecs import Codec
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.tenants import Group
 
@@ -35,10 +36,12 @@ READY = 1
 
 @dataclass(slots=True)
 class NamespaceEntry:
-    """A registered namespace, its tenant's group and its counters."""
+    """A registered namespace, its tenant's group, its codec and its counters."""
 
     spec: NamespaceSpec
     group: Group = field(default_factory=lambda: Group(""))
+    codec: Codec | None = None  # how a coded tier keeps its blocks (None: exact)
+    coded_blocks: int = 0  # of its blocks on disk, those kept encoded there
     blocks: int = 0
     bytes: int = 0
     hits: int = 0

@@ -42,8 +42,9 @@ import threading
 import time
 from operator import attrgetter
 
+from kvstore import codecs
 from kvstore.disk.format import unpack_fields
-from kvstore.index import READY, Node
+from kvstore.index import READY, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.store_parts import StoreParts
 from kvstore.tier_events import DISK
@@ -56,17 +57,32 @@ PROGRESS_EVERY_S = 2.0
 
 FEED_WAIT_S = 30.0  # a chunk waits this long at most for the KV event feed to take it
 
-# (key, namespace digest, parent key or b"", payload size, priority, last access, tokens)
-Loaded = tuple[bytes, bytes, bytes, int, int, float, bytes]
+# (key, namespace digest, parent key or b"", payload size, priority, last access, tokens,
+# codec id, codec version)
+Loaded = tuple[bytes, bytes, bytes, int, int, float, bytes, int, int]
 
 
 def decode(key: bytes, raw: bytes) -> Loaded | None:
     """A meta record's fields the index needs; None when it is malformed."""
     try:
-        digest, parent, size, _, priority, last, _, tokens = unpack_fields(raw)
+        digest, parent, size, _, priority, last, _, tokens, codec, version = unpack_fields(raw)
     except (ValueError, struct.error):
         return None
-    return key, digest, parent, size, priority, last, tokens
+    return key, digest, parent, size, priority, last, tokens, codec, version
+
+
+def stored_whole(entry: NamespaceEntry, size: int, codec: int, version: int) -> bool:
+    """Whether a record's payload is one block of ``entry``: as it is, or encoded by
+    the namespace's codec at the version this daemon decodes."""
+    if not codec:
+        return size == entry.spec.block_bytes
+    own = entry.codec
+    return (
+        own is not None
+        and codec == own.code_id
+        and version == codecs.VERSION
+        and size == own.encoded_bytes
+    )
 
 
 class IndexLoad:
@@ -79,6 +95,7 @@ class IndexLoad:
         self._disk = parts.disk
         self.total = 0  # records in the environment, once it is open
         self.loaded = 0  # records read so far (indexed, waiting for a parent, or dropped)
+        self.foreign_codec = 0  # records of an unknown codec version (dropped)
         self.done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -168,6 +185,12 @@ class IndexLoad:
         self._disk.end_load()
         with self._parts.lock:
             self._parts.tiers.apply_shrunk_disk()
+        if self.foreign_codec:
+            log.warning(
+                "%d disk records were encoded by a codec version this daemon does not "
+                "decode (it knows version %d): dropped as misses", self.foreign_codec,
+                codecs.VERSION,
+            )  # fmt: skip
         if dropped:
             log.warning(
                 "dropped %d disk records: malformed, of an unknown namespace, or whose "
@@ -194,13 +217,15 @@ class IndexLoad:
         todo = records[::-1]
         while todo:
             rec = todo.pop()
-            key, digest, parent_key, size, priority, last, tokens = rec
+            key, digest, parent_key, size, priority, last, tokens, codec, version = rec
             if key in index.nodes:  # the store holds it already: written or put again
                 if not index.nodes[BlockKey(key)].on_disk:
                     stale.append(key)
                 continue
             entry = by_digest.get(digest)
-            if entry is None or size != entry.spec.block_bytes:
+            if entry is None or not stored_whole(entry, size, codec, version):
+                if entry is not None and codec and version != codecs.VERSION:
+                    self.foreign_codec += 1
                 stale.append(key)
                 continue
             parent = None
@@ -215,7 +240,8 @@ class IndexLoad:
             node = Node(BlockKey(key), entry, parent, READY, priority, last, on_disk=True)
             index.add(node)
             tiers.disk_blocks += 1
-            entry.group.disk_bytes += size
+            entry.group.disk_bytes += entry.spec.block_bytes
+            entry.coded_blocks += codec != 0
             if parent is not None:
                 parent.disk_children += 1
             added.append(node)

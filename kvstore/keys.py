@@ -31,6 +31,7 @@ from typing import NewType
 import numpy as np
 import xxhash
 
+from kvstore import codecs
 from kvstore.errors import InvalidArgument
 
 BlockKey = NewType("BlockKey", bytes)
@@ -77,6 +78,8 @@ class NamespaceSpec:
     tenant_salt: str = ""
     hash_algorithm: str = "sha256"
     vocab_size: int = 0  # 0: any uint32 token id is accepted
+    # how its colder tiers keep its blocks (kvstore.codecs): part of its identity
+    codec: str = "exact"
     digest: bytes = field(init=False, repr=False, compare=False)
     # stable printable id: model name plus the first 12 hex digits of the digest (kept,
     # not formatted per use: every event and lookup of a block names it)
@@ -86,6 +89,7 @@ class NamespaceSpec:
         _validate(self)
         if self.block_bytes == 0:
             object.__setattr__(self, "block_bytes", self.layout_bytes())
+        codecs.check(self.codec, self.dtype, self.head_dim, self.block_bytes)
         object.__setattr__(self, "digest", _namespace_digest(self))
         object.__setattr__(self, "ns_id", f"{self.model}@{self.digest.hex()[:12]}")
 
@@ -173,9 +177,13 @@ def _validate(spec: NamespaceSpec) -> None:
 
 
 def _namespace_digest(spec: NamespaceSpec) -> bytes:
-    """SHA-256 over a canonical, length-prefixed encoding of every declared field."""
+    """SHA-256 over a canonical, length-prefixed encoding of every declared field (the
+    codec only when it is not exact: namespaces from before codecs keep their keys)."""
     h = hashlib.sha256(b"kvstore.namespace.v1")
-    for name, value in sorted(spec.to_dict().items()):
+    declared = spec.to_dict()
+    if declared["codec"] == codecs.EXACT:
+        del declared["codec"]
+    for name, value in sorted(declared.items()):
         encoded = str(value).encode()
         h.update(struct.pack("<I", len(name)) + name.encode())
         h.update(struct.pack("<I", len(encoded)) + encoded)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
+from kvstore.codecs import codec_of
 from kvstore.errors import InvalidArgument, UnknownNamespace
 from kvstore.index import NamespaceEntry
 from kvstore.keys import BlockKey, NamespaceSpec
@@ -45,7 +46,8 @@ class Namespaces:
         group = self.groups.get(tenant)
         if group is None:
             group = self.groups[tenant] = Group(tenant, self._quotas.get(tenant, Quota()))
-        entry = NamespaceEntry(spec, group)
+        codec = codec_of(spec.codec, spec.dtype, spec.head_dim, spec.block_bytes)
+        entry = NamespaceEntry(spec, group, codec)
         self._entries[spec.ns_id] = entry
         self.by_digest[spec.digest] = entry
         return entry

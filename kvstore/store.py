@@ -155,7 +155,8 @@ class Store:
         self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
         self._reaper.start()
         if config.shared is not None:
-            self._shared_blocks.shared = SharedTier(config.shared, self)
+            coded = "shared" in config.codec_tiers
+            self._shared_blocks.shared = SharedTier(config.shared, self, coded)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> int:
@@ -335,6 +336,10 @@ class Store:
                     e.bytes,
                     e.hits,
                     e.misses,
+                    codec=e.spec.codec,
+                    saved_bytes=e.coded_blocks * (
+                        e.spec.block_bytes - e.codec.encoded_bytes if e.codec else 0
+                    ),
                 )
                 for e in parts.namespaces
             )

@@ -14,6 +14,7 @@ from kvstore.tenants import NAME_RE, Quota
 
 DEFAULT_PRIORITY = 35
 ADMISSION_POLICIES = ("write-back", "write-through", "selective")
+CODEC_TIERS = ("disk", "shared")  # the tiers a codec may apply to (the host: not yet)
 # a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
 PARALLEL_PROMOTE_BYTES = 4 << 20
 # a caller that must not wait on the disk (the daemon's event loop) promotes at most
@@ -62,6 +63,8 @@ class StoreConfig:
     # tenant -> its quota (kvstore.tenants); tenants not named here have none
     quotas: Mapping[str, Quota] = field(default_factory=dict)
     shared: SharedConfig | None = None  # a shared tier on a Valkey / Redis Cluster
+    # the tiers where a namespace with a codec keeps its blocks encoded (kvstore.codecs)
+    codec_tiers: tuple[str, ...] = ("disk", "shared")
 
     @property
     def staged_bytes_limit(self) -> int:
@@ -102,6 +105,12 @@ class StoreConfig:
             raise InvalidArgument(f"disk_queue_bytes must be >= 1, got {self.disk_queue_bytes}")
         if self.persist_timeout_s < 0:
             raise InvalidArgument(f"persist_timeout_s must be >= 0, got {self.persist_timeout_s}")
+        unknown = sorted(set(self.codec_tiers) - set(CODEC_TIERS))
+        if unknown:
+            raise InvalidArgument(
+                f"codec_tiers: {unknown[0]!r} is not a tier a codec applies to; "
+                f"choose from {list(CODEC_TIERS)}"
+            )
         if self.sync_index_bytes < 0:
             raise InvalidArgument(f"sync_index_bytes must be >= 0, got {self.sync_index_bytes}")
         if self.put_wait_ms < 0:

@@ -347,15 +347,16 @@ class Reads:
                     target[:] = array[node.host_offset : node.host_offset + size]
                 continue
             assert self._parts.disk is not None
+            codec = node.ns.codec  # (a record says whether it was encoded)
             if i in fresh:
                 slot = self._parts.arena.view(fresh[i], size)
-                if self._parts.disk.read(node.key, out=slot) is None:
+                if self._parts.disk.read(node.key, out=slot, codec=codec) is None:
                     return i
                 if target is not None:
                     target[:] = array[fresh[i] : fresh[i] + size]
             elif target is not None:
                 window = out[(i - start) * size : (i - start + 1) * size]
-                if self._parts.disk.read(node.key, out=window) is None:
+                if self._parts.disk.read(node.key, out=window, codec=codec) is None:
                     return i
         return len(nodes)
 
@@ -379,7 +380,8 @@ class Reads:
             """The first block of ``part`` that failed, or None."""
             assert disk is not None
             slots = [self._parts.arena.view(fresh[i], nodes[i].size) for i in part]
-            good = disk.read_all([nodes[i].key for i in part], slots, nowait)
+            codec = nodes[part[0]].ns.codec  # (one namespace)
+            good = disk.read_all([nodes[i].key for i in part], slots, nowait, codec)
             return None if good == len(part) else part[good]
 
         big = sum(nodes[i].size for i in todo) >= PARALLEL_PROMOTE_BYTES

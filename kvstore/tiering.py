@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvstore.codecs import Codec
 from kvstore.disk import DiskRecord, DiskTier
 from kvstore.events import Counters, EventLog
 from kvstore.host.arena import HostArena
@@ -115,6 +116,8 @@ class Tiers:
         node.on_disk = True
         self.disk_blocks += 1
         node.ns.group.disk_bytes += node.size
+        if self.disk_codec(node.ns) is not None:
+            node.ns.coded_blocks += 1
         self.disk_policy.insert(node)
         if node.parent is not None:
             node.parent.disk_children += 1
@@ -128,6 +131,8 @@ class Tiers:
         self.feed.removed(node, DISK)
         node.on_disk = False
         self.disk_blocks -= 1
+        if node.ns.coded_blocks and self.disk_codec(node.ns) is not None:
+            node.ns.coded_blocks -= 1
         node.ns.group.disk_bytes -= node.size
         if node.parent is not None:
             node.parent.disk_children -= 1
@@ -421,7 +426,7 @@ class Tiers:
         try:
             group = node.ns.group
             for block in reversed(chain):  # parents first
-                footprint = disk.footprint(block.size)
+                footprint = disk.footprint(self.disk_size(block.ns))
                 if evict:
                     if not self._quota_room(group, block.size, host=False):
                         return False
@@ -454,12 +459,21 @@ class Tiers:
             node.last_access or self.wall(),
             tokens=node.tokens or b"",
         )
-        if not disk.write(record, payload):
+        if not disk.write(record, payload, codec=self.disk_codec(node.ns)):
             self._queue_full = not disk.fault
             return False
         self.disk_add(node)
         self.counters.disk_bytes_in += node.size
         return True
+
+    def disk_codec(self, entry: NamespaceEntry) -> Codec | None:
+        """The codec a namespace's blocks are kept on disk with (None: as they are)."""
+        return entry.codec if "disk" in self.config.codec_tiers else None
+
+    def disk_size(self, entry: NamespaceEntry) -> int:
+        """Bytes one block of ``entry`` takes on disk."""
+        codec = self.disk_codec(entry)
+        return entry.spec.block_bytes if codec is None else codec.encoded_bytes
 
     def _make_disk_room(self, nbytes: int) -> bool:
         disk = self.disk
@@ -586,7 +600,8 @@ class Tiers:
         offset = self.alloc_host(node.size, node.ns.group)
         if offset is None:
             return False
-        if self.disk.read(node.key, out=self.arena.view(offset, node.size)) is None:
+        slot = self.arena.view(offset, node.size)
+        if self.disk.read(node.key, out=slot, codec=node.ns.codec) is None:
             self.arena.free(offset)
             self.lost_on_disk(node)
             return False

@@ -562,12 +562,12 @@ def test_records_keep_their_tokens_and_older_versions_still_read() -> None:
     from kvstore.disk.format import META_V1, META_V2, pack_record, unpack_fields, unpack_record
 
     tokens = np.arange(16, dtype="<u4").tobytes()
-    rec = DiskRecord(key(1), NS.digest, key(0), 4096, 7, 35, 1.5, 8192, tokens)
+    rec = DiskRecord(key(1), NS.digest, key(0), 4096, 7, 35, 1.5, 8192, tokens, 2, 1)
     assert unpack_record(rec.key, pack_record(rec)) == rec
     fields = (NS.digest, 32, key(0), 4096, 7, 35, 1.5)
     v2 = META_V2.pack(2, *fields, 8192)
     v1 = META_V1.pack(1, *fields)
-    assert unpack_fields(v2) == (NS.digest, key(0), 4096, 7, 35, 1.5, 8192, b"")
-    assert unpack_fields(v1) == (NS.digest, key(0), 4096, 7, 35, 1.5, 0, b"")
+    assert unpack_fields(v2) == (NS.digest, key(0), 4096, 7, 35, 1.5, 8192, b"", 0, 0)
+    assert unpack_fields(v1) == (NS.digest, key(0), 4096, 7, 35, 1.5, 0, b"", 0, 0)
     with pytest.raises(ValueError, match="tokens"):  # a count that is not what follows
         unpack_fields(pack_record(rec)[:-4])

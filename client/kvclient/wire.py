@@ -37,6 +37,7 @@ LAYOUT_FIELDS = (
     "tenant_salt",
     "hash_algorithm",
     "vocab_size",
+    "codec",
 )
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # data chunk size when the daemon does not say

@@ -226,14 +226,15 @@ def render_namespaces(namespaces: Sequence[JSONDict], limit: int | None = None) 
             str(ns["blocks"]),
             human_bytes(ns["bytes"]),
             percent(ns["hit_rate"]),
+            ns.get("codec", "exact"),
+            human_bytes(ns.get("saved_bytes", 0)),
         ]
         for ns in shown
     ]
     table = format_table(
-        ["NAMESPACE", "NAME", "MODEL", "TOKENS/BLOCK", "BLOCK", "BLOCKS", "BYTES", "HIT RATE"],
-        rows,
-        left=3,
-    )
+        ["NAMESPACE", "NAME", "MODEL", "TOKENS/BLOCK", "BLOCK", "BLOCKS", "BYTES", "HIT RATE",
+         "CODEC", "SAVED"], rows, left=3,
+    )  # fmt: skip
     if len(shown) < len(ordered):
         table += f"\n... {len(ordered) - len(shown)} more"
     return table

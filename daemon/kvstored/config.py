@@ -36,6 +36,7 @@ from kvproto.v1.addresses import is_loopback
 from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
+from kvstore.store_config import CODEC_TIERS
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants
 from kvstored.kv_events import ENCODINGS as EVENT_ENCODINGS
@@ -248,6 +249,16 @@ def _choice(options: Sequence[str]) -> Callable[[object], str]:
     return parse
 
 
+def parse_codec_tiers(raw: object) -> str:
+    """``"disk,shared"``, ``"disk"``, ``"shared"`` or ``""`` (no tier codes): the tiers
+    where a namespace with a codec keeps its blocks encoded (kvstore.codecs)."""
+    names = [part.strip().lower() for part in str(raw).split(",") if part.strip()]
+    unknown = [name for name in names if name not in CODEC_TIERS]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not one of {', '.join(CODEC_TIERS)}; got {raw!r}")
+    return ",".join(dict.fromkeys(names))
+
+
 # --- the table -------------------------------------------------------------------------
 
 
@@ -444,6 +455,9 @@ KEYS: tuple[Key, ...] = (
     Key("shared_overflow", "choice", _choice(OVERFLOW_POLICIES), "drop",
         "shared tier, past shared_queue_bytes: drop (new blocks are not sent, counted) "
         "| wait (puts wait for the writer, up to put_wait_ms, as for the disk's)"),
+    Key("codec_tiers", "list", parse_codec_tiers, "disk,shared",
+        "tiers where a namespace opened with a codec (fp8, int8, int4) keeps its blocks "
+        "encoded: disk, shared (comma-separated); empty: none"),
     Key("kv_events_listen", "address", parse_zmq_endpoint, "",
         "KV events for routers, in vLLM's format: the ZMQ PUB address "
         "(tcp://127.0.0.1:5557, ipc:///path); empty: off"),
@@ -507,6 +521,7 @@ class DaemonConfig:
     shared_min_priority: int
     shared_queue_bytes: int
     shared_overflow: str
+    codec_tiers: str
     kv_events_listen: str
     kv_events_replay_listen: str
     kv_events_encoding: str
@@ -546,6 +561,7 @@ class DaemonConfig:
             event_buffer=self.event_buffer,
             quotas={t.name: t.quota for t in self.tenants},
             shared=self.shared_config(),
+            codec_tiers=tuple(filter(None, self.codec_tiers.split(","))),
         )
 
     def shared_config(self) -> SharedConfig | None:

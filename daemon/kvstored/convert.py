@@ -53,6 +53,7 @@ def spec_from_proto(msg: pb.NamespaceSpec) -> NamespaceSpec:
         tenant_salt=msg.tenant_salt,
         hash_algorithm=msg.hash_algorithm or "sha256",
         vocab_size=msg.vocab_size,
+        codec=msg.codec or "exact",
     )
 
 

@@ -14,8 +14,9 @@ import struct
 import threading
 from dataclasses import dataclass
 
-# version 3: + the block's tokens (a u16 count, then that many little-endian u32)
-META = struct.Struct("<B32sB32sQQBdQH")
+# version 3: + the codec and its version that encoded the payload (kvstore.codecs; 0, 0:
+# exact) and the block's tokens (a u16 count, then that many little-endian u32)
+META = struct.Struct("<B32sB32sQQBdQBBH")
 META_V2 = struct.Struct("<B32sB32sQQBdQ")  # + the payload's offset in data.mdb
 META_V1 = struct.Struct("<B32sB32sQQBd")  # records of versions 1 and 2 are still read
 META_VERSION = 3
@@ -57,6 +58,8 @@ class DiskRecord:
     last_access: float  # wall-clock seconds (time.time())
     offset: int = 0  # of the payload in data.mdb, once committed (0: not known)
     tokens: bytes = b""  # the block's token ids, packed little-endian uint32 (b"": unknown)
+    codec: int = 0  # kvstore.codecs.CODE_IDS of the codec that encoded the payload
+    codec_version: int = 0  # ... and its kvstore.codecs.VERSION (0 with exact)
 
 
 def pack_record(rec: DiskRecord) -> bytes:
@@ -70,14 +73,16 @@ def pack_record(rec: DiskRecord) -> bytes:
         rec.priority,
         rec.last_access,
         rec.offset,
+        rec.codec,
+        rec.codec_version,
         len(rec.tokens) // 4,
     )
     return head + rec.tokens
 
 
 # a meta value's fields: ns_digest, parent, size, checksum, priority, last_access, offset,
-# tokens
-RecordFields = tuple[bytes, bytes, int, int, int, float, int, bytes]
+# tokens, codec, codec version
+RecordFields = tuple[bytes, bytes, int, int, int, float, int, bytes, int, int]
 
 
 def unpack_fields(raw: bytes | memoryview) -> RecordFields:
@@ -85,9 +90,11 @@ def unpack_fields(raw: bytes | memoryview) -> RecordFields:
     caller that reads millions and needs no object per record). Raises ValueError (or
     struct.error) if it is malformed."""
     tokens = b""
+    codec = codec_version = 0
     if len(raw) >= META.size and raw[0] == META_VERSION:
         fields = META.unpack_from(raw)
-        _, digest, parent_len, parent, size, checksum, priority, last, offset, count = fields
+        _, digest, parent_len, parent, size, checksum, priority, last, offset = fields[:9]
+        codec, codec_version, count = fields[9:]
         if len(raw) != META.size + 4 * count:
             raise ValueError(f"bad meta record ({count} tokens in {len(raw)} bytes)")
         tokens = bytes(raw[META.size :])
@@ -101,7 +108,10 @@ def unpack_fields(raw: bytes | memoryview) -> RecordFields:
         raise ValueError(f"bad meta record (version {version}, {len(raw)} bytes)")
     if parent_len not in _PARENT_LENGTHS:
         raise ValueError(f"bad meta record (parent length {parent_len})")
-    return digest, parent[:parent_len], size, checksum, priority, last, offset, tokens
+    return (
+        digest, parent[:parent_len], size, checksum, priority, last, offset, tokens, codec,
+        codec_version,
+    )  # fmt: skip
 
 
 def unpack_record(key: bytes, raw: bytes | memoryview) -> DiskRecord:

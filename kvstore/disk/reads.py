@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,6 +21,8 @@ from typing import Any
 import lmdb
 import xxhash
 
+from kvstore import codecs
+from kvstore.codecs import Codec
 from kvstore.disk.format import DiskRecord, unpack_record
 from kvstore.disk.state import (
     _SCAN_CHUNK,
@@ -42,18 +45,24 @@ class DiskReads:
 
     def __init__(self, state: DiskState) -> None:
         self._s = state
+        self._scratch = threading.local()  # each reading thread's encoded payload
+        self._foreign_codecs: set[tuple[int, int]] = set()  # logged already
 
     # --- read side --------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
         with self._s.cond:
             return bytes(key) in self._s.sizes
 
-    def read(self, key: bytes, out: memoryview | None = None) -> bytes | memoryview | None:
+    def read(
+        self, key: bytes, out: memoryview | None = None, codec: Codec | None = None
+    ) -> bytes | memoryview | None:
         """The payload of ``key``, or None on a miss or a checksum failure.
 
         With ``out`` the bytes are copied into it and ``out[:size]`` is returned
         (``out`` must be writable, C-contiguous and large enough). Every read verifies
         the xxh3-64 checksum; a mismatch deletes the record and counts a corrupt read.
+        A payload stored encoded is checked, then decoded with ``codec`` (its
+        namespace's); one encoded by another codec or version is a miss (logged once).
         """
         key = bytes(key)
         dst = None if out is None else _byte_view(out)
@@ -71,14 +80,18 @@ class DiskReads:
             with self._s.resize.reading():
                 self._s.check_open()
                 with self._s.env.begin(buffers=True) as txn:
-                    found = self._read_in(txn, key, dst)
+                    found = self._read_in(txn, key, dst, codec=codec)
         except lmdb.Error:  # a damaged page: the block is lost, not the call
             self._discard_corrupt(key, None)
             return None
         return self._verified(key, found, None)
 
     def read_all(
-        self, keys: Sequence[bytes], outs: Sequence[memoryview], nowait: bool = False
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[memoryview],
+        nowait: bool = False,
+        codec: Codec | None = None,
     ) -> int:
         """Copy the payloads of ``keys`` into ``outs`` (as :meth:`read` with ``out``),
         the committed ones in one read transaction (one record lookup after another,
@@ -100,7 +113,7 @@ class DiskReads:
                 if write is not None:
                     write.pins += 1
                     queued[i] = write
-        found: list[tuple[bytes | memoryview, int] | None] = [None] * len(wanted)
+        found: list[tuple[bytes | memoryview, int | None] | None] = [None] * len(wanted)
         damaged = False
         try:
             with self._s.resize.reading():
@@ -108,7 +121,7 @@ class DiskReads:
                 with self._s.env.begin(buffers=True) as txn:
                     for i, key in enumerate(wanted):
                         if i not in queued:
-                            found[i] = self._read_in(txn, key, dsts[i], nowait)
+                            found[i] = self._read_in(txn, key, dsts[i], nowait, codec)
         except lmdb.Error:
             damaged = True  # read() below finds out which block, and drops it
         except BaseException:  # BlockingIOError (nowait), or anything unexpected
@@ -120,7 +133,7 @@ class DiskReads:
             if write is not None:
                 data = self._read_queued(key, write, dsts[i])
             elif damaged:
-                data = self.read(key, dsts[i])
+                data = self.read(key, dsts[i], codec)
             else:
                 data = self._verified(key, found[i], None)
             if data is None:
@@ -151,7 +164,7 @@ class DiskReads:
             self._s.maybe_release(queued)
 
     def _verified(
-        self, key: bytes, found: tuple[bytes | memoryview, int] | None, queued: _Write | None
+        self, key: bytes, found: tuple[bytes | memoryview, int | None] | None, queued: _Write | None
     ) -> bytes | memoryview | None:
         """A payload read, if its checksum holds (counted); None for a miss, and for
         damage (the record is dropped)."""
@@ -160,7 +173,7 @@ class DiskReads:
                 self._s.read_misses += 1
             return None
         data, checksum = found
-        if xxhash.xxh3_64_intdigest(data) != checksum:
+        if checksum is not None and xxhash.xxh3_64_intdigest(data) != checksum:
             self._discard_corrupt(key, queued)
             return None
         with self._s.cond:
@@ -169,10 +182,16 @@ class DiskReads:
         return data
 
     def _read_in(
-        self, txn: Any, key: bytes, dst: memoryview | None, nowait: bool = False
-    ) -> tuple[bytes | memoryview, int] | None:
+        self,
+        txn: Any,
+        key: bytes,
+        dst: memoryview | None,
+        nowait: bool = False,
+        codec: Codec | None = None,
+    ) -> tuple[bytes | memoryview, int | None] | None:
         """Copy a committed payload out inside the read transaction ``txn`` (views die
-        with it): (its bytes, the checksum they must have); None when not there."""
+        with it): (its bytes, the checksum they must have, None when checked here);
+        None when not there."""
         raw = txn.get(key, db=self._s.meta)
         if raw is None:
             return None
@@ -183,11 +202,58 @@ class DiskReads:
         view = txn.get(key, db=self._s.payload)
         if record is None or view is None or len(view) != record.size:
             return b"", -1  # fails the checksum check
+        if record.codec:
+            return self._decoded(key, record, view, dst, nowait, codec)
         if dst is not None:
             self._check_out(dst, record.size)
             self._copy_value(view, dst[: record.size], nowait)
             return dst[: record.size], record.checksum
         return bytes(view), record.checksum
+
+    def _decoded(
+        self,
+        key: bytes,
+        record: DiskRecord,
+        view: memoryview,
+        dst: memoryview | None,
+        nowait: bool,
+        codec: Codec | None,
+    ) -> tuple[bytes | memoryview, int | None] | None:
+        """An encoded payload, copied out into this thread's scratch, checked against
+        its record's checksum, then decoded into ``dst`` (see :meth:`read`)."""
+        if (
+            codec is None
+            or record.codec != codec.code_id
+            or record.codec_version != codecs.VERSION
+            or record.size != codec.encoded_bytes
+        ):
+            self._note_foreign_codec(key, record)
+            return None
+        scratch = getattr(self._scratch, "buf", None)
+        if scratch is None or len(scratch) < record.size:
+            scratch = self._scratch.buf = bytearray(record.size)
+        encoded = memoryview(scratch)[: record.size]
+        self._copy_value(view, encoded, nowait)
+        if xxhash.xxh3_64_intdigest(encoded) != record.checksum:
+            return b"", -1  # fails the checksum check
+        out = memoryview(bytearray(codec.block_bytes)) if dst is None else dst
+        self._check_out(out, codec.block_bytes)
+        codec.decode(encoded, out)
+        return (out[: codec.block_bytes] if dst is not None else bytes(out)), None
+
+    def _note_foreign_codec(self, key: bytes, record: DiskRecord) -> None:
+        """A payload encoded by a codec or version this namespace does not decode: a
+        miss, logged once per kind."""
+        kind = (record.codec, record.codec_version)
+        with self._s.cond:
+            if kind in self._foreign_codecs:
+                return
+            self._foreign_codecs.add(kind)
+        log.warning(
+            "disk record %s is encoded by codec %d version %d, which this daemon does "
+            "not decode for its namespace (it knows version %d): served as a miss",
+            key.hex(), record.codec, record.codec_version, codecs.VERSION,
+        )  # fmt: skip
 
     def _copy_value(self, view: memoryview, dst: memoryview, nowait: bool = False) -> None:
         """Copy a value the open read transaction holds (``view``, into LMDB's map) to

@@ -27,6 +27,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
+from kvstore.codecs import Codec
 from kvstore.disk.format import DiskRecord
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class _Queued:
 class _Write(_Queued):
     record: DiskRecord
     buf: bytes | bytearray  # the payload: our copy, or the caller's immutable bytes
+    codec: Codec | None = None  # the writer stores it encoded so (kvstore.codecs)
     touched: tuple[int, float] | None = None  # touch that arrived while in flight
     live: bool = True  # still the readable copy of its key (in _unflushed)
     pins: int = 0  # readers copying out of buf right now

@@ -16,6 +16,7 @@ from typing import Any
 
 import lmdb
 
+from kvstore.codecs import Codec
 from kvstore.disk.files import (
     find_damage,
     lock_directory,
@@ -158,8 +159,11 @@ class DiskTier:
         payload: bytes | bytearray | memoryview,
         *,
         wait_s: float = 0.0,
+        codec: Codec | None = None,
     ) -> bool:
-        """Queue ``payload`` as the block ``record.key`` (replacing any earlier version).
+        """Queue ``payload`` as the block ``record.key`` (replacing any earlier version);
+        with ``codec`` the writer thread stores it encoded (the record then says which
+        codec, its size and checksum are the encoded bytes': kvstore.codecs).
 
         Returns False when the write is refused: the tier is not writable
         (:attr:`fault`), or the queue has no room for it (more than ``queue_bytes``
@@ -206,7 +210,7 @@ class DiskTier:
                 self._s.cond.notify_all()
                 self._s.check_accepting()
             self._s.seq += 1
-            op = _Write(self._s.seq, key, record, buf)
+            op = _Write(self._s.seq, key, record, buf, codec=codec)
             old_size = self._s.sizes.get(key)
             if old_size is not None:
                 self._s.used -= self._s.footprint(old_size)
@@ -215,8 +219,9 @@ class DiskTier:
                 old.live = False
                 self._s.maybe_release(old)
             self._s.unflushed[key] = op
-            self._s.sizes[key] = size
-            self._s.used += self._s.footprint(size)
+            stored = size if codec is None else codec.encoded_bytes
+            self._s.sizes[key] = stored
+            self._s.used += self._s.footprint(stored)
             self._s.set_op(key, op)
             if self._s.loading:
                 self._s.touched.add(key)

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import lmdb
+import xxhash
 
+from kvstore import codecs
 from kvstore.disk.files import (
     drop_reserve,
     make_reserve,
@@ -22,6 +24,7 @@ from kvstore.disk.files import (
 from kvstore.disk.format import (
     FORMAT,
     FORMAT_KEY,
+    DiskRecord,
     pack_record,
     unpack_record,
 )
@@ -51,6 +54,7 @@ class DiskWriter:
     def __init__(self, state: DiskState) -> None:
         self._s = state
         self._writeback: _EarlyWriteback | None = None  # opened with the environment
+        self._scratch = bytearray()  # encoded payloads (kvstore.codecs), reused
         self._thread = threading.Thread(
             target=self._run_writer, name="kvstore-disk-writer", daemon=True
         )
@@ -200,17 +204,34 @@ class DiskWriter:
         with self._writeback.during():
             self._commit(ops)
 
+    def _stored_form(self, op: _Write) -> tuple[bytes | bytearray | memoryview, DiskRecord]:
+        """What a queued write stores: its payload and record, or, with a codec, the
+        payload encoded here (the writer's thread, never a caller's) and a record that
+        says so, its size and checksum the encoded bytes'."""
+        if op.codec is None:
+            return op.buf, op.record
+        need = op.codec.encoded_bytes
+        if len(self._scratch) < need:
+            self._scratch = bytearray(need)
+        value = op.codec.encode(op.buf, memoryview(self._scratch))
+        record = replace(
+            op.record, size=need, checksum=xxhash.xxh3_64_intdigest(value),
+            codec=op.codec.code_id, codec_version=codecs.VERSION,
+        )  # fmt: skip
+        return value, record
+
     def _commit(self, ops: Sequence[_Op]) -> None:
         """Apply ``ops`` in one write transaction (aborted if anything raises)."""
         with self._s.env.begin(write=True, buffers=True) as txn:
             for op in ops:
                 if isinstance(op, _Write):
-                    txn.put(op.key, op.buf, db=self._s.payload)
+                    value, record = self._stored_form(op)
+                    txn.put(op.key, value, db=self._s.payload)
                     # the new value's overflow run has its page number already (the
                     # header of its dirty copy says it): the file offset it will have
                     stored = txn.get(op.key, db=self._s.payload)
                     offset = self._s.file_offset(stored) if stored is not None else None
-                    record = replace(op.record, offset=offset or 0)
+                    record = replace(record, offset=offset or 0)
                     txn.put(op.key, pack_record(record), db=self._s.meta)
                 elif isinstance(op, _Delete):
                     txn.delete(op.key, db=self._s.payload)

@@ -8,10 +8,14 @@ tenant name the same key; anything else names another one. The key has no hash t
 the blocks of one chain spread over every slot, so no cluster node holds a hot prefix
 alone.
 
-Value: a 32-byte header, then the block's bytes::
+Value: a 32-byte header, then the block's bytes (encoded, for a namespace with a codec
+when the shared tier is one of its coded tiers: kvstore.codecs)::
 
-    magic "KVSB" | version u8 | 3 bytes zero | namespace fingerprint 8 bytes
-    | payload length u64 | xxh3-64 of (key + payload) u64
+    magic "KVSB" | version u8 | codec u8 | codec version u8 | 1 byte zero
+    | namespace fingerprint 8 bytes | payload length u64 | xxh3-64 of (key + payload) u64
+
+Version 1 values (the codec bytes zero: exact) are still read; a value encoded by a
+codec or version the namespace does not decode is a miss.
 
 The fingerprint is the first 8 bytes of the namespace digest, so a value written under
 another layout or salt does not pass even where a key collides; the checksum covers the
@@ -25,11 +29,14 @@ import struct
 
 import xxhash
 
+from kvstore import codecs
+from kvstore.codecs import Codec
 from kvstore.keys import BlockKey, NamespaceSpec
 
 MAGIC = b"KVSB"
-VERSION = 1
-HEADER = struct.Struct("<4sB3x8sQQ")
+VERSION = 2
+VERSIONS = (1, 2)  # read
+HEADER = struct.Struct("<4sBBBx8sQQ")
 KEY_PREFIX = "kv"
 
 
@@ -49,33 +56,61 @@ def packed_size(payload_bytes: int) -> int:
 
 
 def pack_into(
-    out: memoryview, spec: NamespaceSpec, key: BlockKey, payload: memoryview | bytes
+    out: memoryview,
+    spec: NamespaceSpec,
+    key: BlockKey,
+    payload: memoryview | bytes,
+    codec: Codec | None = None,
 ) -> int:
-    """Write the stored value of one block (header, then a copy of ``payload``) at the
-    start of ``out``; its size."""
+    """Write the stored value of one block (header, then ``payload``, encoded with
+    ``codec`` when given) at the start of ``out``; its size."""
     view = memoryview(payload).cast("B")
-    HEADER.pack_into(out, 0, MAGIC, VERSION, spec.digest[:8], view.nbytes, _checksum(key, view))
-    end = HEADER.size + view.nbytes
-    out[HEADER.size : end] = view
-    return end
+    if codec is None:
+        stored = out[HEADER.size : HEADER.size + view.nbytes]
+        stored[:] = view
+        code, version = 0, 0
+    else:
+        stored = codec.encode(view, out[HEADER.size :])
+        code, version = codec.code_id, codecs.VERSION
+    HEADER.pack_into(
+        out, 0, MAGIC, VERSION, code, version, spec.digest[:8], stored.nbytes,
+        _checksum(key, stored),
+    )  # fmt: skip
+    return HEADER.size + stored.nbytes
 
 
-def pack_value(spec: NamespaceSpec, key: BlockKey, payload: memoryview | bytes) -> bytearray:
+def pack_value(
+    spec: NamespaceSpec, key: BlockKey, payload: memoryview | bytes, codec: Codec | None = None
+) -> bytearray:
     """The stored value of one block, in a buffer of its own."""
-    out = bytearray(packed_size(memoryview(payload).nbytes))
-    pack_into(memoryview(out), spec, key, payload)
+    size = memoryview(payload).nbytes if codec is None else codec.encoded_bytes
+    out = bytearray(packed_size(size))
+    pack_into(memoryview(out), spec, key, payload, codec)
     return out
 
 
-def unpack_value(spec: NamespaceSpec, key: BlockKey, value: bytes | None) -> memoryview | None:
-    """The block's bytes in ``value`` (a view into it), or None when it is absent, of
-    another format version or namespace, of the wrong size, or damaged."""
-    if value is None or len(value) != HEADER.size + spec.block_bytes:
+def unpack_value(
+    spec: NamespaceSpec, key: BlockKey, value: bytes | None, codec: Codec | None = None
+) -> memoryview | None:
+    """The block's bytes in ``value`` (a view into it; decoded into a buffer of its own
+    when it was stored encoded by ``codec``, the namespace's), or None when it is
+    absent, of another format version, namespace or codec, of the wrong size, or
+    damaged."""
+    if value is None or len(value) < HEADER.size:
         return None
-    magic, version, fingerprint, length, checksum = HEADER.unpack_from(value, 0)
-    if magic != MAGIC or version != VERSION or fingerprint != spec.digest[:8]:
+    magic, version, code, code_version, fingerprint, length, checksum = HEADER.unpack_from(
+        value, 0
+    )
+    if magic != MAGIC or version not in VERSIONS or fingerprint != spec.digest[:8]:
         return None
+    if code and (codec is None or code != codec.code_id or code_version != codecs.VERSION):
+        return None
+    size = codec.encoded_bytes if code and codec is not None else spec.block_bytes
     payload = memoryview(value)[HEADER.size :]
-    if length != spec.block_bytes or _checksum(key, payload) != checksum:
+    if length != size or len(payload) != size or _checksum(key, payload) != checksum:
         return None
-    return payload
+    if not code or codec is None:
+        return payload
+    block = memoryview(bytearray(spec.block_bytes))
+    codec.decode(payload, block)
+    return block

@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from kvproto.v1.results import SharedStats
+from kvstore.codecs import Codec, codec_of
 from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.policy import OVERFLOW_POLICIES
@@ -136,12 +137,19 @@ class BlockSource(Protocol):
         ...
 
 
+def _codec(spec: NamespaceSpec) -> Codec | None:
+    return codec_of(spec.codec, spec.dtype, spec.head_dim, spec.block_bytes)
+
+
 class SharedTier:
     """See the module docstring."""
 
-    def __init__(self, config: SharedConfig, source: BlockSource) -> None:
+    def __init__(self, config: SharedConfig, source: BlockSource, coded: bool = False) -> None:
+        """``coded``: blocks of namespaces with a codec are written encoded
+        (kvstore.codecs); values are decoded as their header says either way."""
         config.validate()
         self.config = config
+        self._coded = coded
         parts = urlsplit(config.url)
         self._link = ClusterLink(
             config.url, config.timeout_ms / 1000, parts.username, config.password or None
@@ -181,23 +189,25 @@ class SharedTier:
         deadline = time.monotonic() + self.config.timeout_ms / 1000
         wave = max(1, min(WAVE_BLOCKS, WAVE_BYTES // spec.block_bytes))
         found: list[memoryview] = []
+        received = 0  # value bytes that came over the network (encoded ones: fewer)
         complete = True
         for begin in range(0, len(keys), wave):
             part = keys[begin : begin + wave]
             values = self._link.get([block_name(spec, key) for key in part], deadline)
             for key, value in zip(part, values, strict=True):
-                payload = unpack_value(spec, key, value)
-                if payload is None:
+                payload = unpack_value(spec, key, value, _codec(spec))
+                if payload is None or value is None:
                     self._n["corrupt"] += value is not None
                     complete = False
                     break
                 found.append(payload)
+                received += len(value)
             if not complete or time.monotonic() >= deadline:
                 break
         self._n["lookups"] += 1
         self._n["hits"] += bool(found)
         self._n["blocks_read"] += len(found)
-        self._n["bytes_read"] += len(found) * spec.block_bytes
+        self._n["bytes_read"] += received
         self.note_known(keys[: len(found)])
         return found
 
@@ -283,7 +293,8 @@ class SharedTier:
             self._scratch = memoryview(bytearray(max(nbytes, SCRATCH_BYTES)))
         items, at = [], 0
         for b in blocks:
-            size = pack_into(self._scratch[at:], b.spec, b.key, b.payload)
+            codec = _codec(b.spec) if self._coded else None
+            size = pack_into(self._scratch[at:], b.spec, b.key, b.payload, codec)
             items.append((block_name(b.spec, b.key), self._scratch[at : at + size]))
             at += size
         patience = max(WRITE_DEADLINE_S, 4 * self.config.timeout_ms / 1000)

@@ -124,6 +124,8 @@ class NamespaceStats:
     hits: int
     misses: int
     name: str = ""  # bound name, "" if none (the daemon's, not the store's)
+    codec: str = "exact"  # how its disk and shared tiers keep its blocks (kvstore.codecs)
+    saved_bytes: int = 0  # disk bytes the codec saves: blocks encoded there x bytes saved
 
 
 @dataclass(frozen=True, slots=True)

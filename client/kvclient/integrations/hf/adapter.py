@@ -189,6 +189,8 @@ class HFPrefixCache:
     but different weights must not share an id. On a daemon with tenants the token
     of ``client`` (``KVClient(token=...)`` or ``KVSTORE_TOKEN``) decides whose
     namespace this is; ``tenant_salt`` further separates users of one tenant.
+    ``codec``: how the daemon's disk and shared tiers keep the blocks (kvstore.codecs:
+    "exact", "fp8", "int8", "int4"); the cache always gets the model's own dtype.
     The namespace is opened at construction (the daemon must be reachable then).
     """
 
@@ -202,6 +204,7 @@ class HFPrefixCache:
         tenant_salt: str = "",
         priority: int | None = None,
         fingerprint_config: bool = True,
+        codec: str = "exact",
     ) -> None:
         hf_cache.check_supported(model.config)
         self.client = client
@@ -220,6 +223,7 @@ class HFPrefixCache:
             self.layout.block_bytes,
             tenant_salt=tenant_salt,
             vocab_size=vocab,
+            codec=codec,
             **self.layout.namespace_fields(),
         )
 

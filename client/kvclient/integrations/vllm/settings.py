@@ -47,6 +47,9 @@ class ConnectorSettings:
     # KVSTORE_TOKEN / KVSTORE_TOKEN_FILE). No key takes the token itself: vLLM logs
     # its configuration, kv_connector_extra_config included.
     token_file: str = ""
+    # how the daemon's disk and shared tiers keep this engine's blocks (kvstore.codecs:
+    # exact, fp8, int8, int4); the engine always gets its own dtype back
+    codec: str = "exact"
 
     def token(self) -> str | None:
         """The token from ``token_file``; None: the client's default (environment)."""
@@ -166,11 +169,15 @@ class EngineLayout:
 class EngineNamespaces:
     """The namespaces of one connector side, by ``cache_salt``, opened on first use."""
 
-    def __init__(self, client: KVClient, layout: EngineLayout, rank: int, name: str = "") -> None:
+    def __init__(
+        self, client: KVClient, layout: EngineLayout, rank: int, name: str = "",
+        codec: str = "exact",
+    ) -> None:  # fmt: skip
         self.client = client
         self.layout = layout
         self.rank = rank
         self.name = name
+        self.codec = codec
         self._open: dict[str, Namespace] = {}
 
     def get(self, salt: str) -> Namespace:
@@ -179,6 +186,7 @@ class EngineNamespaces:
             try:
                 ns = self.client.namespace(
                     name=self.name if not salt else "",
+                    codec=self.codec,
                     **self.layout.namespace_fields(self.rank, salt),
                 )
             except LayoutMismatchError as exc:

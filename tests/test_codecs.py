@@ -1,0 +1,188 @@
+"""KV codecs (kvstore.codecs): round trips with error bounds, the C decoder against the
+numpy reference, and a coded namespace through the store's disk tier (restart,
+damage, an unknown codec version, no sharing with the exact namespace)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import lmdb
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvstore.codecs import CODECS, VERSION, Codec
+from kvstore.disk.format import META_DB, pack_record, unpack_record
+from kvstore.errors import InvalidArgument
+from kvstore.keys import NamespaceSpec
+from kvstore.store import Store, StoreConfig
+
+DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
+# the largest error of a decoded element, relative to its group's largest magnitude:
+# half a step of the code (int: 1/127 and 1/7; fp8 e4m3: 3 mantissa bits, 2**-4 at the
+# top), plus the output dtype's own rounding
+BOUNDS = {"int8": 0.5 / 127 + 2**-8, "int4": 0.5 / 7 + 2**-8, "fp8": 2**-4 + 2**-8}
+HEAD_DIM = 64
+MiB = 1 << 20
+
+
+def kv_block(dtype: str, elements: int, seed: int = 0) -> np.ndarray:
+    """Values shaped like keys and values: groups of very different magnitudes, a few
+    outliers, and an all-zero group."""
+    rng = np.random.default_rng(seed)
+    groups = elements // HEAD_DIM
+    x = rng.standard_normal((groups, HEAD_DIM)) * np.exp(rng.uniform(-6, 5, (groups, 1)))
+    x[0] = 0.0
+    x[1, 3] = 300.0
+    return x.ravel().astype(DTYPES[dtype])
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("name", [c for c in CODECS if c != "exact"])
+def test_round_trips_stay_within_their_bounds_and_c_agrees_with_numpy(
+    name: str, dtype: str
+) -> None:
+    x = kv_block(dtype, 64 * HEAD_DIM)
+    raw = x.tobytes()
+    codec = Codec(name, dtype, HEAD_DIM, len(raw))
+    encoded = bytes(codec.encode(raw, memoryview(bytearray(codec.encoded_bytes))))
+    assert len(encoded) == codec.encoded_bytes
+    fast, reference = bytearray(len(raw)), bytearray(len(raw))
+    codec.decode(encoded, memoryview(fast))
+    codec.decode(encoded, memoryview(reference), fast=False)
+    assert fast == reference  # the compiled decoder is the numpy one, bit for bit
+    got = np.frombuffer(fast, DTYPES[dtype]).astype(np.float64).reshape(-1, HEAD_DIM)
+    want = x.astype(np.float64).reshape(-1, HEAD_DIM)
+    scale = np.abs(want).max(axis=1, keepdims=True)
+    error = np.abs(got - want) / np.where(scale == 0, 1, scale)
+    assert error.max() <= BOUNDS[name], (name, dtype, error.max())
+    assert np.all(got[0] == 0)  # the zero group decodes to zeros
+    bits = 4 if name == "int4" else 8
+    ratio = codec.encoded_bytes / len(raw)
+    assert ratio <= bits / (8 * x.itemsize) + 2 / (HEAD_DIM * x.itemsize) + 1e-9
+
+
+def test_exact_is_bit_for_bit_and_codecs_refuse_what_they_cannot_encode() -> None:
+    raw = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    codec = Codec("exact", "bfloat16", HEAD_DIM, len(raw))
+    out = bytearray(len(raw))
+    codec.decode(codec.encode(raw, memoryview(bytearray(len(raw)))), memoryview(out))
+    assert out == raw and codec.encoded_bytes == len(raw)
+    with pytest.raises(InvalidArgument, match="head_dim"):
+        NamespaceSpec("m", 16, 4096, codec="int8")
+    with pytest.raises(InvalidArgument, match="use exact"):
+        NamespaceSpec("m", 16, 0, 2, 2, 64, dtype="float8_e4m3fn", codec="fp8")
+    with pytest.raises(InvalidArgument, match="codec must be one of"):
+        NamespaceSpec("m", 16, 0, 2, 2, 64, codec="zstd")
+    # exact keeps the digest namespaces had before codecs; a codec makes another one
+    exact = NamespaceSpec("m", 16, 0, 2, 2, 64)
+    assert exact.digest == NamespaceSpec("m", 16, 0, 2, 2, 64, codec="exact").digest
+    assert exact.digest != NamespaceSpec("m", 16, 0, 2, 2, 64, codec="int8").digest
+
+
+def coded_store(tmp_path: Path, host_bytes: int = 2 * MiB) -> Store:
+    return Store(
+        StoreConfig(
+            host_bytes=host_bytes, disk_bytes=64 * MiB, disk_dir=str(tmp_path / "disk"),
+            shared_arena=False,
+        )  # fmt: skip
+    )
+
+
+SPEC = dict(model="coded", block_tokens=16, num_layers=8, num_kv_heads=8, head_dim=HEAD_DIM)
+
+
+def fill(store: Store, codec: str, chains: int, seed: int = 0) -> tuple[str, list, list]:
+    """Put ``chains`` one-block chains into a namespace with ``codec`` (the host tier
+    holds 8: the others go to disk as they are evicted, the rest at close)."""
+    spec = store.open_namespace(NamespaceSpec(**SPEC, codec=codec))  # type: ignore[arg-type]
+    keys, blocks = [], []
+    for i in range(chains):
+        block = kv_block("bfloat16", spec.block_bytes // 2, seed + i).tobytes()
+        chain = store.keys_for(spec.ns_id, [seed * 1000 + i] * 16)
+        assert store.put(spec.ns_id, chain, [block]).stored == 1
+        keys.append(chain)
+        blocks.append(block)
+    store.flush()
+    return spec.ns_id, keys, blocks
+
+
+def read_back(store: Store, ns_id: str, chain: list) -> bytes | None:
+    copied, data = store.read(ns_id, chain)
+    return bytes(data) if copied else None
+
+
+def test_a_coded_namespace_keeps_half_the_bytes_on_disk_and_reads_back_after_restart(
+    tmp_path: Path,
+) -> None:
+    store = coded_store(tmp_path)
+    try:
+        ns_id, chains, blocks = fill(store, "int8", 24)
+        block_bytes = len(blocks[0])
+        disk = next(t for t in store.stats().tiers if t.name == "disk")
+        assert disk.used_bytes < 0.6 * disk.blocks * block_bytes  # (pages included)
+        exact_ns, exact_chains, _ = fill(store, "exact", 1, seed=1)
+        # the same tokens in the exact namespace: other keys, nothing shared
+        assert store.lookup(exact_ns, store.keys_for(exact_ns, [0] * 16)).ready_blocks == 0
+        assert store.lookup(ns_id, store.keys_for(ns_id, [1000] * 16)).ready_blocks == 0
+    finally:
+        store.close()
+    with lmdb.open(str(tmp_path / "disk"), max_dbs=8, readonly=True, lock=False) as env:
+        meta = env.open_db(META_DB, create=False)
+        with env.begin() as txn:
+            records = [unpack_record(k, v) for k, v in txn.cursor(db=meta)]
+    coded = [r for r in records if r.codec]
+    assert len(coded) == 24 and all(r.codec_version == VERSION for r in coded)
+    assert all(r.size <= 0.53 * block_bytes for r in coded)
+    store = coded_store(tmp_path)
+    try:
+        for chain, block in zip(chains, blocks, strict=True):
+            got = read_back(store, ns_id, chain)
+            assert got is not None and len(got) == block_bytes
+            want = np.frombuffer(block, ml_dtypes.bfloat16).astype(np.float32)
+            have = np.frombuffer(got, ml_dtypes.bfloat16).astype(np.float32)
+            scale = np.abs(want).reshape(-1, HEAD_DIM).max(axis=1, keepdims=True)
+            error = np.abs(have - want).reshape(-1, HEAD_DIM) / np.where(scale == 0, 1, scale)
+            assert error.max() <= BOUNDS["int8"]
+        got = read_back(store, exact_ns, exact_chains[0])
+        assert got is not None  # the exact namespace, bit for bit, beside it
+    finally:
+        store.close()
+
+
+def test_a_damaged_or_foreign_encoded_record_is_a_miss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = coded_store(tmp_path)
+    try:
+        ns_id, chains, blocks = fill(store, "fp8", 12)
+    finally:
+        store.close()
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=8, map_size=1 << 30)
+    meta = env.open_db(META_DB, create=False)
+    payload = env.open_db(b"payload", create=False)
+    damaged, foreign = bytes(chains[0][0]), bytes(chains[1][0])
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(damaged, db=payload))
+        value[-1] ^= 0xFF  # a flipped bit in the codes
+        txn.put(damaged, bytes(value), db=payload)
+        record = unpack_record(foreign, txn.get(foreign, db=meta))
+        txn.put(foreign, pack_record(record.__class__(
+            record.key, record.ns_digest, record.parent, record.size, record.checksum,
+            record.priority, record.last_access, record.offset, record.tokens, record.codec,
+            VERSION + 1,
+        )), db=meta)  # fmt: skip
+    env.close()
+    store = coded_store(tmp_path)
+    try:
+        with caplog.at_level(logging.WARNING):
+            store.wait_loaded(30)
+            assert read_back(store, ns_id, chains[0]) is None
+            assert store.stats().corrupt_reads == 1
+            assert read_back(store, ns_id, chains[1]) is None
+            assert read_back(store, ns_id, chains[2]) is not None
+        lines = [r.getMessage() for r in caplog.records if "codec version" in r.getMessage()]
+        assert len(lines) == 1, lines
+    finally:
+        store.close()
