@@ -513,3 +513,34 @@ def test_kv_events_tell_what_was_written_to_the_cluster_as_remote_storage(
             ctx.term()
 
     wait_for(lambda: remote() == keys, 20, "the shared tier's BlockStored events")
+
+
+def test_a_coded_namespace_crosses_the_cluster_in_half_the_bytes(
+    healthy: ValkeyCluster, nodes: tuple[Daemon, Daemon]
+) -> None:
+    """int8 (codec_tiers has shared by default): node A writes each block encoded,
+    node B decodes it: bfloat16 again, within int8's bound, for about half the bytes."""
+    import ml_dtypes
+
+    a, b = nodes
+    layout = {"num_layers": 2, "num_kv_heads": 4, "head_dim": 64, "dtype": "bfloat16",
+              "codec": "int8"}  # fmt: skip
+    block_bytes = 2 * 2 * 4 * 64 * 2 * BLOCK_TOKENS
+    tokens = prompt(11_000, 4)
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal((4, block_bytes // 2)).astype(ml_dtypes.bfloat16)
+    stats = shared_stats(a)
+    with KVClient(a.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, block_bytes, **layout)
+        assert ns.put(tokens, values.view(np.uint8)).stored == 4
+    wait_written(a, stats.blocks_written + 4)
+    sent = shared_stats(a).bytes_written - stats.bytes_written
+    assert sent < 0.55 * 4 * block_bytes
+    with KVClient(b.addr) as client:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, block_bytes, **layout)
+        got = ns.get(tokens)
+    assert got.n_blocks == 4
+    have = got.blocks.view(ml_dtypes.bfloat16).astype(np.float32)
+    want = values.astype(np.float32)
+    scale = np.abs(want).reshape(-1, 64).max(axis=1, keepdims=True)
+    assert (np.abs(have - want).reshape(-1, 64) / scale).max() <= 0.5 / 127 + 2**-8
