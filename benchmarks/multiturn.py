@@ -83,6 +83,7 @@ def run_case(args: argparse.Namespace, case: str, workdir: Path) -> list[dict[st
     try:
         engine_proc = Engine(
             args.model, workdir / "engines.log", addr=daemon.addr if daemon else None,
+            extra={"codec": args.codec} if args.codec != "exact" else None,
             blocks=cache_blocks(args, fits=case.startswith("fit")),
             max_model_len=args.max_model_len, reply_tokens=args.reply_tokens,
             warmup=args.doc_tokens,
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--codec", default="exact",
+                        help="the kvstore cases' namespace codec (kvstore.codecs)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "multiturn.md")
     parser.add_argument("--json", type=Path, help="every result, as JSON")

@@ -231,7 +231,9 @@ def data_path(url: str, rounds: int) -> tuple[list[list[str]], list[list[str]]]:
     return rows, memory
 
 
-def ttft(url: str, tokens: int, repeat: int) -> dict[str, float]:
+def ttft(url: str, tokens: int, repeat: int, codec: str = "exact") -> dict[str, float]:
+    """Node B's time to first token for a prompt node A computed (see the module
+    docstring), its blocks in the namespace's ``codec`` on the cluster."""
     import torch
 
     from kvbench.models import random_llama
@@ -261,7 +263,8 @@ def ttft(url: str, tokens: int, repeat: int) -> dict[str, float]:
                 model(prompt.unsqueeze(0), logits_to_keep=1)
             cold.append(time.perf_counter() - began)
         with KVClient(a.addr) as client:
-            kv = HFPrefixCache(client, model, "tiny-seed0", block_tokens=BLOCK_TOKENS)
+            kv = HFPrefixCache(client, model, "tiny-seed0", block_tokens=BLOCK_TOKENS,
+                               codec=codec)  # fmt: skip
             stored = kv.prefill(prompt).stats.stored_blocks
             deadline = time.monotonic() + 120
             while (sent := client.stats().shared.blocks_written) < stored:
@@ -270,7 +273,8 @@ def ttft(url: str, tokens: int, repeat: int) -> dict[str, float]:
                 time.sleep(0.05)
         hits, reused = [], 0
         with KVClient(b.addr) as client:
-            kv = HFPrefixCache(client, model, "tiny-seed0", block_tokens=BLOCK_TOKENS)
+            kv = HFPrefixCache(client, model, "tiny-seed0", block_tokens=BLOCK_TOKENS,
+                               codec=codec)  # fmt: skip
             for _ in range(repeat):
                 client.clear()  # node B's own tiers empty: the prefix comes from the cluster
                 began = time.perf_counter()
