@@ -86,6 +86,13 @@ def throughput(dtype: str = "bfloat16") -> dict[str, dict[str, float]]:
     rng = np.random.default_rng(0)
     block = (rng.standard_normal(MiB) * 2).astype(ml_dtypes.bfloat16).tobytes()  # 2 MiB
     out: dict[str, dict[str, float]] = {}
+    copy_to = memoryview(bytearray(len(block)))
+    floor = {"encode": 0.0, "decode": 0.0, "decode_numpy": 0.0}
+    for _ in range(20):  # the floor: one copy of the block into a reused buffer
+        began = time.perf_counter()
+        copy_to[:] = block
+        floor["decode"] = max(floor["decode"], len(block) / (time.perf_counter() - began) / 1e9)
+    out["memcpy (floor)"] = floor
     for name in CODECS[1:]:
         codec = Codec(name, dtype, 64, len(block))
         scratch = memoryview(bytearray(codec.encoded_bytes))
@@ -151,10 +158,12 @@ def run(prefix_tokens: int, score_tokens: int) -> dict[str, Any]:
         with KVClient(daemon.addr) as client:
             caches = {name: HFPrefixCache(client, model, "smollm2", block_tokens=BLOCK_TOKENS,
                                           codec=name) for name in CODECS}  # fmt: skip
-            reference = kv_tensors(caches["exact"].load(tokens).cache)  # (the prefix's)
+            # every namespace's prefix, from the disk tier (then promoted into host)
+            loads = {name: cache.load(tokens) for name, cache in caches.items()}
+            reference = kv_tensors(loads["exact"].cache)
             for name, cache in caches.items():
-                loaded = cache.load(tokens)
-                assert loaded.tokens == prefix_tokens and loaded.disk_blocks > 0, loaded
+                loaded = loads[name]
+                assert loaded.tokens == prefix_tokens and loaded.host_blocks == 0, loaded
                 keys, values = kv_tensors(loaded.cache)
                 out = cache.prefill(tokens, store=False, logits_to_keep=0)
                 assert out.stats.reused_tokens == prefix_tokens
@@ -253,7 +262,7 @@ def report(r: dict[str, Any]) -> str:
         ratios[name] = sum(sizes) / len(sizes) / block if sizes else float("nan")
     bytes_met = all(ratio <= TARGET_RATIO for ratio in ratios.values())
     t = r["throughput"]
-    decode_met = all(t[n]["decode"] * 1e9 >= TARGET_DECODE for n in t)
+    decode_met = all(t[n]["decode"] * 1e9 >= TARGET_DECODE for n in t if n in CODECS)
     lines += [
         "",
         f"The largest K and V magnitudes of the prefix: {codecs['exact']['k_max']:.4g} and "
