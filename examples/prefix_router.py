@@ -57,7 +57,9 @@ class PrefixRouter:
             sub.connect(address)
             self.sockets[sub] = name
             self.poller.register(sub, zmq.POLLIN)
-        self.next: dict[tuple[Any, tuple[int, ...]], Any] = {}  # (parent, tokens) -> hash
+        # (parent, tokens) -> the hashes of such blocks (namespaces that differ in
+        # salt or layout name the same tokens differently)
+        self.next: dict[tuple[Any, tuple[int, ...]], set[Any]] = {}
         self.held: dict[str, dict[Any, set[str]]] = {n: {} for n in nodes}  # hash -> tiers
         self.block_size = 0
         self.heard: set[str] = set()  # nodes heard from
@@ -86,7 +88,8 @@ class PrefixRouter:
                 parent, tokens = f["parent_block_hash"], f["token_ids"]
                 for i, block in enumerate(f["block_hashes"]):
                     if len(tokens) >= (i + 1) * size:
-                        self.next[(parent, tuple(tokens[i * size : (i + 1) * size]))] = block
+                        chunk = (parent, tuple(tokens[i * size : (i + 1) * size]))
+                        self.next.setdefault(chunk, set()).add(block)
                     held.setdefault(block, set()).add(where)
                     parent = block
             elif kind == "BlockRemoved":
@@ -102,22 +105,31 @@ class PrefixRouter:
     def route(self, tokens: Sequence[int]) -> tuple[str | None, int]:
         """The node holding the longest prefix of ``tokens`` on its own tiers, and how
         many tokens that prefix covers; (None, 0) when no node holds its first block."""
-        size = self.block_size
-        chain, parent = [], None
-        for i in range(len(tokens) // size if size else 0):
-            block = self.next.get((parent, tuple(tokens[i * size : (i + 1) * size])))
-            if block is None:
-                break
-            chain.append(block)
-            parent = block
         best: tuple[str | None, int] = (None, 0)
-        for node, held in self.held.items():
-            n = 0
-            while n < len(chain) and any(t.endswith("LOCAL") for t in held.get(chain[n], ())):
-                n += 1
-            if n * size > best[1]:
-                best = (node, n * size)
+        for node in self.held:
+            covered = self.held_prefix(node, tokens)
+            if covered > best[1]:
+                best = (node, covered)
         return best
+
+    def held_prefix(self, node: str, tokens: Sequence[int]) -> int:
+        """Tokens of the longest prefix of ``tokens`` whose blocks ``node`` holds: a
+        walk, block by block, through the blocks it holds (of any namespace)."""
+        held, size = self.held[node], self.block_size
+        frontier: set[Any] = {None}
+        blocks = 0
+        for i in range(len(tokens) // size if size else 0):
+            chunk = tuple(tokens[i * size : (i + 1) * size])
+            frontier = {
+                block
+                for parent in frontier
+                for block in self.next.get((parent, chunk), ())
+                if any(t.endswith("LOCAL") for t in held.get(block, ()))
+            }
+            if not frontier:
+                break
+            blocks += 1
+        return blocks * size
 
     def close(self) -> None:
         for sock in self.sockets:

@@ -149,7 +149,46 @@ def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
     )
 
 
-def test_engines_reuse_prefixes_through_kvstore(
+def test_engines_reuse_prefixes_through_kvstore_and_a_router_follows_them(
+    kvstored_factory: Callable[..., Daemon],
+    model_dir: Path,
+    tmp_path: Path,
+    reference: list[dict[str, Any]],
+) -> None:
+    """Engines reuse prefixes through kvstore; at the end, examples/prefix_router.py over
+    two daemons' KV events sends the next turn of a conversation to the node that holds
+    it, and to the other node (which holds a shorter part) once the first evicted it
+    (node a has no disk tier: an eviction from its host tier is the last)."""
+    events = {name: f"ipc://{tmp_path}/{name}.events" for name in ("a", "b")}
+    kvstored = kvstored_factory(host_bytes="8MiB", disk_bytes=0, kv_events_listen=events["a"])
+    node_b = kvstored_factory(kv_events_listen=events["b"])
+    router = start_router(events, {"a": kvstored, "b": node_b})
+    try:
+        check_engines_reuse_prefixes(kvstored, model_dir, tmp_path, reference)
+        check_router_follows_the_conversation(router, kvstored, node_b)
+    finally:
+        router.close()
+
+
+def start_router(events: dict[str, str], daemons: dict[str, Daemon]) -> Any:
+    """The example router, subscribed to every node (live: each one was heard)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from prefix_router import PrefixRouter
+
+    router = PrefixRouter(events)
+    # a ZMQ subscription goes live some time after the connect: probe each node
+    for seed, (name, daemon) in enumerate(daemons.items(), 1):
+        with KVClient(daemon.addr) as client:
+            probe = client.namespace("probe", 4, 4096)
+            deadline = time.monotonic() + ENGINE_TIMEOUT_S
+            while name not in router.heard:
+                probe.put([seed, int(time.monotonic() * 1e6) % 2**31, 0, 0], [bytes(4096)])
+                router.poll(0.2)
+                assert time.monotonic() < deadline, "the router hears nothing"
+    return router
+
+
+def check_engines_reuse_prefixes(
     kvstored: Daemon, model_dir: Path, tmp_path: Path, reference: list[dict[str, Any]]
 ) -> None:
     # a cold engine computes A and stores its 7 full blocks
@@ -184,6 +223,30 @@ def test_engines_reuse_prefixes_through_kvstore(
     with KVClient(kvstored.addr) as client:
         assert vllm_namespace(client).lookup(PROMPT_B).blocks == 11
         assert vllm_namespace(client, salt="tenant-2").lookup(PROMPT_B).blocks == 11
+
+
+def check_router_follows_the_conversation(router: Any, a: Daemon, b: Daemon) -> None:
+    next_turn = PROMPT_A + [42] * 300
+    with KVClient(a.addr) as client:
+        spec = client.open_namespace(vllm_namespace(client).ns_id)
+    layout = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}
+    with KVClient(b.addr) as client:  # b holds the first 3 of the conversation's 7 blocks
+        ns_b = client.namespace(spec.info.model, BLOCK, spec.block_bytes, **layout)
+        assert ns_b.ns_id == spec.ns_id
+        ns_b.put(PROMPT_A[: 3 * BLOCK], np.zeros((3, spec.block_bytes), np.uint8))
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    while router.route(next_turn) != ("a", 7 * BLOCK):
+        assert time.monotonic() < deadline, router.route(next_turn)
+        router.poll(0.2)
+    # other prompts fill a's 8 MiB host tier (32 blocks): the conversation's go
+    with KVClient(a.addr) as client:
+        ns_a = client.open_namespace(spec.ns_id)
+        for seed in range(40):
+            ns_a.put([7 + seed] * BLOCK, np.zeros((1, spec.block_bytes), np.uint8))
+        assert ns_a.lookup(PROMPT_A).blocks == 0
+    while router.route(next_turn) != ("b", 3 * BLOCK):
+        assert time.monotonic() < deadline, router.route(next_turn)
+        router.poll(0.2)
 
 
 def test_the_loaded_kv_is_what_the_engine_uses(
@@ -331,58 +394,3 @@ def test_two_engines_on_one_long_prompt_compute_it_once(
     # one engine computed the prefix; the other waited for it and loaded 63 blocks
     assert cached == [0, 63 * BLOCK]
     assert results["one"][0]["tokens"] == results["two"][0]["tokens"]
-
-
-def test_a_prefix_router_sends_the_next_turn_where_the_conversation_is(
-    kvstored_factory: Callable[..., Daemon], model_dir: Path, tmp_path: Path
-) -> None:
-    """examples/prefix_router.py over two daemons' KV events: an engine on node a holds
-    a conversation, node b a shorter part of it; the next turn goes to a, and to b once
-    a's blocks were evicted (a has no disk tier: an eviction from host is the last)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from prefix_router import PrefixRouter
-
-    events = {name: f"ipc://{tmp_path}/{name}.events" for name in ("a", "b")}
-    a = kvstored_factory(host_bytes="4MiB", disk_bytes=0, kv_events_listen=events["a"])
-    b = kvstored_factory(kv_events_listen=events["b"])
-    router = PrefixRouter(events)
-    try:
-        # a ZMQ subscription goes live some time after the connect: probe each node
-        for seed, daemon in enumerate((a, b), 1):
-            with KVClient(daemon.addr) as client:
-                probe = client.namespace("probe", 4, 4096)
-                deadline = time.monotonic() + ENGINE_TIMEOUT_S
-                while (
-                    daemon is a
-                    and "a" not in router.heard
-                    or daemon is b
-                    and "b" not in router.heard
-                ):
-                    probe.put([seed, int(time.monotonic() * 1e6) % 2**31, 0, 0], [bytes(4096)])
-                    router.poll(0.2)
-                    assert time.monotonic() < deadline, "the router hears nothing"
-        (turn,), _ = run_engine(model_dir, tmp_path, [{"tokens": PROMPT_A}], addr=a.addr)
-        assert turn["cached"] == 0
-        next_turn = PROMPT_A + [42] * 300
-        with KVClient(a.addr) as client:
-            spec = client.open_namespace(vllm_namespace(client).ns_id)
-        layout = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "bfloat16"}
-        with KVClient(b.addr) as client:  # b holds the first 3 of its 7 blocks
-            ns_b = client.namespace(spec.info.model, BLOCK, spec.block_bytes, **layout)
-            assert ns_b.ns_id == spec.ns_id
-            ns_b.put(PROMPT_A[: 3 * BLOCK], np.zeros((3, spec.block_bytes), np.uint8))
-        deadline = time.monotonic() + ENGINE_TIMEOUT_S
-        while router.route(next_turn) != ("a", 7 * BLOCK):
-            assert time.monotonic() < deadline, router.route(next_turn)
-            router.poll(0.2)
-        # other prompts fill a's 4 MiB host tier (16 blocks): the conversation's go
-        with KVClient(a.addr) as client:
-            ns_a = client.open_namespace(spec.ns_id)
-            for seed in range(20):
-                ns_a.put([7 + seed] * BLOCK, np.zeros((1, spec.block_bytes), np.uint8))
-            assert ns_a.lookup(PROMPT_A).blocks == 0
-        while router.route(next_turn) != ("b", 3 * BLOCK):
-            assert time.monotonic() < deadline, router.route(next_turn)
-            router.poll(0.2)
-    finally:
-        router.close()
