@@ -282,9 +282,9 @@ def report(r: dict[str, Any]) -> str:
         "|---|---:|---:|---:|",
     ]
     for name, figures in t.items():
+        shown = {k: f"{v:.2f}" if v else "-" for k, v in figures.items()}  # (the floor: a copy)
         lines.append(
-            f"| {name} | {figures['encode']:.2f} | {figures['decode']:.2f} | "
-            f"{figures['decode_numpy']:.2f} |"
+            f"| {name} | {shown['encode']} | {shown['decode']} | {shown['decode_numpy']} |"
         )
     lines += [
         "",

@@ -139,7 +139,7 @@ def summarise(runs: dict[str, list[list[dict[str, Any]]]], turns: int) -> dict[s
             )
         every = [r["ttft"] * 1e3 for results in rounds for r in results]
         row["mean"], row["p50"] = statistics.fmean(every), statistics.median(every)
-        ref_rounds = runs[reference[case]]
+        ref_rounds = runs.get(reference[case], [])  # (a run of some cases may lack it)
         same = total = 0
         for results, ref in zip(rounds, ref_rounds, strict=False):
             for got, want in zip(results, ref, strict=True):

@@ -220,7 +220,7 @@ def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields
             head_dim=64, dtype="float16",
         )  # fmt: skip
         with pytest.raises(LayoutMismatchError) as raised:
-            EngineNamespaces(client, layout, rank=0, name="prod").get("")
+            EngineNamespaces(client, layout, 0, ConnectorSettings(namespace="prod")).get("")
         message = str(raised.value)
         for field in (
             "model=m:vllm-cpu-LBHNC",
@@ -230,9 +230,9 @@ def test_a_namespace_name_bound_to_another_layout_is_one_error_naming_the_fields
         ):
             assert field in message
         # unnamed, each layout is a namespace of its own: no clash
-        ns = EngineNamespaces(client, layout, rank=0).get("")
+        ns = EngineNamespaces(client, layout, 0, ConnectorSettings()).get("")
         assert ns.block_bytes == layout.block_bytes
-        salted = EngineNamespaces(client, layout, rank=0).get("tenant-b")
+        salted = EngineNamespaces(client, layout, 0, ConnectorSettings()).get("tenant-b")
         assert salted.ns_id != ns.ns_id
 
 

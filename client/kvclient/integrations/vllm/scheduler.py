@@ -35,10 +35,7 @@ class SchedulerSide:
         self.client = KVClient(
             settings.addr, timeout=settings.lookup_timeout_s, token=settings.token()
         )
-        self.namespaces = EngineNamespaces(
-            self.client, layout, rank=0, name=settings.namespace,
-            codec=settings.codec,
-        )
+        self.namespaces = EngineNamespaces(self.client, layout, 0, settings)
         self.requests: dict[str, RequestState] = {}
         self.claims: dict[str, Claim] = {}
         self.final_saves: list[SaveSpec] = []  # of finished requests, for the next step

@@ -47,9 +47,7 @@ class ConnectorSettings:
     # KVSTORE_TOKEN / KVSTORE_TOKEN_FILE). No key takes the token itself: vLLM logs
     # its configuration, kv_connector_extra_config included.
     token_file: str = ""
-    # how the daemon's disk and shared tiers keep this engine's blocks (kvstore.codecs:
-    # exact, fp8, int8, int4); the engine always gets its own dtype back
-    codec: str = "exact"
+    codec: str = "exact"  # of the disk and shared tiers (kvstore.codecs: fp8, int8, int4)
 
     def token(self) -> str | None:
         """The token from ``token_file``; None: the client's default (environment)."""
@@ -82,10 +80,8 @@ class ConnectorSettings:
 
 def check_vllm_version(version: str = vllm.__version__) -> None:
     """One clear error at start-up for a vLLM this connector was not tested with."""
-    try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        major_minor = (-1, -1)
+    parts = version.split(".")[:2]
+    major_minor = tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else (-1, -1)
     first, end = SUPPORTED_VLLM
     if not first <= major_minor < end:
         raise RuntimeError(
@@ -170,14 +166,12 @@ class EngineNamespaces:
     """The namespaces of one connector side, by ``cache_salt``, opened on first use."""
 
     def __init__(
-        self, client: KVClient, layout: EngineLayout, rank: int, name: str = "",
-        codec: str = "exact",
-    ) -> None:  # fmt: skip
+        self, client: KVClient, layout: EngineLayout, rank: int, settings: ConnectorSettings
+    ) -> None:
         self.client = client
         self.layout = layout
         self.rank = rank
-        self.name = name
-        self.codec = codec
+        self.name, self.codec = settings.namespace, settings.codec
         self._open: dict[str, Namespace] = {}
 
     def get(self, salt: str) -> Namespace:

@@ -32,10 +32,7 @@ class WorkerSide:
         self.settings = settings
         self.layout = layout
         self.client = KVClient(settings.addr, timeout=settings.io_timeout_s, token=settings.token())
-        self.namespaces = EngineNamespaces(
-            self.client, layout, rank, name=settings.namespace,
-            codec=settings.codec,
-        )
+        self.namespaces = EngineNamespaces(self.client, layout, rank, settings)
         self.layers: PagedLayers | None = None
         self.outage = Outage(log, settings.retry_after_s)  # after a failed call: no saves
         self.failed_blocks: set[int] = set()
