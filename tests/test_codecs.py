@@ -186,3 +186,21 @@ def test_a_damaged_or_foreign_encoded_record_is_a_miss(
         assert len(lines) == 1, lines
     finally:
         store.close()
+
+
+def test_a_name_bound_before_codecs_still_opens_its_namespace(tmp_path: Path) -> None:
+    """A namespace-names.json written before the codec field: re-opening the name with
+    the same layout (codec exact, the default) is no layout change."""
+    import json
+
+    from kvstored.names import FILE_NAME, NamespaceNames
+
+    spec = NamespaceSpec("old-model", 16, 4096)
+    declared = spec.to_dict()
+    del declared["codec"]  # as an older daemon saved it
+    (tmp_path / FILE_NAME).write_text(json.dumps({"prod": {"ns_id": spec.ns_id, "spec": declared}}))
+    names = NamespaceNames(tmp_path)
+    assert names.bind("prod", spec, lambda s: s).ns_id == spec.ns_id
+    with pytest.raises(Exception, match="codec='exact'->'int8'"):
+        coded = NamespaceSpec("old-model", 16, 0, 1, 1, 64, codec="int8")
+        names.bind("prod", coded, lambda s: s)

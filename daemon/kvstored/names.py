@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.errors import InvalidArgument, LayoutMismatch
+from kvstore.errors import InvalidArgument, LayoutMismatch, StoreError
 from kvstore.keys import NamespaceSpec
 
 log = logging.getLogger("kvstored.names")
@@ -44,8 +44,13 @@ class NamespaceNames:
         if self._path is not None and self._path.exists():
             try:
                 data = json.loads(self._path.read_text())
-                self._bound = {n: (v["ns_id"], v["spec"]) for n, v in data.items()}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                # declared fields as this version has them (a field added since, such
+                # as codec, takes its default: a binding made before it still holds)
+                self._bound = {
+                    n: (v["ns_id"], NamespaceSpec.from_dict(v["spec"]).to_dict())
+                    for n, v in data.items()
+                }
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, StoreError) as exc:
                 log.warning("ignoring unreadable %s: %s", self._path, exc)
 
     def bind(
