@@ -42,6 +42,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from kvbench.harness import write_program_report
 from kvbench.servers import OwnDaemon
 from kvclient import KVClient
 from kvclient.hf import HFPrefixCache
@@ -361,8 +362,7 @@ def main() -> None:
     text = report(results)
     print(text)
     if args.report:
-        Path(args.report).write_text(text)
-        print(f"wrote {args.report}")
+        write_program_report(args.report, text)
 
 
 if __name__ == "__main__":

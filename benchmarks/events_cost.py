@@ -34,17 +34,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvbench.harness import Result, Series, TokenSource, interleaved_passes
+from kvbench.harness import (
+    Result,
+    Series,
+    TokenSource,
+    interleaved_passes,
+    namespace_calls,
+    write_program_report,
+)
 from kvbench.servers import OwnDaemon
 from kvclient import KVClient
-from kvclient.namespace import Namespace
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -89,26 +94,6 @@ class Pair:
         return statistics.median(self.other.latencies_ms) / statistics.median(
             self.base.latencies_ms
         )
-
-
-def calls_of(ns: Namespace, op: str, blocks: int, source: TokenSource, n: int) -> list[Callable]:
-    """``n`` calls of one case on ``ns``: gets of one stored prefix, or puts of new ones."""
-    payload = np.full((blocks, ns.block_bytes), 7, dtype=np.uint8)
-    if op == "get":
-        tokens = source.chain(blocks * BLOCK_TOKENS)
-        ns.put(tokens, payload, priority=90)  # kept above the puts' blocks
-        out = np.empty_like(payload)
-
-        def get() -> None:
-            if ns.get(tokens, out=out).n_blocks != blocks:
-                raise RuntimeError(f"a get of {blocks} stored blocks missed: the run is void")
-
-        return [get] * n
-
-    def put() -> None:
-        ns.put(source.chain(blocks * BLOCK_TOKENS), payload)
-
-    return [put] * n
 
 
 def in_process_cost(n: int = 400) -> dict[str, float]:
@@ -181,7 +166,8 @@ def run(rounds: int, calls: int) -> tuple[list[Pair], dict[str, Any]]:
                 for op in ("get", "put"):
                     pair = Pair(path, op, block_bytes, blocks)
                     for ns, result in zip(spaces, (pair.base, pair.other), strict=True):
-                        series.append(Series(result, calls_of(ns, op, blocks, source, calls)))
+                        made_calls = namespace_calls(ns, op, blocks, source, calls)
+                        series.append(Series(result, made_calls))
                     pairs.append(pair)
         assert all(c.arena_in_use for c in clients)
         started = time.time()
@@ -271,8 +257,7 @@ def main() -> None:
     text = report(pairs, meta)
     print(text)
     if args.report:
-        Path(args.report).write_text(text)
-        print(f"wrote {args.report}")
+        write_program_report(args.report, text)
 
 
 if __name__ == "__main__":

@@ -40,13 +40,19 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
-from kvbench.harness import Result, Series, TokenSource, free_tcp_port, interleaved_passes
+from kvbench.harness import (
+    Result,
+    Series,
+    TokenSource,
+    free_tcp_port,
+    interleaved_passes,
+    namespace_calls,
+    write_program_report,
+)
 from kvbench.pki import make_pki
 from kvbench.servers import OwnDaemon
 from kvclient import TLS, KVClient
-from kvclient.namespace import Namespace
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -78,28 +84,6 @@ class Pair:
         return statistics.median(self.secured.latencies_ms) / statistics.median(
             self.plain.latencies_ms
         )
-
-
-def calls_of(ns: Namespace, op: str, blocks: int, source: TokenSource, n: int) -> list[Callable]:
-    """``n`` calls of one case on ``ns``: gets of one stored prefix, or puts of new ones."""
-    payload = np.full((blocks, BLOCK_BYTES), 7, dtype=np.uint8)
-    if op == "get":
-        tokens = source.chain(blocks * BLOCK_TOKENS)
-        # kept above the puts' blocks: reads served from known slots are reported
-        # (and so touched for eviction) in batches, after the fact
-        ns.put(tokens, payload, priority=90)
-        out = np.empty_like(payload)
-
-        def get() -> None:
-            if ns.get(tokens, out=out).n_blocks != blocks:
-                raise RuntimeError(f"a get of {blocks} stored blocks missed: the run is void")
-
-        return [get] * n
-
-    def put() -> None:
-        ns.put(source.chain(blocks * BLOCK_TOKENS), payload)
-
-    return [put] * n
 
 
 def start_daemons(work: Path, pki: dict[str, Path], token: str) -> dict[str, OwnDaemon]:
@@ -157,7 +141,8 @@ def run(rounds: int, calls: int) -> tuple[list[Pair], dict[str, Any]]:
                 for blocks in (1, 8):
                     pair = Pair(path, op, blocks)
                     for ns, result in zip(spaces, (pair.plain, pair.secured), strict=True):
-                        series.append(Series(result, calls_of(ns, op, blocks, source, calls)))
+                        made_calls = namespace_calls(ns, op, blocks, source, calls)
+                        series.append(Series(result, made_calls))
                     pairs.append(pair)
         assert routes["arena"][1].arena_in_use and routes["arena"][0].arena_in_use
         started = time.time()
@@ -292,8 +277,7 @@ def main() -> None:
     text = report(pairs, meta)
     print(text)
     if args.report:
-        Path(args.report).write_text(text)
-        print(f"wrote {args.report}")
+        write_program_report(args.report, text)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"meta": meta, "cases": [{"path": p.path, "op": p.op, "blocks": p.blocks,

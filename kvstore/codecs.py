@@ -51,10 +51,10 @@ _DECODE = _compiled_decode()
 EXACT = "exact"
 CODECS = (EXACT, "fp8", "int8", "int4")
 VERSION = 1  # of the encodings below; a block encoded with another one is a miss
-CODE_IDS = {EXACT: 0, "fp8": 1, "int8": 2, "int4": 3}  # in stored records
+# in stored records, and the kinds kvstore/_kvcodec.c decodes (its KIND_* values)
+CODE_IDS = {EXACT: 0, "fp8": 1, "int8": 2, "int4": 3}
 CODED_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 SCALE = np.dtype(ml_dtypes.bfloat16)
-_C_KINDS = {"fp8": 1, "int8": 2, "int4": 3}
 _C_OUTPUTS = {"bfloat16": 0, "float16": 1, "float32": 2}
 _LIMIT = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}
 
@@ -135,7 +135,7 @@ class Codec:
             view = memoryview(out).cast("B")[: self.block_bytes]
             src_view = memoryview(encoded).cast("B")[: self.encoded_bytes]
             _DECODE(
-                _C_KINDS[self.name], _C_OUTPUTS[self.dtype], self.head_dim, src_view, view
+                self.code_id, _C_OUTPUTS[self.dtype], self.head_dim, src_view, view
             )
             return
         src = np.frombuffer(encoded, dtype=np.uint8, count=self.encoded_bytes)

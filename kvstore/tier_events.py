@@ -84,7 +84,7 @@ class TierFeed:
         self._add(changes)
 
     def removed(self, node: Node, tier: str) -> None:
-        if self.on and node.state:  # (a pending block was never told)
+        if self.on and node.ready:  # (a pending block was never told)
             self._add([TierChange(REMOVED, node.ns.spec, tier, node.key, None, None)])
 
     def cleared(self, specs: Iterable[NamespaceSpec] | None = None) -> None:

@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvclient.namespace import Namespace
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -301,6 +304,31 @@ def timed_passes(
             before_pass()
         best = min(best, _timed_pass(calls, latencies))
     return best, latencies
+
+
+def namespace_calls(
+    ns: Namespace, op: str, blocks: int, source: TokenSource, n: int
+) -> list[Callable[[], object]]:
+    """``n`` calls of one case on ``ns``: gets (``op == "get"``) of one stored prefix of
+    ``blocks`` blocks, or puts of as many new ones (a fresh chain each)."""
+    payload = np.full((blocks, ns.block_bytes), 7, dtype=np.uint8)
+    if op == "get":
+        tokens = source.chain(blocks * ns.block_tokens)
+        # kept above the puts' blocks: reads served from known slots are reported
+        # (and so touched for eviction) in batches, after the fact
+        ns.put(tokens, payload, priority=90)
+        out = np.empty_like(payload)
+
+        def get() -> None:
+            if ns.get(tokens, out=out).n_blocks != blocks:
+                raise RuntimeError(f"a get of {blocks} stored blocks missed: the run is void")
+
+        return [get] * n
+
+    def put() -> None:
+        ns.put(source.chain(blocks * ns.block_tokens), payload)
+
+    return [put] * n
 
 
 @dataclass

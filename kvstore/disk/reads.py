@@ -239,7 +239,7 @@ class DiskReads:
         out = memoryview(bytearray(codec.block_bytes)) if dst is None else dst
         self._check_out(out, codec.block_bytes)
         codec.decode(encoded, out)
-        return (out[: codec.block_bytes] if dst is not None else bytes(out)), None
+        return out[: codec.block_bytes], None
 
     def _note_foreign_codec(self, key: bytes, record: DiskRecord) -> None:
         """A payload encoded by a codec or version this namespace does not decode: a
