@@ -271,6 +271,7 @@ def test_help_lists_every_key(capsys: pytest.CaptureFixture[str]) -> None:
         ("[tenants.a]\nhost_bytes = 1\n", "tenants.a: token_file is required"),
         ('[tenants.a]\ntoken_file = "/t"\nhost_bytes = "lots"\n', "tenants.a: invalid size"),
         ('tenants = "a"\n', "expected a table of [tenants.<name>] tables"),
+        ('[tenants.a]\ntoken_file = "/t"\nevents_topic = 5\n', "events_topic must be a string"),
     ],
 )
 def test_bad_tenant_tables_exit_2_with_one_line(
