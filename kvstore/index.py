@@ -17,7 +17,8 @@ Notes:
    pending node always has a host slot.
 2. ``host_children`` / ``disk_children`` count the children held in that tier, so
    "leaf in tier T" is one integer test (eviction is leaf-first per tier).
-3. ``pins`` counts leases and in-flight copies; a pinned node never leaves a tier.
+3. ``pins`` counts leases and in-flight copies; a pinned node never leaves a tier,
+   and its host slot is never re-encoded (kvstore.host_coding).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class NamespaceEntry:
     group: Group = field(default_factory=lambda: Group(""))
     codec: Codec | None = None  # how a coded tier keeps its blocks (None: exact)
     coded_blocks: int = 0  # of its blocks on disk, those kept encoded there
+    host_coded_blocks: int = 0  # of its blocks in host, those kept encoded there
     blocks: int = 0
     bytes: int = 0
     hits: int = 0
@@ -60,6 +62,7 @@ class Node:
     hits: int = 0
     pins: int = 0
     host_offset: int = -1
+    host_coded: bool = False  # its host slot holds it encoded (kvstore.host_coding)
     on_disk: bool = False
     shared_due: bool = False  # in the shared tier's write-behind queue (store_shared)
     # the block's tokens (packed uint32), kept while it is in the host tier: what KV
@@ -86,6 +89,12 @@ class Node:
     @property
     def in_host(self) -> bool:
         return self.host_offset >= 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes its host slot holds: its size, or its encoded size."""
+        codec = self.ns.codec
+        return codec.encoded_bytes if self.host_coded and codec is not None else self.size
 
     @property
     def ready(self) -> bool:

@@ -33,6 +33,9 @@ class Lease:
     committed: int = 0  # write leases: nodes[:committed] are ready
     first_index: int = 0  # write leases: chain position of nodes[0]
     staged: set[int] | None = None  # staging leases: the empty slots set aside (offsets)
+    # read leases: slots holding decoded copies of blocks kept encoded in host
+    # (kvstore.host_coding), freed when the lease ends
+    decoded: list[int] | None = None
     ttl: float = 0.0  # staging leases: each reserve that uses the lease renews it by this
     owner: str = ""  # the client connection it ends with (see Store.own), "" for none
 

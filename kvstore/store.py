@@ -44,6 +44,7 @@ from kvstore.disk import DiskTier
 from kvstore.errors import InvalidArgument, LayoutMismatch
 from kvstore.events import Counters, EventLog
 from kvstore.host.arena import HostArena, PinHook
+from kvstore.host_coding import HostCoding
 from kvstore.index import Index, NamespaceEntry
 from kvstore.index_load import IndexLoad
 from kvstore.keys import BlockKey, KeyChain, NamespaceSpec, chain_keys, tokens_array
@@ -154,6 +155,8 @@ class Store:
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
         self._reaper.start()
+        if "host" in config.codec_tiers:
+            self._parts.tiers.coder = HostCoding(self._parts)
         if config.shared is not None:
             coded = "shared" in config.codec_tiers
             self._shared_blocks.shared = SharedTier(config.shared, self, coded)
@@ -170,6 +173,8 @@ class Store:
         if self._load is not None:
             self._load.stop()
         parts = self._parts
+        if parts.tiers.coder is not None:
+            parts.tiers.coder.close()  # it writes host slots
         with self._lock:
             if parts.closed:
                 return 0
@@ -195,6 +200,15 @@ class Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def wait_host_coded(self, timeout: float) -> bool:
+        """Wait until the host tier's encoder has encoded every block offered to it
+        (``codec_tiers`` with host; at once without); False at the deadline."""
+        coder = self._parts.tiers.coder
+        if coder is None:
+            return True
+        with self._lock:
+            return self._parts.changed.wait_for(lambda: coder.idle, timeout)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued disk write is committed."""
@@ -337,7 +351,7 @@ class Store:
                     e.hits,
                     e.misses,
                     codec=e.spec.codec,
-                    saved_bytes=e.coded_blocks * (
+                    saved_bytes=(e.coded_blocks + e.host_coded_blocks) * (
                         e.spec.block_bytes - e.codec.encoded_bytes if e.codec else 0
                     ),
                 )
@@ -460,6 +474,7 @@ class Store:
             host = disk = pending = 0
             held: set[int] = set()  # host slots of blocks
             group_bytes = {name: [0, 0] for name in groups}  # host, disk
+            coded_of = {e.spec.ns_id: 0 for e in parts.namespaces}  # encoded in host
             for node in parts.index.nodes.values():
                 parent = node.parent
                 assert node.pins >= 0, f"{node}: negative pins"
@@ -482,10 +497,13 @@ class Store:
                 assert (node in tiers.disk_policy) == node.on_disk, f"{node}: disk list membership"
                 host += node.in_host
                 disk += node.on_disk
-                group_bytes[node.ns.group.name][0] += node.size * node.in_host
+                group_bytes[node.ns.group.name][0] += node.host_bytes * node.in_host
                 group_bytes[node.ns.group.name][1] += node.size * node.on_disk
                 if node.in_host:
                     held.add(node.host_offset)
+                    assert self._arena.slot_size(node.host_offset) >= node.host_bytes
+                coded_of[node.ns.spec.ns_id] += node.host_coded
+                assert node.in_host or not node.host_coded, f"{node}: encoded in no slot"
             assert host == tiers.host_blocks and disk == tiers.disk_blocks, "tier block counts"
             staged_of = {name: 0 for name in groups}
             for lease in parts.leases:
@@ -500,6 +518,10 @@ class Store:
             assert held.isdisjoint(staged), "a staged slot holds a block"
             for offset in staged:
                 self._arena.slot_size(offset)  # raises unless a live slot
+            decoded = [o for lease in parts.leases for o in lease.decoded or ()]
+            assert held.isdisjoint(decoded) and len(set(decoded)) == len(decoded), "decoded"
+            for e in parts.namespaces:
+                assert coded_of[e.spec.ns_id] == e.host_coded_blocks, f"{e}: encoded count"
             assert pending == tiers.pending, "pending count"
             assert self._arena.used_bytes <= self._arena.capacity_bytes, "host over capacity"
             if self._disk is not None:

@@ -4,7 +4,7 @@ per-call values they bound (priorities, lease TTLs)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
@@ -14,7 +14,7 @@ from kvstore.tenants import NAME_RE, Quota
 
 DEFAULT_PRIORITY = 35
 ADMISSION_POLICIES = ("write-back", "write-through", "selective")
-CODEC_TIERS = ("disk", "shared")  # the tiers a codec may apply to (the host: not yet)
+CODEC_TIERS = ("host", "disk", "shared")  # the tiers a codec may apply to
 # a promotion of at least this many bytes reads its blocks on PROMOTE_THREADS threads
 PARALLEL_PROMOTE_BYTES = 4 << 20
 # a caller that must not wait on the disk (the daemon's event loop) promotes at most
@@ -22,6 +22,16 @@ PARALLEL_PROMOTE_BYTES = 4 << 20
 QUICK_PROMOTE_BYTES = 4 << 20
 PROMOTE_THREADS = max(1, min(4, os.cpu_count() or 1))
 DELETE_COMMIT_TIMEOUT_S = 60.0  # clear and delete wait this long for their disk deletions
+
+
+def codec_tiers_problem(tiers: Sequence[str]) -> str | None:
+    """What is wrong with ``tiers`` as ``codec_tiers``, or None."""
+    unknown = [name for name in tiers if name not in CODEC_TIERS]
+    if unknown:
+        return f"{unknown[0]!r} is not a tier a codec applies to; choose from {list(CODEC_TIERS)}"
+    if "host" in tiers and not {"disk", "shared"} <= set(tiers):
+        return "host needs disk and shared too (a block encoded in host leaves it encoded)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +115,9 @@ class StoreConfig:
             raise InvalidArgument(f"disk_queue_bytes must be >= 1, got {self.disk_queue_bytes}")
         if self.persist_timeout_s < 0:
             raise InvalidArgument(f"persist_timeout_s must be >= 0, got {self.persist_timeout_s}")
-        unknown = sorted(set(self.codec_tiers) - set(CODEC_TIERS))
-        if unknown:
-            raise InvalidArgument(
-                f"codec_tiers: {unknown[0]!r} is not a tier a codec applies to; "
-                f"choose from {list(CODEC_TIERS)}"
-            )
+        problem = codec_tiers_problem(self.codec_tiers)
+        if problem:
+            raise InvalidArgument(f"codec_tiers: {problem}")
         if self.sync_index_bytes < 0:
             raise InvalidArgument(f"sync_index_bytes must be >= 0, got {self.sync_index_bytes}")
         if self.put_wait_ms < 0:

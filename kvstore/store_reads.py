@@ -5,7 +5,9 @@ Copies of block bytes happen outside the lock: the blocks involved are pinned (t
 pin count) while the lock is released, so eviction cannot free a slot under a reader.
 A read of disk-only blocks reserves host slots for them under the lock, reads them
 into the slots without it (the blocks of one share in one LMDB read transaction), and
-publishes the promotions under the lock again.
+publishes the promotions under the lock again. A block kept encoded in host
+(:mod:`kvstore.host_coding`) is decoded: by a read into its buffer, by an acquire into a
+slot of its own that the read lease holds.
 """
 
 from __future__ import annotations
@@ -178,29 +180,35 @@ class Reads:
         if not count:  # here: a quick attempt that went to the pool is not a get
             with self._parts.lock:
                 self._parts.counters.repeated_gets += 1
+        # decoded copies of blocks encoded in host: the lease's, not promotions
+        decoded = {i: fresh.pop(i) for i in [i for i in fresh if nodes[i].in_host]}
         self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
         kept = nodes[:ok]
         with self._parts.lock:
             size = entry.spec.block_bytes
+            for i in [i for i in decoded if i >= ok]:
+                self._parts.arena.free(decoded.pop(i))
             if not kept:
                 return Acquisition(0, 0.0, (), (), size)
             lease = self._parts.leases.new(entry, kept, write=False, ttl=ttl)
+            if decoded:
+                lease.decoded = list(decoded.values())
             keys = tuple([node.key for node in kept])
-            offsets = tuple([node.host_offset for node in kept])
+            offsets = tuple([decoded.get(i, node.host_offset) for i, node in enumerate(kept)])
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
 
     def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
         """The host slots of the ready prefix of ``keys`` and their epochs, pinning
         nothing (an unpinned read: see :mod:`kvstore.host.slot_epochs`). Counts the hits and
         touches the prefix as a read does. None, having changed nothing, when a block of
-        the prefix is on disk only (the caller acquires instead)."""
+        the prefix is on disk only or encoded in host (the caller acquires instead)."""
         entry = self._parts.namespaces.entry(ns_id)
         self._parts.namespaces.check_keys(entry, keys)
         with self._parts.lock:
             self._parts.check_open()
             self._parts.expire()
-            nodes, on_disk = self._host_prefix(keys)
-            if on_disk:
+            nodes, elsewhere = self._host_prefix(keys)
+            if elsewhere:
                 return None
             self._count_reads(entry, nodes, len(keys), reads=1, host_hits=len(nodes))
             offsets = [node.host_offset for node in nodes]
@@ -246,7 +254,8 @@ class Reads:
     ) -> tuple[list[Node], dict[int, int]] | None:
         """Pin the ready prefix and reserve host slots for its disk-only blocks.
 
-        Returns the pinned nodes and {position: fresh host offset} for blocks to promote.
+        Returns the pinned nodes and {position: fresh host offset} for blocks to promote
+        and, with ``promote_all``, for blocks encoded in host to decode into.
         With ``promote_all`` the prefix is cut at the first block that gets no slot
         (acquire needs every block in host); otherwise that block is read from disk.
         With ``host_only``, slots come from free room only, for at most
@@ -263,8 +272,8 @@ class Reads:
                 self._parts.check_open()
                 self._parts.expire()
                 nodes = self._ready_prefix(keys)
-                all_host = all(node.host_offset >= 0 for node in nodes)
-                if host_only and not all_host:
+                in_place = not any(_needs_slot(node, promote_all) for node in nodes)
+                if host_only and not in_place:
                     fresh_room = self._free_room_slots(nodes)
                     if fresh_room is None:
                         return None
@@ -273,7 +282,7 @@ class Reads:
                     return nodes, fresh_room
                 for node in nodes:
                     node.pins += 1
-                if all_host:
+                if in_place:
                     return nodes, {}
                 fresh = self._promotion_slots(nodes, promote_all, deadline)
                 if fresh is not None:
@@ -291,7 +300,7 @@ class Reads:
         tiers.writer_blocked = tiers.shared_blocked = False
         fresh: dict[int, int] = {}
         for i, node in enumerate(nodes):
-            if node.in_host:
+            if not _needs_slot(node, promote_all):
                 continue
             offset = tiers.alloc_host(node.size, node.ns.group)
             if offset is not None:
@@ -311,12 +320,11 @@ class Reads:
         return fresh
 
     def _free_room_slots(self, nodes: list[Node]) -> dict[int, int] | None:
-        """Host slots for the disk-only blocks of ``nodes`` from the arena's free room
-        (no eviction, within the tenant's quota), when they are at most
-        QUICK_PROMOTE_BYTES; None, with nothing allocated, otherwise. Under the lock."""
-        if self._parts.disk is None:
-            return None
-        on_disk = [i for i, node in enumerate(nodes) if not node.in_host]
+        """Host slots for the disk-only blocks of ``nodes`` (and those encoded in host)
+        from the arena's free room (no eviction, within the tenant's quota), when they
+        are at most QUICK_PROMOTE_BYTES; None, with nothing allocated, otherwise. Under
+        the lock."""
+        on_disk = [i for i, node in enumerate(nodes) if _needs_slot(node, True)]
         if sum(nodes[i].size for i in on_disk) > QUICK_PROMOTE_BYTES:
             return None
         fresh: dict[int, int] = {}
@@ -343,7 +351,9 @@ class Reads:
         for i, node in enumerate(nodes):
             target = dst[(i - start) * size : (i - start + 1) * size] if i >= start else None
             if node.in_host:
-                if target is not None:
+                if target is not None and node.host_coded:
+                    self._decode(node, out[(i - start) * size : (i - start + 1) * size])
+                elif target is not None:
                     target[:] = array[node.host_offset : node.host_offset + size]
                 continue
             assert self._parts.disk is not None
@@ -372,7 +382,10 @@ class Reads:
         ``nowait``: on this thread, BlockingIOError when a block is not in the page
         cache (see :meth:`acquire`)."""
         disk = self._parts.disk
-        todo = sorted(fresh)
+        for i in fresh:
+            if nodes[i].in_host:  # encoded in host: decoded into a slot of the reader's
+                self._decode(nodes[i], self._parts.arena.view(fresh[i], nodes[i].size))
+        todo = sorted(i for i in fresh if not nodes[i].in_host)
         if not todo:
             return len(nodes)
 
@@ -396,6 +409,12 @@ class Reads:
             return min(bad) if bad else len(nodes)
         first_bad = fill_all(todo)
         return len(nodes) if first_bad is None else first_bad
+
+    def _decode(self, node: Node, out: memoryview) -> None:
+        """Decode a pinned block kept encoded in host into ``out`` (no lock held)."""
+        codec = node.ns.codec
+        assert codec is not None and node.host_coded
+        codec.decode(self._parts.arena.view(node.host_offset, codec.encoded_bytes), out)
 
     def _promote_pool(self) -> ThreadPoolExecutor:
         with self._parts.lock:
@@ -474,13 +493,14 @@ class Reads:
         return nodes
 
     def _host_prefix(self, keys: Sequence[BlockKey]) -> tuple[list[Node], bool]:
-        """(the ready blocks of ``keys``' prefix up to the first one not in the host
-        tier, whether that one is ready on disk only). Under the lock."""
+        """(the ready blocks of ``keys``' prefix up to the first one not readable in
+        place in its host slot, whether that one is ready all the same: on disk only or
+        encoded in host). Under the lock."""
         nodes: list[Node] = []
         for node in self._parts.index.walk(keys):
             if node.state != READY:
                 break
-            if node.host_offset < 0:
+            if node.host_offset < 0 or node.host_coded:
                 return nodes, True
             nodes.append(node)
         return nodes, False
@@ -496,3 +516,9 @@ class Reads:
         for node in nodes:
             node.hits += reads
         self._parts.tiers.touch(nodes)
+
+
+def _needs_slot(node: Node, decode: bool) -> bool:
+    """Whether a read needs a fresh host slot for ``node``: it is on disk only, or
+    (``decode``: a reader that copies from slots) kept encoded in host."""
+    return not node.in_host or (decode and node.host_coded)

@@ -184,7 +184,8 @@ class SharedBlocks:
                             block.ns.spec,
                             block.key,
                             None if block.parent is None else block.parent.key,
-                            array[start : start + block.size].data,
+                            array[start : start + block.host_bytes].data,
+                            block.host_coded,
                         )
                     )
 

@@ -406,6 +406,8 @@ class Writes:
                 self._parts.tiers.insert_used(batch)
                 self._parts.events.emit_all(EventKind.STORED, batch, Tier.HOST)
                 self._parts.tiers.feed.stored(batch, HOST)
+                if self._parts.tiers.coder is not None:
+                    self._parts.tiers.coder.offer(batch)
                 if self._parts.shared_queue is not None:
                     self._parts.shared_queue.add(batch)
                 if through:

@@ -33,10 +33,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import xxhash
 
+from kvstore import codecs
 from kvstore.codecs import Codec
 from kvstore.disk import DiskRecord, DiskTier
 from kvstore.events import Counters, EventLog
@@ -51,6 +53,9 @@ from kvstore.results import EventKind, Tier
 from kvstore.store_config import StoreConfig
 from kvstore.tenants import Group
 from kvstore.tier_events import DISK, HOST, TierFeed
+
+if TYPE_CHECKING:
+    from kvstore.host_coding import HostCoding
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +96,8 @@ class Tiers:
         self.shared_wait = False
         self.shared_blocked = False
         self._queue_full = False  # the last write_to_disk was refused for queue room
+        # encodes coded namespaces' host blocks (codec_tiers has host; set by the store)
+        self.coder: HostCoding | None = None
 
     # --- a tier's blocks ----------------------------------------------------------------------
     def host_add(self, node: Node, offset: int) -> None:
@@ -105,10 +112,13 @@ class Tiers:
             self.host_policy.remove(node)
         self.arena.free(node.host_offset)
         self.feed.removed(node, HOST)
+        node.ns.group.host_bytes -= node.host_bytes
+        if node.host_coded:
+            node.host_coded = False
+            node.ns.host_coded_blocks -= 1
         node.host_offset = -1
         node.tokens = None  # kept while in host only (kvstore.index)
         self.host_blocks -= 1
-        node.ns.group.host_bytes -= node.size
         if node.parent is not None:
             node.parent.host_children -= 1
 
@@ -265,7 +275,8 @@ class Tiers:
     def let_go(self, lease: Lease, expired: bool = False) -> None:
         """What ending a lease does to blocks and slots: a read lease unpins its blocks,
         a write lease drops its uncommitted ones (remembered as lost to ``expired``:
-        its TTL ran out), a staging lease frees its slots."""
+        its TTL ran out), a staging lease frees its slots, a read lease its decoded
+        copies."""
         if lease.write:
             dropped = lease.nodes[lease.committed :]
             for node in reversed(dropped):
@@ -279,19 +290,22 @@ class Tiers:
         else:
             for node in lease.nodes:
                 node.pins -= 1
+        for offset in lease.decoded or ():
+            self.arena.free(offset)
         for offset in lease.staged or ():
             self.arena.free(offset)
         if lease.staged:
             lease.entry.group.staged_bytes -= len(lease.staged) * lease.entry.spec.block_bytes
 
     # --- eviction -------------------------------------------------------------------
-    def alloc_host(self, size: int, group: Group) -> int | None:
+    def alloc_host(self, size: int, group: Group, tail: bool = False) -> int | None:
         """A host slot of ``size`` bytes for a block of ``group``, evicting host leaves
-        until one fits (the group's own first, while it is at its quota)."""
+        until one fits (the group's own first, while it is at its quota); ``tail``: see
+        HostArena.alloc."""
         if not self._quota_room(group, size, host=True):
             return None
         while True:
-            offset = self.arena.alloc(size)
+            offset = self.arena.alloc(size, tail)
             if offset is not None:
                 return offset
             victim = self._host_victim()
@@ -447,19 +461,24 @@ class Tiers:
     def _queue_disk_write(self, disk: DiskTier, node: Node) -> bool:
         """Hand a host block to the disk writer; False when the tier refuses it (a disk
         fault, or its queue is full: never waited for under the lock)."""
-        payload = self.arena.view(node.host_offset, node.size)
+        payload = self.arena.view(node.host_offset, node.host_bytes)
         parent = node.parent.key if node.parent is not None else b""
         record = DiskRecord(
             node.key,
             node.ns.spec.digest,
             parent,
-            node.size,
+            node.host_bytes,
             xxhash.xxh3_64_intdigest(payload),
             node.priority,
             node.last_access or self.wall(),
             tokens=node.tokens or b"",
         )
-        if not disk.write(record, payload, codec=self.disk_codec(node.ns)):
+        codec = self.disk_codec(node.ns)
+        if node.host_coded:  # encoded in host already: stored as it is (kvstore.host_coding)
+            assert codec is not None  # codec_tiers with host has disk
+            record = replace(record, codec=codec.code_id, codec_version=codecs.VERSION)
+            codec = None
+        if not disk.write(record, payload, codec=codec):
             self._queue_full = not disk.fault
             return False
         self.disk_add(node)
@@ -615,6 +634,8 @@ class Tiers:
         self.host_add(node, offset)
         node.tokens = tokens
         self.host_policy.insert(node)
+        if self.coder is not None:
+            self.coder.offer((node,))
         self.counters.promotions += 1
         self.counters.host_bytes_in += node.size
         self.counters.disk_bytes_out += node.size

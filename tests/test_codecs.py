@@ -5,13 +5,17 @@ damage, an unknown codec version, no sharing with the exact namespace)."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import Daemon
 
+from kvclient import KVClient
 from kvstore.codecs import CODECS, VERSION, Codec
 from kvstore.disk.format import META_DB, pack_record, unpack_record
 from kvstore.errors import InvalidArgument
@@ -204,3 +208,167 @@ def test_a_name_bound_before_codecs_still_opens_its_namespace(tmp_path: Path) ->
     with pytest.raises(Exception, match="codec='exact'->'int8'"):
         coded = NamespaceSpec("old-model", 16, 0, 1, 1, 64, codec="int8")
         names.bind("prod", coded, lambda s: s)
+
+
+def within_bound(got: bytes, want: bytes, name: str) -> bool:
+    have = np.frombuffer(got, ml_dtypes.bfloat16).astype(np.float32).reshape(-1, HEAD_DIM)
+    ref = np.frombuffer(want, ml_dtypes.bfloat16).astype(np.float32).reshape(-1, HEAD_DIM)
+    scale = np.abs(ref).max(axis=1, keepdims=True)
+    return bool((np.abs(have - ref) / np.where(scale == 0, 1, scale)).max() <= BOUNDS[name])
+
+
+def test_host_coding_holds_about_twice_the_blocks_and_every_read_decodes(
+    tmp_path: Path,
+) -> None:
+    """codec_tiers with host: the same arena holds near twice the int8 blocks; a read,
+    an acquire (slots of its lease, freed with it) and a restart from the blocks the
+    host tier handed to disk as they were all give the block within int8's bound."""
+    held = {}
+    for tiers in (("disk", "shared"), ("host", "disk", "shared")):
+        store = Store(
+            StoreConfig(
+                host_bytes=4 * MiB, disk_bytes=64 * MiB,
+                disk_dir=str(tmp_path / "-".join(tiers) / "disk"),
+                shared_arena=False, codec_tiers=tiers,
+            )  # fmt: skip
+        )
+        try:
+            spec = store.open_namespace(NamespaceSpec(**SPEC, codec="int8"))  # type: ignore[arg-type]
+            chains, blocks = [], []
+            for i in range(40):
+                blocks.append(kv_block("bfloat16", spec.block_bytes // 2, i).tobytes())
+                chains.append(store.keys_for(spec.ns_id, [i] * 16))
+                assert store.put(spec.ns_id, chains[-1], [blocks[-1]]).stored == 1
+                assert store.wait_host_coded(30)
+            held[tiers] = next(t for t in store.stats().tiers if t.name == "host").blocks
+            store.verify_invariants()
+            if "host" not in tiers:
+                continue
+            last = chains[-1]
+            assert store.locate(spec.ns_id, last) is None  # encoded: no unpinned read
+            copied, data = store.read(spec.ns_id, last)
+            assert copied == 1 and within_bound(bytes(data), blocks[-1], "int8")
+            used = store.arena.used_bytes
+            got = store.acquire(spec.ns_id, last)
+            assert bytes(store.arena.view(got.offsets[0], spec.block_bytes)) == bytes(data)
+            store.verify_invariants()
+            store.release(got.lease_id)
+            assert store.arena.used_bytes == used  # the decoded copy went with the lease
+            saved = next(n for n in store.stats().namespaces if n.ns_id == spec.ns_id)
+            assert saved.saved_bytes > held[tiers] * spec.block_bytes // 3
+        finally:
+            store.close()
+    assert held[("host", "disk", "shared")] >= 1.7 * held[("disk", "shared")], held
+    store = coded_store(tmp_path / "host-disk-shared")  # (its dir) host exact this time
+    try:
+        store.open_namespace(spec)
+        for chain, block in zip(chains, blocks, strict=True):
+            copied, data = store.read(spec.ns_id, chain)
+            assert copied == 1 and within_bound(bytes(data), block, "int8")
+    finally:
+        store.close()
+
+
+def test_a_daemon_with_host_coding_serves_arena_and_inline_gets_decoded(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    """A real kvstored with codec_tiers host,disk,shared: once its host tier encoded the
+    blocks (the bytes it saves say so), an arena get and an inline get give the same
+    bfloat16 blocks, within int8's bound, and `kvctl status` counts the host's saving."""
+    daemon = kvstored_factory(codec_tiers="host,disk,shared")
+    layout = {"num_layers": 2, "num_kv_heads": 4, "head_dim": HEAD_DIM, "codec": "int8"}
+    block_bytes = 2 * 2 * 4 * HEAD_DIM * 2 * 16
+    values = np.stack([kv_block("bfloat16", block_bytes // 2, i) for i in range(4)])
+    tokens = list(range(4 * 16 + 1))
+    encoded = Codec("int8", "bfloat16", HEAD_DIM, block_bytes).encoded_bytes
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("host-coded", 16, block_bytes, **layout)
+        assert ns.put(tokens, values.view(np.uint8)).stored == 4
+        deadline = time.monotonic() + 30
+
+        def saved() -> int:
+            stats = client.stats().namespaces
+            return next(n.saved_bytes for n in stats if n.ns_id == ns.ns_id)
+
+        while saved() < 4 * (block_bytes - encoded):
+            assert time.monotonic() < deadline, f"host tier saved {saved()} bytes"
+            time.sleep(0.05)
+        by_arena = ns.get(tokens)
+    with KVClient(daemon.addr, use_arena=False) as client:
+        by_wire = client.namespace("host-coded", 16, block_bytes, **layout).get(tokens)
+    assert by_arena.n_blocks == by_wire.n_blocks == 4
+    assert np.array_equal(by_arena.blocks, by_wire.blocks)
+    for i in range(4):
+        got = by_arena.blocks[i].tobytes()
+        assert got != values[i].tobytes() and within_bound(got, values[i].tobytes(), "int8")
+
+
+def test_a_block_encoded_in_host_goes_to_the_shared_tier_as_it_is(tmp_path: Path) -> None:
+    """The shared tier's writer is lent a block encoded in host as its encoded bytes;
+    the value it packs is the one it would pack from the exact block, and decodes
+    within int8's bound. (The tier's own writer is stopped: this test lends.)"""
+    from kvstore.shared.format import pack_value, unpack_value
+    from kvstore.shared.tier import SharedConfig
+
+    store = Store(
+        StoreConfig(
+            host_bytes=4 * MiB, disk_bytes=64 * MiB, disk_dir=str(tmp_path / "disk"),
+            shared_arena=False, codec_tiers=("host", "disk", "shared"),
+            shared=SharedConfig("redis://127.0.0.1:1"),
+        )  # fmt: skip
+    )
+    try:
+        assert store.shared is not None
+        store.shared.close()
+        spec = store.open_namespace(NamespaceSpec(**SPEC, codec="int8"))  # type: ignore[arg-type]
+        block = kv_block("bfloat16", spec.block_bytes // 2, 7).tobytes()
+        chain = store.keys_for(spec.ns_id, list(range(16)))
+        assert store.put(spec.ns_id, chain, [block]).stored == 1
+        assert store.wait_host_coded(30)
+        lent = store.lend_queued(8, lambda key: False, 0.0, False)
+        (out,) = lent.blocks
+        codec = Codec("int8", "bfloat16", HEAD_DIM, spec.block_bytes)
+        assert out.encoded and out.payload.nbytes == codec.encoded_bytes
+        value = pack_value(spec, out.key, out.payload, codec, encoded=True)
+        assert value == pack_value(spec, out.key, block, codec)
+        got = unpack_value(spec, out.key, bytes(value), codec)
+        assert got is not None and within_bound(bytes(got), block, "int8")
+        lent.release({out.key})
+    finally:
+        store.close()
+
+
+def test_a_block_queued_for_disk_encoded_reads_back_decoded(tmp_path: Path) -> None:
+    """A block the host tier kept encoded goes to the disk writer as it is (its record
+    says which codec): read while still queued, and once committed, it decodes."""
+    import threading
+
+    import xxhash
+
+    from kvstore.codecs import VERSION
+    from kvstore.disk import DiskRecord, DiskTier
+
+    raw = kv_block("bfloat16", 64 * HEAD_DIM, 3).tobytes()
+    codec = Codec("int8", "bfloat16", HEAD_DIM, len(raw))
+    encoded = bytes(codec.encode(raw, memoryview(bytearray(codec.encoded_bytes))))
+    key = b"q" * 32
+    record = DiskRecord(
+        key, b"d" * 32, b"", len(encoded), xxhash.xxh3_64_intdigest(encoded), 35, 0.0,
+        codec=codec.code_id, codec_version=VERSION,
+    )  # fmt: skip
+    with DiskTier(str(tmp_path / "lmdb"), 64 * MiB) as tier:
+        gate = threading.Event()
+        commit = tier._writer._commit_early  # held until the queued read is done
+
+        def held(ops: object) -> None:
+            gate.wait(30)
+            commit(ops)  # type: ignore[arg-type]
+
+        tier._writer._commit_early = held  # type: ignore[method-assign]
+        assert tier.write(record, encoded)
+        queued = tier.read(key, codec=codec)
+        gate.set()
+        tier.flush(30)
+        committed = tier.read(key, codec=codec)
+    assert queued is not None and committed is not None
+    assert bytes(queued) == bytes(committed) and within_bound(bytes(queued), raw, "int8")

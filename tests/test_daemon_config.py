@@ -203,6 +203,7 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         (["--shared-queue-bytes", "512KiB"], {}, "shared_queue_bytes"),
         (["--shared-overflow", "block"], {}, "shared_overflow"),
         (["--codec-tiers", "disk,host"], {}, "codec_tiers"),
+        (["--codec-tiers", "disk,tape"], {}, "codec_tiers"),
         (["--kv-events-listen", "127.0.0.1:5557"], {}, "kv_events_listen"),
         ([], {"KVSTORED_KV_EVENTS_REPLAY_LISTEN": "tcp://nohost"}, "kv_events_replay_listen"),
         (["--kv-events-encoding", "json"], {}, "kv_events_encoding"),

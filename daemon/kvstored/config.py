@@ -36,7 +36,7 @@ from kvproto.v1.addresses import is_loopback
 from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
-from kvstore.store_config import CODEC_TIERS
+from kvstore.store_config import codec_tiers_problem
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants
 from kvstored.kv_events import ENCODINGS as EVENT_ENCODINGS
@@ -250,13 +250,13 @@ def _choice(options: Sequence[str]) -> Callable[[object], str]:
 
 
 def parse_codec_tiers(raw: object) -> str:
-    """``"disk,shared"``, ``"disk"``, ``"shared"`` or ``""`` (no tier codes): the tiers
-    where a namespace with a codec keeps its blocks encoded (kvstore.codecs)."""
-    names = [part.strip().lower() for part in str(raw).split(",") if part.strip()]
-    unknown = [name for name in names if name not in CODEC_TIERS]
-    if unknown:
-        raise ValueError(f"{unknown[0]!r} is not one of {', '.join(CODEC_TIERS)}; got {raw!r}")
-    return ",".join(dict.fromkeys(names))
+    """Some of ``host,disk,shared`` (``""``: no tier codes): the tiers where a namespace
+    with a codec keeps its blocks encoded (kvstore.codecs); host needs the other two."""
+    names = list(dict.fromkeys(p.strip().lower() for p in str(raw).split(",") if p.strip()))
+    problem = codec_tiers_problem(names)
+    if problem:
+        raise ValueError(f"{problem}; got {raw!r}")
+    return ",".join(names)
 
 
 # --- the table -------------------------------------------------------------------------
@@ -457,7 +457,8 @@ KEYS: tuple[Key, ...] = (
         "| wait (puts wait for the writer, up to put_wait_ms, as for the disk's)"),
     Key("codec_tiers", "list", parse_codec_tiers, "disk,shared",
         "tiers where a namespace opened with a codec (fp8, int8, int4) keeps its blocks "
-        "encoded: disk, shared (comma-separated); empty: none"),
+        "encoded: host, disk, shared (comma-separated; host needs the other two); "
+        "empty: none"),
     Key("kv_events_listen", "address", parse_zmq_endpoint, "",
         "KV events for routers, in vLLM's format: the ZMQ PUB address "
         "(tcp://127.0.0.1:5557, ipc:///path); empty: off"),

@@ -75,7 +75,7 @@ class DiskReads:
             if queued is not None:
                 queued.pins += 1  # keeps the buffer out of the pool while we copy
         if queued is not None:
-            return self._read_queued(key, queued, dst)
+            return self._read_queued(key, queued, dst, codec)
         try:
             with self._s.resize.reading():
                 self._s.check_open()
@@ -131,7 +131,7 @@ class DiskReads:
         for i, key in enumerate(wanted):
             write = queued.pop(i, None)
             if write is not None:
-                data = self._read_queued(key, write, dsts[i])
+                data = self._read_queued(key, write, dsts[i], codec)
             elif damaged:
                 data = self.read(key, dsts[i], codec)
             else:
@@ -143,11 +143,24 @@ class DiskReads:
         return len(wanted)
 
     def _read_queued(
-        self, key: bytes, queued: _Write, dst: memoryview | None
+        self, key: bytes, queued: _Write, dst: memoryview | None, codec: Codec | None
     ) -> bytes | memoryview | None:
-        """Copy a payload still in the write queue (pinned by the caller, unpinned here)."""
+        """Copy a payload still in the write queue (pinned by the caller, unpinned here).
+        One queued encoded already (a block kept encoded in host: its record says so)
+        is checked, then decoded with ``codec``."""
         try:
             size = queued.record.size
+            if queued.record.codec:
+                if not self._decodes(key, queued.record, codec):
+                    return None
+                assert codec is not None
+                encoded = memoryview(queued.buf)[:size]
+                if xxhash.xxh3_64_intdigest(encoded) != queued.record.checksum:
+                    return self._verified(key, (b"", -1), queued)
+                out = memoryview(bytearray(codec.block_bytes)) if dst is None else dst
+                self._check_out(out, codec.block_bytes)
+                codec.decode(encoded, out)
+                return self._verified(key, (out[: codec.block_bytes], None), queued)
             if dst is not None:
                 self._check_out(dst, size)
                 _copy(dst[:size], queued.buf)
@@ -221,14 +234,9 @@ class DiskReads:
     ) -> tuple[bytes | memoryview, int | None] | None:
         """An encoded payload, copied out into this thread's scratch, checked against
         its record's checksum, then decoded into ``dst`` (see :meth:`read`)."""
-        if (
-            codec is None
-            or record.codec != codec.code_id
-            or record.codec_version != codecs.VERSION
-            or record.size != codec.encoded_bytes
-        ):
-            self._note_foreign_codec(key, record)
+        if not self._decodes(key, record, codec):
             return None
+        assert codec is not None
         scratch = getattr(self._scratch, "buf", None)
         if scratch is None or len(scratch) < record.size:
             scratch = self._scratch.buf = bytearray(record.size)
@@ -240,6 +248,19 @@ class DiskReads:
         self._check_out(out, codec.block_bytes)
         codec.decode(encoded, out)
         return out[: codec.block_bytes], None
+
+    def _decodes(self, key: bytes, record: DiskRecord, codec: Codec | None) -> bool:
+        """Whether ``codec`` (the namespace's) decodes an encoded ``record``; a record of
+        another codec or version is a miss, logged once per kind."""
+        if (
+            codec is not None
+            and record.codec == codec.code_id
+            and record.codec_version == codecs.VERSION
+            and record.size == codec.encoded_bytes
+        ):
+            return True
+        self._note_foreign_codec(key, record)
+        return False
 
     def _note_foreign_codec(self, key: bytes, record: DiskRecord) -> None:
         """A payload encoded by a codec or version this namespace does not decode: a

@@ -51,7 +51,10 @@ the wrong size; instead every slot is one contiguous extent carved from free ext
    reusable by any other, and free extents are always maximal.
 5. Large slots are carved from the head of an extent (after its alignment pad, which
    stays free), small ones from its tail, which keeps the start of the remaining
-   extent page-aligned for the next large slot.
+   extent page-aligned for the next large slot. ``alloc(tail=True)`` carves a large
+   slot from the tail too: blocks kept encoded in host (kvstore.host_coding) are
+   about half a block, and placed so they gather at the far end of free room and
+   in each other's holes, instead of cutting the extents the next whole blocks need.
 6. ``alloc_run`` carves the slots of a whole put as one run from one extent (one
    lookup and one carve, then split into slots that are freed one by one like any),
    when a free extent holds the run; the store falls back to slot-by-slot alloc
@@ -312,8 +315,9 @@ class HostArena:
         """Bytes held by live slots (rounded sizes); never more than capacity_bytes."""
         return self._used_bytes
 
-    def alloc(self, size: int) -> int | None:
-        """Offset of a new slot of at least ``size`` bytes, or None when nothing fits."""
+    def alloc(self, size: int, tail: bool = False) -> int | None:
+        """Offset of a new slot of at least ``size`` bytes, or None when nothing fits.
+        ``tail``: a large slot goes at the end of its extent, not the head (see 5.)."""
         size = operator.index(size)
         if size <= 0:
             raise ValueError(f"slot size must be positive, got {size}")
@@ -326,7 +330,7 @@ class HostArena:
             if found is None:
                 return None
         start, extent = found
-        return self._carve(start, extent, rounded, align)
+        return self._carve(start, extent, rounded, align, tail)
 
     def alloc_run(self, size: int, count: int) -> list[int]:
         """Offsets of ``count`` new slots of ``size`` bytes carved as one contiguous run
@@ -504,9 +508,11 @@ class HostArena:
                     return start, size
         return None
 
-    def _carve(self, start: int, extent: int, rounded: int, align: int) -> int:
+    def _carve(self, start: int, extent: int, rounded: int, align: int, tail: bool = False) -> int:
         """Place a slot in a free extent (already unlisted); list what is left of it."""
         slot = _slot_start(start, extent, rounded, align)
+        if tail and align == PAGE_SIZE and (start + extent - rounded) & ~_PAGE_MASK >= start:
+            slot = (start + extent - rounded) & ~_PAGE_MASK
         if slot > start:
             self._insert(start, slot - start)
         end, extent_end = slot + rounded, start + extent

@@ -61,14 +61,16 @@ def pack_into(
     key: BlockKey,
     payload: memoryview | bytes,
     codec: Codec | None = None,
+    encoded: bool = False,
 ) -> int:
     """Write the stored value of one block (header, then ``payload``, encoded with
-    ``codec`` when given) at the start of ``out``; its size."""
+    ``codec`` when given, or as it is when it is ``encoded`` with it already) at the
+    start of ``out``; its size."""
     view = memoryview(payload).cast("B")
-    if codec is None:
+    if codec is None or encoded:
         stored = out[HEADER.size : HEADER.size + view.nbytes]
         stored[:] = view
-        code, version = 0, 0
+        code, version = (0, 0) if codec is None else (codec.code_id, codecs.VERSION)
     else:
         stored = codec.encode(view, out[HEADER.size :])
         code, version = codec.code_id, codecs.VERSION
@@ -80,12 +82,16 @@ def pack_into(
 
 
 def pack_value(
-    spec: NamespaceSpec, key: BlockKey, payload: memoryview | bytes, codec: Codec | None = None
+    spec: NamespaceSpec,
+    key: BlockKey,
+    payload: memoryview | bytes,
+    codec: Codec | None = None,
+    encoded: bool = False,
 ) -> bytearray:
-    """The stored value of one block, in a buffer of its own."""
+    """The stored value of one block, in a buffer of its own (see :func:`pack_into`)."""
     size = memoryview(payload).nbytes if codec is None else codec.encoded_bytes
     out = bytearray(packed_size(size))
-    pack_into(memoryview(out), spec, key, payload, codec)
+    pack_into(memoryview(out), spec, key, payload, codec, encoded)
     return out
 
 

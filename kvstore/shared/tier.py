@@ -112,6 +112,7 @@ class Outgoing:
     key: BlockKey
     parent: BlockKey | None  # None: the chain's first block
     payload: memoryview
+    encoded: bool = False  # the payload is encoded already (kvstore.host_coding)
 
 
 class Lent(NamedTuple):
@@ -294,7 +295,7 @@ class SharedTier:
         items, at = [], 0
         for b in blocks:
             codec = _codec(b.spec) if self._coded else None
-            size = pack_into(self._scratch[at:], b.spec, b.key, b.payload, codec)
+            size = pack_into(self._scratch[at:], b.spec, b.key, b.payload, codec, b.encoded)
             items.append((block_name(b.spec, b.key), self._scratch[at : at + size]))
             at += size
         patience = max(WRITE_DEADLINE_S, 4 * self.config.timeout_ms / 1000)

@@ -125,7 +125,7 @@ class NamespaceStats:
     misses: int
     name: str = ""  # bound name, "" if none (the daemon's, not the store's)
     codec: str = "exact"  # how its disk and shared tiers keep its blocks (kvstore.codecs)
-    saved_bytes: int = 0  # disk bytes the codec saves: blocks encoded there x bytes saved
+    saved_bytes: int = 0  # bytes the codec saves: blocks encoded on disk and in host x bytes saved
 
 
 @dataclass(frozen=True, slots=True)
