@@ -225,6 +225,14 @@ elif mode == "acquire":
 elif mode == "stage":
     for i in range(3):               # puts that leave staged slots set aside
         ns.put([9000 + i * 64 + t for t in range(16)], [bytes([i]) * 262144] * 4)
+elif mode == "fork":                 # a claim, then a child that outlives this process
+    held = ns.claim(tokens)
+    import os
+    child = os.fork()
+    if child == 0:
+        time.sleep(600)
+        os._exit(0)
+    print(child, flush=True)
 print("holding", flush=True)
 time.sleep(600)
 """
@@ -232,8 +240,8 @@ time.sleep(600)
 
 @pytest.mark.parametrize(
     ("mode", "arena"),
-    [("claim", True), ("claim", False), ("acquire", True), ("stage", True)],
-    ids=["claim-local", "claim-grpc", "acquire-local", "staged-local"],
+    [("claim", True), ("claim", False), ("acquire", True), ("stage", True), ("fork", True)],
+    ids=["claim-local", "claim-grpc", "acquire-local", "staged-local", "forked-child-local"],
 )
 def test_a_killed_clients_leases_end_with_it(
     kvstored: Daemon, mode: str, arena: bool
@@ -244,8 +252,13 @@ def test_a_killed_clients_leases_end_with_it(
         [sys.executable, "-c", HOLDER, kvstored.addr, mode, "arena" if arena else "inline"],
         stdout=subprocess.PIPE, text=True,
     )
+    forked = 0  # ("fork": a child of the holder, alive after the holder is killed)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+        assert child.stdout is not None
+        line = child.stdout.readline().strip()
+        if mode == "fork":
+            forked, line = int(line), child.stdout.readline().strip()
+        assert line == "holding"
         held = stats(stub)
         assert held.leases + held.pending_blocks + held.staged_bytes > 0
         child.send_signal(signal.SIGKILL)
@@ -259,6 +272,8 @@ def test_a_killed_clients_leases_end_with_it(
     finally:
         child.kill()
         child.wait()
+        if forked:
+            os.kill(forked, signal.SIGKILL)
     after = store_snapshot(stub)
     assert after["pending_blocks"] == before["pending_blocks"] == 0
     assert "leases of a client that went away" in kvstored.output()

@@ -330,7 +330,13 @@ class LocalCalls:
         renew_in_child(self)
 
     def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()  # the idle sockets are dropped by the next _idle_one
+        """New lock; the parent's idle connections closed here at once: the daemon ties
+        leases to a connection and ends them when it closes, so a child that kept its
+        copies open would keep a killed parent's leases alive until their TTL."""
+        self._lock = threading.Lock()
+        for inherited in self._idle:
+            inherited.sock.close()  # our copy of the fd only: the parent keeps its own
+        self._idle, self._pid = [], os.getpid()
 
     def call(
         self, name: str, request: Any, timeout: float, during: Callable[[], None] | None = None
