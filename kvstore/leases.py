@@ -72,7 +72,8 @@ class LeaseTable:
         self._owned: dict[str, set[int]] = {}  # owner -> its leases (see own)
         self._ids = LeaseIds()
         self._heap: list[tuple[float, int]] = []
-        self._ended: dict[int, str] = {}  # recently ended lease id -> why
+        # recently ended lease id -> (why, its namespace)
+        self._ended: dict[int, tuple[str, str]] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -95,13 +96,21 @@ class LeaseTable:
         LeaseError naming why otherwise (unknown, ended and why, another kind)."""
         lease = self._leases.get(lease_id)
         if lease is None:
-            why = self._ended.get(lease_id)
-            if why is None:
+            ended = self._ended.get(lease_id)
+            if ended is None:
                 raise LeaseError(f"unknown lease {lease_id}")
-            raise LeaseError(f"lease {lease_id} has ended ({why})")
+            raise LeaseError(f"lease {lease_id} has ended ({ended[0]})")
         if write is not None and (lease.write != write or lease.staged is not None):
             raise LeaseError(f"lease {lease_id} is a {lease.kind} lease")
         return lease
+
+    def namespace_of(self, lease_id: int) -> str | None:
+        """The namespace a live or recently ended lease was held for; None if unknown."""
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            return lease.entry.spec.ns_id
+        ended = self._ended.get(lease_id)
+        return None if ended is None else ended[1]
 
     def renew(self, lease: Lease) -> None:
         """Push a staging lease's end ``lease.ttl`` on from now (its heap entry is
@@ -154,6 +163,6 @@ class LeaseTable:
                 if not owned:
                     del self._owned[lease.owner]
         del self._leases[lease.lease_id]
-        self._ended[lease.lease_id] = why
+        self._ended[lease.lease_id] = (why, lease.entry.spec.ns_id)
         if len(self._ended) > ENDED_LEASES_KEPT:
             del self._ended[next(iter(self._ended))]

@@ -532,6 +532,12 @@ class Store:
     def shared(self) -> SharedTier | None:
         return self._shared_blocks.shared
 
+    def lease_namespace(self, lease_id: int) -> str | None:
+        """The namespace lease ``lease_id`` is (or was, lately) held for; None if
+        unknown: who may name it (kvstored.auth)."""
+        with self._lock:
+            return self._parts.leases.namespace_of(lease_id)
+
     def release(self, lease_id: int) -> None:
         with self._lock:
             self._parts.expire()

@@ -371,3 +371,38 @@ def test_a_tenants_grpc_leases_end_with_its_session(
         while admin.stats().leases and time.monotonic() < deadline:
             time.sleep(0.05)
         assert admin.stats().leases == 0
+
+
+def test_a_leaked_lease_id_or_ticket_is_unknown_to_another_tenant(tenancy: Tenancy) -> None:
+    """Tenant a holds tenant b's lease ids (a leaked ClaimTicket): delivering into b's
+    claim, committing, abandoning or releasing it reads exactly like an unknown lease,
+    and b's claim is untouched."""
+    from kvclient import LeaseError
+    from kvclient.claims import ClaimTicket
+    from kvproto.v1.kvstore_pb2_grpc import KVStoreStub
+
+    tokens = tokens_of(40, 4)
+    with tenancy.client("a", use_arena=False) as a, tenancy.client("b", use_arena=False) as b:
+        theirs = b.namespace("lease-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        mine = a.namespace("lease-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        claim = theirs.claim(tokens)
+        leaked = claim.ticket()
+        stolen = mine.resume_claim(ClaimTicket(mine.ns_id, leaked.start, leaked.response))
+        with pytest.raises(LeaseError, match=f"^unknown lease {claim.lease_id} "):
+            stolen.fill(blocks_of(4, 4096, 66))
+        assert stolen.abandon() == 0  # (the client takes an unknown lease as ended)
+        stub = KVStoreStub(tenancy.daemon.channel())
+        as_a = (("authorization", f"Bearer {tenancy.tokens['a']}"),)
+        for lease_id in (claim.lease_id, 987_654_321):  # b's, and one that never was
+            for call, request in (
+                (stub.Commit, pb.CommitRequest(lease_id=lease_id)),
+                (stub.Release, pb.ReleaseRequest(lease_id=lease_id)),
+                (stub.Abandon, pb.AbandonRequest(lease_id=lease_id)),
+            ):
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(request, metadata=as_a)
+                assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert caught.value.details() == f"unknown lease {lease_id}"
+        assert claim.fill(blocks_of(4, 4096, 5)) == 4
+        got = theirs.get(tokens)
+        assert got.n_blocks == 4 and bool((got.blocks == 5).all())

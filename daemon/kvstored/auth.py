@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import InvalidArgument, Unauthenticated, UnknownNamespace
+from kvstore.errors import InvalidArgument, LeaseError, Unauthenticated, UnknownNamespace
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store
 from kvstore.tenants import NAME_RE, Quota, tenant_of, tenant_salt
@@ -205,6 +205,20 @@ class Access:
         if not caller.owns(spec):
             raise UnknownNamespace(f"unknown namespace {ns_id!r}; open it first")
         return spec
+
+    def lease(self, lease_id: int, caller: Caller) -> int:
+        """``lease_id``, if the caller may name it: a lease held for a namespace it owns.
+        Another tenant's (a leaked id, a stolen ticket) is LeaseError, word for word as
+        an unknown one."""
+        ns_id = self._store.lease_namespace(lease_id)
+        if ns_id is not None and not caller.admin:
+            try:
+                owned = caller.owns(self._store.namespace(ns_id))
+            except UnknownNamespace:
+                owned = False
+            if not owned:
+                raise LeaseError(f"unknown lease {lease_id}")
+        return lease_id
 
     def visible(self, caller: Caller, ns_id: str) -> bool:
         """Whether the caller may see blocks (events, stats) of namespace ``ns_id``."""

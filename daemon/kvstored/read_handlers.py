@@ -172,7 +172,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
             "unpinned needs compact_slots: slot_epochs are given per slot_offsets entry"
         )
     ttl = convert.seconds(request.ttl_s, "ttl_s")  # checked first: a refusal changes nothing
-    _release_done(calls, request.release_lease_ids)
+    _release_done(calls, request.release_lease_ids, caller)
     owner = calls.owners.owner_of(context)
 
     def acquire(quick: bool = False) -> pb.AcquireResponse:
@@ -203,9 +203,9 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
 
 @grpc_errors
 async def Release(calls: Calls, request: pb.ReleaseRequest, context: Ctx) -> pb.ReleaseResponse:
-    calls.access.caller(context)
-    lease = convert.lease_id(request.lease_id)
-    _release_done(calls, request.more_lease_ids)
+    caller = calls.access.caller(context)
+    lease = calls.access.lease(convert.lease_id(request.lease_id), caller)
+    _release_done(calls, request.more_lease_ids, caller)
     calls.store.release(lease)  # no disk I/O: on the loop
     return pb.ReleaseResponse()
 
@@ -240,7 +240,7 @@ async def ReportReads(
                     f"claim ({MAX_READS_PER_PREFIX}); report more often"
                 )
             checked.append((spec.ns_id, keys[: prefix.n_blocks], prefix.reads))
-        _release_done(calls, request.release_lease_ids)
+        _release_done(calls, request.release_lease_ids, caller)
         counted = 0
         for ns_id, keys, reads in checked:
             counted += calls.store.note_reads(ns_id, keys, reads) * reads
@@ -249,11 +249,12 @@ async def ReportReads(
     return await calls.run_quick(report)
 
 
-def _release_done(calls: Calls, lease_ids: Sequence[int]) -> None:
-    """Release leases a client is done with, skipping those that already ended."""
+def _release_done(calls: Calls, lease_ids: Sequence[int], caller: Caller) -> None:
+    """Release leases a client is done with, skipping those that already ended (and
+    any another tenant holds)."""
     for lease in lease_ids:
         with contextlib.suppress(LeaseError):
-            calls.store.release(lease)
+            calls.store.release(calls.access.lease(lease, caller))
 
 @dataclass(slots=True)
 class _ReadPlan:

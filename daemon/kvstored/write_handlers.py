@@ -115,13 +115,13 @@ async def _put_into_claim(
     nothing; a broken transfer (cancelled, failed) abandons the claim: its waiters
     compute for themselves rather than wait for bytes that are not coming.
     """
-    lease = convert.lease_id(head.lease_id)
+    lease = calls.access.lease(convert.lease_id(head.lease_id), caller)
     spec = calls.access.spec(head.ns_id, caller)
     if head.n_blocks == 0:
         raise InvalidArgument("n_blocks must be > 0")
-    slots = calls.store.claimed_slots(lease, head.n_blocks)
-    if any(slot.size != spec.block_bytes for slot in slots):
+    if calls.store.lease_namespace(lease) not in (spec.ns_id, None):  # (None: LeaseError next)
         raise InvalidArgument(f"lease {lease} is not a lease of namespace {head.ns_id}")
+    slots = calls.store.claimed_slots(lease, head.n_blocks)
     bb = spec.block_bytes
     sink = _SlotSink(calls.store.arena.array(), slots, slots[0].index, bb)
     try:
@@ -208,6 +208,8 @@ async def Reserve(calls: Calls, request: pb.ReserveRequest, context: Ctx) -> pb.
         )
 
     owner = calls.owners.owner_of(context)
+    if request.stage_lease_id:
+        calls.access.lease(request.stage_lease_id, caller)
 
     def reserve(quick: bool = False) -> pb.ReserveResponse:
         spec, keys = calls.chain(
@@ -248,8 +250,8 @@ async def Reserve(calls: Calls, request: pb.ReserveRequest, context: Ctx) -> pb.
 
 @grpc_errors
 async def Commit(calls: Calls, request: pb.CommitRequest, context: Ctx) -> pb.CommitResponse:
-    calls.access.caller(context)
-    lease = convert.lease_id(request.lease_id)
+    caller = calls.access.caller(context)
+    lease = calls.access.lease(convert.lease_id(request.lease_id), caller)
     count = request.count if request.HasField("count") else None
     committed, durable = await _commit(calls, lease, count)
     return pb.CommitResponse(committed=committed, durable=durable)
@@ -264,8 +266,8 @@ async def _commit(calls: Calls, lease: int, count: int | None) -> tuple[int, int
 
 @grpc_errors
 async def Abandon(calls: Calls, request: pb.AbandonRequest, context: Ctx) -> pb.AbandonResponse:
-    calls.access.caller(context)
-    lease = convert.lease_id(request.lease_id)
+    caller = calls.access.caller(context)
+    lease = calls.access.lease(convert.lease_id(request.lease_id), caller)
     return pb.AbandonResponse(dropped=calls.store.abandon(lease))  # no disk I/O
 
 class _SlotSink:
