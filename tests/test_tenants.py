@@ -406,3 +406,51 @@ def test_a_leaked_lease_id_or_ticket_is_unknown_to_another_tenant(tenancy: Tenan
         assert claim.fill(blocks_of(4, 4096, 5)) == 4
         got = theirs.get(tokens)
         assert got.n_blocks == 4 and bool((got.blocks == 5).all())
+
+
+def test_a_tenant_parking_waits_cannot_starve_anothers_lookups_or_events(
+    tenancy: Tenancy,
+) -> None:
+    """a parks 70 waiting Lookups on a block of its own that never comes (more than
+    the daemon's waiting threads): b's waiting Lookup is answered as soon as b's block
+    is filled, and b's event stream tells it; a's parked waits are answered at once
+    past a's share (still pending), and all of them when a abandons."""
+    import threading
+
+    from kvproto.v1.kvstore_pb2_grpc import KVStoreStub
+
+    stub = KVStoreStub(tenancy.daemon.channel())
+    as_a = (("authorization", f"Bearer {tenancy.tokens['a']}"),)
+    as_b = (("authorization", f"Bearer {tenancy.tokens['b']}"),)
+    with tenancy.client("a", use_arena=False) as a, tenancy.client("b", use_arena=False) as b:
+        ns_a = a.namespace("wait-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        ns_b = b.namespace("wait-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        tokens = tokens_of(50, 2)
+        hold = ns_a.claim(tokens)  # never filled while a waits on it
+        request_a = pb.LookupRequest(ns_id=ns_a.ns_id, tokens=tokens, wait_pending_s=60)
+        parked = [stub.Lookup.future(request_a, metadata=as_a) for _ in range(70)]
+        deadline = time.monotonic() + 20
+        answered_at_once = 0
+        while time.monotonic() < deadline and answered_at_once == 0:
+            answered_at_once = sum(f.done() for f in parked)
+            time.sleep(0.05)
+        assert answered_at_once, "a got every thread: none of its waits was answered at once"
+        assert all(f.result().pending_blocks == 2 for f in parked if f.done())
+
+        theirs = ns_b.claim(tokens)
+        events: list[object] = []
+        watcher = threading.Thread(
+            target=lambda: events.extend(b.events(from_now=True, duration_s=2.5)), daemon=True
+        )
+        watcher.start()
+        request_b = pb.LookupRequest(ns_id=ns_b.ns_id, tokens=tokens, wait_pending_s=30)
+        waiting = stub.Lookup.future(request_b, metadata=as_b)
+        time.sleep(0.5)  # (b's lookup is parked by now: what it must not be is starved)
+        assert theirs.fill(blocks_of(2, 4096, 1)) == 2
+        filled = time.monotonic()
+        assert waiting.result(timeout=20).ready_blocks == 2
+        assert time.monotonic() - filled < 1.0
+        watcher.join(20)
+        assert {e.ns_id for e in events} >= {ns_b.ns_id}  # type: ignore[attr-defined]
+        hold.abandon()
+        assert all(f.result(timeout=20).ready_blocks == 0 for f in parked)

@@ -3,6 +3,7 @@ management (Delete, Clear, SetPriority) and observability (Stats, WatchEvents)."
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import time
@@ -237,9 +238,14 @@ async def WatchEvents(
             raise InvalidArgument(f"kinds: unknown event kind {kind}")
     seq = await calls.run(_latest_seq, calls) if request.from_now else request.from_seq
     while not calls.stopping.is_set():
-        events: list[Event] = await calls.run(
-            calls.store.events_since, seq, EVENT_POLL_S, EVENT_BATCH, wait=True
+        parked, got = await calls.run_parked(
+            calls.event_shares, caller, calls.store.events_since, seq, EVENT_POLL_S, EVENT_BATCH
         )
+        events: list[Event] = got if parked and got is not None else []
+        if not parked:  # past the caller's share of threads: poll here, and pause
+            events = calls.store.events_since(seq, 0.0, EVENT_BATCH)
+            if not events:
+                await asyncio.sleep(EVENT_POLL_S / 5)
         if not events:
             continue
         missed = max(0, events[0].seq - seq - 1)

@@ -3,8 +3,12 @@ settings, where a call runs (the quick path on the event loop, else a thread poo
 and the key chains of requests.
 
 Store calls lock, hash and copy block bytes, so they run on a bounded thread pool
-(``workers``) via ``run_in_executor``; calls that may wait a long time (Lookup with
-``wait_pending_s``, event polling) use a second pool so they cannot fill the first.
+(``workers``) via ``run_in_executor``; calls that may wait a long time use pools of their
+own so they cannot fill the first: Lookups with ``wait_pending_s`` one, event streams
+another. Each caller (a tenant, or the admin) may park at most its share of a waiting
+pool's threads (:class:`WaitShares`); past it a Lookup is answered at once, with what is
+still pending, and an event stream polls without parking a thread, so one tenant
+waiting on its own blocks never delays another's answers or events.
 Short calls skip the pool (a hand-off to a pool thread and back costs about a
 millisecond on a busy two-core machine, more than the call itself): a handler offers
 its work to :meth:`Calls.run_quick`, which runs it on the event loop with
@@ -38,12 +42,41 @@ Ctx = grpc.aio.ServicerContext  # a call's gRPC context, as every handler takes 
 
 CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
 QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool
-WAIT_THREADS = 64  # calls that wait (Lookup with wait_pending_s, event polls) at once
+WAIT_THREADS = 64  # Lookups with wait_pending_s parked at once, all callers together
+EVENT_THREADS = 32  # event streams parked at once (in a poll of the store's events)
 
 
 class NeedsPool(Exception):
     """A call tried on the event loop would wait on the disk or hash a long prompt: it
     stopped before changing anything and runs again on the pool."""
+
+
+class WaitShares:
+    """How many threads of a waiting pool each caller holds; a caller may hold at most
+    ``threads // callers`` of them (callers: the tenants and the admin)."""
+
+    def __init__(self, threads: int, callers: int) -> None:
+        self.share = max(1, threads // max(1, callers))
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, caller: Caller) -> bool:
+        """One more thread for ``caller``, if within its share (then :meth:`give` it
+        back)."""
+        who = "" if caller.admin else caller.tenant
+        with self._lock:
+            held = self._held.get(who, 0)
+            if held >= self.share:
+                return False
+            self._held[who] = held + 1
+            return True
+
+    def give(self, caller: Caller) -> None:
+        who = "" if caller.admin else caller.tenant
+        with self._lock:
+            self._held[who] -= 1
+            if not self._held[who]:
+                del self._held[who]
 
 
 class ChainCache:
@@ -100,6 +133,10 @@ class Calls:
         self.host_id = hostinfo.host_id()
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kv-store")
         self._wait_pool = ThreadPoolExecutor(WAIT_THREADS, thread_name_prefix="kv-wait")
+        self._event_pool = ThreadPoolExecutor(EVENT_THREADS, thread_name_prefix="kv-events")
+        callers = len(config.tenants) + 1  # (the admin, or everyone without tokens)
+        self.wait_shares = WaitShares(WAIT_THREADS, callers)
+        self.event_shares = WaitShares(EVENT_THREADS, callers)
         self.stopping = asyncio.Event()  # set at a graceful stop: streams end
         self._chains = ChainCache(CHAIN_CACHE_KEYS)
         # True once add_to_server registered Get and Put with identity (de)serializers:
@@ -111,6 +148,22 @@ class Calls:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._wait_pool.shutdown(wait=False, cancel_futures=True)
+        self._event_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_parked(
+        self, shares: WaitShares, caller: Caller, fn: Callable[..., T], *args: Any
+    ) -> tuple[bool, T | None]:
+        """(True, ``fn(*args)``) run on the waiting pool of ``shares`` (``wait_shares``:
+        the Lookups', ``event_shares``: the event streams') when ``caller`` is within its
+        share of it; (False, None), having run nothing, otherwise."""
+        if not shares.take(caller):
+            return False, None
+        pool = self._wait_pool if shares is self.wait_shares else self._event_pool
+        try:
+            loop = asyncio.get_running_loop()
+            return True, await loop.run_in_executor(pool, functools.partial(fn, *args))
+        finally:
+            shares.give(caller)
 
     async def run(self, fn: Callable[..., T], *args: Any, wait: bool = False) -> T:
         loop = asyncio.get_running_loop()

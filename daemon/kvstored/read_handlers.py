@@ -33,11 +33,11 @@ async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.Lo
             f"wait_pending_s must be <= {MAX_WAIT_PENDING_S}, got {request.wait_pending_s}"
         )
 
-    def lookup(quick: bool = False) -> pb.LookupResponse:
+    def lookup(quick: bool = False, parked: bool = True) -> pb.LookupResponse:
         spec, keys, pulled = calls.read_chain(
             request.ns_id, request.tokens, request.extra_keys, caller, quick
         )
-        if wait:
+        if wait and parked:
             result = calls.store.wait_ready(spec.ns_id, keys, wait)
         else:
             result = calls.store.lookup(spec.ns_id, keys)
@@ -48,8 +48,14 @@ async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.Lo
             response.miss.CopyFrom(why.explain(calls.store, spec, keys, tokens, extra, caller))
         return response
 
-    if wait is not None or request.explain:  # (explain looks in every namespace)
-        return await calls.run(lookup, wait=wait is not None)
+    if wait is not None:  # parked within the caller's share, else answered at once
+        parked, answer = await calls.run_parked(calls.wait_shares, caller, lookup)
+        if parked:
+            assert answer is not None
+            return answer
+        return await calls.run_quick(lambda quick: lookup(quick, parked=False))
+    if request.explain:  # (explain looks in every namespace)
+        return await calls.run(lookup)
     return await calls.run_quick(lookup)
 
 
