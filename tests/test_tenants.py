@@ -454,3 +454,26 @@ def test_a_tenant_parking_waits_cannot_starve_anothers_lookups_or_events(
         assert {e.ns_id for e in events} >= {ns_b.ns_id}  # type: ignore[attr-defined]
         hold.abandon()
         assert all(f.result(timeout=20).ready_blocks == 0 for f in parked)
+
+
+def test_a_flood_of_bad_tokens_is_logged_rate_limited_and_held_back(tenancy: Tenancy) -> None:
+    """Past BAD_TOKEN_FREE refusals, each call with a bad token from that peer is
+    answered BAD_TOKEN_DELAY_S late, and the log tells refusals in a few lines."""
+    from kvproto.v1.kvstore_pb2_grpc import KVStoreStub
+    from kvstored.auth import BAD_TOKEN_DELAY_S, BAD_TOKEN_FREE
+
+    stub = KVStoreStub(tenancy.daemon.channel())
+    guess = (("authorization", "Bearer " + "0" * 32),)
+    calls = held = 0
+    while held < 5 and calls < BAD_TOKEN_FREE + 5:  # (earlier tests' refusals count too)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Stats(pb.StatsRequest(), metadata=guess)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        held += time.monotonic() - started >= BAD_TOKEN_DELAY_S
+        calls += 1
+    assert held == 5, f"{held} of {calls} refusals were held back"
+    lines = [line for line in tenancy.daemon.output().splitlines() if "refused for a" in line]
+    # one line per BAD_TOKEN_LOG_S at most: this module's daemon refused 60 calls with
+    # bad tokens before these, and it has not run anywhere near 200 s
+    assert 1 <= len(lines) < 20, lines

@@ -26,7 +26,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import logging
 import os
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -120,6 +123,49 @@ def read_token(path: str, whose: str) -> str:
             "with no spaces (e.g. `openssl rand -hex 32`)"
         )
     return token
+
+
+log = logging.getLogger("kvstored.auth")
+
+BAD_TOKEN_LOG_S = 10.0  # at most one line per this long about refused tokens
+BAD_TOKEN_FREE = 100  # refusals a peer gets per such window before each is held back
+BAD_TOKEN_DELAY_S = 0.1  # how long each refusal past those is held back
+
+
+class BadTokens:
+    """Calls refused for a missing or unknown token: told in the log at most once per
+    BAD_TOKEN_LOG_S (how many since the last line, and the newest caller's address);
+    past BAD_TOKEN_FREE refusals of one peer in that time, each of its refusals is
+    answered BAD_TOKEN_DELAY_S late (by the caller of :meth:`note`), so a peer guessing
+    tokens over one connection goes at ten calls a second, not thousands, while a
+    client started without its token still hears at once why."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since_line = 0
+        self._line_at = -BAD_TOKEN_LOG_S
+        self._per_peer: dict[str, int] = {}  # refusals since the last line, per peer
+
+    def note(self, peer: str) -> float:
+        """One more refused call from ``peer``; how long to hold its answer."""
+        now = time.monotonic()
+        with self._lock:
+            self._since_line += 1
+            refused = self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+            delay = BAD_TOKEN_DELAY_S if refused > BAD_TOKEN_FREE else 0.0
+            if now - self._line_at < BAD_TOKEN_LOG_S:
+                return delay
+            count, self._since_line, self._line_at = self._since_line, 0, now
+            self._per_peer = {}
+        log.warning(
+            "%d calls refused for a missing or unknown token in the last %.0f s "
+            "(the newest from %s)", count, BAD_TOKEN_LOG_S, peer or "the local socket",
+            extra={"event": "bad_token"},
+        )  # fmt: skip
+        return delay
+
+
+BAD_TOKENS = BadTokens()  # the daemon's (one per process, like its log)
 
 
 def _digest(token: str) -> bytes:

@@ -15,6 +15,7 @@ answer a status that says nothing about the request).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
@@ -33,6 +34,7 @@ from kvstore.errors import (
     Unauthenticated,
     UnknownNamespace,
 )
+from kvstored.auth import BAD_TOKENS
 
 log = logging.getLogger("kvstored.service")
 
@@ -61,6 +63,10 @@ async def abort_with(context: grpc.aio.ServicerContext, rpc: str, exc: Exception
     if isinstance(exc, grpc.aio.AbortError):  # the method aborted on purpose
         raise exc
     code = status_for(exc)
+    if isinstance(exc, Unauthenticated):  # logged (rate-limited), a flood held back
+        delay = BAD_TOKENS.note(context.peer())
+        if delay:
+            await asyncio.sleep(delay)
     if code is grpc.StatusCode.INTERNAL:
         log.error("%s failed", rpc, exc_info=exc)
         message = f"internal error in {rpc}: {type(exc).__name__} (see the daemon log)"

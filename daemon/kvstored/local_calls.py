@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError
 
 from kvproto.v1 import local_calls as frames
 from kvstore.errors import Unauthenticated
-from kvstored.auth import ANYONE, Caller
+from kvstored.auth import ANYONE, BAD_TOKENS, Caller
 from kvstored.service import KVStoreService
 
 log = logging.getLogger("kvstored.local_calls")
@@ -60,7 +60,8 @@ class _Aborted(Exception):
 class _CallContext:
     """What the servicer's unary methods use of grpc.aio.ServicerContext: ``abort``;
     ``owner``: whose leases the call makes (see kvstored.owners.Owners.owner_of); ``caller``:
-    whose call it is (None before the connection authenticated: see kvstored.auth)."""
+    whose call it is (None before the connection authenticated: see kvstored.auth);
+    ``peer``: "" for every local caller."""
 
     def __init__(self, owner: str, caller: Caller | None) -> None:
         self.owner = owner
@@ -68,6 +69,9 @@ class _CallContext:
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return ()  # no token but the connection's (Access.caller asks only without one)
+
+    def peer(self) -> str:
+        return ""  # the local socket (kvstored.auth.BadTokens)
 
     async def abort(
         self,
@@ -141,6 +145,7 @@ class LocalCallServer:
                 token.decode(errors="replace")
             )
         except Unauthenticated as exc:
+            BAD_TOKENS.note("")  # logged, rate-limited (a frame of its own: never held)
             return _error(grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", str(exc))
         return frames.response_frame(frames.OK, b"")
 
