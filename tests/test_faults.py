@@ -159,6 +159,37 @@ def test_a_full_file_system_does_not_keep_the_tier_off(
     assert daemon.stop() == 0
 
 
+def test_capacity_comes_back_after_a_full_file_system(small_tmpfs: Path) -> None:
+    """Other files and data.mdb fill the file system under a disk tier of 32 MiB, and
+    the fault lowers its capacity to what is committed. Evictions then delete 3 of
+    every 4 blocks: their pages are free inside data.mdb (the file never shrinks, so
+    the file system stays full), and the tier counts them as free again: its capacity
+    comes back to 90% of the configured size with no one's help."""
+    import xxhash
+
+    from kvstore.disk import DiskRecord, DiskTier
+
+    (small_tmpfs / "ballast").write_bytes(bytes(12 << 20))  # the file system's other files
+    configured, size = 32 << 20, 128 << 10
+    with DiskTier(str(small_tmpfs / "disk"), configured) as tier:
+        keys: list[bytes] = []
+        for i in range(2 * configured // size):  # (queued past capacity: no store evicts)
+            data = i.to_bytes(4, "little") * (size // 4)
+            key = i.to_bytes(4, "little") * 8
+            record = DiskRecord(key, b"n" * 32, b"", size, xxhash.xxh3_64_intdigest(data), 0, 0.0)
+            if not tier.write(record, data, wait_s=10):
+                break
+            keys.append(key)
+        assert wait_for(lambda: bool(tier.fault)), "the file system never filled"
+        lowered = tier.stats().capacity_bytes
+        assert lowered < configured
+        for key in keys[: len(keys) * 3 // 4]:  # what the store's evictions do
+            tier.delete(key)
+        assert wait_for(
+            lambda: not tier.fault and tier.stats().capacity_bytes >= 0.9 * configured
+        ), (tier.fault, lowered, tier.stats().capacity_bytes)
+
+
 def test_stop_with_a_failing_disk_counts_what_was_lost_and_exits_3(
     kvstored_factory: Callable[..., Daemon],
 ) -> None:

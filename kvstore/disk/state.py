@@ -373,6 +373,19 @@ class DiskState:
             log.warning("cleared %d stale LMDB reader slots in %s", stale, self.directory)
         return stale
 
+    def reusable_bytes(self) -> int:
+        """Bytes of ``data.mdb`` that no database holds: pages LMDB keeps on its free
+        list, and pages past its last one that a failed commit wrote (the file is that
+        long already); the next writes get them. The file never shrinks, so on a file
+        system that it filled these are the tier's free room, which statvfs does not
+        see."""
+        psize = self.env.stat()["psize"]
+        held = 2 + _pages(self.env.stat())  # the two meta pages, the main database
+        with self.env.begin() as txn:
+            for db in (self.meta, self.payload, self.ns, self.info):
+                held += _pages(txn.stat(db))
+        return max(0, os.path.getsize(self.data_path) // psize - held) * psize
+
     def file_offset(self, view: memoryview) -> int | None:
         """The byte offset in ``data.mdb`` of a value an open read transaction holds
         (``view``, into LMDB's map), found from the header of its overflow run; None
@@ -496,3 +509,8 @@ class DiskState:
             self.pool.setdefault(size, []).append(op.buf)
             self.pool_bytes += size
         self.cond.notify_all()
+
+
+def _pages(stat: dict[str, int]) -> int:
+    """The pages a database holds (LMDB's stat of it)."""
+    return int(stat["branch_pages"]) + int(stat["leaf_pages"]) + int(stat["overflow_pages"])

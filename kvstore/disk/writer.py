@@ -169,13 +169,16 @@ class DiskWriter:
     def _regain_capacity(self) -> None:
         """After a fault lowered the capacity: take the reserve back when the file
         system has room for it twice over, and raise the capacity by 90% of what is
-        free then, up to where it was. Run when a fault ends and every _READER_CHECK_S
-        after, so space an operator frees is used again."""
+        free then, up to where it was. Free is the file system's free space plus the
+        pages of ``data.mdb`` that LMDB reuses (DiskState.reusable_bytes): after the
+        file filled its file system, evictions free pages inside it, not on the file
+        system. Run when a fault ends and every _READER_CHECK_S after, so space an
+        operator frees is used again."""
         if self._s.capacity >= self._s.ceiling:
             return
         try:
             vfs = os.statvfs(self._s.directory)
-            free = vfs.f_bavail * vfs.f_frsize
+            free = vfs.f_bavail * vfs.f_frsize + self._s.reusable_bytes()
             reserve = self._s.reserve_bytes
             if free > 2 * reserve and make_reserve(self._s.directory, reserve):
                 free -= self._s.reserve_bytes
