@@ -477,3 +477,24 @@ def test_a_flood_of_bad_tokens_is_logged_rate_limited_and_held_back(tenancy: Ten
     # one line per BAD_TOKEN_LOG_S at most: this module's daemon refused 60 calls with
     # bad tokens before these, and it has not run anywhere near 200 s
     assert 1 <= len(lines) < 20, lines
+
+
+def test_a_large_first_frame_without_a_token_is_refused_at_its_header(tenancy: Tenancy) -> None:
+    """A local connection that announces a 50 MiB call before its token frame is
+    answered UNAUTHENTICATED and closed as soon as the header arrives: the daemon
+    never holds the bytes of someone without a token."""
+    with tenancy.client("a") as client:
+        path = client.server_info().local_socket
+    name = b"Reserve"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(20)
+        sock.connect(path)
+        sock.sendall(frames.HEADER.pack(50 << 20, len(name)) + name)  # the body to follow
+        header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
+        size, status = frames.HEADER.unpack(header)
+        assert status == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        body = sock.recv(size, socket.MSG_WAITALL)
+        assert "before the token frame" in frames.parse_error(body)[1]
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):  # closed
+            for _ in range(100):
+                sock.sendall(bytes(1 << 20))

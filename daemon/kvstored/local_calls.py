@@ -183,6 +183,12 @@ class LocalCallServer:
         return frame
 
 
+# what a connection may send in one frame before its token frame on a daemon with
+# tokens: a larger one is answered UNAUTHENTICATED and the connection closed at its
+# header, so nobody without a token makes the daemon hold their bytes
+UNAUTHENTICATED_FRAME_BYTES = 4096
+
+
 def _error(code: grpc.StatusCode, kind: str, message: str) -> bytes:
     return frames.response_frame(code.value[0], frames.error_body(kind, message))
 
@@ -264,6 +270,15 @@ class _Connection(asyncio.Protocol):
                 name_len, body_len, extra={"event": "local_call_bad_frame"},
             )
             self._transport.close()
+            return False
+        if self.caller is None and body_len > UNAUTHENTICATED_FRAME_BYTES:
+            BAD_TOKENS.note("")
+            self._transport.write(_error(
+                grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated",
+                f"a frame of {body_len} bytes before the token frame: send the token first",
+            ))  # fmt: skip
+            self._transport.close()
+            buffer.clear()
             return False
         start = frames.HEADER.size + name_len
         end = start + body_len
