@@ -54,6 +54,7 @@ from kvstored.metrics import DaemonMetrics, MetricsBindError, StoreCollector
 from kvstored.names import NamespaceNames
 from kvstored.preflight import prepare_unix_socket
 from kvstored.service import KVStoreService, add_to_server
+from kvstored.token_gate import TokenGate
 
 log = logging.getLogger("kvstored")
 
@@ -167,7 +168,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
             store.stats, daemon_version(), lambda: store.platform, config.namespace_metrics
         )
     )
-    server = grpc.aio.server(options=grpc_options(config), interceptors=[metrics.interceptor])
+    server = grpc.aio.server(
+        options=grpc_options(config), interceptors=[metrics.interceptor, TokenGate(tokens)]
+    )
     add_to_server(service, server)  # Get and Put on framed bytes: fewer copies per chunk
     gpu_service = KVGpuService(store, config, names, gpu, pin, access)
     gpu_pb2_grpc.add_KVGpuServicer_to_server(gpu_service, server)
