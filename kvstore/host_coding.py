@@ -39,15 +39,12 @@ why ``host`` in ``codec_tiers`` needs ``disk`` and ``shared`` too.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from collections.abc import Iterable
 
 from kvstore.index import Node
 from kvstore.store_parts import StoreParts
-
-log = logging.getLogger(__name__)
 
 BATCH = 64  # blocks encoded per round (one lock hand-off each way)
 RETRY_S = 0.05  # how soon a block that was held is looked at again

@@ -352,7 +352,7 @@ class Reads:
             target = dst[(i - start) * size : (i - start + 1) * size] if i >= start else None
             if node.in_host:
                 if target is not None and node.host_coded:
-                    self._decode(node, out[(i - start) * size : (i - start + 1) * size])
+                    self._decode(node, target.data)
                 elif target is not None:
                     target[:] = array[node.host_offset : node.host_offset + size]
                 continue

@@ -241,8 +241,9 @@ async def WatchEvents(
         parked, got = await calls.run_parked(
             calls.event_shares, caller, calls.store.events_since, seq, EVENT_POLL_S, EVENT_BATCH
         )
-        events: list[Event] = got if parked and got is not None else []
-        if not parked:  # past the caller's share of threads: poll here, and pause
+        if parked:
+            events: list[Event] = got or []
+        else:  # past the caller's share of threads: poll here, and pause
             events = calls.store.events_since(seq, 0.0, EVENT_BATCH)
             if not events:
                 await asyncio.sleep(EVENT_POLL_S / 5)

@@ -4,23 +4,24 @@ On a daemon with tokens (kvstored.auth) every kvstore.v1 call names its caller i
 ``authorization`` metadata. :class:`TokenGate` looks at that metadata when the call
 starts, before grpc reads the request: a call without a valid token gets a handler
 that never reads its request stream and answers UNAUTHENTICATED (the message its
-handler would have given; logged and held back as kvstored.auth.BadTokens says). So
-nobody without a token makes the daemon receive, decode or hold a request body: at
-most the transport's flow-control window of it. The handlers still ask
+handler would have given, through the handlers' own kvstored.errors.abort_with: logged
+and held back as kvstored.auth.BadTokens says). So nobody without a token makes the
+daemon receive, decode or hold a request body: at most the transport's flow-control
+window of it. The handlers still ask
 ``Access.caller``, which the local-call server's connections answer for themselves.
 Health and reflection stay open (probes carry no token).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from kvstore.errors import Unauthenticated
-from kvstored.auth import BAD_TOKENS, Tokens
+from kvstored.auth import Tokens
+from kvstored.errors import abort_with
 
 GATED_PREFIX = "/kvstore.v1."  # KVStore and KVGpu; not grpc.health.v1, not reflection
 
@@ -40,21 +41,19 @@ class TokenGate(grpc.aio.ServerInterceptor):
             try:
                 self._tokens.caller_of(handler_call_details.invocation_metadata)
             except Unauthenticated as exc:
-                return grpc.stream_unary_rpc_method_handler(_refusal(str(exc)))
+                return grpc.stream_unary_rpc_method_handler(
+                    _refusal(handler_call_details.method, exc)
+                )
         return await continuation(handler_call_details)
 
 
-def _refusal(message: str) -> Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], Any]:
-    """A behavior that answers UNAUTHENTICATED and never reads the request."""
+def _refusal(
+    method: str, exc: Unauthenticated
+) -> Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], Any]:
+    """A behavior that never reads the request and answers ``exc`` as a handler's
+    refusal is answered (kvstored.errors.abort_with: logged, held back, status)."""
 
     async def refuse(_requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
-        delay = BAD_TOKENS.note(context.peer())
-        if delay:
-            await asyncio.sleep(delay)
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            message,
-            trailing_metadata=(("kvstore-error", Unauthenticated.__name__),),
-        )
+        await abort_with(context, method.rsplit("/", 1)[-1], exc)
 
     return refuse

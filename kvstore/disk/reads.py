@@ -155,12 +155,8 @@ class DiskReads:
                     return None
                 assert codec is not None
                 encoded = memoryview(queued.buf)[:size]
-                if xxhash.xxh3_64_intdigest(encoded) != queued.record.checksum:
-                    return self._verified(key, (b"", -1), queued)
-                out = memoryview(bytearray(codec.block_bytes)) if dst is None else dst
-                self._check_out(out, codec.block_bytes)
-                codec.decode(encoded, out)
-                return self._verified(key, (out[: codec.block_bytes], None), queued)
+                found = self._checked_decode(encoded, queued.record, dst, codec)
+                return self._verified(key, found, queued)
             if dst is not None:
                 self._check_out(dst, size)
                 _copy(dst[:size], queued.buf)
@@ -242,6 +238,14 @@ class DiskReads:
             scratch = self._scratch.buf = bytearray(record.size)
         encoded = memoryview(scratch)[: record.size]
         self._copy_value(view, encoded, nowait)
+        return self._checked_decode(encoded, record, dst, codec)
+
+    def _checked_decode(
+        self, encoded: memoryview, record: DiskRecord, dst: memoryview | None, codec: Codec
+    ) -> tuple[bytes | memoryview, int | None]:
+        """``encoded`` (a copy the caller holds) checked against its record's checksum,
+        then decoded into ``dst`` (or a buffer of its own): the found tuple
+        :meth:`_verified` takes, one that fails its check when the checksum does not hold."""
         if xxhash.xxh3_64_intdigest(encoded) != record.checksum:
             return b"", -1  # fails the checksum check
         out = memoryview(bytearray(codec.block_bytes)) if dst is None else dst

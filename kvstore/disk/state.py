@@ -379,8 +379,9 @@ class DiskState:
         long already); the next writes get them. The file never shrinks, so on a file
         system that it filled these are the tier's free room, which statvfs does not
         see."""
-        psize = self.env.stat()["psize"]
-        held = 2 + _pages(self.env.stat())  # the two meta pages, the main database
+        main = self.env.stat()
+        psize = main["psize"]
+        held = 2 + _pages(main)  # the two meta pages, the main database
         with self.env.begin() as txn:
             for db in (self.meta, self.payload, self.ns, self.info):
                 held += _pages(txn.stat(db))
