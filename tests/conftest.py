@@ -458,6 +458,16 @@ def store_snapshot(stub: Any) -> dict[str, Any]:
     }
 
 
+def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> bool:
+    """Poll ``check`` until it holds or ``timeout`` passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
 def in_forked_child(work: Callable[[], bool], timeout: float = 30) -> int:
     """Run ``work`` in a forked child -> its exit code (0: it returned True, 2: False,
     1: it raised); fails the test when the child hangs (killed after ``timeout``)."""

@@ -15,6 +15,7 @@ import lmdb
 import numpy as np
 import pytest
 import xxhash
+from conftest import wait_for
 
 from kvstore.disk import DiskRecord, DiskTier
 from kvstore.keys import NamespaceSpec
@@ -446,8 +447,12 @@ def test_concurrent_readers_while_writer_commits(tmp_path: Path) -> None:
 
 
 def test_failing_commits_stop_writes_then_resume(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from kvstore.disk import writer
+
+    free = [0]  # the file system's free bytes, as the tier sees them: full, at first
+    monkeypatch.setattr(writer, "_fs_free", lambda directory: free[0])
     tier = DiskTier(str(tmp_path / "disk"), 16 * MiB)
     committed = payload(9, 20_000)
     tier.write(record(9, committed), committed)
@@ -482,7 +487,8 @@ def test_failing_commits_stop_writes_then_resume(
         other = payload(2, 20_000)
         assert tier.write(record(2, other), other) is False and not tier.contains(key(2))
         assert tier.read(key(9)) == committed  # what is committed stays readable
-        failing.clear()  # space comes back: the next retry commits and ends the fault
+        free[0] = 1 << 30  # space comes back: the next retry commits and ends the fault
+        failing.clear()
         deadline = time.monotonic() + 10
         while tier.fault and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -493,6 +499,30 @@ def test_failing_commits_stop_writes_then_resume(
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and not errors[0].exc_info  # one line per state change
     assert any("takes writes again" in r.getMessage() for r in caplog.records)
+    tier.close()
+
+
+def test_a_write_that_keeps_failing_is_dropped_and_the_fault_ends(tmp_path: Path) -> None:
+    # a write the file cannot take (a quota, a file size limit) while deletes still
+    # commit: after _DROP_AFTER failed retries it is dropped, and the fault ends, rather
+    # than the tier waiting on it until some eviction happens to make room
+    tier = DiskTier(str(tmp_path / "disk"), 16 * MiB)
+    commit = tier._writer._commit
+
+    def writes_fail(ops):  # type: ignore[no-untyped-def]
+        if any(op.key == key(1) and hasattr(op, "record") for op in ops):  # its write
+            raise OSError(27, "File too large")
+        commit(ops)
+
+    tier._writer._commit = writes_fail  # type: ignore[method-assign]
+    data = payload(1, 20_000)
+    assert tier.write(record(1, data), data)
+    assert wait_for(lambda: tier.stats().dropped_writes == 1)
+    assert wait_for(lambda: not tier.fault)
+    assert not tier.contains(key(1)) and tier.read(key(1)) is None  # a miss, never stale
+    other = payload(2, 20_000)
+    assert tier.write(record(2, other), other)  # it takes writes again
+    assert tier.wait_committed([key(2)], timeout=10) == 1
     tier.close()
 
 

@@ -63,7 +63,7 @@ STORE_COUNTERS = {
     ),
     "disk_dropped_writes": (
         "kvstore_disk_dropped_writes",
-        "Queued disk writes dropped because they did not fit the LMDB map.",
+        "Queued disk writes dropped: they did not fit the LMDB map, or failed during a disk fault.",
     ),
     "put_waits": (
         "kvstore_put_waits",

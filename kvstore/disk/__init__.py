@@ -35,7 +35,12 @@ thread that ever resizes the map. The queue is bounded by bytes (``queue_bytes``
 ``write`` refuses (returns 0) when it is full instead of waiting, since its caller holds
 the store's lock and every call would wait behind the disk. A batch that fails for any
 other reason than map space (ENOSPC, EIO: :attr:`~DiskTier.fault`) stops the tier's
-writes until a retry commits; its items stay queued and readable meanwhile.
+writes until a retry commits; its items stay queued and readable meanwhile, and a write
+that fails _DROP_AFTER retries is dropped as at the map's limit. The fault lowers the
+capacity to a share of what ``data.mdb`` holds (90%, less after each next fault), and
+the tier regains only room it has proven (the file, and what the file system gained
+since), never the file system's free space as such: a quota or a file size limit is
+invisible there.
 
 Who opens the directory: one process at a time (``kvstored.lock``, see
 :mod:`kvstore.disk.files`); a damaged ``data.mdb`` is moved aside at open and the tier

@@ -162,6 +162,11 @@ def scan_in_child(directory: str, timeout: float = SCAN_TIMEOUT_S) -> str | None
     return f"reading its B-trees failed: {lines[-1] if lines else f'exit {done.returncode}'}"
 
 
+def has_reserve(directory: str) -> bool:
+    """Whether the reserve file is there."""
+    return os.path.exists(os.path.join(directory, RESERVE_FILE))
+
+
 def make_reserve(directory: str, size: int) -> bool:
     """Allocate ``size`` bytes in the reserve file (no-op if it is there); False when
     the file system has no room for it (nothing is left behind then)."""

@@ -38,6 +38,8 @@ _MAP_HEADROOM = 64 << 20  # fixed headroom: meta pages, B-tree branches, free li
 _MAP_FACTOR = 1.25  # proportional headroom: copy-on-write and free-list fragmentation
 _MAX_GROWTH = 0.5  # the map may grow by at most this fraction of its initial size
 _CAPACITY_CUT = 0.9  # on map full: effective capacity <= this fraction of what failed to fit
+_ROOM_SLACK, _ROOM_SLACK_MAX = 0.1, 0.5  # after faults: share of the proven room kept free
+_DROP_AFTER = 3  # while commits fail: retries of a queued write before it is dropped
 _NS_PREFIX = b"ns:"  # queue keys of namespace saves: prefix + digest + seq (43 bytes)
 _SCAN_CHUNK = 1024  # records() reads this many records per read transaction
 _CLOSE_RETRIES = 5  # failed batches tolerated while closing before giving up
@@ -78,7 +80,7 @@ class DiskStats:
     corrupt_reads: int
     map_full_events: int
     read_misses: int = 0
-    dropped_writes: int = 0  # queued writes that could not fit even after growing the map
+    dropped_writes: int = 0  # queued writes that did not fit the map, or failed _DROP_AFTER times
     map_size_bytes: int = 0
     fault: str = ""  # why the tier takes no writes now (disk full, I/O errors); "" if it does
     refused_writes: int = 0  # writes refused: not writable, or no room in the queue
@@ -342,6 +344,8 @@ class DiskState:
         self.pool_bytes = 0
         self.seq = 0
         self.shrunk_pending = False
+        self.fs_free_at_fault = 0  # the file system's free bytes when the last fault began
+        self.room_share = 1.0  # of the proven room, what the capacity may regain (faults)
         self.stopping = False
         self.closed = False
         self.close_lock = threading.Lock()
@@ -372,20 +376,6 @@ class DiskState:
         if stale:
             log.warning("cleared %d stale LMDB reader slots in %s", stale, self.directory)
         return stale
-
-    def reusable_bytes(self) -> int:
-        """Bytes of ``data.mdb`` that no database holds: pages LMDB keeps on its free
-        list, and pages past its last one that a failed commit wrote (the file is that
-        long already); the next writes get them. The file never shrinks, so on a file
-        system that it filled these are the tier's free room, which statvfs does not
-        see."""
-        main = self.env.stat()
-        psize = main["psize"]
-        held = 2 + _pages(main)  # the two meta pages, the main database
-        with self.env.begin() as txn:
-            for db in (self.meta, self.payload, self.ns, self.info):
-                held += _pages(txn.stat(db))
-        return max(0, os.path.getsize(self.data_path) // psize - held) * psize
 
     def file_offset(self, view: memoryview) -> int | None:
         """The byte offset in ``data.mdb`` of a value an open read transaction holds
@@ -510,8 +500,3 @@ class DiskState:
             self.pool.setdefault(size, []).append(op.buf)
             self.pool_bytes += size
         self.cond.notify_all()
-
-
-def _pages(stat: dict[str, int]) -> int:
-    """The pages a database holds (LMDB's stat of it)."""
-    return int(stat["branch_pages"]) + int(stat["leaf_pages"]) + int(stat["overflow_pages"])

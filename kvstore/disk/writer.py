@@ -19,6 +19,7 @@ import xxhash
 from kvstore import codecs
 from kvstore.disk.files import (
     drop_reserve,
+    has_reserve,
     make_reserve,
 )
 from kvstore.disk.format import (
@@ -31,10 +32,13 @@ from kvstore.disk.format import (
 from kvstore.disk.state import (
     _CAPACITY_CUT,
     _CLOSE_RETRIES,
+    _DROP_AFTER,
     _FAULT_RETRY_S,
     _LIBC,
     _MAP_FACTOR,
     _READER_CHECK_S,
+    _ROOM_SLACK,
+    _ROOM_SLACK_MAX,
     DiskState,
     _Delete,
     _EarlyWriteback,
@@ -45,6 +49,12 @@ from kvstore.disk.state import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def _fs_free(directory: str) -> int:
+    """Bytes an unprivileged writer may still take on ``directory``'s file system."""
+    vfs = os.statvfs(directory)
+    return vfs.f_bavail * vfs.f_frsize
 
 
 class DiskWriter:
@@ -104,7 +114,9 @@ class DiskWriter:
                         return
                     batch = self._take_batch_locked()
                 if failures:  # retrying after a fault: what frees space goes first
-                    self._commit_piecewise(batch, raise_full=True)
+                    # (never while closing: what close cannot write is counted lost)
+                    drop = failures >= _DROP_AFTER and not self._s.stopping
+                    self._commit_piecewise(batch, raise_full=True, drop_failing=drop)
                     self._end_fault()
                     failures = 0
                     continue
@@ -132,8 +144,18 @@ class DiskWriter:
             self._s.fault = reason
             if first:
                 freed = drop_reserve(self._s.directory)  # so that the evictions can commit
+                # each fault keeps 10% more of the file free (up to half): the slack
+                # before it did not hold the copy-on-write pages of the writes
+                share = max(1.0 - _ROOM_SLACK_MAX, self._s.room_share - _ROOM_SLACK)
+                self._s.room_share = share
+                try:  # the baseline _regain_capacity counts gains from
+                    self._s.fs_free_at_fault = _fs_free(self._s.directory)
+                    room = int(os.path.getsize(self._s.data_path) * share)
+                except OSError:
+                    self._s.fs_free_at_fault, room = 0, 0
                 queued = sum(self._s.footprint(w.record.size) for w in self._s.unflushed.values())
-                self._s.capacity = max(0, min(self._s.capacity, self._s.used - queued))
+                committed = self._s.used - queued
+                self._s.capacity = max(0, min(self._s.capacity, committed, room))
                 self._s.shrunk_pending = True
                 self._s.cond.notify_all()  # wake wait_committed: a fault ends the wait
             held = len(self._s.ops)
@@ -167,25 +189,30 @@ class DiskWriter:
         )
 
     def _regain_capacity(self) -> None:
-        """After a fault lowered the capacity: take the reserve back when the file
-        system has room for it twice over, and raise the capacity by 90% of what is
-        free then, up to where it was. Free is the file system's free space plus the
-        pages of ``data.mdb`` that LMDB reuses (DiskState.reusable_bytes): after the
-        file filled its file system, evictions free pages inside it, not on the file
-        system. Run when a fault ends and every _READER_CHECK_S after, so space an
-        operator frees is used again."""
+        """After a fault lowered the capacity: raise it to ``room_share`` (90% after one
+        fault, 10% less after each next one, down to half) of the room the tier has
+        proven, up to where it was. That room is ``data.mdb`` itself (it never shrinks,
+        and LMDB reuses the pages that evictions free in it) plus what the file system
+        gained since the fault began, less the reserve, taken back once the gain holds
+        it twice over. Not the file system's free space itself: a limit statvfs does not
+        show (a quota, a file size limit, a failing device) would let the capacity
+        straight back to the fault, and the tier would go off and on with every batch.
+        Run when a fault ends and every _READER_CHECK_S after, so space an operator
+        frees is used again."""
         if self._s.capacity >= self._s.ceiling:
+            self._s.room_share = 1.0  # all of it is back: the next fault starts afresh
             return
         try:
-            vfs = os.statvfs(self._s.directory)
-            free = vfs.f_bavail * vfs.f_frsize + self._s.reusable_bytes()
+            gained = max(0, _fs_free(self._s.directory) - self._s.fs_free_at_fault)
             reserve = self._s.reserve_bytes
-            if free > 2 * reserve and make_reserve(self._s.directory, reserve):
-                free -= self._s.reserve_bytes
+            retake = gained > 2 * reserve and not has_reserve(self._s.directory)
+            if retake and make_reserve(self._s.directory, reserve):
+                gained -= reserve
+            room = int((os.path.getsize(self._s.data_path) + gained) * self._s.room_share)
         except OSError:
             return
         with self._s.cond:
-            self._s.capacity = min(self._s.ceiling, self._s.used + int(free * 0.9))
+            self._s.capacity = max(self._s.capacity, min(self._s.ceiling, room))
 
     def _take_batch_locked(self) -> list[_Op]:
         batch: list[_Op] = []
@@ -351,7 +378,9 @@ class DiskWriter:
         self._s.map_size = self._s.env.info()["map_size"]
         return True
 
-    def _commit_piecewise(self, batch: list[_Op], raise_full: bool = False) -> None:
+    def _commit_piecewise(
+        self, batch: list[_Op], raise_full: bool = False, drop_failing: bool = False
+    ) -> None:
         """Commit deletes and metadata first (they free pages), then each write alone.
 
         Used with the map at its limit: the first write that still does not fit is
@@ -359,7 +388,10 @@ class DiskWriter:
         for the next round. And used to retry after a fault (``raise_full``: a map-full
         error is raised, to be handled as a fault, since which error the disk gives
         when full is the file system's choice). An error raised leaves the batch to the
-        writer loop, which untakes it (what was committed stays retired)."""
+        writer loop, which untakes it (what was committed stays retired). With
+        ``drop_failing`` (a fault's retries failed _DROP_AFTER times) a write that still
+        fails is dropped instead: its room is what the file cannot give, and without
+        the drop the queue would stay stuck behind it until a new eviction came."""
         small = [op for op in batch if not isinstance(op, _Write)]
         writes = [op for op in batch if isinstance(op, _Write)]
         try:
@@ -377,22 +409,36 @@ class DiskWriter:
             self._grow_map(emergency=True)
             self._untake(batch)
             return
+        dropped = 0
         for index, op in enumerate(writes):
             try:
                 self._commit([op])
-            except lmdb.MapFullError:
-                if raise_full:
-                    raise  # the writer untakes the batch
+            except Exception as exc:
+                if drop_failing:
+                    self._drop_write(op)
+                    dropped += 1
+                    continue
+                if raise_full or not isinstance(exc, lmdb.MapFullError):
+                    self._untake(writes[index:])
+                    raise
                 # It does not fit next to what is committed: drop it, and give the store
                 # a chance (drain_shrunk) to evict before the rest is tried again.
                 self._drop_write(op)
+                log.warning(
+                    "disk write of %s (%d bytes) does not fit in the LMDB map; dropped",
+                    op.key.hex(),
+                    op.record.size,
+                )
                 self._untake(writes[index + 1 :])
                 return
-            except Exception:
-                self._untake(writes[index:])
-                raise
             else:
                 self._retire([op])
+        if dropped:
+            log.warning(
+                "dropped %d queued disk writes whose commits kept failing (%s)",
+                dropped,
+                self._s.fault,
+            )
 
     def _bump(self) -> None:
         """Commit a one-record transaction (rewrites the format marker)."""
@@ -407,8 +453,3 @@ class DiskWriter:
             if self._s.unflushed.get(op.key) is op:  # still the current version of its key
                 self._s.delete_locked(op.key)  # also drops an older committed version
             self._s.maybe_release(op)
-        log.warning(
-            "disk write of %s (%d bytes) does not fit in the LMDB map; dropped",
-            op.key.hex(),
-            op.record.size,
-        )
