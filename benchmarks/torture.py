@@ -11,8 +11,9 @@ Parts (each against a real kvstored on a unix socket in a temp dir):
 - ``diskfull``: the disk tier on a small tmpfs (when this runs as root and may mount
   one), else behind a file size limit (RLIMIT_FSIZE: the same failed writes), under
   a stream of write-through puts, with the latency of every call while full.
-- ``damage``: data.mdb truncated, emptied, its B-tree pages or a value overwritten,
-  replaced by noise; whether the daemon starts, moves it aside, serves anything corrupt.
+- ``damage``: data.mdb truncated, emptied, its B-tree pages, a value, its free list or
+  an overflow run's header overwritten, replaced by noise; whether the daemon starts,
+  moves it aside, serves anything corrupt, and takes durable puts after.
 - ``indexload``: kill -9 while a large disk tier's index loads behind the start;
   nothing committed lost, nothing indexed without its ancestors.
 - ``fuzz``: random and mutated requests over both sockets (gRPC and local calls).
@@ -55,6 +56,8 @@ from kvbench.torture_kit import (
     block_of,
     chain_bytes,
     damage_btree,
+    damage_free_list,
+    damage_overflow,
     damage_value,
     local_call,
     mutate,
@@ -399,14 +402,16 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "truncated to 0": lambda p: os.truncate(p, 0),
     "B-tree pages overwritten": damage_btree,
     "a value overwritten": damage_value,
+    "the free list: a live page in it": damage_free_list,
+    "an overflow run's header: past the file's end": damage_overflow,
     "replaced by noise": lambda p: p.write_bytes(os.urandom(p.stat().st_size)),
 }
 
 
 def part_damage(work: Path, quick: bool) -> Section:
     size = 64 << 10
-    body = ["| damage | started | moved aside | ERROR line | blocks served | corrupt served |",
-            "|---|---|---|---|---|---|"]
+    body = ["| damage | started | moved aside | ERROR line | blocks served | corrupt served "
+            "| durable puts after |", "|---|---|---|---|---|---|---|"]
     all_ok = True
     for name, damage in DAMAGES.items():
         daemon = Kvstored(work / f"damage-{len(body)}", admission="write-through")
@@ -423,7 +428,7 @@ def part_damage(work: Path, quick: bool) -> Section:
                 daemon.start()
             except RuntimeError:
                 started = False
-            served = corrupt = 0
+            served = corrupt = durable = 0
             if started:
                 with KVClient(daemon.addr) as client:
                     ns = client.namespace(MODEL, block_tokens=TOKENS, block_bytes=size)
@@ -432,20 +437,26 @@ def part_damage(work: Path, quick: bool) -> Section:
                         served += got.n_blocks
                         if got.blocks.tobytes() != chain_bytes(seed, got.n_blocks, size):
                             corrupt += got.n_blocks
+                    for seed in range(50, 55):  # write-through: durable, or the disk failed
+                        rows = [block_of(seed, i, size) for i in range(4)]
+                        durable += ns.put(tokens_of(seed, 4), rows).durable
             aside = any(f.startswith("data.mdb.damaged-") for f in os.listdir(daemon.disk_dir))
             error_line = "was damaged" in daemon.text() or "is damaged" in daemon.text()
             body.append(f"| {name} | {'yes' if started else 'NO'} | {'yes' if aside else 'no'} | "
-                        f"{'yes' if error_line else 'no'} | {served} of 20 | {corrupt} |")
-            all_ok &= started and corrupt == 0
+                        f"{'yes' if error_line else 'no'} | {served} of 20 | {corrupt} | "
+                        f"{durable} of 20 |")
+            all_ok &= started and corrupt == 0 and durable == 20
         finally:
             daemon.stop()
             daemon.close()
     body += ["", "Five chains of four 64 KiB blocks, put write-through, then the daemon is "
-             "stopped, data.mdb damaged, the daemon started again. A damaged value is caught "
-             "by its checksum when read (a miss; the block and its descendants are dropped)."]
+             "stopped, data.mdb damaged, the daemon started again; then five more chains put "
+             "write-through. A damaged value is caught by its checksum when read (a miss; "
+             "the block and its descendants are dropped); a damaged free list or overflow "
+             "header by the start-up check of every page (kvstore.disk.pages)."]
     return Section("Damaged files", body, [
-        ("start-up never dies on a damaged file; nothing corrupt served",
-         "see the table", all_ok)])
+        ("start-up never dies on a damaged file; nothing corrupt served; puts durable "
+         "after it", "see the table", all_ok)])
 
 
 # --- indexload: kill -9 while a large disk tier's index loads ------------------------------

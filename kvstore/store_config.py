@@ -66,7 +66,7 @@ class StoreConfig:
     overflow: str = "wait"
     # write-through: how long a commit waits for its disk commit before answering
     write_through_wait_s: float = 30.0
-    check_disk_in_child: bool = False  # at open, walk the disk tier's B-trees in a child
+    check_disk_in_child: bool = False  # at open, check the disk tier's pages in a child
     # a disk tier whose data file is at most this size is indexed before the store
     # answers; a larger one in the background (kvstore.index_load); 0: always behind
     sync_index_bytes: int = 512 << 20

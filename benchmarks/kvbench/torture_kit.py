@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,8 @@ from kvclient import KVClient
 from kvclient.errors import KVStoreError
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import local_calls as frames
+from kvstore.disk.files import read_meta
+from kvstore.disk.pages import P_INVALID, P_LEAF, P_OVERFLOW
 
 TOKENS = 4  # tokens per block of the torture namespaces
 
@@ -160,6 +163,36 @@ def damage_btree(path: Path) -> int:
             hit += 1
     path.write_bytes(raw)
     return hit
+
+
+def damage_free_list(path: Path) -> None:
+    """Point the first page of data.mdb's free list at a live page (the main B-tree's
+    root), as damage to a free-list page could: LMDB would hand that page to the next
+    commit and overwrite it. Raises when the free list is empty or deeper than a leaf."""
+    meta = read_meta(str(path))
+    assert meta is not None and meta.free_root != P_INVALID, "the free list is empty"
+    raw = bytearray(path.read_bytes())
+    at = meta.free_root * meta.page_size
+    flags, lower = struct.unpack_from("<HH", raw, at + 10)
+    assert flags & P_LEAF and lower > 16, "the free list is not one leaf page"
+    (node,) = struct.unpack_from("<H", raw, at + 16)
+    ksize = struct.unpack_from("<H", raw, at + node + 6)[0]
+    first_page = at + node + 8 + ksize + 8  # after the node header, its key, the count
+    struct.pack_into("<Q", raw, first_page, meta.main_root)
+    path.write_bytes(raw)
+
+
+def damage_overflow(path: Path) -> None:
+    """Overwrite the header of the first value's overflow run found (page number and
+    page count): the run would reach past the file's end."""
+    raw = bytearray(path.read_bytes())
+    for number in range(2, len(raw) // 4096):
+        at = number * 4096
+        if int.from_bytes(raw[at + 10 : at + 12], "little") & P_OVERFLOW:
+            struct.pack_into("<QHHI", raw, at, number, 0, P_OVERFLOW, 1 << 30)
+            path.write_bytes(raw)
+            return
+    raise AssertionError("no overflow run in the file")
 
 
 def damage_value(path: Path) -> None:

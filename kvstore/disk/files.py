@@ -13,8 +13,9 @@ blocks. So, before a :class:`kvstore.disk.DiskTier` opens a directory:
 - :func:`find_damage` reads the two LMDB meta pages: a file too short for the pages its
   newest valid meta page says it has, or with no valid meta page at all (a file
   truncated to 0 included), is damaged. :func:`scan_in_child` goes further for the
-  daemon's start: it walks every B-tree of the environment in a child process, so a
-  damaged page can kill only the child.
+  daemon's start: in a child process, so a damaged page can kill only the child, it
+  checks every page of the environment, free list and overflow runs included
+  (:mod:`kvstore.disk.pages`), and walks every B-tree through LMDB.
 - :func:`move_aside` renames a damaged ``data.mdb`` (and drops its ``lock.mdb``) to
   ``data.mdb.damaged-<UTC time>``, kept for a post-mortem: the tier then starts empty.
 - :func:`make_reserve` sets a little disk space aside in ``<dir>/kvstored-reserve``
@@ -62,10 +63,14 @@ class DiskDirInUse(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class _Meta:
+class Meta:
+    """The current LMDB meta page: what kvstore.disk.pages walks from."""
+
     page_size: int
     last_page: int
     txn_id: int
+    free_root: int  # the free list's B-tree (P_INVALID: empty)
+    main_root: int  # the main B-tree, whose leaves name the other databases
 
 
 def lock_directory(directory: str) -> int:
@@ -101,35 +106,48 @@ def find_damage(directory: str) -> str | None:
         return None
     if size == 0:
         return f"{DATA_FILE} is empty (0 bytes): truncated"
-    with open(path, "rb") as file:
-        head = file.read(_PAGE_HEADER + _META_SIZE)
-        first = _parse_meta(head)
-        if first is None:
-            return f"{DATA_FILE} has no valid LMDB meta page ({size} bytes)"
-        file.seek(first.page_size)
-        second = _parse_meta(file.read(_PAGE_HEADER + _META_SIZE))
-    current = first if second is None or first.txn_id >= second.txn_id else second
+    current = read_meta(path)
+    if current is None:
+        return f"{DATA_FILE} has no valid LMDB meta page ({size} bytes)"
     needed = (current.last_page + 1) * current.page_size
     if size < needed:
         return f"{DATA_FILE} is {size} bytes but its pages end at byte {needed}: truncated"
     return None
 
 
-def _parse_meta(raw: bytes) -> _Meta | None:
+def read_meta(path: str) -> Meta | None:
+    """The current meta page of the data file at ``path`` (the valid one of the two
+    with the higher transaction id), or None when neither is valid."""
+    with open(path, "rb") as file:
+        first = _parse_meta(file.read(_PAGE_HEADER + _META_SIZE))
+        if first is None:
+            return None
+        file.seek(first.page_size)
+        second = _parse_meta(file.read(_PAGE_HEADER + _META_SIZE))
+    return first if second is None or first.txn_id >= second.txn_id else second
+
+
+def _parse_meta(raw: bytes) -> Meta | None:
     if len(raw) < _PAGE_HEADER + _META_SIZE:
         return None
     magic, version, _, _ = _META.unpack_from(raw, _PAGE_HEADER)
     if magic != _MAGIC or version != _FORMAT_VERSION:
         return None
-    page_size = _DB.unpack_from(raw, _PAGE_HEADER + _META.size)[0]
+    free_db = _DB.unpack_from(raw, _PAGE_HEADER + _META.size)
+    main_db = _DB.unpack_from(raw, _PAGE_HEADER + _META.size + _DB.size)
     last_page, txn_id = _TAIL.unpack_from(raw, _PAGE_HEADER + _META.size + 2 * _DB.size)
+    page_size = free_db[0]
     if page_size < 512 or page_size & (page_size - 1):
         return None
-    return _Meta(page_size, last_page, txn_id)
+    return Meta(page_size, last_page, txn_id, free_db[-1], main_db[-1])
 
 
 _SCAN = """
 import sys, lmdb
+from kvstore.disk.pages import find_page_damage
+damage = find_page_damage(sys.argv[1])
+if damage is not None:
+    sys.exit(damage)
 env = lmdb.open(sys.argv[1], readonly=True, lock=False, max_dbs=8, subdir=True)
 with env.begin() as txn:
     names = [bytes(name) for name, _ in txn.cursor()]
@@ -141,8 +159,10 @@ with env.begin() as txn:
 
 
 def scan_in_child(directory: str, timeout: float = SCAN_TIMEOUT_S) -> str | None:
-    """Walk every B-tree of the environment in a child process (keys only: payload
-    values are checked by their checksums when read); why it failed, or None."""
+    """Check the environment's pages in a child process: every page of its B-trees,
+    its values' overflow runs and its free list read from the file
+    (:mod:`kvstore.disk.pages`), then every B-tree walked through LMDB (keys only:
+    payload values are checked by their checksums when read); why it failed, or None."""
     if not os.path.exists(os.path.join(directory, DATA_FILE)):
         return None
     try:
@@ -157,9 +177,9 @@ def scan_in_child(directory: str, timeout: float = SCAN_TIMEOUT_S) -> str | None
     if done.returncode == 0:
         return None
     if done.returncode < 0:
-        return f"reading its B-trees killed a child process (signal {-done.returncode})"
+        return f"checking its pages killed a child process (signal {-done.returncode})"
     lines = done.stderr.strip().splitlines()
-    return f"reading its B-trees failed: {lines[-1] if lines else f'exit {done.returncode}'}"
+    return f"checking its pages failed: {lines[-1] if lines else f'exit {done.returncode}'}"
 
 
 def has_reserve(directory: str) -> bool:
