@@ -196,6 +196,7 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         (["--shared-url", "redis://127.0.0.1:99999"], {}, "shared_url"),
         ([], {"KVSTORED_SHARED_TIMEOUT_MS": "0"}, "shared_timeout_ms"),
         (["--shared-password-file", "/nonexistent"], {}, "shared_password_file"),
+        (["--shared-key-file", "/nonexistent"], {}, "shared_key_file"),  # no shared_url
         (["--put-wait-ms", "-1"], {}, "put_wait_ms"),
         (["--overflow", "sometimes"], {}, "overflow"),
         (["--persist-timeout-s", "-1"], {}, "persist_timeout_s"),

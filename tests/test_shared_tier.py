@@ -11,6 +11,7 @@ SIGKILL, a value overwritten in the cluster, the whole cluster restarted empty.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ from kvbench.harness import wait_for
 from kvbench.valkey_cluster import ValkeyCluster
 from kvclient import KVClient
 from kvstore.keys import NamespaceSpec, chain_keys
-from kvstore.shared.format import block_name
+from kvstore.shared.format import block_name, mac_key, pack_value
 
 BLOCK_TOKENS = 16
 BLOCK_BYTES = 8 << 10
@@ -180,6 +181,51 @@ def test_a_corrupted_value_is_a_miss_and_ends_the_prefix(
         assert (hit.blocks, hit.shared_blocks) == (3, 3)
         assert np.array_equal(ns.get(tokens).blocks, blocks[:3])
     assert shared_stats(b).corrupt > corrupt  # each read that met it counts it
+
+
+def test_with_a_shared_key_a_planted_value_is_a_miss(
+    healthy: ValkeyCluster,
+    nodes: tuple[Daemon, Daemon],
+    kvstored_factory: Callable[..., Daemon],
+    tmp_path: Path,
+) -> None:
+    secret = tmp_path / "shared.key"
+    secret.write_text(os.urandom(32).hex() + "\n")
+    secret.chmod(0o600)
+    a, b = (
+        kvstored_factory(
+            shared_url=healthy.url, shared_timeout_ms=TIMEOUT_MS, shared_key_file=str(secret)
+        )
+        for _ in range(2)
+    )
+    for daemon in (a, b):
+        wait_connected(daemon)
+    tokens, blocks = prompt(21_000, 6), blocks_for(21, 6)
+    store_on(a, tokens, blocks)
+    spec, keys = keys_of(tokens)
+    planted = blocks_for(99, 1)[0].tobytes()
+    with RedisCluster.from_url(healthy.url) as cluster:
+        # what anyone who may write the cluster computes: a value whose checksum holds
+        original = cluster.get(block_name(spec, keys[2]))
+        cluster.set(block_name(spec, keys[2]), bytes(pack_value(spec, keys[2], planted)))
+        # and a value keyed with another secret
+        wrong = pack_value(spec, keys[4], planted, secret=mac_key("f" * 64))
+        cluster.set(block_name(spec, keys[4]), bytes(wrong))
+        with KVClient(b.addr) as client:
+            ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+            hit = ns.lookup(tokens)
+            assert (hit.blocks, hit.shared_blocks) == (2, 2)  # A's blocks, up to the plant
+            assert shared_stats(b).unauthenticated == 1 and shared_stats(b).keyed
+            cluster.set(block_name(spec, keys[2]), original)  # A's own value back
+            hit = ns.lookup(tokens)
+            assert (hit.blocks, hit.shared_blocks) == (4, 2)  # up to the wrong key's
+            assert np.array_equal(ns.get(tokens).blocks, blocks[:4])
+    assert shared_stats(b).unauthenticated >= 2  # each read that met one counts it
+    plain = nodes[1]  # a node without the key serves no keyed value
+    unkeyed = shared_stats(plain).unauthenticated
+    with KVClient(plain.addr) as client:
+        assert client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES).lookup(tokens).shared_blocks == 0
+    assert shared_stats(plain).unauthenticated > unkeyed
 
 
 def test_a_killed_cluster_node_cuts_the_prefix_at_its_first_block(

@@ -272,13 +272,14 @@ def render_shared(shared: JSONDict) -> str:
     """One line: the shared tier's cluster, what went each way, and its trouble."""
     if not shared["connected"]:
         return f"shared tier {shared['url']}: NOT CONNECTED (retrying; reads are misses)"
+    mac = f"MAC-refused {shared['unauthenticated']}  " if shared["keyed"] else ""
     return (
         f"shared tier {shared['url']}: nodes {shared['reachable_nodes']}/{shared['nodes']} "
         f"reachable  read {human_bytes(shared['bytes_read'])} "
         f"({shared['blocks_read']} blocks, hit rate {percent(shared['hit_rate'])})  "
         f"written {human_bytes(shared['bytes_written'])} ({shared['blocks_written']} blocks)  "
         f"errors {shared['errors']}  write errors {shared['write_errors']}  "
-        f"dropped {shared['writes_dropped']}  corrupt {shared['corrupt']}  "
+        f"dropped {shared['writes_dropped']}  corrupt {shared['corrupt']}  {mac}"
         f"queue {human_bytes(shared['queue_bytes'])} of {human_bytes(shared['queue_limit_bytes'])}"
     )
 

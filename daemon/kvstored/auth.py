@@ -28,6 +28,7 @@ import hashlib
 import hmac
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -123,6 +124,34 @@ def read_token(path: str, whose: str) -> str:
             "with no spaces (e.g. `openssl rand -hex 32`)"
         )
     return token
+
+
+MIN_SECRET_CHARS = 32
+
+
+def read_secret(path: str, whose: str) -> str:
+    """The secret in ``path`` (surrounding whitespace dropped); ValueError saying why
+    not: unreadable, shorter than MIN_SECRET_CHARS, or open to the file's group or to
+    other users (refused as ssh refuses such a private key: anyone who reads it can
+    forge what it signs)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ValueError(f"cannot read {whose} from {path}: {reason}") from None
+    if mode & 0o077:
+        raise ValueError(
+            f"{whose} in {path} is open to other users (mode {stat.S_IMODE(mode):04o}): "
+            f"chmod 600 {path}"
+        )
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(
+            f"{whose} in {path} must be at least {MIN_SECRET_CHARS} characters "
+            "(e.g. `openssl rand -hex 32`)"
+        )
+    return secret
 
 
 log = logging.getLogger("kvstored.auth")

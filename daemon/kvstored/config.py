@@ -34,11 +34,12 @@ from urllib.parse import urlsplit
 
 from kvproto.v1.addresses import is_loopback
 from kvstore.policy import OVERFLOW_POLICIES
+from kvstore.shared.format import mac_key
 from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstore.store_config import codec_tiers_problem
 from kvstored import hostinfo, paths
-from kvstored.auth import TenantConfig, parse_tenants
+from kvstored.auth import TenantConfig, parse_tenants, read_secret
 from kvstored.kv_events import ENCODINGS as EVENT_ENCODINGS
 from kvstored.kv_events import HASH_FORMS as EVENT_HASH_FORMS
 from kvstored.kv_events import EventSettings
@@ -440,6 +441,10 @@ KEYS: tuple[Key, ...] = (
         "Valkey / Redis Cluster, which every node's daemon reads and writes; empty: off"),
     Key("shared_password_file", "path", parse_path, "",
         "file holding the shared tier's password (ACL user in shared_url)"),
+    Key("shared_key_file", "path", parse_path, "",
+        "file holding the secret every node's values carry a keyed MAC with (the same "
+        "on every node; mode 0600); empty: an unkeyed checksum, which anyone who may "
+        "write the cluster can forge"),
     Key("shared_timeout_ms", "int", parse_int, 100,
         "shared tier: a read waits at most this long; what has not come is a miss",
         _between(1, 60_000)),
@@ -517,6 +522,7 @@ class DaemonConfig:
     insecure: bool
     shared_url: str
     shared_password_file: str
+    shared_key_file: str
     shared_timeout_ms: int
     shared_ttl_s: int
     shared_min_priority: int
@@ -571,12 +577,16 @@ class DaemonConfig:
         password = ""
         if self.shared_password_file:
             password = Path(self.shared_password_file).read_text().strip()
+        key = b""
+        if self.shared_key_file:
+            key = mac_key(read_secret(self.shared_key_file, "the shared tier's key"))
         return SharedConfig(
             url=self.shared_url,
             timeout_ms=self.shared_timeout_ms,
             ttl_s=self.shared_ttl_s,
             min_priority=self.shared_min_priority,
             password=password,
+            mac_key=key,
             queue_bytes=self.shared_queue_bytes,
             overflow=self.shared_overflow,
         )
@@ -744,10 +754,9 @@ def load_config(
         )
     if values["disk_bytes"] and not values["disk_dir"]:
         raise ConfigError("disk_dir", "is empty but disk_bytes > 0", sources["disk_dir"])
-    if values["shared_password_file"] and not values["shared_url"]:
-        raise ConfigError(
-            "shared_password_file", "is set but shared_url is not", sources["shared_password_file"]
-        )
+    for name in ("shared_password_file", "shared_key_file"):
+        if values[name] and not values["shared_url"]:
+            raise ConfigError(name, "is set but shared_url is not", sources[name])
     config = DaemonConfig(**values, sources=sources, config_file=config_file, tenants=tenants)
     check_transport(config)
     return config, args

@@ -272,6 +272,9 @@ _SHARED_FIGURES: tuple[tuple[type[Metric], str, str, str], ...] = (
      "write-behind queue, at most shared_queue_bytes).", "queue_bytes"),
     (CounterMetricFamily, "kvstore_shared_corrupt",
      "Shared-tier values that failed their check (served as misses).", "corrupt"),
+    (CounterMetricFamily, "kvstore_shared_unauthenticated",
+     "Shared-tier values the keyed MAC refused (shared_key_file): planted, without a "
+     "MAC, or with one this node cannot check; served as misses.", "unauthenticated"),
     (CounterMetricFamily, "kvstore_shared_errors",
      "Failed calls to cluster nodes (connection errors, timeouts, error replies).",
      "errors"),

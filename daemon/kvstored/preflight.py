@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 from kvstored import hostinfo, paths
-from kvstored.auth import Tokens
+from kvstored.auth import Tokens, read_secret
 from kvstored.config import (
     DISK_SIZE_FILE,
     ConfigError,
@@ -138,6 +138,11 @@ def check_security(config: DaemonConfig) -> None:
             raise _fail(config, key, f"cannot read {path}: {_reason(exc)}") from None
         if b"-----BEGIN " not in data:
             raise _fail(config, key, f"{path} holds no PEM block")
+    if config.shared_key_file:
+        try:
+            read_secret(config.shared_key_file, "the shared tier's key")
+        except ValueError as exc:
+            raise _fail(config, "shared_key_file", str(exc)) from None
     if config.shared_password_file:
         try:
             Path(config.shared_password_file).read_text()

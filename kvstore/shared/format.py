@@ -21,10 +21,19 @@ The fingerprint is the first 8 bytes of the namespace digest, so a value written
 another layout or salt does not pass even where a key collides; the checksum covers the
 key too, so a value copied under a wrong key fails as well. A value that fails any check
 is a miss (:func:`unpack_value` returns None) and is never served.
+
+With a secret (the daemon's ``shared_key_file``, the same on every node), values are
+version 3 and their last u64 is a keyed MAC in place of the checksum: BLAKE2b with the
+secret's key, 8 bytes, over the namespace digest, the block key, the header's first 24
+bytes and the payload. A checksum stops accidents only: anyone who may write the cluster
+can compute one, and plant a block every node then serves. A node with a secret serves
+only version 3 values whose MAC holds, and one without serves none of them; either
+refusal raises :class:`Unauthenticated` (a miss the tier counts apart from damage).
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import xxhash
@@ -35,9 +44,22 @@ from kvstore.keys import BlockKey, NamespaceSpec
 
 MAGIC = b"KVSB"
 VERSION = 2
-VERSIONS = (1, 2)  # read
+VERSIONS = (1, 2)  # read without a secret
+KEYED_VERSION = 3  # written and read with one
 HEADER = struct.Struct("<4sBBBx8sQQ")
+CHECK_AT = HEADER.size - 8  # the checksum or MAC: the header's last u64
 KEY_PREFIX = "kv"
+_MAC_PERSON = b"kvstore-shared"
+
+
+class Unauthenticated(Exception):
+    """A value whose keyed MAC does not hold, or that has none where one is required
+    (or one where this node holds no secret to check it with)."""
+
+
+def mac_key(secret: str) -> bytes:
+    """The MAC key a secret (the text of ``shared_key_file``) gives: 32 bytes."""
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=b"kvstore-mac-key").digest()
 
 
 def block_name(spec: NamespaceSpec, key: BlockKey) -> bytes:
@@ -51,6 +73,15 @@ def _checksum(key: BlockKey, payload: memoryview | bytes) -> int:
     return h.intdigest()
 
 
+def _mac(
+    secret: bytes, spec: NamespaceSpec, key: BlockKey, head: memoryview, payload: memoryview
+) -> int:
+    h = hashlib.blake2b(key=secret, digest_size=8, person=_MAC_PERSON)
+    for part in (spec.digest, key, head, payload):
+        h.update(part)
+    return int.from_bytes(h.digest(), "little")
+
+
 def packed_size(payload_bytes: int) -> int:
     return HEADER.size + payload_bytes
 
@@ -62,10 +93,11 @@ def pack_into(
     payload: memoryview | bytes,
     codec: Codec | None = None,
     encoded: bool = False,
+    secret: bytes = b"",
 ) -> int:
     """Write the stored value of one block (header, then ``payload``, encoded with
     ``codec`` when given, or as it is when it is ``encoded`` with it already) at the
-    start of ``out``; its size."""
+    start of ``out``; its size. With a ``secret`` (:func:`mac_key`): a keyed value."""
     view = memoryview(payload).cast("B")
     if codec is None or encoded:
         stored = out[HEADER.size : HEADER.size + view.nbytes]
@@ -74,10 +106,15 @@ def pack_into(
     else:
         stored = codec.encode(view, out[HEADER.size :])
         code, version = codec.code_id, codecs.VERSION
-    HEADER.pack_into(
-        out, 0, MAGIC, VERSION, code, version, spec.digest[:8], stored.nbytes,
-        _checksum(key, stored),
-    )  # fmt: skip
+    if not secret:
+        HEADER.pack_into(
+            out, 0, MAGIC, VERSION, code, version, spec.digest[:8], stored.nbytes,
+            _checksum(key, stored),
+        )  # fmt: skip
+        return HEADER.size + stored.nbytes
+    HEADER.pack_into(out, 0, MAGIC, KEYED_VERSION, code, version, spec.digest[:8], stored.nbytes, 0)
+    mac = _mac(secret, spec, key, out[:CHECK_AT], stored)
+    struct.pack_into("<Q", out, CHECK_AT, mac)
     return HEADER.size + stored.nbytes
 
 
@@ -87,33 +124,50 @@ def pack_value(
     payload: memoryview | bytes,
     codec: Codec | None = None,
     encoded: bool = False,
+    secret: bytes = b"",
 ) -> bytearray:
     """The stored value of one block, in a buffer of its own (see :func:`pack_into`)."""
     size = memoryview(payload).nbytes if codec is None else codec.encoded_bytes
     out = bytearray(packed_size(size))
-    pack_into(memoryview(out), spec, key, payload, codec, encoded)
+    pack_into(memoryview(out), spec, key, payload, codec, encoded, secret)
     return out
 
 
 def unpack_value(
-    spec: NamespaceSpec, key: BlockKey, value: bytes | None, codec: Codec | None = None
+    spec: NamespaceSpec,
+    key: BlockKey,
+    value: bytes | None,
+    codec: Codec | None = None,
+    secret: bytes = b"",
 ) -> memoryview | None:
     """The block's bytes in ``value`` (a view into it; decoded into a buffer of its own
     when it was stored encoded by ``codec``, the namespace's), or None when it is
     absent, of another format version, namespace or codec, of the wrong size, or
-    damaged."""
+    damaged. Raises :class:`Unauthenticated` for a value a ``secret`` refuses (or a
+    keyed one, without a secret)."""
     if value is None or len(value) < HEADER.size:
         return None
-    magic, version, code, code_version, fingerprint, length, checksum = HEADER.unpack_from(
+    magic, version, code, code_version, fingerprint, length, check = HEADER.unpack_from(
         value, 0
     )
-    if magic != MAGIC or version not in VERSIONS or fingerprint != spec.digest[:8]:
+    keyed = version == KEYED_VERSION
+    if magic != MAGIC or not (keyed or version in VERSIONS):
+        return None
+    if keyed != bool(secret):
+        raise Unauthenticated("not keyed" if secret else "keyed, and this node has no secret")
+    if fingerprint != spec.digest[:8]:
         return None
     if code and (codec is None or code != codec.code_id or code_version != codecs.VERSION):
         return None
     size = codec.encoded_bytes if code and codec is not None else spec.block_bytes
-    payload = memoryview(value)[HEADER.size :]
-    if length != size or len(payload) != size or _checksum(key, payload) != checksum:
+    view = memoryview(value)
+    payload = view[HEADER.size :]
+    if length != size or len(payload) != size:
+        return None
+    if secret:
+        if _mac(secret, spec, key, view[:CHECK_AT], payload) != check:
+            raise Unauthenticated("its MAC does not hold")
+    elif _checksum(key, payload) != check:
         return None
     if not code or codec is None:
         return payload

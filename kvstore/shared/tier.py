@@ -38,7 +38,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
@@ -48,7 +48,13 @@ from kvstore.errors import InvalidArgument
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.cluster import CHECK_S, ClusterLink
-from kvstore.shared.format import block_name, pack_into, packed_size, unpack_value
+from kvstore.shared.format import (
+    Unauthenticated,
+    block_name,
+    pack_into,
+    packed_size,
+    unpack_value,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +74,9 @@ class SharedConfig:
     timeout_ms: int = 100  # one read, all its waves, at most this long
     ttl_s: int = 0  # 0: values never expire (the cluster's maxmemory-policy evicts)
     min_priority: int = 0  # blocks below this priority stay on the node
-    password: str = ""  # from the daemon's shared_password_file, never in the URL
+    password: str = field(default="", repr=False)  # from shared_password_file, never the URL
+    # values carry a MAC with this key (format.mac_key of shared_key_file): b"": none
+    mac_key: bytes = field(default=b"", repr=False)
     # the write-behind queue: at most this many block bytes stored and not sent yet;
     # past it, drop (not sent, counted) or wait (puts slow down: kvstore.store_shared)
     queue_bytes: int = 256 << 20
@@ -169,6 +177,7 @@ class SharedTier:
                 "write_errors",
                 "writes_dropped",
                 "corrupt",
+                "unauthenticated",
             ),
             0,
         )
@@ -196,7 +205,12 @@ class SharedTier:
             part = keys[begin : begin + wave]
             values = self._link.get([block_name(spec, key) for key in part], deadline)
             for key, value in zip(part, values, strict=True):
-                payload = unpack_value(spec, key, value, _codec(spec))
+                try:
+                    payload = unpack_value(spec, key, value, _codec(spec), self.config.mac_key)
+                except Unauthenticated:  # planted, or from a node with another secret
+                    self._n["unauthenticated"] += 1
+                    complete = False
+                    break
                 if payload is None or value is None:
                     self._n["corrupt"] += value is not None
                     complete = False
@@ -238,6 +252,7 @@ class SharedTier:
             url=self.config.shown_url,
             queue_bytes=queue_bytes,
             queue_limit_bytes=self.config.queue_bytes,
+            keyed=bool(self.config.mac_key),
             **fields,
         )
 
@@ -295,7 +310,10 @@ class SharedTier:
         items, at = [], 0
         for b in blocks:
             codec = _codec(b.spec) if self._coded else None
-            size = pack_into(self._scratch[at:], b.spec, b.key, b.payload, codec, b.encoded)
+            size = pack_into(
+                self._scratch[at:], b.spec, b.key, b.payload, codec, b.encoded,
+                self.config.mac_key,
+            )  # fmt: skip
             items.append((block_name(b.spec, b.key), self._scratch[at : at + size]))
             at += size
         patience = max(WRITE_DEADLINE_S, 4 * self.config.timeout_ms / 1000)

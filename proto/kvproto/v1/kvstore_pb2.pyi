@@ -625,7 +625,7 @@ class StatsResponse(_message.Message):
     def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., demotions: _Optional[int] = ..., promotions: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., leases: _Optional[int] = ..., corrupt_reads: _Optional[int] = ..., disk_queue_bytes: _Optional[int] = ..., platform: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, int]] = ..., staged_bytes: _Optional[int] = ..., disk_writable: _Optional[bool] = ..., disk_fault: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., shared: _Optional[_Union[SharedTierStats, _Mapping]] = ...) -> None: ...
 
 class SharedTierStats(_message.Message):
-    __slots__ = ("url", "connected", "nodes", "reachable_nodes", "lookups", "hits", "blocks_read", "bytes_read", "blocks_written", "bytes_written", "write_errors", "writes_dropped", "corrupt", "errors", "breaker_changes", "queue_bytes", "queue_limit_bytes")
+    __slots__ = ("url", "connected", "nodes", "reachable_nodes", "lookups", "hits", "blocks_read", "bytes_read", "blocks_written", "bytes_written", "write_errors", "writes_dropped", "corrupt", "errors", "breaker_changes", "queue_bytes", "queue_limit_bytes", "unauthenticated", "keyed")
     URL_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
@@ -643,6 +643,8 @@ class SharedTierStats(_message.Message):
     BREAKER_CHANGES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNAUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    KEYED_FIELD_NUMBER: _ClassVar[int]
     url: str
     connected: bool
     nodes: int
@@ -660,7 +662,9 @@ class SharedTierStats(_message.Message):
     breaker_changes: int
     queue_bytes: int
     queue_limit_bytes: int
-    def __init__(self, url: _Optional[str] = ..., connected: _Optional[bool] = ..., nodes: _Optional[int] = ..., reachable_nodes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., blocks_read: _Optional[int] = ..., bytes_read: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., write_errors: _Optional[int] = ..., writes_dropped: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., breaker_changes: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_limit_bytes: _Optional[int] = ...) -> None: ...
+    unauthenticated: int
+    keyed: bool
+    def __init__(self, url: _Optional[str] = ..., connected: _Optional[bool] = ..., nodes: _Optional[int] = ..., reachable_nodes: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., blocks_read: _Optional[int] = ..., bytes_read: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., write_errors: _Optional[int] = ..., writes_dropped: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., breaker_changes: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_limit_bytes: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., keyed: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "host_bytes", "disk_bytes", "host_quota", "disk_quota", "namespaces", "blocks", "hits", "misses", "quota_evictions")

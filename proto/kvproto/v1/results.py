@@ -165,6 +165,8 @@ class SharedStats:
     breaker_changes: int
     queue_bytes: int = 0  # block bytes stored and not sent yet (the write-behind queue)
     queue_limit_bytes: int = 0  # shared_queue_bytes
+    unauthenticated: int = 0  # values the keyed MAC refused (served as misses)
+    keyed: bool = False  # values carry a MAC (shared_key_file)
 
     @property
     def hit_rate(self) -> float:
