@@ -89,11 +89,13 @@ class Pair:
 def start_daemons(work: Path, pki: dict[str, Path], token: str) -> dict[str, OwnDaemon]:
     token_file = work / "tenant.token"
     token_file.write_text(token)
+    token_file.chmod(0o600)  # as kvstored accepts a token file
     config = work / "tenants.toml"
     config.write_text(f'[tenants.bench]\ntoken_file = "{token_file}"\n')
     tls_args = ["--tls_cert", str(pki["server_cert"]), "--tls_key", str(pki["server_key"]),
                 "--admin_token_file", str(token_file.with_name("admin.token"))]
     token_file.with_name("admin.token").write_text(token[::-1])
+    token_file.with_name("admin.token").chmod(0o600)
     ca = pki["ca"].read_bytes()
     tls_client = {"token": token[::-1], "tls": TLS(ca_file=str(pki["ca"]))}
     daemons = {
@@ -177,6 +179,7 @@ def check_costs(work: Path, token: str, n: int = 200_000) -> dict[str, float]:
 
     token_file = work / "check.token"
     token_file.write_text(token)
+    token_file.chmod(0o600)  # as kvstored accepts a token file
     tokens = Tokens([TenantConfig("bench", str(token_file), Quota())])
     store = Store(StoreConfig(host_bytes=16 * MiB, shared_arena=False))
     try:

@@ -458,6 +458,13 @@ def store_snapshot(stub: Any) -> dict[str, Any]:
     }
 
 
+def write_secret(path: Path, text: str) -> Path:
+    """Write a token or key file as the daemon accepts one: mode 0600."""
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
 def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> bool:
     """Poll ``check`` until it holds or ``timeout`` passes; its last answer."""
     deadline = time.monotonic() + timeout

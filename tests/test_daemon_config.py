@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from conftest import write_secret
 
 from kvstored import config
 from kvstored.main import main
@@ -293,6 +294,7 @@ def test_bad_tenant_tables_exit_2_with_one_line(
     ("tokens", "problem"),
     [
         ({"a": None}, "cannot read the token of tenant a from"),
+        ({"a": "world-readable-token"}, "is open to other users (mode 0644"),
         ({"a": "short"}, "must be at least 16 characters"),
         ({"a": "x" * 20, "b": "x" * 20}, "tenant b and tenant a have the same token"),
     ],
@@ -306,7 +308,9 @@ def test_unusable_token_files_stop_start_up_with_one_line(
     for name, token in tokens.items():
         path = tmp_path / f"{name}.token"
         if token is not None:
-            path.write_text(token)
+            write_secret(path, token)
+            if token.startswith("world-readable"):
+                path.chmod(0o644)
         lines.append(f'[tenants.{name}]\ntoken_file = "{path}"\n')
     toml = tmp_path / "kvstored.toml"
     toml.write_text("".join(lines))

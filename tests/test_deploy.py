@@ -225,6 +225,14 @@ def assert_tokens_come_from_the_secret(
     files = [cfg.admin_token_file, *(t.token_file for t in cfg.tenants)]
     assert cfg.tenants and all(Path(f).parent == Path(mount) for f in files)
     assert {Path(f).name for f in files} == set(secret["stringData"])
+    # mounted as kvstored reads a secret (kvstored.auth.read_secret): nothing for other
+    # users, group read only for the daemon's own group (the pod's fsGroup)
+    group = daemon.get("securityContext", {}).get("runAsGroup")
+    group = group or spec.get("securityContext", {}).get("runAsGroup")
+    for volume in spec["volumes"]:
+        if "secret" in volume and any(m == volume["name"] for m in mounts(daemon)):
+            assert volume["secret"]["defaultMode"] & 0o037 == 0, volume["name"]
+            assert spec["securityContext"]["fsGroup"] == group, volume["name"]
 
 
 def test_tcp_tls_manifest_serves_tls_with_tokens(tmp_path: Path) -> None:

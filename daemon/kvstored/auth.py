@@ -111,44 +111,38 @@ def parse_tenants(
 
 
 def read_token(path: str, whose: str) -> str:
-    """The token in ``path`` (surrounding whitespace dropped); ValueError saying why not."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ValueError(f"cannot read the token of {whose} from {path}: {reason}") from None
-    if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-        raise ValueError(
-            f"the token of {whose} in {path} must be at least {MIN_TOKEN_CHARS} characters "
-            "with no spaces (e.g. `openssl rand -hex 32`)"
-        )
+    """The token in ``path`` (see :func:`read_secret`); ValueError saying why not."""
+    token = read_secret(path, f"the token of {whose}", MIN_TOKEN_CHARS)
+    if any(c.isspace() for c in token):
+        raise ValueError(f"the token of {whose} in {path} must have no spaces")
     return token
 
 
-MIN_SECRET_CHARS = 32
+MIN_SECRET_CHARS = 32  # the shared tier's MAC key
 
 
-def read_secret(path: str, whose: str) -> str:
+def read_secret(path: str, what: str, min_chars: int = MIN_SECRET_CHARS) -> str:
     """The secret in ``path`` (surrounding whitespace dropped); ValueError saying why
-    not: unreadable, shorter than MIN_SECRET_CHARS, or open to the file's group or to
-    other users (refused as ssh refuses such a private key: anyone who reads it can
-    forge what it signs)."""
+    not: unreadable, shorter than ``min_chars``, or open to others. Refused as ssh
+    refuses a private key others may read: a file other users may read or write, or
+    its group write; its group may read it only when that is this process's own group
+    (Kubernetes mounts a Secret so, for the pod's ``fsGroup``)."""
     try:
         with open(path, encoding="utf-8") as f:
-            mode = os.fstat(f.fileno()).st_mode
+            info = os.fstat(f.fileno())
             secret = f.read().strip()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ValueError(f"cannot read {whose} from {path}: {reason}") from None
-    if mode & 0o077:
+        raise ValueError(f"cannot read {what} from {path}: {reason}") from None
+    mode = info.st_mode
+    if mode & 0o027 or (mode & 0o040 and info.st_gid != os.getegid()):
         raise ValueError(
-            f"{whose} in {path} is open to other users (mode {stat.S_IMODE(mode):04o}): "
-            f"chmod 600 {path}"
+            f"{what} in {path} is open to other users (mode {stat.S_IMODE(mode):04o}, "
+            f"group {info.st_gid}): chmod 600 {path}"
         )
-    if len(secret) < MIN_SECRET_CHARS:
+    if len(secret) < min_chars:
         raise ValueError(
-            f"{whose} in {path} must be at least {MIN_SECRET_CHARS} characters "
+            f"{what} in {path} must be at least {min_chars} characters "
             "(e.g. `openssl rand -hex 32`)"
         )
     return secret

@@ -576,7 +576,7 @@ class DaemonConfig:
             return None
         password = ""
         if self.shared_password_file:
-            password = Path(self.shared_password_file).read_text().strip()
+            password = read_secret(self.shared_password_file, "the shared tier's password", 1)
         key = b""
         if self.shared_key_file:
             key = mac_key(read_secret(self.shared_key_file, "the shared tier's key"))

@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 
 from kvstored import hostinfo, paths
-from kvstored.auth import Tokens, read_secret
+from kvstored.auth import MIN_SECRET_CHARS, Tokens, read_secret
 from kvstored.config import (
     DISK_SIZE_FILE,
     ConfigError,
@@ -138,21 +138,17 @@ def check_security(config: DaemonConfig) -> None:
             raise _fail(config, key, f"cannot read {path}: {_reason(exc)}") from None
         if b"-----BEGIN " not in data:
             raise _fail(config, key, f"{path} holds no PEM block")
-    if config.shared_key_file:
-        try:
-            read_secret(config.shared_key_file, "the shared tier's key")
-        except ValueError as exc:
-            raise _fail(config, "shared_key_file", str(exc)) from None
-    if config.shared_password_file:
-        try:
-            Path(config.shared_password_file).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = _reason(exc) if isinstance(exc, OSError) else "not UTF-8 text"
-            raise _fail(
-                config,
-                "shared_password_file",
-                f"cannot read {config.shared_password_file}: {reason}",
-            ) from None
+    secrets = (
+        ("shared_key_file", "the shared tier's key", MIN_SECRET_CHARS),
+        ("shared_password_file", "the shared tier's password", 1),
+    )
+    for key, what, min_chars in secrets:
+        path = getattr(config, key)
+        if path:
+            try:
+                read_secret(path, what, min_chars)
+            except ValueError as exc:
+                raise _fail(config, key, str(exc)) from None
 
 
 def tcp_port_problem(address: str) -> str | None:
