@@ -148,6 +148,9 @@ class IndexLoad:
     def _load(self) -> None:
         started = time.monotonic()
         self._disk.open_checked()
+        if not self._disk.opened:  # a fresh tier waiting for room: nothing to load
+            self._disk.end_load()
+            return
         self._register_namespaces()
         self.total = self._disk.record_count()
         waiting: dict[bytes, list[Loaded]] = {}

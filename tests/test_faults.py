@@ -9,6 +9,7 @@ also runs it on a small tmpfs where it may mount one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -151,6 +152,30 @@ def test_a_full_file_system_does_not_keep_the_tier_off(
     assert wait_for(lambda: stats(stub).disk_writable)
     reply, _ = put_chain(stub, info, chain_tokens(9000, 2), seed=9000)
     assert (reply.stored, reply.durable) == (2, 2)  # durable again, on the same full disk
+    assert daemon.stop() == 0
+
+
+def test_a_fresh_disk_dir_on_a_full_file_system_starts_without_the_disk_tier(
+    kvstored_factory: Callable[..., Daemon], small_tmpfs: Path
+) -> None:
+    ballast = small_tmpfs / "ballast"
+    with open(ballast, "wb") as fill, contextlib.suppress(OSError):
+        fill.write(bytes(64 << 20))  # more than the file system holds: it is full
+    daemon = kvstored_factory(
+        host_bytes="16MiB", disk_bytes="32MiB", admission="write-through",
+        disk_dir=str(small_tmpfs / "disk"),
+    )  # fmt: skip
+    assert "disk tier off: no room at" in daemon.output()
+    stub = kv_stub(daemon)
+    assert not stats(stub).disk_writable  # (kvstore_disk_writable 0, kvctl status says why)
+    info = open_ns(stub, block_bytes=BLOCK, block_tokens=TOKENS)
+    reply, _ = put_chain(stub, info, chain_tokens(1, 4), seed=1)
+    assert (reply.stored, reply.durable) == (4, 0)  # served from host meanwhile
+    ballast.unlink()  # room again: the tier attaches by itself
+    assert wait_for(lambda: stats(stub).disk_writable), daemon.output()[-2000:]
+    assert "disk tier attached" in daemon.output()
+    reply, _ = put_chain(stub, info, chain_tokens(2, 4), seed=2)
+    assert (reply.stored, reply.durable) == (4, 4)
     assert daemon.stop() == 0
 
 

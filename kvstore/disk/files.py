@@ -48,6 +48,8 @@ LOCK_FILE = "lock.mdb"
 OWNER_LOCK = "kvstored.lock"
 RESERVE_FILE = "kvstored-reserve"
 SCAN_TIMEOUT_S = 300.0  # a child scan of a very large environment may take this long
+LOCK_FILE_BYTES = 64 << 10  # lock.mdb, allocated before LMDB maps it (allocate_lock_file)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)  # a file system (or quota) with no room
 
 _PAGE_HEADER = 16
 _META = struct.Struct("<IIQQ")  # magic, version, address, map size
@@ -91,8 +93,13 @@ def lock_directory(directory: str) -> int:
             f"disk_dir {directory} is in use by another kvstore process (pid {holder}); "
             "stop it, or give this one its own disk_dir"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # the pid is for the next one's error; a full file system leaves it out
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as exc:
+        if exc.errno not in NO_ROOM:
+            os.close(fd)
+            raise
     return fd
 
 
@@ -180,6 +187,19 @@ def scan_in_child(directory: str, timeout: float = SCAN_TIMEOUT_S) -> str | None
         return f"checking its pages killed a child process (signal {-done.returncode})"
     lines = done.stderr.strip().splitlines()
     return f"checking its pages failed: {lines[-1] if lines else f'exit {done.returncode}'}"
+
+
+def allocate_lock_file(directory: str) -> None:
+    """Give LMDB's lock file its disk blocks before LMDB maps it. LMDB extends a missing
+    or short one with ftruncate and writes it through its map, and on a full file
+    system a write to a page the file system cannot back kills the process (SIGBUS).
+    Raises OSError (ENOSPC) instead. A longer file only gives LMDB more reader slots."""
+    path = os.path.join(directory, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+    finally:
+        os.close(fd)
 
 
 def has_reserve(directory: str) -> bool:

@@ -4,11 +4,13 @@ commits :mod:`kvstore.disk.writer`'s. The protocol is in :mod:`kvstore.disk`."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,6 +20,8 @@ import lmdb
 
 from kvstore.codecs import Codec
 from kvstore.disk.files import (
+    NO_ROOM,
+    allocate_lock_file,
     find_damage,
     lock_directory,
     make_reserve,
@@ -61,6 +65,8 @@ from kvstore.disk.state import (
 from kvstore.disk.writer import DiskWriter
 
 log = logging.getLogger(__name__)
+
+ROOM_POLL_S = 2.0  # a tier waiting for room to create its files looks this often
 
 
 class DiskTier:
@@ -107,6 +113,7 @@ class DiskTier:
         self._s.reserve_bytes = min(_RESERVE_MAX, max(_RESERVE_MIN, capacity_bytes // 64))
         self._s.map_size = 0
         self._s.checked = not lazy  # lazy: the writer waits for open_checked()
+        self._room_wait: threading.Thread | None = None  # waiting for room (open_checked)
         self._s.loading = lazy
         try:
             if lazy:  # only what reads no B-tree page now (see open_checked)
@@ -361,11 +368,62 @@ class DiskTier:
             if self._s.checked or self._s.closed:
                 return
             with self._s.resize.exclusive():
-                self._open_now(self._deep_check)
+                try:
+                    self._open_now(self._deep_check)
+                except OSError as exc:
+                    if exc.errno not in NO_ROOM or self.file_bytes() > 2 * self._s.psize:
+                        raise
+                    self._wait_for_room(os.strerror(exc.errno))  # a fresh one: nothing lost
+                    return
                 with self._s.cond:
                     self._s.used += self._pages_used()  # exact once the load ends
                     self._s.checked = True
+                    self._s.fault = ""  # (set while it waited for room)
                     self._s.cond.notify_all()
+            if self._room_wait is not None:
+                log.warning(
+                    "disk tier attached: %s has room again; it takes writes",
+                    self._s.directory, extra={"event": "disk_attached"},
+                )  # fmt: skip
+
+    def _wait_for_room(self, reason: str) -> None:
+        """A fresh environment could not be created (a full file system): the tier takes
+        no writes (:attr:`fault`), reads miss, and a thread tries the open again each
+        ROOM_POLL_S once the file system has room for the reserve twice over. One line
+        now, one when it attaches."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.getsize(self._s.data_path) == 0:  # else "damaged" next time
+                os.unlink(self._s.data_path)
+        with self._s.cond:
+            self._s.fault = f"no room at {self._s.directory} to create the disk tier ({reason})"
+        if self._room_wait is not None:
+            return
+        log.error(
+            "disk tier off: no room at %s to create its files (%s); the daemon runs "
+            "without it and attaches it once the file system has room (looked at every "
+            "%.0f s)", self._s.directory, reason, ROOM_POLL_S,
+            extra={"event": "disk_no_room"},
+        )  # fmt: skip
+        self._room_wait = threading.Thread(
+            target=self._poll_room, name="kvstore-disk-room", daemon=True
+        )
+        self._room_wait.start()
+
+    def _poll_room(self) -> None:
+        need = 2 * self._s.reserve_bytes
+        while True:
+            with self._s.cond:
+                self._s.cond.wait_for(lambda: self._s.stopping, ROOM_POLL_S)
+                if self._s.stopping or self._s.checked:
+                    return
+            try:
+                vfs = os.statvfs(self._s.directory)
+                if vfs.f_bavail * vfs.f_frsize >= need:
+                    self.open_checked()
+            except Exception:
+                log.exception("the disk tier could not be opened; it takes no writes")
+                self.give_up_open("its open failed after the file system had room")
+                return
 
     def file_bytes(self) -> int:
         """The size of the environment's data file (0 when there is none yet)."""
@@ -417,6 +475,8 @@ class DiskTier:
     # --- lifecycle --------------------------------------------------------------
     def close(self) -> None:
         """Commit everything queued, stop the writer, close the environment (idempotent)."""
+        if self._room_wait is not None and not self._s.checked:
+            self.give_up_open("it was closed while it waited for room")
         if not self._s.closed_unopened:
             self.open_checked()  # a lazy open never finished: the queue still goes to disk
         with self._s.close_lock:
@@ -496,6 +556,7 @@ class DiskTier:
 
     def _open_env(self, map_size: int) -> None:
         """Open LMDB, its databases, check the format and load the size map."""
+        allocate_lock_file(self._s.directory)  # (no room: OSError, not SIGBUS)
         self._s.env = lmdb.open(
             self._s.directory,
             map_size=map_size,
