@@ -2,9 +2,13 @@
 
 :class:`Counters` are plain integers the store's parts add to under the store's lock.
 :class:`EventLog` keeps the newest events (one per block stored, promoted, demoted,
-removed...) in a bounded ring with increasing sequence numbers; a reader asks for the
+removed...) in bounded rings with increasing sequence numbers; a reader asks for the
 events after the last one it saw (:meth:`EventLog.since`) and may wait on the store's
 condition, which every emit notifies.
+
+One ring holds every event (the admin's, and a daemon's without tenants), and each
+tenant has a ring of its own, numbered on its own: a tenant's numbers do not count
+another's blocks, and another's churn never pushes its events out.
 """
 
 from __future__ import annotations
@@ -46,43 +50,85 @@ class Counters:
     dirty_dropped: int = 0  # blocks evicted before written to disk (overflow = drop)
 
 
-class EventLog:
-    """The newest ``capacity`` events, numbered from 1; every emit notifies ``changed``
-    (the store's condition: the caller holds its lock)."""
+Row = tuple[int, EventKind, str, BlockKey, str, float]  # Event's fields, in order
 
-    def __init__(
-        self, capacity: int, changed: threading.Condition, wall: Callable[[], float]
-    ) -> None:
-        # plain tuples in Event's field order (Event._make when read: a block stored
-        # makes one, under the lock, and a plain tuple costs half a NamedTuple)
-        self._events: deque[tuple[int, EventKind, str, BlockKey, str, float]] = deque(
-            maxlen=capacity
-        )
-        self._changed = changed
-        self._wall = wall
+
+class _Ring:
+    """The newest ``capacity`` events of one stream, numbered from 1."""
+
+    __slots__ = ("rows", "seq")
+
+    def __init__(self, capacity: int) -> None:
+        self.rows: deque[Row] = deque(maxlen=capacity)
         self.seq = 0  # the newest event's number (0 before the first)
 
-    def emit(self, kind: EventKind, node: Node, tier: str) -> None:
-        self.emit_all(kind, (node,), tier)
-
-    def emit_all(self, kind: EventKind, nodes: Sequence[Node], tier: str) -> None:
-        """One event per node, in order, in ``tier`` (a Tier, or "" when it left the
-        store); waiters are woken once."""
-        now = self._wall()
+    def extend(self, kind: EventKind, nodes: Sequence[Node], tier: str, now: float) -> None:
         seq = self.seq
-        self._events.extend(
+        self.rows.extend(
             [
                 (seq + i, kind, node.ns.spec.ns_id, node.key, tier, now)
                 for i, node in enumerate(nodes, 1)
             ]
         )
         self.seq = seq + len(nodes)
-        self._changed.notify_all()
 
     def since(self, seq: int, limit: int) -> list[Event]:
-        """The kept events after number ``seq``, at most ``limit``, oldest first."""
-        if not self._events:
+        if not self.rows:
             return []
-        first = self._events[0][0]
-        begin = max(seq + 1 - first, 0)
-        return [Event._make(e) for e in itertools.islice(self._events, begin, begin + limit)]
+        begin = max(seq + 1 - self.rows[0][0], 0)
+        return [Event._make(e) for e in itertools.islice(self.rows, begin, begin + limit)]
+
+
+class EventLog:
+    """Every event, and each tenant's (see the module docstring); every emit notifies
+    ``changed`` (the store's condition: the caller holds its lock). Events are plain
+    tuples in Event's field order (Event._make when read: a block stored makes one,
+    under the lock, and a plain tuple costs half a NamedTuple)."""
+
+    def __init__(
+        self, capacity: int, changed: threading.Condition, wall: Callable[[], float]
+    ) -> None:
+        self._capacity = capacity
+        self._all = _Ring(capacity)
+        self._tenants: dict[str, _Ring] = {}
+        self._changed = changed
+        self._wall = wall
+
+    def emit(self, kind: EventKind, node: Node, tier: str) -> None:
+        self.emit_all(kind, (node,), tier)
+
+    def emit_all(self, kind: EventKind, nodes: Sequence[Node], tier: str) -> None:
+        """One event per node, in order, in ``tier`` (a Tier, or "" when it left the
+        store), in every event's ring and in its tenant's; waiters are woken once."""
+        if not nodes:
+            return
+        now = self._wall()
+        self._all.extend(kind, nodes, tier, now)
+        tenant = nodes[0].ns.group.name
+        if any(node.ns.group.name != tenant for node in nodes):
+            for node in nodes:
+                self._tenant_extend(node.ns.group.name, kind, (node,), tier, now)
+        else:
+            self._tenant_extend(tenant, kind, nodes, tier, now)
+        self._changed.notify_all()
+
+    def _tenant_extend(
+        self, tenant: str, kind: EventKind, nodes: Sequence[Node], tier: str, now: float
+    ) -> None:
+        if not tenant:  # (no tenant: in the ring of every event only)
+            return
+        ring = self._tenants.get(tenant)
+        if ring is None:
+            ring = self._tenants[tenant] = _Ring(self._capacity)
+        ring.extend(kind, nodes, tier, now)
+
+    def seq(self, tenant: str | None = None) -> int:
+        """The newest event's number: of every event (None), or of ``tenant``'s."""
+        ring = self._all if tenant is None else self._tenants.get(tenant)
+        return 0 if ring is None else ring.seq
+
+    def since(self, seq: int, limit: int, tenant: str | None = None) -> list[Event]:
+        """The kept events after number ``seq``, at most ``limit``, oldest first: of
+        every event (None), or of ``tenant``'s, in its numbers."""
+        ring = self._all if tenant is None else self._tenants.get(tenant)
+        return [] if ring is None else ring.since(seq, limit)

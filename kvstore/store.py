@@ -241,10 +241,11 @@ class Store:
     def platform(self) -> str:
         return self._platform
 
-    @property
-    def last_event_seq(self) -> int:
-        """Sequence number of the newest event (0 before the first)."""
-        return self._parts.events.seq
+    def last_event_seq(self, tenant: str | None = None) -> int:
+        """Sequence number of the newest event (0 before the first): of every event,
+        or of ``tenant``'s (kvstore.events: each tenant's are numbered on their own)."""
+        with self._lock:
+            return self._parts.events.seq(tenant)
 
     def set_platform(self, profile: str) -> None:
         """Called by the GPU layer once it has detected the machine ('pcie', 'c2c')."""
@@ -374,7 +375,7 @@ class Store:
                     "put_waits": c.put_waits,
                     "writer_refused": c.writer_refused,
                     "dirty_dropped": c.dirty_dropped,
-                    "event_seq": parts.events.seq,  # the newest event's seq (kvctl events --count)
+                    "event_seq": parts.events.seq(),  # the newest event's (kvctl events --count)
                     **self._feed_figures(),
                     **self._load_progress(),
                     **disk_counters,
@@ -437,16 +438,20 @@ class Store:
             for name, group in sorted(groups.items())
         )
 
-    def events_since(self, seq: int, timeout: float = 0.0, limit: int = 1024) -> list[Event]:
+    def events_since(
+        self, seq: int, timeout: float = 0.0, limit: int = 1024, tenant: str | None = None
+    ) -> list[Event]:
+        """The events after number ``seq`` (of every event, or of ``tenant``'s), waiting
+        up to ``timeout`` for one."""
         parts = self._parts
         deadline = parts.clock() + max(timeout, 0.0)
         with parts.changed:
-            while parts.events.seq <= seq and not parts.closed:
+            while parts.events.seq(tenant) <= seq and not parts.closed:
                 remaining = deadline - parts.clock()
                 if remaining <= 0:
                     return []
                 parts.changed.wait(remaining)
-            return parts.events.since(seq, limit)
+            return parts.events.since(seq, limit, tenant)
 
     def wait_ready(self, ns_id: str, keys: Sequence[BlockKey], timeout: float) -> ReadyPrefix:
         parts = self._parts

@@ -16,6 +16,7 @@ from kvstore.errors import InvalidArgument, LeaseError, UnknownNamespace
 from kvstore.keys import NamespaceSpec
 from kvstore.results import EventKind, Tier
 from kvstore.store import Store, StoreConfig
+from kvstore.tenants import tenant_salt
 
 BLOCK = 4096
 TOKENS = 4  # tokens per block
@@ -278,6 +279,22 @@ def test_events_have_increasing_sequence_numbers(store: Store) -> None:
     assert [(e.kind, e.ns_id, e.key, e.tier) for e in events] == [
         (EventKind.STORED, ns, k, Tier.HOST) for k in keys
     ]
+
+
+def test_each_tenant_has_a_ring_of_events_of_its_own() -> None:
+    # a's churn (more events than the ring holds) leaves b's events whole, and each
+    # tenant's are numbered on their own; every event's ring holds them all
+    with make_store(64, event_buffer=16) as s:
+        ns_a = open_ns(s, tenant_salt=tenant_salt("a", ""))
+        ns_b = open_ns(s, tenant_salt=tenant_salt("b", ""))
+        s.put(ns_b, s.keys_for(ns_b, seq(0, 4)), [payload(i) for i in range(4)])
+        for start in range(0, 40 * TOKENS, 4 * TOKENS):
+            s.put(ns_a, s.keys_for(ns_a, seq(start + 1, 4)), [payload(i) for i in range(4)])
+        assert [e.seq for e in s.events_since(0, tenant="b")] == [1, 2, 3, 4]
+        assert {e.ns_id for e in s.events_since(0, tenant="b")} == {ns_b}
+        assert [e.seq for e in s.events_since(0, tenant="a")] == list(range(25, 41))
+        assert s.last_event_seq("a") == 40 and s.last_event_seq() == 44
+        assert s.events_since(0, tenant="c") == [] and s.last_event_seq("c") == 0
 
 
 def test_used_never_exceeds_capacity_under_churn() -> None:

@@ -456,6 +456,23 @@ def test_a_tenant_parking_waits_cannot_starve_anothers_lookups_or_events(
         assert all(f.result(timeout=20).ready_blocks == 0 for f in parked)
 
 
+def test_a_tenants_events_are_numbered_on_their_own(tenancy: Tenancy) -> None:
+    """a cannot count b's writes: a's event numbers, in its stream and its Stats, move
+    with its own blocks only (the admin's count every tenant's)."""
+    with tenancy.client("a") as a, tenancy.client("b") as b, tenancy.client("admin") as admin:
+        ns_a = a.namespace("seq-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        ns_b = b.namespace("seq-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        seq_a, seq_all = a.stats().counters["event_seq"], admin.stats().counters["event_seq"]
+        assert ns_b.put(tokens_of(60, 3), blocks_of(3, 4096, 60)).stored == 3
+        assert admin.stats().counters["event_seq"] >= seq_all + 3
+        assert a.stats().counters["event_seq"] == seq_a  # b's blocks: not in a's numbers
+        assert ns_a.put(tokens_of(61, 2), blocks_of(2, 4096, 61)).stored == 2
+        assert a.stats().counters["event_seq"] == seq_a + 2
+        mine = list(a.events(from_seq=seq_a, duration_s=0.5))
+        assert [e.seq for e in mine] == [seq_a + 1, seq_a + 2]
+        assert {e.ns_id for e in mine} == {ns_a.ns_id}
+
+
 def test_a_flood_of_bad_tokens_is_logged_rate_limited_and_held_back(tenancy: Tenancy) -> None:
     """Past BAD_TOKEN_FREE refusals, each call with a bad token from that peer is
     answered BAD_TOKEN_DELAY_S late, and the log tells refusals in a few lines."""

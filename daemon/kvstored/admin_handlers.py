@@ -211,9 +211,11 @@ async def SetPriority(
 async def Stats(calls: Calls, request: pb.StatsRequest, context: Ctx) -> pb.StatsResponse:
     caller = calls.access.caller(context)
     stats = await calls.run(calls.store.stats)
-    if not caller.admin:  # a tenant sees its own namespaces, and no tenant's usage
+    if not caller.admin:  # a tenant sees its own namespaces and events, no tenant's usage
         own = tuple(n for n in stats.namespaces if calls.access.visible(caller, n.ns_id))
-        stats = dataclasses.replace(stats, namespaces=own, tenants=())
+        seq = await calls.run(calls.store.last_event_seq, caller.tenant)
+        counters = {**stats.counters, "event_seq": seq}
+        stats = dataclasses.replace(stats, namespaces=own, tenants=(), counters=counters)
     names = calls.names.names_by_ns_id()
     named = tuple(dataclasses.replace(n, name=names.get(n.ns_id, "")) for n in stats.namespaces)
     return result_messages.stats_response(
@@ -236,15 +238,19 @@ async def WatchEvents(
     for kind in kinds:
         if kind not in result_messages.EVENT_KINDS.values():
             raise InvalidArgument(f"kinds: unknown event kind {kind}")
-    seq = await calls.run(_latest_seq, calls) if request.from_now else request.from_seq
+    tenant = None if caller.admin else caller.tenant  # a tenant's events: its own numbers
+    seq = request.from_seq
+    if request.from_now:
+        seq = await calls.run(calls.store.last_event_seq, tenant)
     while not calls.stopping.is_set():
         parked, got = await calls.run_parked(
-            calls.event_shares, caller, calls.store.events_since, seq, EVENT_POLL_S, EVENT_BATCH
-        )
+            calls.event_shares, caller, calls.store.events_since, seq, EVENT_POLL_S, EVENT_BATCH,
+            tenant,
+        )  # fmt: skip
         if parked:
             events: list[Event] = got or []
         else:  # past the caller's share of threads: poll here, and pause
-            events = calls.store.events_since(seq, 0.0, EVENT_BATCH)
+            events = calls.store.events_since(seq, 0.0, EVENT_BATCH, tenant)
             if not events:
                 await asyncio.sleep(EVENT_POLL_S / 5)
         if not events:
@@ -261,6 +267,3 @@ async def WatchEvents(
         if out or missed:
             yield pb.WatchEventsResponse(events=out, missed=missed)
 
-
-def _latest_seq(calls: Calls) -> int:
-    return calls.store.last_event_seq
