@@ -187,7 +187,7 @@ def crash_cycles(work: Path, admission: str, cycles: int) -> dict[str, Any]:
 
 
 def part_crash(work: Path, quick: bool) -> Section:
-    cycles = 3 if quick else 100
+    cycles = 2 if quick else 100
     rows = [crash_cycles(work / f"crash-{mode}", mode, cycles) for mode in
             ("write-back", "write-through")]
     body = [
@@ -252,7 +252,7 @@ while True:
 
 
 def part_client(work: Path, quick: bool) -> Section:
-    rounds = 3 if quick else 20
+    rounds = 2 if quick else 20
     daemon = Kvstored(work / "client", host_bytes="64MiB", disk_bytes=0, lease_ttl_s=60)
     daemon.start()
     released: dict[str, list[float]] = {}
@@ -480,7 +480,7 @@ def load_progress(addr: str) -> tuple[int, int]:
 def part_indexload(work: Path, quick: bool) -> Section:
     from kvbench.disk_fill import chain_tokens, fill_disk
 
-    cycles = 2 if quick else 6
+    cycles = 1 if quick else 6
     chains = 4000 if quick else 40_000  # 64k or 640k records: a load of 8 or 80 chunks
     daemon = Kvstored(
         work / "indexload", admission="write-through", disk_bytes="8GiB", sync_index_bytes=0

@@ -48,6 +48,7 @@ class Namespaces:
             group = self.groups[tenant] = Group(tenant, self._quotas.get(tenant, Quota()))
         codec = codec_of(spec.codec, spec.dtype, spec.head_dim, spec.block_bytes)
         entry = NamespaceEntry(spec, group, codec)
+        group.namespaces += 1
         self._entries[spec.ns_id] = entry
         self.by_digest[spec.digest] = entry
         return entry

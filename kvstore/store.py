@@ -41,7 +41,7 @@ import numpy as np
 
 from kvproto.v1.results import Event, NamespaceStats, SharedStats, Stats, TenantStats, TierStats
 from kvstore.disk import DiskTier
-from kvstore.errors import InvalidArgument, LayoutMismatch
+from kvstore.errors import InvalidArgument, LayoutMismatch, OutOfSpace
 from kvstore.events import Counters, EventLog
 from kvstore.host.arena import HostArena, PinHook
 from kvstore.host_coding import HostCoding
@@ -57,6 +57,7 @@ from kvstore.store_parts import StoreParts
 from kvstore.store_reads import Reads, ready_prefix
 from kvstore.store_shared import SharedBlocks, SharedQueue
 from kvstore.store_writes import Writes
+from kvstore.tenants import tenant_of
 from kvstore.tier_events import TierFeed
 from kvstore.tiering import Tiers
 
@@ -265,6 +266,13 @@ class Store:
                 if entry.spec.digest != spec.digest:
                     raise LayoutMismatch(f"namespace {spec.ns_id} is open with a different layout")
                 return entry.spec
+            limit = self.config.tenant_max_namespaces
+            group = self._parts.namespaces.groups.get(tenant_of(spec.tenant_salt))
+            if limit and group is not None and group.namespaces >= limit:
+                raise OutOfSpace(
+                    f"{group.namespaces} namespaces are open already, the most one tenant "
+                    "may open (tenant_max_namespaces)"
+                )
             self._parts.namespaces.register(spec)
             if self._disk is not None:
                 self._disk.save_namespace(spec.digest, spec.to_dict())

@@ -72,6 +72,8 @@ class StoreConfig:
     sync_index_bytes: int = 512 << 20
     # tenant -> its quota (kvstore.tenants); tenants not named here have none
     quotas: Mapping[str, Quota] = field(default_factory=dict)
+    # most namespaces one tenant may open (the empty tenant included); 0: no limit
+    tenant_max_namespaces: int = 0
     shared: SharedConfig | None = None  # a shared tier on a Valkey / Redis Cluster
     # the tiers where a namespace with a codec keeps its blocks encoded (kvstore.codecs)
     codec_tiers: tuple[str, ...] = ("disk", "shared")
@@ -86,6 +88,10 @@ class StoreConfig:
             raise InvalidArgument(f"host_bytes must be >= 4096, got {self.host_bytes}")
         if self.disk_bytes < 0:
             raise InvalidArgument(f"disk_bytes must be >= 0, got {self.disk_bytes}")
+        if self.tenant_max_namespaces < 0:
+            raise InvalidArgument(
+                f"tenant_max_namespaces must be >= 0, got {self.tenant_max_namespaces}"
+            )
         if self.disk_bytes and not self.disk_dir:
             raise InvalidArgument("disk_dir is required when disk_bytes > 0")
         if self.admission not in ADMISSION_POLICIES:

@@ -53,6 +53,7 @@ class Group:
 
     name: str
     quota: Quota = field(default_factory=Quota)
+    namespaces: int = 0  # registered (tenant_max_namespaces bounds the ones it opens)
     host_bytes: int = 0  # its blocks' bytes in the host tier (pending ones included)
     staged_bytes: int = 0  # empty host slots set aside for its writers' next puts
     disk_bytes: int = 0

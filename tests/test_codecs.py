@@ -193,17 +193,20 @@ def test_a_damaged_or_foreign_encoded_record_is_a_miss(
 
 
 def test_a_name_bound_before_codecs_still_opens_its_namespace(tmp_path: Path) -> None:
-    """A namespace-names.json written before the codec field: re-opening the name with
-    the same layout (codec exact, the default) is no layout change."""
+    """A namespace-names.json written before the codec field (and before the log):
+    re-opening the name with the same layout (codec exact, the default) is no layout
+    change, and the binding moves into the log."""
     import json
 
-    from kvstored.names import FILE_NAME, NamespaceNames
+    from kvstored.names import FILE_NAME, OLD_FILE_NAME, NamespaceNames
 
     spec = NamespaceSpec("old-model", 16, 4096)
     declared = spec.to_dict()
     del declared["codec"]  # as an older daemon saved it
-    (tmp_path / FILE_NAME).write_text(json.dumps({"prod": {"ns_id": spec.ns_id, "spec": declared}}))
+    old = tmp_path / OLD_FILE_NAME
+    old.write_text(json.dumps({"prod": {"ns_id": spec.ns_id, "spec": declared}}))
     names = NamespaceNames(tmp_path)
+    assert not old.exists() and (tmp_path / FILE_NAME).stat().st_mode & 0o777 == 0o600
     assert names.bind("prod", spec, lambda s: s).ns_id == spec.ns_id
     with pytest.raises(Exception, match="codec='exact'->'int8'"):
         coded = NamespaceSpec("old-model", 16, 0, 1, 1, 64, codec="int8")

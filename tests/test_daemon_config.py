@@ -198,6 +198,7 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         ([], {"KVSTORED_SHARED_TIMEOUT_MS": "0"}, "shared_timeout_ms"),
         (["--shared-password-file", "/nonexistent"], {}, "shared_password_file"),
         (["--shared-key-file", "/nonexistent"], {}, "shared_key_file"),  # no shared_url
+        (["--tenant-max-namespaces", "-1"], {}, "tenant_max_namespaces"),
         (["--put-wait-ms", "-1"], {}, "put_wait_ms"),
         (["--overflow", "sometimes"], {}, "overflow"),
         (["--persist-timeout-s", "-1"], {}, "persist_timeout_s"),

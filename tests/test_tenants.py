@@ -30,6 +30,7 @@ from kvclient import (
     KVClient,
     NamespaceNotFoundError,
 )
+from kvclient.errors import KVStoreError
 from kvclient.namespace import Namespace
 from kvproto.v1 import gpu_pb2
 from kvproto.v1 import kvstore_pb2 as pb
@@ -471,6 +472,32 @@ def test_a_tenants_events_are_numbered_on_their_own(tenancy: Tenancy) -> None:
         mine = list(a.events(from_seq=seq_a, duration_s=0.5))
         assert [e.seq for e in mine] == [seq_a + 1, seq_a + 2]
         assert {e.ns_id for e in mine} == {ns_a.ns_id}
+
+
+def test_a_tenant_opens_and_names_at_most_tenant_max_namespaces(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    config, tokens, _ = write_tenants(tmp_path)
+    daemon = kvstored_factory(extra_args=("--config", str(config)), tenant_max_namespaces=2)
+    with KVClient(daemon.addr, token=tokens["a"]) as a, KVClient(
+        daemon.addr, token=tokens["b"]
+    ) as b:
+        for model in ("m1", "m2"):
+            a.namespace(model, block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        with pytest.raises(KVStoreError) as refused:
+            a.namespace("m3", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tenant_max_namespaces" in str(refused.value)
+        a.namespace("m1", block_tokens=BLOCK_TOKENS, block_bytes=4096)  # open already: fine
+        for name in ("first", "second"):
+            a.namespace("m1", block_tokens=BLOCK_TOKENS, block_bytes=4096, name=name)
+        with pytest.raises(KVStoreError, match="tenant_max_namespaces"):
+            a.namespace("m1", block_tokens=BLOCK_TOKENS, block_bytes=4096, name="third")
+        b.namespace("m3", block_tokens=BLOCK_TOKENS, block_bytes=4096)  # b's own count
+    names = (Path(daemon.disk_dir) / "namespace-names.jsonl").read_text().splitlines()
+    assert len(names) == 2  # one line a bind (a log, never rewritten whole)
+    assert (Path(daemon.disk_dir) / "namespace-names.jsonl").stat().st_mode & 0o077 == 0
+    assert daemon.stop() == 0
 
 
 def test_a_flood_of_bad_tokens_is_logged_rate_limited_and_held_back(tenancy: Tenancy) -> None:

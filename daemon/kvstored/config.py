@@ -408,7 +408,11 @@ KEYS: tuple[Key, ...] = (
         "on shutdown, how long writing the host tier to disk may wait for the disk "
         "writer; blocks due on disk left unwritten then make the exit code 3",
         lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
-    Key("event_buffer", "int", parse_int, 65536, "events kept for WatchEvents", _at_least(16)),
+    Key("event_buffer", "int", parse_int, 65536,
+        "events kept for WatchEvents (for the admin; as many again per tenant)", _at_least(16)),
+    Key("tenant_max_namespaces", "int", parse_int, 1024,
+        "most namespaces, and most namespace names, one tenant may open and bind "
+        "(RESOURCE_EXHAUSTED past it); 0: no limit", _at_least(0)),
     Key("workers", "int", parse_int, 8, "threads that run store calls (copies, disk reads)",
         _between(1, 256)),
     Key("grace_s", "float", parse_float, 10.0,
@@ -508,6 +512,7 @@ class DaemonConfig:
     sync_index_bytes: int
     persist_timeout_s: float
     event_buffer: int
+    tenant_max_namespaces: int
     workers: int
     grace_s: float
     local_calls: bool
@@ -566,6 +571,7 @@ class DaemonConfig:
             persist_timeout_s=self.persist_timeout_s,
             sync_index_bytes=self.sync_index_bytes,
             event_buffer=self.event_buffer,
+            tenant_max_namespaces=self.tenant_max_namespaces,
             quotas={t.name: t.quota for t in self.tenants},
             shared=self.shared_config(),
             codec_tiers=tuple(filter(None, self.codec_tiers.split(","))),

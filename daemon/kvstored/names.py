@@ -11,8 +11,17 @@ Names are per tenant (``scope``, see kvstored.auth): two tenants may each bind
 "llama" to a namespace of their own, and neither resolves the other's. A scoped name
 is kept as ``<tenant>@<name>`` (``@`` is not allowed in names, so it cannot clash).
 
-Bindings are kept in ``<disk_dir>/namespace-names.json`` (written atomically) when the
-disk tier is on, so they survive restarts like the blocks do; in memory otherwise.
+Bindings are kept in ``<disk_dir>/namespace-names.jsonl`` when the disk tier is on, so
+they survive restarts like the blocks do; in memory otherwise. The file is a log: a
+bind appends its line (fsynced), so a flood of names costs each bind one line, never
+a rewrite of all of them; a line torn by a crash is skipped at the next load. It holds
+the salts of the specs it names, so it is the daemon user's alone (mode 0600). A file
+of the former layout (``namespace-names.json``, one JSON object) is read once and
+moved into the log.
+
+A scope (tenant) binds at most ``max_per_scope`` names (0: no limit); past it a new
+name is OutOfSpace (RESOURCE_EXHAUSTED), so no tenant grows the daemon's memory and
+file without bound.
 """
 
 from __future__ import annotations
@@ -25,33 +34,31 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.errors import InvalidArgument, LayoutMismatch, StoreError
+from kvstore.errors import InvalidArgument, LayoutMismatch, OutOfSpace, StoreError
 from kvstore.keys import NamespaceSpec
 
 log = logging.getLogger("kvstored.names")
 
-FILE_NAME = "namespace-names.json"
+FILE_NAME = "namespace-names.jsonl"
+OLD_FILE_NAME = "namespace-names.json"  # the former layout: one object, rewritten per bind
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+Binding = tuple[str, dict[str, object]]  # ns_id, declared spec fields
 
 
 class NamespaceNames:
     """name -> (ns_id, declared spec fields); thread-safe."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str] | None = None, max_per_scope: int = 0
+    ) -> None:
         self._lock = threading.Lock()
         self._path = Path(directory) / FILE_NAME if directory else None
-        self._bound: dict[str, tuple[str, dict[str, object]]] = {}
-        if self._path is not None and self._path.exists():
-            try:
-                data = json.loads(self._path.read_text())
-                # declared fields as this version has them (a field added since, such
-                # as codec, takes its default: a binding made before it still holds)
-                self._bound = {
-                    n: (v["ns_id"], NamespaceSpec.from_dict(v["spec"]).to_dict())
-                    for n, v in data.items()
-                }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError, StoreError) as exc:
-                log.warning("ignoring unreadable %s: %s", self._path, exc)
+        self._max = max_per_scope
+        self._bound: dict[str, Binding] = {}
+        self._per_scope: dict[str, int] = {}
+        if self._path is not None:
+            self._load(self._path)
 
     def bind(
         self,
@@ -60,7 +67,8 @@ class NamespaceNames:
         open_fn: Callable[[NamespaceSpec], NamespaceSpec],
         scope: str = "",
     ) -> NamespaceSpec:
-        """Open ``spec`` under ``name`` (idempotent); LayoutMismatch if bound to another spec."""
+        """Open ``spec`` under ``name`` (idempotent); LayoutMismatch if bound to another
+        spec, OutOfSpace if the scope has ``max_per_scope`` names already."""
         if not NAME_RE.match(name):
             raise InvalidArgument(
                 f"name must be 1-128 characters of [A-Za-z0-9._:/-] starting with a letter "
@@ -80,10 +88,15 @@ class NamespaceNames:
                     f"namespace name {shown!r} is bound to {bound[0]}; re-opened with a "
                     f"different layout ({diff})"
                 )
+            if bound is None and self._max and self._per_scope.get(scope, 0) >= self._max:
+                raise OutOfSpace(
+                    f"{self._max} namespace names are bound already, the most one tenant "
+                    "may bind (tenant_max_namespaces)"
+                )
             opened = open_fn(spec)
             if bound is None:
-                self._bound[name] = (opened.ns_id, opened.to_dict())
-                self._save()
+                self._add(name, (opened.ns_id, opened.to_dict()))
+                self._append(name)
             return opened
 
     def resolve(self, ns_id_or_name: str, scope: str = "") -> str:
@@ -98,17 +111,52 @@ class NamespaceNames:
                 out.setdefault(ns_id, name.rpartition("@")[2])
             return out
 
-    def _save(self) -> None:  # under the lock
+    # --- the file -------------------------------------------------------------------
+    def _add(self, name: str, binding: Binding) -> None:
+        if name not in self._bound:
+            scope = name.rpartition("@")[0]
+            self._per_scope[scope] = self._per_scope.get(scope, 0) + 1
+        self._bound[name] = binding
+
+    def _load(self, path: Path) -> None:
+        old = path.with_name(OLD_FILE_NAME)
+        entries: list[tuple[str, dict[str, object]]] = []
+        if old.exists():
+            try:
+                entries += json.loads(old.read_text()).items()
+            except (OSError, ValueError, AttributeError) as exc:
+                log.warning("ignoring unreadable %s: %s", old, exc)
+        if path.exists():
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                try:
+                    record = json.loads(line)
+                    entries.append((record.pop("name"), record))
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    log.warning("skipping line %d of %s: %s", number, path, exc)
+        for name, value in entries:
+            try:  # declared fields as this version has them (a field added since, such
+                # as codec, takes its default: a binding made before it still holds)
+                spec = NamespaceSpec.from_dict(value["spec"])  # type: ignore[arg-type]
+                self._add(name, (str(value["ns_id"]), spec.to_dict()))
+            except (KeyError, TypeError, AttributeError, StoreError) as exc:
+                log.warning("skipping the binding of %r in %s: %s", name, path, exc)
+        if old.exists():  # into the log once, then gone
+            for name in self._bound:
+                self._append(name)
+            old.unlink()
+
+    def _append(self, name: str) -> None:  # under the lock (or in __init__)
         if self._path is None:
             return
-        data = {n: {"ns_id": i, "spec": s} for n, (i, s) in sorted(self._bound.items())}
+        ns_id, spec = self._bound[name]
+        line = json.dumps({"name": name, "ns_id": ns_id, "spec": spec}, sort_keys=True) + "\n"
         self._path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path)
+        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _key(scope: str, name: str) -> str:

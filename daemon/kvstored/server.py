@@ -153,7 +153,9 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         raise StartupError(f"cannot open the store: {_reason(exc)}") from exc
     store.set_platform(gpu.profile.value)
 
-    names = NamespaceNames(config.disk_dir if config.disk_bytes else None)
+    names = NamespaceNames(
+        config.disk_dir if config.disk_bytes else None, config.tenant_max_namespaces
+    )
     try:
         tokens = Tokens(config.tenants, config.admin_token_file)
     except ValueError as exc:  # preflight read them: changed since
