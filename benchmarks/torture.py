@@ -16,6 +16,10 @@ Parts (each against a real kvstored on a unix socket in a temp dir):
   moves it aside, serves anything corrupt, and takes durable puts after.
 - ``indexload``: kill -9 while a large disk tier's index loads behind the start;
   nothing committed lost, nothing indexed without its ancestors.
+- ``tenants``: a hostile tenant against another on one daemon
+  (:mod:`kvbench.torture_tenants`): its namespace by id, a stolen lease id, waits
+  parked past the daemon's threads, event churn, a namespace flood, large calls
+  without a token, guessed tokens.
 - ``fuzz``: random and mutated requests over both sockets (gRPC and local calls).
 - ``load``: N processes of mixed traffic for a while: latency percentiles per call,
   errors, the daemon's memory.
@@ -65,13 +69,14 @@ from kvbench.torture_kit import (
     tokens_of,
     valid_requests,
 )
+from kvbench.torture_tenants import part_tenants as tenant_attacks
 from kvclient import KVClient
 from kvclient.errors import KVStoreError
 from kvproto.v1 import local_calls as frames
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PARTS = ("crash", "client", "diskfull", "damage", "indexload", "fuzz", "load")
+PARTS = ("crash", "client", "diskfull", "damage", "indexload", "tenants", "fuzz", "load")
 MODEL = "torture"
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 
@@ -710,9 +715,15 @@ def part_load(work: Path, quick: bool) -> Section:
 
 # --- report -------------------------------------------------------------------------------
 
+def part_tenants(work: Path, quick: bool) -> Section:
+    body, checks = tenant_attacks(work, quick)
+    return Section("A hostile tenant", body, checks)
+
+
 RUNNERS: dict[str, Callable[[Path, bool], Section]] = {
     "crash": part_crash, "client": part_client, "diskfull": part_diskfull,
-    "damage": part_damage, "indexload": part_indexload, "fuzz": part_fuzz, "load": part_load,
+    "damage": part_damage, "indexload": part_indexload, "tenants": part_tenants,
+    "fuzz": part_fuzz, "load": part_load,
 }
 
 

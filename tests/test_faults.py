@@ -497,8 +497,8 @@ def test_report_reads_cannot_claim_more_than_a_client_could_read(kvstored: Daemo
 
 def test_torture_quick_run_meets_every_target(tmp_path: Path) -> None:
     """benchmarks/torture.py --quick: a few kill cycles per admission mode, a few client
-    kills, a few seconds of a full disk, every damage, 300 fuzzed requests, 4 processes
-    of load. Exit 0 means every target line says yes."""
+    kills, a few seconds of a full disk, every damage, a hostile tenant, 300 fuzzed
+    requests, 4 processes of load. Exit 0 means every target line says yes."""
     report = tmp_path / "reliability.md"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "torture.py"), "--quick", "--out", str(report)],
@@ -507,6 +507,6 @@ def test_torture_quick_run_meets_every_target(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     text = report.read_text()
     for title in ("Crashes", "Killed clients", "A full disk", "Damaged files",
-                  "Request fuzzing", "Mixed load"):
+                  "A hostile tenant", "Request fuzzing", "Mixed load"):
         assert f"## {title}" in text
     assert "**NO**" not in text

@@ -37,8 +37,15 @@ TOKENS = 4  # tokens per block of the torture namespaces
 class Kvstored:
     """One kvstored child: socket, arena and disk dir under ``work``; log in work/log."""
 
-    def __init__(self, work: Path, preexec: Callable[[], None] | None = None, **settings: Any):
+    def __init__(
+        self,
+        work: Path,
+        preexec: Callable[[], None] | None = None,
+        token: str | None = None,  # for its start-up probe, on a daemon with tokens
+        **settings: Any,
+    ):
         self.work = work
+        self.token = token
         work.mkdir(parents=True, exist_ok=True)
         self.sock_dir = Path(tempfile.mkdtemp(prefix="kvt", dir="/tmp"))  # short path
         self.addr = f"unix://{self.sock_dir}/kvstored.sock"
@@ -70,7 +77,7 @@ class Kvstored:
                 stdin=subprocess.DEVNULL,
                 preexec_fn=self.preexec,
             )
-        with KVClient(self.addr, timeout=2) as client:
+        with KVClient(self.addr, timeout=2, token=self.token) as client:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"kvstored exited {self.proc.returncode}: {self.tail()}")

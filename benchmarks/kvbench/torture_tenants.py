@@ -1,0 +1,238 @@
+"""``benchmarks/torture.py``'s hostile-tenant part: one kvstored with tenants a and b,
+and what a, the attacker, does to b.
+
+Each attack is one row: what a tried, what came of it, and whether b (and the daemon)
+held. a reads, clears and watches b's namespace by its id; uses a lease id of b's it
+learned; parks more waiting lookups than the daemon has threads; churns events past
+the ring; opens namespaces without end; sends large calls without a token and calls
+with guessed tokens. Every call goes over the daemon's real sockets.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvbench.torture_kit import Kvstored, block_of, tokens_of
+from kvclient import KVClient
+from kvclient.errors import KVStoreError
+from kvproto.v1 import kvstore_pb2 as pb
+from kvproto.v1.kvstore_pb2_grpc import KVStoreStub
+
+BLOCK = 4096
+EVENT_BUFFER = 64
+MAX_NAMESPACES = 8
+PARKED = 70  # more than the daemon's waiting threads (kvstored.dispatch.WAIT_THREADS)
+Row = tuple[str, str, bool]
+
+
+def write_config(folder: Path) -> tuple[Path, dict[str, str]]:
+    """A config with tenants a and b, and their token files (mode 0600)."""
+    tokens = {who: secrets.token_hex(16) for who in ("a", "b")}
+    lines = []
+    for who, token in tokens.items():
+        path = folder / f"{who}.token"
+        path.write_text(token)
+        path.chmod(0o600)
+        lines += [f"[tenants.{who}]", f'token_file = "{path}"']
+    config = folder / "kvstored.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return config, tokens
+
+
+def code_of(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code().name  # type: ignore[no-any-return]
+    except KVStoreError as exc:
+        return exc.code.name if exc.code is not None else type(exc).__name__
+    return "OK"
+
+
+def run_attacks(daemon: Kvstored, tokens: dict[str, str]) -> list[Row]:
+    stub = KVStoreStub(grpc.insecure_channel(daemon.addr))
+    as_a = (("authorization", f"Bearer {tokens['a']}"),)
+    rows: list[Row] = []
+    with KVClient(daemon.addr, token=tokens["a"], use_arena=False) as a, KVClient(
+        daemon.addr, token=tokens["b"], use_arena=False
+    ) as b:
+        ns_a = a.namespace("hostile", block_tokens=4, block_bytes=BLOCK)
+        ns_b = b.namespace("hostile", block_tokens=4, block_bytes=BLOCK)
+        mine = tokens_of(1, 4)
+        ns_b.put(mine, [block_of(1, i, BLOCK) for i in range(4)])
+
+        # b's namespace by its id
+        codes = {
+            "Lookup": code_of(lambda: stub.Lookup(
+                pb.LookupRequest(ns_id=ns_b.ns_id, tokens=mine), metadata=as_a, timeout=10)),
+            "Clear": code_of(lambda: stub.Clear(
+                pb.ClearRequest(ns_id=ns_b.ns_id), metadata=as_a, timeout=10)),
+            "DescribeNamespace": code_of(lambda: stub.DescribeNamespace(
+                pb.DescribeNamespaceRequest(ns_id=ns_b.ns_id), metadata=as_a, timeout=10)),
+        }  # fmt: skip
+        whole = ns_b.get(mine).n_blocks == 4
+        seen = ", ".join(f"{k} {v}" for k, v in codes.items())
+        rows.append((
+            "a reads, clears and describes b's namespace by its id",
+            f"{seen}; b's blocks {'whole' if whole else 'HIT'}",
+            set(codes.values()) == {"NOT_FOUND"} and whole,
+        ))  # fmt: skip
+
+        # a lease id of b's
+        claim = ns_b.claim(tokens_of(2, 2))
+        lease_codes = {
+            name: code_of(functools.partial(
+                getattr(stub, name), getattr(pb, f"{name}Request")(lease_id=claim.lease_id),
+                metadata=as_a, timeout=10,
+            ))
+            for name in ("Commit", "Abandon", "Release")
+        }  # fmt: skip
+        filled = claim.fill([block_of(2, i, BLOCK) for i in range(2)]) == 2
+        rows.append((
+            "a commits, abandons and releases a lease id of b's",
+            ", ".join(f"{k} {v}" for k, v in lease_codes.items())
+            + f"; b's claim {'filled as b wrote it' if filled else 'BROKEN'}",
+            set(lease_codes.values()) == {"FAILED_PRECONDITION"} and filled,
+        ))  # fmt: skip
+
+        rows.append(starve(stub, as_a, ns_a, ns_b))
+        rows.append(churn_events(a, b, ns_a, ns_b))
+
+        opened, refused = 1, ""
+        while not refused and opened < 10 * MAX_NAMESPACES:
+            code = code_of(functools.partial(a.namespace, f"flood-{opened}", 4, BLOCK))
+            opened += code == "OK"
+            refused = "" if code == "OK" else code
+        b_opens = code_of(lambda: b.namespace("after-the-flood", 4, BLOCK))
+        rows.append((
+            "a opens namespaces without end",
+            f"{refused} after {opened} (tenant_max_namespaces={MAX_NAMESPACES}); b opens {b_opens}",
+            refused == "RESOURCE_EXHAUSTED" and opened == MAX_NAMESPACES and b_opens == "OK",
+        ))  # fmt: skip
+    rows.append(tokenless(daemon))
+    rows.append(guess_tokens(daemon, stub))
+    return rows
+
+
+def starve(stub: KVStoreStub, as_a: Any, ns_a: Any, ns_b: Any) -> Row:
+    """a parks PARKED waits on a claim of its own; b's waiting lookup must still be
+    answered within a second of b's fill."""
+    hold = ns_a.claim(tokens_of(3, 2))
+    parked = [
+        stub.Lookup.future(
+            pb.LookupRequest(ns_id=ns_a.ns_id, tokens=tokens_of(3, 2), wait_pending_s=60),
+            metadata=as_a,
+        )
+        for _ in range(PARKED)
+    ]
+    theirs = ns_b.claim(tokens_of(3, 2))
+    out: list[Any] = []
+    waiting = threading.Thread(
+        target=lambda: out.append(ns_b.lookup(tokens_of(3, 2), wait_pending_s=30))
+    )
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not any(f.done() for f in parked) and time.monotonic() < deadline:
+        time.sleep(0.01)  # a's waits past its share are answered at once
+    theirs.fill([block_of(3, i, BLOCK) for i in range(2)])
+    filled = time.monotonic()
+    waiting.join(30)
+    answered = time.monotonic() - filled
+    hold.abandon()
+    for future in parked:
+        future.result(timeout=30)
+    ok = bool(out) and out[0].blocks == 2 and answered < 1.0
+    return (
+        f"a parks {PARKED} waiting lookups on a block of its own",
+        f"b's waiting lookup answered {answered * 1000:.0f} ms after b's fill",
+        ok,
+    )
+
+
+def churn_events(a: KVClient, b: KVClient, ns_a: Any, ns_b: Any) -> Row:
+    """a puts 3 rings' worth of blocks: b's events stay whole, a's numbers do not count
+    b's blocks."""
+    seq_b = b.stats().counters["event_seq"]
+    seq_a = a.stats().counters["event_seq"]
+    ns_b.put(tokens_of(4, 2), [block_of(4, i, BLOCK) for i in range(2)])
+    moved = a.stats().counters["event_seq"] - seq_a
+    for chain in range(3 * EVENT_BUFFER // 4):
+        ns_a.put(tokens_of(100 + chain, 4), [block_of(chain, i, BLOCK) for i in range(4)])
+    kept = [e for e in b.events(from_seq=seq_b, duration_s=0.5)]
+    ok = moved == 0 and len(kept) == 2 and [e.seq for e in kept] == [seq_b + 1, seq_b + 2]
+    return (
+        f"a churns {3 * EVENT_BUFFER} events (event_buffer={EVENT_BUFFER})",
+        f"b's 2 events kept ({len(kept)}), a's event numbers moved by b's puts: {moved}",
+        ok,
+    )
+
+
+def tokenless(daemon: Kvstored) -> Row:
+    lookup = grpc.insecure_channel(
+        daemon.addr, options=[("grpc.max_send_message_length", 64 << 20)]
+    ).unary_unary("/kvstore.v1.KVStore/Lookup")
+    codes = set()
+    baseline = 0
+    for size in (16, *[32 << 20] * 10):
+        codes.add(code_of(functools.partial(lookup, bytes(size), timeout=60)))
+        baseline = baseline or daemon.rss_bytes()
+    grown = daemon.rss_bytes() - baseline
+    return (
+        "10 calls of 32 MiB without a token",
+        f"{', '.join(sorted(codes))}; the daemon's RSS grew {grown / 2**20:.1f} MiB",
+        codes == {"UNAUTHENTICATED"} and grown < 32 << 20,
+    )
+
+
+def guess_tokens(daemon: Kvstored, stub: KVStoreStub) -> Row:
+    guess = (("authorization", "Bearer " + "0" * 32),)
+    held = calls = 0
+    codes = set()
+    while held < 5 and calls < 200:
+        started = time.monotonic()
+        codes.add(code_of(lambda: stub.Stats(pb.StatsRequest(), metadata=guess, timeout=10)))
+        held += time.monotonic() - started >= 0.1
+        calls += 1
+    lines = sum("refused for a" in line for line in daemon.text().splitlines())
+    return (
+        "a guesses tokens",
+        f"{calls} guesses: {', '.join(sorted(codes))}, {held} held back, {lines} log lines",
+        codes == {"UNAUTHENTICATED"} and held == 5 and 1 <= lines < 5,
+    )
+
+
+def part_tenants(work: Path, quick: bool) -> tuple[list[str], list[tuple[str, str, bool]]]:
+    """The part's body and its checks (torture.py wraps them in a Section)."""
+    folder = work / "tenants"
+    folder.mkdir(parents=True, exist_ok=True)
+    config, tokens = write_config(folder)
+    daemon = Kvstored(
+        folder, token=tokens["b"], config=str(config), tenant_max_namespaces=MAX_NAMESPACES,
+        event_buffer=EVENT_BUFFER,
+    )  # fmt: skip
+    try:
+        daemon.start()
+        rows = run_attacks(daemon, tokens)
+        code = daemon.stop()
+    finally:
+        daemon.close()
+    body = ["| attack (tenant a) | what came of it | b and the daemon held |", "|---|---|---|"]
+    body += [f"| {what} | {seen} | {'yes' if ok else '**NO**'} |" for what, seen, ok in rows]
+    body += ["", f"One daemon with tenants a and b on its unix socket; exit code at stop {code}. "
+             "Tenant isolation between processes of one user is not claimed: they share "
+             "the arena (README, Security)."]
+    held = all(ok for _, _, ok in rows) and code == 0
+    failed = [what for what, _, ok in rows if not ok]
+    return body, [(
+        "a hostile tenant neither reads, breaks, starves nor follows another",
+        "every attack held" if held else f"failed: {'; '.join(failed) or f'exit {code}'}",
+        held,
+    )]
