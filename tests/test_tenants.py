@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import Daemon, write_secret
+from conftest import Daemon, in_forked_child, write_secret
 
 from kvbench.harness import free_tcp_port
 from kvclient import (
@@ -314,6 +314,57 @@ def test_the_arena_path_works_for_a_tenant_and_stays_in_its_namespaces(
             assert got.n_blocks == 3 and np.all(got.blocks == 11)
 
     asyncio.run(run())
+
+
+def test_a_process_of_another_user_reads_no_arena_disk_file_salt_or_token(
+    tenancy: Tenancy,
+) -> None:
+    """Tenants that must not see each other run as other users: a process of another
+    user can open neither the arena (b's bytes), the disk tier's files (b's bytes and
+    the salts in namespace records and names), the token files, nor the daemon's
+    environment, and cannot reach the unix socket either (only TCP, inline bytes)."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("switching to another user needs root")
+    with tenancy.client("b", use_arena=False) as b:
+        ns = b.namespace("private-model", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        ns.put(tokens_of(70, 2), blocks_of(2, 4096, 70))
+        named = b.namespace(
+            "private-model", block_tokens=BLOCK_TOKENS, block_bytes=4096, name="private"
+        )
+        assert named.ns_id == ns.ns_id
+        arena = b.server_info().arena_path
+    disk = Path(tenancy.daemon.disk_dir)
+    assert tenancy.daemon.proc is not None
+    private = [
+        (arena, os.O_RDWR), (arena, os.O_RDONLY),
+        (str(disk / "data.mdb"), os.O_RDONLY), (str(disk / "namespace-names.jsonl"), os.O_RDONLY),
+        (str(tenancy.token_files["b"]), os.O_RDONLY),
+        (f"/proc/{tenancy.daemon.proc.pid}/environ", os.O_RDONLY),
+    ]  # fmt: skip
+    assert all(Path(path).exists() for path, _ in private)
+    socket_path = tenancy.daemon.addr.removeprefix("unix://")
+
+    def as_nobody() -> bool:
+        os.setgid(65534)
+        os.setuid(65534)
+        for path, flags in private:
+            try:
+                os.close(os.open(path, flags))
+                return False
+            except PermissionError:
+                pass
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(socket_path)
+            return False
+        except PermissionError:
+            return True
+        finally:
+            probe.close()
+
+    assert in_forked_child(as_nobody) == 0
 
 
 def test_kvctl_status_tenants_is_for_the_admin(tenancy: Tenancy) -> None:

@@ -308,7 +308,14 @@ def render_tenants(tenants: list[JSONDict]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join([*(line.rstrip() for line in lines), TRUST_NOTE])
+
+
+# (README, Tenants: what tokens guard and what they do not)
+TRUST_NOTE = (
+    "tenants are kept apart by their tokens; processes of one user are one trust domain "
+    "(they may map the arena): run tenants that must not see each other as other users"
+)
 
 
 def tier_rates(now: JSONDict, before: JSONDict | None) -> dict[str, tuple[float, float]]:
