@@ -171,6 +171,7 @@ def check_costs(work: Path, token: str, n: int = 200_000) -> dict[str, float]:
     """In process, microseconds per call of what a token adds on the daemon: the
     namespace check of a tenant's call against one without tokens (every call), and
     the token check itself (every gRPC call; once per local-call connection)."""
+    from kvstore.errors import UnknownNamespace
     from kvstore.keys import NamespaceSpec
     from kvstore.store import Store, StoreConfig
     from kvstore.tenants import Quota
@@ -180,7 +181,14 @@ def check_costs(work: Path, token: str, n: int = 200_000) -> dict[str, float]:
     token_file = work / "check.token"
     token_file.write_text(token)
     token_file.chmod(0o600)  # as kvstored accepts a token file
-    tokens = Tokens([TenantConfig("bench", str(token_file), Quota())])
+    other = token[::-1]
+    other_file = work / "other.token"
+    other_file.write_text(other)
+    other_file.chmod(0o600)
+    tokens = Tokens([
+        TenantConfig("bench", str(token_file), Quota()),
+        TenantConfig("other", str(other_file), Quota()),
+    ])  # fmt: skip
     store = Store(StoreConfig(host_bytes=16 * MiB, shared_arena=False))
     try:
         access = Access(store, NamespaceNames(), tokens)
@@ -190,7 +198,7 @@ def check_costs(work: Path, token: str, n: int = 200_000) -> dict[str, float]:
         plain = store.open_namespace(spec).ns_id
         metadata = (("authorization", f"Bearer {token}"),)
 
-        def per_call(fn: Callable[[], object]) -> float:
+        def per_call(fn: Callable[[], object], n: int = n) -> float:
             best = float("inf")
             for _ in range(3):
                 began = time.perf_counter()
@@ -201,9 +209,25 @@ def check_costs(work: Path, token: str, n: int = 200_000) -> dict[str, float]:
 
         no_tokens = per_call(lambda: access.spec(plain, ANYONE))
         with_tokens = per_call(lambda: access.spec(mine, tenant))
+        theirs = store.open_namespace(access.scoped(tokens.caller(other), spec)).ns_id
+
+        def refused(ns_id: str) -> Callable[[], object]:
+            def call() -> None:
+                try:
+                    access.spec(ns_id, tenant)
+                except UnknownNamespace:
+                    return
+                raise AssertionError("a namespace the tenant does not own was answered")
+
+            return call
+
         return {
             "namespace_check_us": with_tokens - no_tokens,
             "token_check_us": per_call(lambda: tokens.caller_of(metadata)),
+            # what a tenant's call on an id it does not own takes: another tenant's, and
+            # one that does not exist (equal: the time tells nothing of which it was)
+            "theirs_us": per_call(refused(theirs), n // 10),
+            "missing_us": per_call(refused(theirs[:-4] + "0000"), n // 10),
         }
     finally:
         store.close()
@@ -256,6 +280,9 @@ def report(pairs: list[Pair], meta: dict[str, Any]) -> str:
         f"{share:.1%} of the fastest arena call ({fastest * 1e3:.0f} us). The token itself "
         f"is checked once per local-call connection ({costs['token_check_us']:.1f} us), "
         "and on every gRPC call.",
+        f"- A tenant naming an id it does not own, in process: another tenant's namespace "
+        f"{costs['theirs_us']:.2f} us, one that does not exist {costs['missing_us']:.2f} us "
+        "(one path, one error for both: kvstored.auth.Access.spec).",
         "",
         "Why the arena path is free: a local-call connection sends its token once, in its "
         "first frame, and its calls are that tenant's from then on (kvstored.auth); the "

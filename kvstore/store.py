@@ -281,6 +281,12 @@ class Store:
     def namespace(self, ns_id: str) -> NamespaceSpec:
         return self._parts.namespaces.entry(ns_id).spec
 
+    def find_namespace(self, ns_id: str) -> NamespaceSpec | None:
+        """The open namespace ``ns_id``, or None (no exception: a caller that answers
+        a missing one as it answers another tenant's takes the same path for both)."""
+        entry = self._parts.namespaces.get(ns_id)
+        return None if entry is None else entry.spec
+
     def namespaces(self) -> list[NamespaceSpec]:
         with self._lock:
             return [entry.spec for entry in self._parts.namespaces]

@@ -69,6 +69,7 @@ class Caller:
 
 
 ANYONE = Caller("", admin=True)  # a daemon without tokens: one tenant, as before tenants
+NOBODYS = NamespaceSpec("-", 16, 4096, tenant_salt=tenant_salt("-", ""))  # no tenant's
 
 
 def parse_tenants(
@@ -270,10 +271,13 @@ class Access:
         owns it; another tenant's is UnknownNamespace, word for word as a missing one."""
         if not ns_id:
             raise InvalidArgument("ns_id is required")
-        spec = self._store.namespace(self._names.resolve(ns_id, caller.tenant))
-        if not caller.owns(spec):
+        found = self._store.find_namespace(self._names.resolve(ns_id, caller.tenant))
+        # one path for a missing namespace and another tenant's: the same statements
+        # run, the same error is raised, so its time does not tell which it was
+        owned = caller.owns(found or NOBODYS)
+        if found is None or not owned:
             raise UnknownNamespace(f"unknown namespace {ns_id!r}; open it first")
-        return spec
+        return found
 
     def lease(self, lease_id: int, caller: Caller) -> int:
         """``lease_id``, if the caller may name it: a lease held for a namespace it owns.
