@@ -57,7 +57,14 @@ from kvbench.report import machine_line, markdown_table  # noqa: E402
 from kvbench.servers import OwnDaemon  # noqa: E402
 from kvbench.valkey_cluster import ValkeyCluster  # noqa: E402
 from kvstore.keys import NamespaceSpec  # noqa: E402
-from kvstore.shared.format import block_name, pack_into, pack_value, packed_size  # noqa: E402
+from kvstore.shared.format import (  # noqa: E402
+    block_name,
+    mac_key,
+    pack_into,
+    pack_value,
+    packed_size,
+    unpack_value,
+)
 from kvstore.shared.tier import SharedConfig  # noqa: E402
 from kvstore.store import Store, StoreConfig  # noqa: E402
 
@@ -231,6 +238,38 @@ def data_path(url: str, rounds: int) -> tuple[list[list[str]], list[list[str]]]:
     return rows, memory
 
 
+def mac_cost(rounds: int) -> list[list[str]]:
+    """In process, one core: packing a value (the writer's work per block) and checking
+    and unpacking it (a read's), unkeyed (xxh3 checksum) against keyed (HMAC-SHA256,
+    ``shared_key_file``), in turns; GB/s of block bytes, best of ``rounds``."""
+    secret = mac_key("k" * 64)
+    rows = []
+    for size, _ in CASES:
+        spec = NamespaceSpec("bench", BLOCK_TOKENS, size)
+        key = bytes(32)
+        payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+        out = memoryview(bytearray(packed_size(size)))
+        values = {k: bytes(pack_value(spec, key, payload, secret=k)) for k in (b"", secret)}
+        best: dict[str, float] = {}
+        for r in range(rounds):
+            for keyed in ((b"", secret) if r % 2 == 0 else (secret, b"")):
+                for what in ("pack", "unpack"):
+                    began = time.perf_counter()
+                    for _ in range(20):
+                        if what == "pack":
+                            pack_into(out, spec, key, payload, secret=keyed)
+                        else:
+                            assert unpack_value(spec, key, values[keyed], secret=keyed) is not None
+                    took = (time.perf_counter() - began) / 20
+                    name = f"{what} {'keyed' if keyed else 'unkeyed'}"
+                    best[name] = min(best.get(name, float("inf")), took)
+        for what in ("pack", "unpack"):
+            plain, keyed = (size / best[f"{what} {k}"] / 1e9 for k in ("unkeyed", "keyed"))
+            rows.append([what, f"{size >> 10} KiB", f"{plain:.2f}", f"{keyed:.2f}",
+                         f"{keyed / plain:.2f}"])  # fmt: skip
+    return rows
+
+
 def ttft(url: str, tokens: int, repeat: int, codec: str = "exact") -> dict[str, float]:
     """Node B's time to first token for a prompt node A computed (see the module
     docstring), its blocks in the namespace's ``codec`` on the cluster."""
@@ -334,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         _join_cpus(cluster, cpus)
         cluster.flush()
         t = ttft(cluster.url, args.tokens, args.repeat)
+    macs = mac_cost(args.rounds)
     speedup = t["cold_s"] / t["hit_s"]
     print(f"TTFT {args.tokens} tokens: cold {t['cold_s'] * 1e3:.0f} ms, node B "
           f"{t['hit_s'] * 1e3:.0f} ms, {speedup:.1f}x", flush=True)  # fmt: skip
@@ -376,6 +416,15 @@ def main(argv: list[str] | None = None) -> int:
             "",
             f"Median of {args.repeat} each. Node B's own tiers are cleared before every "
             "repeat, so each one pulls the whole prefix from the cluster.",
+            "",
+            "## What the keyed MAC costs (`shared_key_file`)",
+            "",
+            "In process, one core, best of "
+            f"{args.rounds} rounds in turns: packing one value (the writer thread's work "
+            "per block) and checking and unpacking it (a read's), with the unkeyed xxh3 "
+            "checksum and with the keyed MAC (HMAC-SHA256). GB/s of block bytes.",
+            "",
+            markdown_table(["op", "block", "unkeyed GB/s", "keyed GB/s", "keyed / unkeyed"], macs),
             "",
         ]
     )
