@@ -278,9 +278,9 @@ def render_shared(shared: JSONDict) -> str:
         f"reachable  read {human_bytes(shared['bytes_read'])} "
         f"({shared['blocks_read']} blocks, hit rate {percent(shared['hit_rate'])})  "
         f"written {human_bytes(shared['bytes_written'])} ({shared['blocks_written']} blocks)  "
-        f"errors {shared['errors']}  write errors {shared['write_errors']}  "
-        f"dropped {shared['writes_dropped']}  corrupt {shared['corrupt']}  {mac}"
-        f"queue {human_bytes(shared['queue_bytes'])} of {human_bytes(shared['queue_limit_bytes'])}"
+        f"errors {shared['errors']}  write errors {shared['write_errors']}  dropped "
+        f"{shared['writes_dropped']}  corrupt {shared['corrupt']}  {mac}queue "
+        f"{human_bytes(shared['queue_bytes'])} of {human_bytes(shared['queue_limit_bytes'])}"
     )
 
 
@@ -308,14 +308,8 @@ def render_tenants(tenants: list[JSONDict]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
-    return "\n".join([*(line.rstrip() for line in lines), TRUST_NOTE])
-
-
-# (README, Tenants: what tokens guard and what they do not)
-TRUST_NOTE = (
-    "tenants are kept apart by their tokens; processes of one user are one trust domain "
-    "(they may map the arena): run tenants that must not see each other as other users"
-)
+    trust = "processes of one user are one trust domain: they may map the arena (README)"
+    return "\n".join([*(line.rstrip() for line in lines), trust])
 
 
 def tier_rates(now: JSONDict, before: JSONDict | None) -> dict[str, tuple[float, float]]:
