@@ -496,9 +496,10 @@ def test_report_reads_cannot_claim_more_than_a_client_could_read(kvstored: Daemo
 
 
 def test_torture_quick_run_meets_every_target(tmp_path: Path) -> None:
-    """benchmarks/torture.py --quick: a few kill cycles per admission mode, a few client
-    kills, a few seconds of a full disk, every damage, a hostile tenant, 300 fuzzed
-    requests, 4 processes of load. Exit 0 means every target line says yes."""
+    """benchmarks/torture.py --quick: a kill cycle per admission mode, a client killed
+    per operation, a few seconds of a full disk, the damages no test here starts a
+    daemon on, a hostile tenant, 300 fuzzed requests, 4 processes of load. Exit 0
+    means every target line says yes."""
     report = tmp_path / "reliability.md"
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "torture.py"), "--quick", "--out", str(report)],
