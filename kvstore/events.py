@@ -104,23 +104,13 @@ class EventLog:
             return
         now = self._wall()
         self._all.extend(kind, nodes, tier, now)
-        tenant = nodes[0].ns.group.name
-        if any(node.ns.group.name != tenant for node in nodes):
-            for node in nodes:
-                self._tenant_extend(node.ns.group.name, kind, (node,), tier, now)
-        else:
-            self._tenant_extend(tenant, kind, nodes, tier, now)
+        for tenant, run in itertools.groupby(nodes, key=lambda node: node.ns.group.name):
+            if tenant:  # (no tenant: in the ring of every event only)
+                ring = self._tenants.get(tenant)
+                if ring is None:
+                    ring = self._tenants[tenant] = _Ring(self._capacity)
+                ring.extend(kind, list(run), tier, now)
         self._changed.notify_all()
-
-    def _tenant_extend(
-        self, tenant: str, kind: EventKind, nodes: Sequence[Node], tier: str, now: float
-    ) -> None:
-        if not tenant:  # (no tenant: in the ring of every event only)
-            return
-        ring = self._tenants.get(tenant)
-        if ring is None:
-            ring = self._tenants[tenant] = _Ring(self._capacity)
-        ring.extend(kind, nodes, tier, now)
 
     def seq(self, tenant: str | None = None) -> int:
         """The newest event's number: of every event (None), or of ``tenant``'s."""

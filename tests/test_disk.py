@@ -452,7 +452,7 @@ def test_failing_commits_stop_writes_then_resume(
     from kvstore.disk import writer
 
     free = [0]  # the file system's free bytes, as the tier sees them: full, at first
-    monkeypatch.setattr(writer, "_fs_free", lambda directory: free[0])
+    monkeypatch.setattr(writer, "free_bytes", lambda directory: free[0])
     tier = DiskTier(str(tmp_path / "disk"), 16 * MiB)
     committed = payload(9, 20_000)
     tier.write(record(9, committed), committed)

@@ -202,6 +202,12 @@ def allocate_lock_file(directory: str) -> None:
         os.close(fd)
 
 
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged writer may still take on ``directory``'s file system."""
+    vfs = os.statvfs(directory)
+    return vfs.f_bavail * vfs.f_frsize
+
+
 def has_reserve(directory: str) -> bool:
     """Whether the reserve file is there."""
     return os.path.exists(os.path.join(directory, RESERVE_FILE))

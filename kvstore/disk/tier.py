@@ -23,6 +23,7 @@ from kvstore.disk.files import (
     NO_ROOM,
     allocate_lock_file,
     find_damage,
+    free_bytes,
     lock_directory,
     make_reserve,
     move_aside,
@@ -417,8 +418,7 @@ class DiskTier:
                 if self._s.stopping or self._s.checked:
                     return
             try:
-                vfs = os.statvfs(self._s.directory)
-                if vfs.f_bavail * vfs.f_frsize >= need:
+                if free_bytes(self._s.directory) >= need:
                     self.open_checked()
             except Exception:
                 log.exception("the disk tier could not be opened; it takes no writes")

@@ -19,6 +19,7 @@ import xxhash
 from kvstore import codecs
 from kvstore.disk.files import (
     drop_reserve,
+    free_bytes,
     has_reserve,
     make_reserve,
 )
@@ -49,12 +50,6 @@ from kvstore.disk.state import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _fs_free(directory: str) -> int:
-    """Bytes an unprivileged writer may still take on ``directory``'s file system."""
-    vfs = os.statvfs(directory)
-    return vfs.f_bavail * vfs.f_frsize
 
 
 class DiskWriter:
@@ -149,7 +144,7 @@ class DiskWriter:
                 share = max(1.0 - _ROOM_SLACK_MAX, self._s.room_share - _ROOM_SLACK)
                 self._s.room_share = share
                 try:  # the baseline _regain_capacity counts gains from
-                    self._s.fs_free_at_fault = _fs_free(self._s.directory)
+                    self._s.fs_free_at_fault = free_bytes(self._s.directory)
                     room = int(os.path.getsize(self._s.data_path) * share)
                 except OSError:
                     self._s.fs_free_at_fault, room = 0, 0
@@ -203,7 +198,7 @@ class DiskWriter:
             self._s.room_share = 1.0  # all of it is back: the next fault starts afresh
             return
         try:
-            gained = max(0, _fs_free(self._s.directory) - self._s.fs_free_at_fault)
+            gained = max(0, free_bytes(self._s.directory) - self._s.fs_free_at_fault)
             reserve = self._s.reserve_bytes
             retake = gained > 2 * reserve and not has_reserve(self._s.directory)
             if retake and make_reserve(self._s.directory, reserve):

@@ -29,7 +29,7 @@ header's first 24 bytes and the payload (SHA-256, not BLAKE2b: CPUs with SHA
 instructions run it several times faster). A checksum stops accidents only: anyone who
 may write the cluster can compute one, and plant a block every node then serves. A node
 with a secret serves only version 3 values whose MAC holds, and one without serves none
-of them; either refusal raises :class:`Unauthenticated` (a miss the tier counts apart
+of them; either refusal raises :class:`UnauthenticatedValue` (a miss the tier counts apart
 from damage).
 """
 
@@ -55,7 +55,7 @@ KEY_PREFIX = "kv"
 _MAC_PERSON = b"kvstore-shared"
 
 
-class Unauthenticated(Exception):
+class UnauthenticatedValue(Exception):
     """A value whose keyed MAC does not hold, or that has none where one is required
     (or one where this node holds no secret to check it with)."""
 
@@ -146,7 +146,7 @@ def unpack_value(
     """The block's bytes in ``value`` (a view into it; decoded into a buffer of its own
     when it was stored encoded by ``codec``, the namespace's), or None when it is
     absent, of another format version, namespace or codec, of the wrong size, or
-    damaged. Raises :class:`Unauthenticated` for a value a ``secret`` refuses (or a
+    damaged. Raises :class:`UnauthenticatedValue` for a value a ``secret`` refuses (or a
     keyed one, without a secret)."""
     if value is None or len(value) < HEADER.size:
         return None
@@ -157,7 +157,7 @@ def unpack_value(
     if magic != MAGIC or not (keyed or version in VERSIONS):
         return None
     if keyed != bool(secret):
-        raise Unauthenticated("not keyed" if secret else "keyed, and this node has no secret")
+        raise UnauthenticatedValue("not keyed" if secret else "keyed, and this node has no secret")
     if fingerprint != spec.digest[:8]:
         return None
     if code and (codec is None or code != codec.code_id or code_version != codecs.VERSION):
@@ -169,7 +169,7 @@ def unpack_value(
         return None
     if secret:
         if _mac(secret, spec, key, view[:CHECK_AT], payload) != check:
-            raise Unauthenticated("its MAC does not hold")
+            raise UnauthenticatedValue("its MAC does not hold")
     elif _checksum(key, payload) != check:
         return None
     if not code or codec is None:

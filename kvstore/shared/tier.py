@@ -49,7 +49,7 @@ from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.cluster import CHECK_S, ClusterLink
 from kvstore.shared.format import (
-    Unauthenticated,
+    UnauthenticatedValue,
     block_name,
     pack_into,
     packed_size,
@@ -207,7 +207,7 @@ class SharedTier:
             for key, value in zip(part, values, strict=True):
                 try:
                     payload = unpack_value(spec, key, value, _codec(spec), self.config.mac_key)
-                except Unauthenticated:  # planted, or from a node with another secret
+                except UnauthenticatedValue:  # planted, or from a node with another secret
                     self._n["unauthenticated"] += 1
                     complete = False
                     break
