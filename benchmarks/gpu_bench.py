@@ -16,6 +16,9 @@ code on CPU tensors, so the program is smoke-testable anywhere):
    HF contiguous layout are measured; ``--naive`` adds the per-layer-per-block copy
    loop the mover replaces, for comparison (CPU). On a c2c machine the "direct" rows
    are the same copies done by kernels straight into the registered arena.
+3. The vLLM connector's worker path (paged layout only): ``PagedLayers.gather`` of the
+   batch's pages into host block rows (pinned where CUDA runs, as the worker allocates
+   them) and ``scatter`` back, through one device staging buffer.
 
 Reported: median GB/s over ``--iters`` runs after a warm-up (1 GB = 1e9 bytes), and the
 ratio to the link limit. ``--json`` writes every number.
@@ -43,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvclient.integrations.vllm.blocks import PagedLayers  # noqa: E402
 from kvstore.host.arena import HostArena  # noqa: E402
 from kvstore.host.pinning import cuda_pin_hook  # noqa: E402
 from kvstore.mover import (  # noqa: E402
@@ -67,6 +71,7 @@ class Row:
     block_bytes: int
     gbs: float
     vs_link: float
+    vs_copy: float = float("nan")  # against one copy of the batch's bytes, timed alike
 
 
 def gb_per_s(nbytes: int, seconds: float) -> float:
@@ -215,6 +220,7 @@ def one_shape(
         }
         ids = random.Random(1).sample(range(kv.num_blocks), batch)
         nbytes = batch * bb
+        floor = one_copy(host[:nbytes], device, args.iters)
         for slots_name in args.slots:
             offsets = placements[slots_name]
             assert len(offsets) == batch
@@ -228,17 +234,53 @@ def one_shape(
                 runs.append(("offload naive", lambda o=offsets: naive_offload(kv, ids, o, host)))
             for what, fn in runs:
                 speed = gb_per_s(nbytes, timed(fn, device, args.iters))
-                rows.append(Row(what, layout, T, batch, slots_name, bb, speed, speed / link))
+                rows.append(Row(what, layout, T, batch, slots_name, bb, speed, speed / link,
+                                speed / floor[what.split()[0]]))
                 print_row(rows[-1])
+        if layout == "paged":
+            rows += connector_rows(kv, ids, device, link, floor, T, batch, args.iters)
     finally:
         arena.close()
+    return rows
+
+
+def one_copy(host: torch.Tensor, device: torch.device, iters: int) -> dict[str, float]:
+    """The floor of a batch: one copy of its bytes each way between the (registered)
+    arena and the device, timed as the batch is (GB/s by "offload" / "onboard")."""
+    other = torch.empty_like(host, device=device)
+    return {
+        "offload": gb_per_s(host.numel(), timed(
+            lambda: host.copy_(other, non_blocking=True), device, iters)),
+        "onboard": gb_per_s(host.numel(), timed(
+            lambda: other.copy_(host, non_blocking=True), device, iters)),
+    }
+
+
+def connector_rows(
+    kv: KVCache, ids: list[int], device: torch.device, link: float, floor: dict[str, float],
+    T: int, batch: int, iters: int,
+) -> list[Row]:
+    """The vLLM connector's worker: pages <-> host block rows (pinned on CUDA)."""
+    assert isinstance(kv, PagedKV)
+    pages = PagedLayers(kv.tensors, kv.num_blocks)
+    host = torch.empty((batch, pages.block_bytes), dtype=torch.uint8,
+                       pin_memory=device.type == "cuda")
+    host.fill_(0)
+    nbytes = batch * pages.block_bytes
+    rows = []
+    for what, fn in (("offload connector", lambda: pages.gather(ids, host)),
+                     ("onboard connector", lambda: pages.scatter(ids, host))):
+        speed = gb_per_s(nbytes, timed(fn, device, iters))
+        rows.append(Row(what, "paged", T, batch, "host rows", pages.block_bytes, speed,
+                        speed / link, speed / floor[what.split()[0]]))
+        print_row(rows[-1])
     return rows
 
 
 def print_row(r: Row) -> None:
     print(
         f"| {r.what} | {r.layout} | {r.block_tokens} | {r.batch} | {r.slots} | "
-        f"{r.block_bytes >> 10} KiB | {r.gbs:.2f} GB/s | {r.vs_link:.0%} |",
+        f"{r.block_bytes >> 10} KiB | {r.gbs:.2f} GB/s | {r.vs_link:.0%} | {r.vs_copy:.0%} |",
         flush=True,
     )
 
@@ -280,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, speed in link.items():
             print(f"# link {name}: {speed:.2f} GB/s")
         ceiling = min(link.values())
-        print("| op | layout | tokens/block | batch | slots | block | throughput | vs link |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("| op | layout | tokens/block | batch | slots | block | throughput | vs link | "
+              "vs one copy |")
+        print("|---|---|---|---|---|---|---|---|---|")
         rows = transfers(args, device, ceiling, tmpdir)
     if args.json:
         Path(args.json).write_text(json.dumps(

@@ -6,7 +6,10 @@ For each prompt length it measures, on a Llama with seeded random weights:
 - miss: the adapter's first call (lookup miss, full prefill); the put of the prompt's
   blocks that follows is timed apart (it is not on the path to the first token);
 - host hit: the same prompt again, its prefix served from the daemon's host arena
-  (best of ``--repeat``: the machine may be shared);
+  (best of ``--repeat``: the machine may be shared); on CUDA the adapter copies
+  straight from the pinned arena slots into the cache's tensors, and the same hit is
+  also timed through host memory (``direct_copies=False``: the bytes path a remote
+  daemon takes), in turns with it;
 - disk hit: the same prompt after the daemon was restarted (SIGTERM persists the host
   tier to LMDB) and LMDB's data file was dropped from the page cache, so the prefix is
   read from disk (best of ``--disk-repeat`` restarts).
@@ -64,10 +67,14 @@ class Row:
     put_s: float
     host_s: float
     host_load_s: float
+    via_host_s: float = float("nan")  # CUDA: the host hit through host memory
+    via_host_load_s: float = float("nan")
+    floor_s: float = float("nan")  # CUDA: prefix bytes over the link + the hit's compute
     disk_s: float = float("nan")
     disk_load_s: float = float("nan")
     disk_blocks: int = 0
     max_abs_diff: float = float("nan")
+    max_abs_logit: float = float("nan")  # the plain prefill's, to read the diff against
 
     @property
     def baseline_s(self) -> float:
@@ -97,6 +104,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def h2d_link_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """One large pinned host -> device copy (median of 5, CUDA events): the link's rate."""
+    host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del host, dev
+    return nbytes / sorted(times)[2] / 1e9
+
+
 def plain_prefill(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
     device = model.device
     sync(device)
@@ -109,6 +133,7 @@ def plain_prefill(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, tor
 
 def run(args: argparse.Namespace) -> list[Row]:
     device = torch.device(args.device)
+    cuda = device.type == "cuda"
     dtype = getattr(torch, args.dtype)
     print(
         f"building random-weight Llama '{args.preset}' ({args.dtype}) on {device} ...", flush=True
@@ -136,9 +161,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     host_bytes = max(256 << 20, int(total * 1.3))
     workdir = Path(tempfile.mkdtemp(prefix="ttft-", dir=args.tmp))
     arena_dir = arena_dir_for(workdir, host_bytes)
-    daemon = OwnDaemon(
-        workdir, host_bytes, int(total * 2) + (1 << 30), extra_args=["--arena_dir", str(arena_dir)]
-    )
+    # the whole index loads before the daemon answers: a disk hit right after a restart
+    # must not race a background index load (which would turn part of it into misses)
+    extra = ["--arena_dir", str(arena_dir), "--sync_index_bytes", str(int(total * 4))]
+    daemon = OwnDaemon(workdir, host_bytes, int(total * 2) + (1 << 30), extra_args=extra)
     print(
         f"kvstored in {workdir}: host {host_bytes >> 20} MiB (arena in {arena_dir}), "
         f"{token_bytes >> 10} KiB of KV per token",
@@ -149,21 +175,35 @@ def run(args: argparse.Namespace) -> list[Row]:
         for n in args.lengths
     }
     rows: list[Row] = []
+    link_gbs = h2d_link_gbs(device) if cuda else float("nan")
+    if cuda:
+        print(f"link: one pinned 1 GiB host -> device copy at {link_gbs:.1f} GB/s", flush=True)
     daemon.start()
     try:
-        with KVClient(daemon.addr, timeout=600) as client:
-            kv = HFPrefixCache(client, model, model_id, block_tokens=args.block_tokens)
+        with (
+            KVClient(daemon.addr, timeout=600) as client,
+            HFPrefixCache(client, model, model_id, block_tokens=args.block_tokens) as kv,
+        ):
+            via_host = HFPrefixCache(
+                client, model, model_id, block_tokens=args.block_tokens, direct_copies=False
+            )
             T = kv.block_tokens
-            # warm-up: first calls allocate and pick kernels
+            # warm-up: first calls allocate and pick kernels, at the first length too
             warm = torch.randint(0, vocab, (2 * T + 3,))
             kv.prefill(warm)
             kv.prefill(warm)
+            via_host.prefill(warm, store=False)
+            plain_prefill(model, prompts[args.lengths[0]])
             for n in args.lengths:
                 ids = prompts[n]
                 prefill_s, ref = plain_prefill(model, ids)
                 miss = kv.prefill(ids)
                 assert miss.stats.reused_tokens == 0, "prompts must not share blocks"
-                hits = [kv.prefill(ids, store=False) for _ in range(args.repeat)]
+                hits, host_hits = [], []
+                for _ in range(args.repeat):  # in turns: the machine may be shared
+                    hits.append(kv.prefill(ids, store=False))
+                    if cuda:
+                        host_hits.append(via_host.prefill(ids, store=False))
                 reused = hits[0].stats.reused_tokens
                 assert reused == (n - 1) // T * T, (reused, n)
                 diff = float((hits[0].logits[0, -1].float().cpu() - ref).abs().max())
@@ -177,24 +217,35 @@ def run(args: argparse.Namespace) -> list[Row]:
                     host_s=min(h.stats.ttft_s for h in hits),
                     host_load_s=min(h.stats.load_s for h in hits),
                     max_abs_diff=diff,
+                    max_abs_logit=float(ref.abs().max()),
                 )
+                if host_hits:
+                    assert all(h.stats.reused_tokens == reused for h in host_hits)
+                    assert torch.equal(host_hits[0].logits, hits[0].logits)  # the same bytes
+                    row.via_host_s = min(h.stats.ttft_s for h in host_hits)
+                    row.via_host_load_s = min(h.stats.load_s for h in host_hits)
+                    row.floor_s = row.prefix_bytes / (link_gbs * 1e9) + (
+                        row.host_s - row.host_load_s
+                    )
                 rows.append(row)
                 print(
                     f"{n:>6} tokens: prefill {prefill_s:8.3f} s | miss {row.miss_s:8.3f} s "
                     f"(+ put {row.put_s:.3f} s) | host hit {row.host_s:.3f} s "
                     f"({row.baseline_s / row.host_s:.1f}x, load {row.host_load_s:.3f} s) | "
-                    f"max |dlogit| {diff:.2e}",
+                    f"via host memory {row.via_host_s:.3f} s | max |dlogit| {diff:.2e}",
                     flush=True,
                 )
-                del miss, hits
+                del miss, hits, host_hits
         disk_times: dict[int, list[float]] = {n: [] for n in args.lengths}
         disk_loads: dict[int, list[float]] = {n: [] for n in args.lengths}
         for attempt in range(args.disk_repeat):
             daemon.stop()
             drop_disk_cache(daemon.disk_dir)
             daemon.start()
-            with KVClient(daemon.addr, timeout=600) as client:
-                kv = HFPrefixCache(client, model, model_id, block_tokens=args.block_tokens)
+            with (
+                KVClient(daemon.addr, timeout=600) as client,
+                HFPrefixCache(client, model, model_id, block_tokens=args.block_tokens) as kv,
+            ):
                 for row in rows:
                     out = kv.prefill(prompts[row.length], store=False)
                     assert out.stats.reused_tokens == (row.length - 1) // T * T
@@ -256,27 +307,56 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
         "`DynamicCache`; the rest is the model on the computed tokens (attending to the "
         "whole prefix)",
         "",
+    ]
+    via_host = args.device == "cuda"
+    if via_host:
+        lines += [
+            "- `via host memory`: the same host hit with `direct_copies=False` (the bytes "
+            "path: arena -> numpy -> `.to(device)` from pageable memory, as for a remote "
+            "daemon), timed in turns with the direct one (pinned arena slots -> the cache's "
+            "tensors)",
+            "- `floor`: what any load-then-compute hit needs at least: the prefix bytes over "
+            "one large pinned host -> device copy measured in the same run, plus the hit's "
+            "own compute (its TTFT minus its load); `floor x`: the prefill over that floor",
+            "",
+        ]
+    lines += [
         "| prompt tokens | cached prefix | computed on hit | prefill | miss (+put) | "
-        "host hit (load) | speed-up | disk hit (load) | speed-up | max abs dlogit |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "host hit (load) | speed-up | "
+        + ("via host memory (load) | floor | floor x | " if via_host else "")
+        + "disk hit (load) | speed-up | max abs dlogit (max abs logit) |",
+        "|" + "---:|" * (13 if via_host else 10),
     ]
     for r in rows:
         lines.append(
             f"| {r.length} | {_size(r.prefix_bytes)} | {r.computed_on_hit} | "
             f"{_ms(r.prefill_s)} | {_ms(r.miss_s)} (+{_ms(r.put_s)}) | "
             f"{_ms(r.host_s)} ({_ms(r.host_load_s)}) | {r.baseline_s / r.host_s:.1f}x | "
-            f"{_ms(r.disk_s)} ({_ms(r.disk_load_s)}) | {r.baseline_s / r.disk_s:.1f}x | "
-            f"{r.max_abs_diff:.1e} |"
+            + (
+                f"{_ms(r.via_host_s)} ({_ms(r.via_host_load_s)}) | {_ms(r.floor_s)} | "
+                f"{r.baseline_s / r.floor_s:.1f}x | "
+                if via_host
+                else ""
+            )
+            + f"{_ms(r.disk_s)} ({_ms(r.disk_load_s)}) | {r.baseline_s / r.disk_s:.1f}x | "
+            f"{r.max_abs_diff:.1e} ({r.max_abs_logit:.1f}) |"
         )
     lines += ["", f"![TTFT vs prompt length]({png.name})", ""]
     last = rows[-1]
+    load_how = (
+        "(lookup, then one DMA per run of leased slots from the pinned arena straight into "
+        "the cache's tensors)"
+        if args.device == "cuda"
+        else "(lookup, one copy out of the arena, one gather into the cache)"
+    )
     lines += [
         "Reading it: at the longest prompt, "
         f"{last.length} tokens, a hit gives the first token in {_ms(last.host_s)} from the "
         f"host tier and {_ms(last.disk_s)} from disk, against {_ms(last.baseline_s)} of "
-        f"prefill ({last.baseline_s / last.host_s:.0f}x and {last.baseline_s / last.disk_s:.0f}x)."
+        f"prefill ({last.baseline_s / last.host_s:.1f}x and "
+        f"{last.baseline_s / last.disk_s:.1f}x)."
         f" Loading the {_size(last.prefix_bytes)} prefix takes {_ms(last.host_load_s)} from the "
-        f"arena (lookup, one copy out of the arena, one gather into the cache) and "
+        f"arena {load_how} and "
         f"{_ms(last.disk_load_s)} from LMDB with a cold page cache (then promoted to host); "
         f"the rest of a hit is the model running {last.computed_on_hit} tokens that attend to "
         "the whole prefix (its `DynamicCache` also copies the prefix once more per layer as "
@@ -287,23 +367,14 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
     ]
     if args.device == "cpu":
         lines += [
-            "## GPU: still to run",
+            "## GPU",
             "",
-            "No GPU was available for this run. What remains: on an H100 or H200, a "
-            "Llama-3-8B-shaped model (random weights, bf16; ~16 GiB of GPU memory for the "
-            "weights, 4 GiB of KV per 32k-token prompt; ~9 GiB of host arena in /dev/shm and "
-            "of LMDB space), prompts of 8k, 16k and 32k tokens. In a virtualenv that has a "
-            "CUDA build of torch (the `hf` extra keeps it):",
+            "The Llama-3-8B-shaped run on an H100 (8k, 16k and 32k tokens) is in "
+            "[ttft_gpu.md](ttft_gpu.md); its command:",
             "",
             "```bash",
-            ".venv/bin/pip install -e '.[hf,bench]'",
             GPU_COMMAND,
             "```",
-            "",
-            "It writes `docs/benchmarks/ttft_gpu.md` and `ttft_gpu.png`. Today block bytes "
-            "cross host -> GPU with a plain `.to(device)` from pageable memory; the pinned "
-            "arena / daemon-driven copy path (DESIGN.md, data paths 2 and 3) replaces that "
-            "in `kvclient.hf.cache_from_blocks` / `blocks_from_cache`.",
             "",
         ]
     out.parent.mkdir(parents=True, exist_ok=True)

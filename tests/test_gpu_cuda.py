@@ -7,15 +7,19 @@ host with ``pytest -m gpu``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
 from conftest import Daemon
 
+from kvbench.models import random_llama
 from kvclient import KVClient, Namespace
+from kvclient.hf import HFPrefixCache
 from kvclient.integrations.gpu import GpuClient
+from kvclient.integrations.vllm.blocks import PagedLayers
 from kvstore.host.arena import HostArena
 from kvstore.host.pinning import cuda_pin_hook
 from kvstore.mover import HFKV, KVCache, Mover, PagedKV, device_alias
@@ -67,10 +71,30 @@ def block_bytes(kv: KVCache, block: int) -> np.ndarray:
 
 
 @pytest.fixture
-def pinned_arena(tmp_path) -> Iterator[HostArena]:
-    arena = HostArena(64 << 20, directory=str(tmp_path), pin=cuda_pin_hook(strict=True))
+def shm_dir() -> Iterator[str]:
+    """A folder on tmpfs: Linux lets CUDA pin shared file pages only there (or hugetlbfs),
+    which is why kvstored's arena_dir defaults to /dev/shm."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="kvstore-gpu-test-") as path:
+        yield path
+
+
+@pytest.fixture
+def pinned_arena(shm_dir: str) -> Iterator[HostArena]:
+    arena = HostArena(64 << 20, directory=shm_dir, pin=cuda_pin_hook(strict=True))
     yield arena
     arena.close()
+
+
+def test_a_refused_pin_leaves_cuda_usable(tmp_path) -> None:
+    # an arena file on a disk file system: the registration may be refused; either way
+    # the next CUDA call of this thread must not inherit an error from it
+    hook = cuda_pin_hook()
+    arena = HostArena(8 << 20, directory=str(tmp_path), pin=hook)
+    try:
+        device = torch.arange(1024, device="cuda")
+        assert int(device.sum()) == 1023 * 1024 // 2
+    finally:
+        arena.close()
 
 
 def test_detect_finds_the_device() -> None:
@@ -127,8 +151,16 @@ def test_mover_round_trip_on_a_side_stream(
 
 
 @pytest.fixture(scope="module")
-def gpu(kvstored_module: Daemon) -> Iterator[GpuClient]:
-    with KVClient(kvstored_module.addr) as client, GpuClient(client) as g:
+def gpu_daemon(kvstored_module_factory: Callable[..., Daemon]) -> Iterator[Daemon]:
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="kvstore-gpu-test-") as shm:
+        daemon = kvstored_module_factory(arena_dir=shm)
+        yield daemon
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu(gpu_daemon: Daemon) -> Iterator[GpuClient]:
+    with KVClient(gpu_daemon.addr) as client, GpuClient(client) as g:
         yield g
 
 
@@ -186,3 +218,42 @@ def test_daemon_driven_round_trip_over_cuda_ipc(
     torch.cuda.synchronize()
     for s, d in zip(ids, targets, strict=True):
         assert np.array_equal(block_bytes(dst, d), block_bytes(src, s))
+
+
+def test_connector_pages_go_out_through_pinned_rows_and_back() -> None:
+    """The vLLM connector's worker path (it imports no vLLM): pages -> pinned rows -> pages."""
+    source = make("paged")
+    random_(source, 3)
+    layers = PagedLayers(source.tensors, NB)
+    rows = torch.empty((4, layers.block_bytes), dtype=torch.uint8).pin_memory()
+    layers.gather([3, 8], rows)
+    target = make("paged")
+    poison(target)
+    PagedLayers(target.tensors, NB).scatter([1, 2], rows[:2])
+    torch.cuda.synchronize()
+    for before, after in zip(source.tensors, target.tensors, strict=True):
+        raw_before, raw_after = before.view(torch.uint8), after.view(torch.uint8)  # NaNs too
+        assert torch.equal(raw_before[:, 3], raw_after[:, 1])
+        assert torch.equal(raw_before[:, 8], raw_after[:, 2])
+    assert (target.tensors[0][:, 0].view(torch.uint8) == SENTINEL).all()  # untouched
+
+
+def test_hf_adapter_copies_between_the_gpu_cache_and_the_pinned_arena(gpu_daemon: Daemon) -> None:
+    """transformers on CUDA: a hit is copied from the pinned arena slots into the cache's
+    tensors (no host copy) and gives the logits of a full prefill; the blocks are the
+    same bytes the host path reads."""
+    model = random_llama("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    vocab, gen = model.config.vocab_size, torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (5 * T + 3,), generator=gen)
+    with KVClient(gpu_daemon.addr) as client:
+        with HFPrefixCache(client, model, "cuda-hf", block_tokens=T) as direct:
+            miss = direct.prefill(ids)
+            assert miss.stats.stored_blocks == 5
+            assert isinstance(direct._gpu, GpuClient)  # the direct path was taken
+            hit = direct.prefill(ids, store=False)
+        host_path = HFPrefixCache(client, model, "cuda-hf", block_tokens=T, direct_copies=False)
+        through_host = host_path.prefill(ids, store=False)
+    for out in (hit, through_host):
+        assert out.stats.reused_tokens == 5 * T
+        assert torch.allclose(out.logits.float(), miss.logits.float(), atol=0.05, rtol=0.02)
+    assert torch.equal(hit.logits, through_host.logits)

@@ -16,6 +16,7 @@ block ids, and checks those blocks byte for byte and that nothing else changed.
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -161,6 +162,20 @@ def test_client_driven_round_trip(client: KVClient, gpu: GpuClient, layout: str)
     assert (got.ready_blocks, got.onboarded, got.tokens) == (5, 5, 5 * T)
     assert got.released and got.event is None  # CPU: done when it returns
     assert_moved(src, dst, list(zip(ids, targets, strict=True)))
+
+
+def test_a_gpu_client_dropped_unclosed_unpins_and_unmaps_its_arena(client: KVClient) -> None:
+    # a registration must never outlive its mapping: a later mapping at the same address
+    # could not be pinned again (seen on an H100 after a daemon restart)
+    gpu = GpuClient(client)
+    src = plain("paged")
+    fill_random(src, seed=9)
+    gpu.offload(namespace(client, "dropped"), prompt(3000, 2), src, ids_for("paged", 2))
+    arena = gpu._arena
+    assert arena is not None and not arena.mapping.closed
+    del gpu
+    gc.collect()
+    assert arena.mapping.closed
 
 
 def test_client_driven_onboard_of_a_partial_prefix(client: KVClient, gpu: GpuClient) -> None:

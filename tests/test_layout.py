@@ -154,7 +154,7 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     assert lines(client, without=wings) <= 5000
     assert lines(FOLDERS["kvctl"]) <= 850  # (+50 for `kvctl why`, issue 43)
     assert lines(wings / "vllm") <= 1100
-    assert lines(wings / "hf") <= 900
+    assert lines(wings / "hf") <= 950  # (+50: copies straight to CUDA, issue 45)
 
 
 # -- composition, not inheritance ------------------------------------------------------

@@ -66,21 +66,6 @@ def test_rows_of_the_wrong_shape_are_refused() -> None:
         PagedLayers([torch.zeros(4, 2), torch.zeros(4, 3)], num_blocks=4)
 
 
-@pytest.mark.gpu
-def test_blocks_go_out_and_back_on_a_gpu() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    source = paged((2, 10, 16, 2, 8), layers=2, device="cuda")
-    rows = torch.empty((4, PagedLayers(source, 10).block_bytes), dtype=torch.uint8).pin_memory()
-    PagedLayers(source, 10).gather([3, 8], rows)
-    target = [torch.zeros_like(t) for t in source]
-    PagedLayers(target, 10).scatter([1, 2], rows[:2])
-    torch.cuda.synchronize()
-    for before, after in zip(source, target, strict=True):
-        assert torch.equal(before[:, 3], after[:, 1])
-        assert torch.equal(before[:, 8], after[:, 2])
-
-
 # -- the scheduler's plans --------------------------------------------------------------
 
 

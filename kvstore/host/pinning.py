@@ -16,9 +16,13 @@ Protocol:
   the process, whatever device is current), plus ``Mapped`` on ``c2c`` so kernels can
   address the arena (on GH200 the device pointer equals the host pointer).
 - Pinning is an optimisation, never a requirement: a failed registration (too little
-  ``RLIMIT_MEMLOCK``, an old driver, a region too large) is logged and the arena stays
-  pageable; copies are then slower but correct. The hook keeps no export of the
-  region after it returns, so closing the arena never trips over it.
+  ``RLIMIT_MEMLOCK``, an old driver, a region too large, or an arena file outside
+  tmpfs/hugetlbfs: Linux refuses long-term pins of writable shared file pages there,
+  cudaError 1 on a disk-backed ``arena_dir``) is logged and the arena stays pageable;
+  copies are then slower but correct. The runtime keeps that error as the thread's
+  last error, which the next framework call would raise as its own failure, so it is
+  cleared (:func:`clear_last_error`). The hook keeps no export of the region after it
+  returns, so closing the arena never trips over it.
 
 Cost: ``cudaHostRegister`` faults in and locks every page of the region at start-up
 (about 1-3 s per 10 GiB), where the arena would otherwise fault pages lazily.
@@ -70,6 +74,21 @@ def buffer_address(view: memoryview) -> int:
         del holder  # releases the export taken by from_buffer
 
 
+def clear_last_error() -> None:
+    """Reset the CUDA runtime's last error on this thread (``cudaGetLastError``), through
+    the libcudart this process loaded (torch's binding of the runtime lacks the call)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
+    except OSError:
+        return
+    for path in sorted(paths):
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+        except (OSError, AttributeError) as exc:
+            log.debug("cannot clear CUDA's last error through %s: %s", path, exc)
+
+
 class CudaPin:
     """A PinHook registering the region with ``cudaHostRegister(ptr, size, flags)``.
 
@@ -106,10 +125,15 @@ class CudaPin:
             log.warning("cannot pin the arena with CUDA (%s); it stays pageable", exc)
             return _nothing
         if result != 0:
-            message = f"cudaHostRegister({size} bytes, flags={flags:#x}) failed: cudaError {result}"
+            clear_last_error()
+            message = (
+                f"cudaHostRegister({size} bytes, flags={flags:#x}) failed: cudaError {result} "
+                "(CUDA pins shared files only on tmpfs or hugetlbfs, e.g. arena_dir=/dev/shm, "
+                "and within ulimit -l)"
+            )
             if self.strict:
                 raise RuntimeError(message)
-            log.warning("%s; the arena stays pageable (check ulimit -l)", message)
+            log.warning("%s; the arena stays pageable", message)
             return _nothing
         log.info("pinned %d bytes at %#x with cudaHostRegister(flags=%#x)", size, address, flags)
         self.pinned_bytes = size

@@ -43,6 +43,7 @@ import logging
 import os
 import secrets
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -345,7 +346,10 @@ class GpuClient:
         self._lock = threading.Lock()
         self._arena: ClientArena | None = None
         self._mover: Mover | None = None
-        self._unpin: Callable[[], None] | None = None
+        # unpins, then unmaps: run by close, or when this client is collected unclosed, so
+        # a registration never outlives its mapping (a later mapping at the same address
+        # could not be pinned: cudaErrorHostMemoryAlreadyRegistered)
+        self._release: weakref.finalize | None = None
 
     def close(self) -> None:
         """Unpin and unmap this client's arena mapping. Idempotent."""
@@ -359,13 +363,10 @@ class GpuClient:
         self.close()
 
     def _drop_arena(self) -> None:
-        unpin, self._unpin = self._unpin, None
-        arena, self._arena = self._arena, None
-        self._mover = None
-        if unpin is not None:
-            unpin()
-        if arena is not None:
-            arena.close()
+        release, self._release = self._release, None
+        self._arena, self._mover = None, None
+        if release is not None:
+            release()
 
     def _call(self, method: Callable[..., _R], request: Any) -> _R:
         try:
@@ -397,15 +398,17 @@ class GpuClient:
                     addr=self.client.addr,
                 )
             mover = Mover.for_array(arena.mapping.array())
+            unpin = None
             if self.pin_arena and torch.cuda.is_available():
                 local = kv_platform.detect()
                 pin = pinning.cuda_pin_hook(local.host_register_flags)
-                self._unpin = pin(arena.mapping.view(0, arena.mapping.size))
+                unpin = pin(arena.mapping.view(0, arena.mapping.size))
                 if pin.pinned_bytes and local.direct_host_access:
                     for dev in local.devices:
                         device = torch.device("cuda", dev.index)
                         mover.device_arenas[device] = device_alias(mover.arena, device)
             self._arena, self._mover = arena, mover
+            self._release = weakref.finalize(self, _unpin_and_unmap, unpin, arena)
             return mover
 
     # -- client-driven copies
@@ -625,6 +628,12 @@ class _GpuBlocks:
         event = _moved(self._mover.offload, self._kv, ids, slots.offsets.tolist(), self._stream)
         if event is not None:
             event.synchronize()
+
+
+def _unpin_and_unmap(unpin: Callable[[], None] | None, arena: ClientArena) -> None:
+    if unpin is not None:
+        unpin()
+    arena.close()
 
 
 def _validated(kv: KVCache, ids: list[int]) -> list[int]:

@@ -49,14 +49,14 @@ warning and recomputes (a cache must never make an answer fail); malformed reque
 layout mismatches raise. Batch size 1; full-attention decoder models only
 (:func:`kvclient.integrations.hf.cache.check_supported`).
 
-Devices: block bytes arrive in host memory (a numpy array filled from the shared
-arena or the gRPC stream) and move with a plain ``.to(device)``; stored blocks are
-gathered on the model's device and copied back with ``.cpu()``. The GPU path plugs in
-at :func:`cache_from_blocks` / :func:`blocks_from_cache`: ``kvclient.integrations.gpu`` (an
-``HFKV`` over the cache's per-layer tensors) copies straight between the GPU and pinned
-arena slots, or lets the daemon gather/scatter through CUDA IPC (DESIGN.md, data paths
-2 and 3). It uses this same byte layout (``kvstore.mover``), so blocks stored by either
-path are interchangeable.
+Devices: on a CUDA model whose daemon shares its arena with this process, blocks move
+straight between the cache's tensors and the pinned arena slots
+(:class:`kvclient.integrations.gpu.GpuClient`, an ``HFKV`` over the tensors: one DMA per
+run of slots, no host copy). Otherwise (CPU models, a remote daemon, or
+``direct_copies=False``) block bytes arrive in host memory (a numpy array filled from
+the shared arena or the gRPC stream) and move with ``.to(device)``; stored blocks are
+gathered on the model's device and copied back with ``.cpu()``. Both use the same byte
+layout (``kvstore.mover``), so blocks stored by either path are interchangeable.
 """
 
 from __future__ import annotations
@@ -71,7 +71,13 @@ import numpy as np
 import torch
 
 from kvclient.claims import Claim
-from kvclient.errors import DaemonUnavailableError, OutOfSpaceError, RequestTimeoutError
+from kvclient.errors import (
+    ArenaUnavailableError,
+    DaemonUnavailableError,
+    OutOfSpaceError,
+    RequestTimeoutError,
+)
+from kvclient.integrations.gpu import GpuClient
 from kvclient.integrations.hf import cache as hf_cache
 from kvclient.integrations.hf.cache import UnsupportedModelError
 from kvclient.integrations.hf.layout import (
@@ -85,6 +91,7 @@ from kvclient.integrations.hf.layout import (
 )
 from kvclient.namespace import Namespace
 from kvclient.sync_client import KVClient
+from kvstore.mover import HFKV
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +212,13 @@ class HFPrefixCache:
         priority: int | None = None,
         fingerprint_config: bool = True,
         codec: str = "exact",
+        direct_copies: bool = True,
     ) -> None:
         hf_cache.check_supported(model.config)
         self.client = client
+        # CUDA: copies between the cache and the pinned arena (None until first needed;
+        # False once the arena proved not mappable here, or when turned off)
+        self._gpu: GpuClient | None | bool = None if direct_copies else False
         self.model = model
         self.config = model.config
         self.layout = KVLayout.from_model(model, block_tokens)
@@ -230,6 +241,19 @@ class HFPrefixCache:
     @property
     def block_tokens(self) -> int:
         return self.layout.block_tokens
+
+    def close(self) -> None:
+        """Unpin and unmap the direct copy path's view of the arena (the client stays
+        open: it is the caller's). Idempotent; a later call maps it again."""
+        if isinstance(self._gpu, GpuClient):
+            self._gpu.close()
+            self._gpu = None
+
+    def __enter__(self) -> HFPrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def device(self) -> torch.device:
@@ -420,6 +444,12 @@ class HFPrefixCache:
         tokens = _as_ids(input_ids).tolist()
         T = self.block_tokens
         prefix = tokens[: ((len(tokens) - 1) // T) * T]
+        gpu = self._gpu_client()
+        if gpu is not None and prefix:
+            try:
+                return self._load_direct(gpu, prefix, start_time)
+            except ArenaUnavailableError as exc:
+                self._no_direct_copies(exc)
         blocks, host_blocks = self._fetch(prefix)
         if blocks is None or blocks.shape[0] == 0:
             return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
@@ -427,6 +457,42 @@ class HFPrefixCache:
         cache = cache_from_blocks(blocks, self.layout, self.config, self.device)
         host = min(host_blocks, n)  # tiers are prefix-closed: host holds the first blocks
         return LoadedPrefix(cache, n * T, host, n - host, time.perf_counter() - start_time)
+
+    def _gpu_client(self) -> GpuClient | None:
+        """The direct copy path, on a CUDA model only (None: through host memory)."""
+        if self._gpu is None:
+            self._gpu = GpuClient(self.client) if self.device.type == "cuda" else False
+        return self._gpu if isinstance(self._gpu, GpuClient) else None
+
+    def _no_direct_copies(self, why: Exception) -> None:
+        log.info("kvstore blocks go through host memory: %s", why)
+        if isinstance(self._gpu, GpuClient):
+            self._gpu.close()
+        self._gpu = False
+
+    def _load_direct(self, gpu: GpuClient, prefix: list[int], start_time: float) -> LoadedPrefix:
+        """``load`` on the direct path: one ``[layers, 2, 1, heads, tokens, head_dim]``
+        tensor on the device, filled from the leased arena slots, adopted by the cache."""
+        T, layout = self.block_tokens, self.layout
+        try:
+            hit = self.namespace.lookup(prefix)
+            n = hit.blocks
+            if n == 0:
+                return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
+            shape = (layout.num_layers, 2, 1, layout.num_kv_heads, n * T, layout.head_dim)
+            kv = torch.empty(shape, dtype=layout.dtype, device=self.device)
+            got = gpu.onboard(self.namespace, prefix[: n * T], HFKV(kv, T), list(range(n)))
+        except _RECOVERABLE as exc:
+            log.warning("kvstore load failed, recomputing the prompt: %s", exc)
+            return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
+        m = got.onboarded  # the ready prefix: blocks evicted since the lookup are not
+        if m == 0:
+            return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
+        held = kv[..., : m * T, :]  # all n blocks, or the m still ready at the acquire
+        layers = [(held[i, 0], held[i, 1]) for i in range(layout.num_layers)]
+        cache = hf_cache.cache_from_layers(self.config, layers)
+        host = min(hit.host_blocks, m)
+        return LoadedPrefix(cache, m * T, host, m - host, time.perf_counter() - start_time)
 
     def _fetch(self, prefix: list[int]) -> tuple[np.ndarray | None, int]:
         """Bytes of the longest cached prefix of ``prefix`` and how many of its blocks
@@ -448,19 +514,24 @@ class HFPrefixCache:
         the blocks newly stored. Blocks before ``start_block`` must be stored already."""
         if end_block <= start_block:
             return 0
-        blocks = blocks_from_cache(cache, self.layout, start_block, end_block)
-        rows = blocks.cpu().numpy()  # GPU path: gather into pinned arena slots instead
+        chain = list(tokens[: end_block * self.block_tokens])
+        ids = list(range(start_block, end_block))
+        gpu = self._gpu_client()
         try:
-            result = self.namespace.put(
-                list(tokens[: end_block * self.block_tokens]),
-                rows,
-                start=start_block,
-                priority=self.priority,
-            )
+            if gpu is not None:  # gathered from the cache's tensors straight into slots
+                layers = [hf_cache.layer_kv(cache, i) for i in range(self.layout.num_layers)]
+                try:
+                    kv = HFKV(layers, self.block_tokens)
+                    return gpu.offload(
+                        self.namespace, chain, kv, ids, start=start_block, priority=self.priority
+                    ).stored
+                except ArenaUnavailableError as exc:
+                    self._no_direct_copies(exc)
+            rows = blocks_from_cache(cache, self.layout, start_block, end_block).cpu().numpy()
+            return self.namespace.put(chain, rows, start=start_block, priority=self.priority).stored
         except _RECOVERABLE as exc:
             log.warning("kvstore put failed, blocks not cached: %s", exc)
             return 0
-        return result.stored
 
     # -- generation -------------------------------------------------------------------
 

@@ -165,11 +165,8 @@ def cache_from_blocks(
     device: torch.device | str = "cpu",
 ) -> Any:
     """A ``DynamicCache`` holding the ``n * block_tokens`` tokens of ``blocks``
-    (``uint8[n, block_bytes]``), on ``device``.
-
-    GPU path: today the bytes move with ``.to(device)`` (pageable memory); later they are
-    copied from pinned arena slots on a side stream, or scattered by the daemon.
-    """
+    (``uint8[n, block_bytes]``), on ``device``: the bytes path (a CUDA model next to its
+    daemon takes the adapter's direct path instead)."""
     data = torch.from_numpy(blocks) if isinstance(blocks, np.ndarray) else blocks
     if data.dim() != 2 or data.shape[1] != layout.block_bytes or data.dtype != torch.uint8:
         raise ValueError(

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine, in one go: the `gpu` tests, the GPU data-path benchmark and
+# the Llama-3-8B TTFT benchmark (docs/benchmarks/gpu.md and ttft.md say what each shows).
+#
+# Run from the repository root on a machine whose python3 has a CUDA build of torch (and
+# transformers, matplotlib). Wheels that machine lacks (lmdb, grpcio, ...) may wait in
+# .whl/ (an ignored folder), e.g. fetched where pip reaches an index with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#       lmdb grpcio grpcio-health-checking grpcio-reflection protobuf redis pyzmq msgspec
+# they are installed into /tmp/site. Every log and result goes under $OUT.
+#
+#   OUT=/tmp/gpu-out bash benchmarks/gpu_run.sh [tests] [bench] [ttft]   (none: all three)
+set -uo pipefail
+steps=" ${*:-tests bench ttft} "
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+site=""
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    site=":/tmp/site"
+fi
+# the packages' folders (pyproject's package-dir), so daemons started as `python -m` see them
+export PYTHONPATH="$PWD:$PWD/daemon:$PWD/client:$PWD/proto:$PWD/benchmarks$site"
+
+echo "== machine"
+nvidia-smi -L
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", transformers.__version__)'
+nproc; free -g | head -2; df -h /dev/shm /tmp | cat
+# the arena wants /dev/shm: give it room for the TTFT run's ~9 GiB arena if it is small
+shm_free=$(df -B1G --output=avail /dev/shm | tail -1 | tr -d ' ')
+if [ "${shm_free:-0}" -lt 24 ] && [ "$(id -u)" = 0 ]; then
+    mount -o remount,size=48G /dev/shm && df -h /dev/shm | cat
+fi
+python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 \
+    && echo "C extensions built" || echo "C extensions not built: numpy fallback"
+
+if [[ $steps == *" tests "* ]]; then
+echo "== 1. pytest -m gpu"
+timeout 150 python3 -m pytest -m gpu -v -p no:cacheprovider tests/test_gpu_cuda.py 2>&1 \
+    | tee "$OUT/pytest.log" | tail -30
+fi
+
+if [[ $steps == *" bench "* ]]; then
+echo "== 2. gpu_bench"
+timeout 170 python3 benchmarks/gpu_bench.py --device cuda --block-tokens 8,16,64 \
+    --batch 64,256 --json "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log"
+fi
+
+if [[ $steps == *" ttft "* ]]; then
+echo "== 3. ttft_bench"
+timeout 300 python3 benchmarks/ttft_bench.py --device cuda --preset llama3-8b \
+    --dtype bfloat16 --lengths 8192,16384,32768 --tmp /tmp --out "$OUT/ttft_gpu.md" 2>&1 \
+    | tee "$OUT/ttft.log"
+fi
+echo "== done"
