@@ -193,16 +193,15 @@ def test_the_automatic_disk_size_is_kept_from_the_first_start(
     assert cfg.disk_bytes == 1 << 30
 
 
-def test_an_automatic_disk_size_too_small_for_a_tier_is_an_error_not_disk_off(
+def test_an_automatic_disk_size_on_a_small_or_a_full_file_system(
     tmp_path: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(hostinfo, "disk_free_bytes", lambda _path: 100 << 20)
+    monkeypatch.setattr(hostinfo, "disk_size_bytes", lambda _path: 200 << 20)  # all too small
     (tmp_path / "arena").mkdir()
-    cfg, _ = kvconfig.load_config(
-        ["--disk-dir", str(tmp_path / "disk"), "--arena-dir", str(tmp_path / "arena"),
-         "--listen", f"unix://{sock_dir}/kvstored.sock", "--host-bytes", "64MiB"],
-        env={},
-    )
+    args = ["--disk-dir", str(tmp_path / "disk"), "--arena-dir", str(tmp_path / "arena"),
+            "--listen", f"unix://{sock_dir}/kvstored.sock", "--host-bytes", "64MiB"]
+    cfg, _ = kvconfig.load_config(args, env={})
     assert cfg.sources["disk_bytes"] == "default (auto)" and cfg.disk_bytes == 25 << 20
     with pytest.raises(kvconfig.ConfigError, match=r"^disk_bytes: 25% of the free space"):
         preflight.check(cfg)
@@ -212,3 +211,11 @@ def test_an_automatic_disk_size_too_small_for_a_tier_is_an_error_not_disk_off(
         cfg, disk_bytes=0, sources={**cfg.sources, "disk_bytes": "flag --disk-bytes"}
     )
     preflight.check(off)
+    # a large file system that is full: 25% of its size for this start (the tier waits
+    # for room), chosen again at the next start: nothing kept
+    monkeypatch.setattr(hostinfo, "disk_size_bytes", lambda _path: 100 << 30)
+    cfg, _ = kvconfig.load_config(args, env={})
+    assert cfg.disk_bytes == 25 << 30
+    assert cfg.sources["disk_bytes"] == f"default (auto: {kvconfig.FULL_DISK_SOURCE})"
+    preflight.check(cfg)
+    assert not (tmp_path / "disk" / kvconfig.DISK_SIZE_FILE).exists()

@@ -33,6 +33,7 @@ from conftest import (
 
 from kvbench.torture_kit import damage_btree, damage_free_list
 from kvproto.v1 import kvstore_pb2 as pb
+from kvstored.config import DISK_SIZE_FILE
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 256 << 10
@@ -113,15 +114,17 @@ def test_full_disk_never_wedges_and_recovers(kvstored_factory: Callable[..., Dae
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 48 MiB tmpfs (a file system that really fills up); skipped where this cannot
-    mount one (not root, or no mount permission in the container)."""
+def small_tmpfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A 48 MiB tmpfs (a file system that really fills up; another size by indirect
+    parametrization); skipped where this cannot mount one (not root, or no mount
+    permission in the container)."""
     where = tmp_path / "small"
     where.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
+    size = getattr(request, "param", "48m")
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(where)],
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
         capture_output=True, check=False,
     )
     if mounted.returncode != 0:
@@ -155,17 +158,24 @@ def test_a_full_file_system_does_not_keep_the_tier_off(
     assert daemon.stop() == 0
 
 
+@pytest.mark.parametrize(
+    ("small_tmpfs", "disk_bytes"), [("48m", "32MiB"), ("288m", None)], indirect=["small_tmpfs"]
+)  # None: the automatic size, which a full file system cannot give from its free space
 def test_a_fresh_disk_dir_on_a_full_file_system_starts_without_the_disk_tier(
-    kvstored_factory: Callable[..., Daemon], small_tmpfs: Path
+    kvstored_factory: Callable[..., Daemon], small_tmpfs: Path, disk_bytes: str | None
 ) -> None:
     ballast = small_tmpfs / "ballast"
+    chunk = bytes(16 << 20)
     with open(ballast, "wb") as fill, contextlib.suppress(OSError):
-        fill.write(bytes(64 << 20))  # more than the file system holds: it is full
+        while True:  # until the file system is full
+            fill.write(chunk)
     daemon = kvstored_factory(
-        host_bytes="16MiB", disk_bytes="32MiB", admission="write-through",
+        host_bytes="16MiB", disk_bytes=disk_bytes, admission="write-through",
         disk_dir=str(small_tmpfs / "disk"),
     )  # fmt: skip
     assert "disk tier off: no room at" in daemon.output()
+    if disk_bytes is None:  # 25% of the file system's size, for this start only
+        assert not (small_tmpfs / "disk" / DISK_SIZE_FILE).exists()
     stub = kv_stub(daemon)
     assert not stats(stub).disk_writable  # (kvstore_disk_writable 0, kvctl status says why)
     info = open_ns(stub, block_bytes=BLOCK, block_tokens=TOKENS)

@@ -11,7 +11,9 @@ sidecar: a unix socket in the user's runtime dir, a host arena of 25% of MemAvai
 (64 MiB .. 4 GiB) in ``/dev/shm``, an LMDB disk tier under the user's data dir of
 min(25% of free disk, 64 GiB). The automatic disk size is computed once, at the first
 start on a directory, and kept in that directory (``DISK_SIZE_FILE``), so the tier's
-capacity does not move with the free space from one start to the next.
+capacity does not move with the free space from one start to the next. On a file system
+too full for one, the size is 25% of the file system's, for that start only: the tier
+waits for room (kvstore.disk.tier) instead of the start failing.
 
 Values are parsed and checked here, before anything is started: a bad value raises
 :class:`ConfigError` naming the key and where the value came from, which ``main``
@@ -290,6 +292,8 @@ class Key:
 AUTO_HOST_MAX = 4 << 30
 AUTO_DISK_MAX = 64 << 30
 DISK_SIZE_FILE = "kvstored-disk-bytes"  # in disk_dir: the size chosen at the first start
+MIN_AUTO_DISK_BYTES = 64 << 20  # an automatic disk size below this is no tier at all
+FULL_DISK_SOURCE = "the file system is full, 25% of its size, chosen again at the next start"
 
 
 def _auto_host_bytes(_: Mapping[str, Any]) -> int:
@@ -324,8 +328,30 @@ def _auto_disk_bytes(resolved: Mapping[str, Any]) -> int:
     kept = kept_disk_bytes(disk_dir)
     if kept is not None:
         return kept
-    quarter = hostinfo.disk_free_bytes(disk_dir) // 4
-    return min(AUTO_DISK_MAX, quarter) >> 20 << 20
+    return _full_disk_size(disk_dir) or min(AUTO_DISK_MAX, _free_quarter(disk_dir)) >> 20 << 20
+
+
+def _auto_disk_source(disk_dir: str, value: object) -> str:
+    if kept_disk_bytes(disk_dir) is not None:
+        return f"default (auto, kept in disk_dir/{DISK_SIZE_FILE})"
+    if value and value == _full_disk_size(disk_dir):
+        return f"default (auto: {FULL_DISK_SOURCE})"
+    return "default (auto)"
+
+
+def _free_quarter(disk_dir: str) -> int:
+    return hostinfo.disk_free_bytes(disk_dir) // 4
+
+
+def _full_disk_size(disk_dir: str) -> int:
+    """The automatic size on a file system too full for one (25% of its free space under
+    MIN_AUTO_DISK_BYTES) that is large enough for one: 25% of its size, for this start
+    only (not kept): the tier waits for room, as it does when its files cannot be
+    created. 0 otherwise (the size comes from the free space, or the start is refused)."""
+    if _free_quarter(disk_dir) >= MIN_AUTO_DISK_BYTES:
+        return 0
+    quarter = min(AUTO_DISK_MAX, hostinfo.disk_size_bytes(disk_dir) // 4) >> 20 << 20
+    return quarter if quarter >= MIN_AUTO_DISK_BYTES else 0
 
 
 def _at_least(low: float, unit: str = "") -> Callable[[Any], str | None]:
@@ -351,7 +377,8 @@ KEYS: tuple[Key, ...] = (
         "LMDB directory of the disk tier; default $XDG_DATA_HOME/kvstore"),
     Key("disk_bytes", "size", parse_size, _auto_disk_bytes,
         "disk tier capacity, 0 disables it; default min(25% of free disk, 64 GiB), "
-        f"chosen at the first start and kept in disk_dir/{DISK_SIZE_FILE}"),
+        f"chosen at the first start and kept in disk_dir/{DISK_SIZE_FILE} (a full file "
+        "system: 25% of its size, not kept; the tier waits for room)"),
     Key("admission", "choice", _choice(ADMISSION_POLICIES), "write-back",
         "disk admission: " + " | ".join(ADMISSION_POLICIES)),
     Key("selective_hits", "int", parse_int, 2,
@@ -740,8 +767,8 @@ def load_config(
             value = key.default(values) if callable(key.default) else key.default
             if callable(key.default):
                 source = "default (auto)"
-                if key.name == "disk_bytes" and kept_disk_bytes(values["disk_dir"]) is not None:
-                    source = f"default (auto, kept in disk_dir/{DISK_SIZE_FILE})"
+                if key.name == "disk_bytes":
+                    source = _auto_disk_source(values["disk_dir"], value)
         else:
             try:
                 value = key.parse(raw)

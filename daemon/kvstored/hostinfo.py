@@ -1,5 +1,5 @@
 """Facts about the machine the daemon runs on: identity (``kvproto.v1.host``, which
-the client computes too), free memory, free disk."""
+the client computes too), free memory, free and total disk."""
 
 from __future__ import annotations
 
@@ -23,8 +23,18 @@ def mem_available_bytes() -> int:
 
 def disk_free_bytes(path: str | os.PathLike[str]) -> int:
     """Free bytes (for unprivileged users) of the filesystem that holds or would hold ``path``."""
+    st = _statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def disk_size_bytes(path: str | os.PathLike[str]) -> int:
+    """Size of the filesystem that holds or would hold ``path``."""
+    st = _statvfs(path)
+    return st.f_blocks * st.f_frsize
+
+
+def _statvfs(path: str | os.PathLike[str]) -> os.statvfs_result:
     probe = Path(path).absolute()
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    st = os.statvfs(probe)
-    return st.f_bavail * st.f_frsize
+    return os.statvfs(probe)

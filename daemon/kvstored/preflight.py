@@ -41,6 +41,7 @@ from kvstored import hostinfo, paths
 from kvstored.auth import MIN_SECRET_CHARS, Tokens, read_secret
 from kvstored.config import (
     DISK_SIZE_FILE,
+    MIN_AUTO_DISK_BYTES,
     ConfigError,
     DaemonConfig,
     human_size,
@@ -48,8 +49,6 @@ from kvstored.config import (
 )
 
 log = logging.getLogger("kvstored")
-
-MIN_AUTO_DISK_BYTES = 64 << 20  # an automatic disk size below this is no tier at all
 
 
 def check(config: DaemonConfig) -> None:
