@@ -13,9 +13,11 @@ code on CPU tensors, so the program is smoke-testable anywhere):
    daemon call it, for the Llama-3-8B KV shape (32 layers, 8 KV heads, head dim 128,
    bf16: 128 KiB per token) at each ``--block-tokens``. Slots are one adjacent run
    (what a fresh Reserve gets) or scattered out of order. The vLLM paged layout and the
-   HF contiguous layout are measured; ``--naive`` adds the per-layer-per-block copy
-   loop the mover replaces, for comparison (CPU). On a c2c machine the "direct" rows
-   are the same copies done by kernels straight into the registered arena.
+   HF contiguous layout are measured (``paged1``: the paged layers as views of one
+   allocation, which the mover moves with one indexed copy for all layers); ``--naive``
+   adds the per-layer-per-block copy loop the mover replaces, for comparison (CPU). On
+   a c2c machine the "direct" rows are the same copies done by kernels straight into
+   the registered arena.
 3. The vLLM connector's worker path (paged layout only): ``PagedLayers.gather`` of the
    batch's pages into host block rows (pinned where CUDA runs, as the worker allocates
    them) and ``scatter`` back, through one device staging buffer.
@@ -151,6 +153,10 @@ def make_kv(
         for t in layers:
             t.view(torch.uint8).random_(0, 256)
         return PagedKV(layers)
+    if layout == "paged1":  # the layers are views of one allocation: one gather for all
+        whole = torch.empty(L, 2, pool, T, H, D, dtype=dtype, device=device)
+        whole.view(torch.uint8).random_(0, 256)
+        return PagedKV(list(whole.unbind(0)))
     pairs = []
     for _ in range(L):
         k = torch.empty(1, H, pool * T, D, dtype=dtype, device=device)
