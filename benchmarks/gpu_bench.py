@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvbench.cuda_copy import copy_gbs  # noqa: E402
 from kvclient.integrations.vllm.blocks import PagedLayers  # noqa: E402
 from kvstore.host.arena import HostArena  # noqa: E402
 from kvstore.host.pinning import cuda_pin_hook  # noqa: E402
@@ -117,23 +118,8 @@ def link_limit(device: torch.device, nbytes: int, iters: int, tmpdir: str) -> di
     try:
         for name, host in hosts.items():
             host.fill_(1)
-            for direction, fn in (
-                ("H2D", lambda h=host: dev.copy_(h, non_blocking=True)),
-                ("D2H", lambda h=host: h.copy_(dev, non_blocking=True)),
-            ):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True
-                )
-                fn()
-                torch.cuda.synchronize(device)
-                ms = []
-                for _ in range(iters):
-                    start.record()
-                    fn()
-                    end.record()
-                    end.synchronize()
-                    ms.append(start.elapsed_time(end))
-                out[f"{direction} {name}"] = gb_per_s(nbytes, statistics.median(ms) / 1e3)
+            out[f"H2D {name}"] = copy_gbs(dev, host, iters)
+            out[f"D2H {name}"] = copy_gbs(host, dev, iters)
     finally:
         del hosts
         arena.close()

@@ -51,7 +51,7 @@ from kvbench.harness import (
     write_program_report,
 )
 from kvbench.pki import make_pki
-from kvbench.servers import OwnDaemon
+from kvbench.servers import OwnDaemon, write_secret
 from kvclient import TLS, KVClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,15 +87,12 @@ class Pair:
 
 
 def start_daemons(work: Path, pki: dict[str, Path], token: str) -> dict[str, OwnDaemon]:
-    token_file = work / "tenant.token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)  # as kvstored accepts a token file
+    token_file = write_secret(work / "tenant.token", token)
     config = work / "tenants.toml"
     config.write_text(f'[tenants.bench]\ntoken_file = "{token_file}"\n')
     tls_args = ["--tls_cert", str(pki["server_cert"]), "--tls_key", str(pki["server_key"]),
                 "--admin_token_file", str(token_file.with_name("admin.token"))]
-    token_file.with_name("admin.token").write_text(token[::-1])
-    token_file.with_name("admin.token").chmod(0o600)
+    write_secret(token_file.with_name("admin.token"), token[::-1])
     ca = pki["ca"].read_bytes()
     tls_client = {"token": token[::-1], "tls": TLS(ca_file=str(pki["ca"]))}
     daemons = {
@@ -178,13 +175,9 @@ def check_costs(work: Path, token: str, n: int = 200_000) -> dict[str, float]:
     from kvstored.auth import ANYONE, Access, TenantConfig, Tokens
     from kvstored.names import NamespaceNames
 
-    token_file = work / "check.token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)  # as kvstored accepts a token file
+    token_file = write_secret(work / "check.token", token)
     other = token[::-1]
-    other_file = work / "other.token"
-    other_file.write_text(other)
-    other_file.chmod(0o600)
+    other_file = write_secret(work / "other.token", other)
     tokens = Tokens([
         TenantConfig("bench", str(token_file), Quota()),
         TenantConfig("other", str(other_file), Quota()),

@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvbench.cuda_copy import copy_gbs  # noqa: E402
 from kvbench.models import LLAMA_PRESETS, random_llama  # noqa: E402
 from kvbench.servers import OwnDaemon  # noqa: E402
 from kvclient import KVClient  # noqa: E402
@@ -107,18 +108,7 @@ def sync(device: torch.device) -> None:
 def h2d_link_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
     """One large pinned host -> device copy (median of 5, CUDA events): the link's rate."""
     host = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev.copy_(host, non_blocking=True)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dev.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del host, dev
-    return nbytes / sorted(times)[2] / 1e9
+    return copy_gbs(torch.empty(nbytes, dtype=torch.uint8, device=device), host)
 
 
 def plain_prefill(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor]:

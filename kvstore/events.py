@@ -114,11 +114,15 @@ class EventLog:
 
     def seq(self, tenant: str | None = None) -> int:
         """The newest event's number: of every event (None), or of ``tenant``'s."""
-        ring = self._all if tenant is None else self._tenants.get(tenant)
+        ring = self._ring(tenant)
         return 0 if ring is None else ring.seq
 
     def since(self, seq: int, limit: int, tenant: str | None = None) -> list[Event]:
         """The kept events after number ``seq``, at most ``limit``, oldest first: of
         every event (None), or of ``tenant``'s, in its numbers."""
-        ring = self._all if tenant is None else self._tenants.get(tenant)
+        ring = self._ring(tenant)
         return [] if ring is None else ring.since(seq, limit)
+
+    def _ring(self, tenant: str | None) -> _Ring | None:
+        """Every event's ring (None), or ``tenant``'s (None before its first event)."""
+        return self._all if tenant is None else self._tenants.get(tenant)

@@ -33,6 +33,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvbench.servers import write_secret  # noqa: F401 - the tests' one writer of secrets
+
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 30.0
 
@@ -456,13 +458,6 @@ def store_snapshot(stub: Any) -> dict[str, Any]:
         "demotions": stats.demotions,
         "promotions": stats.promotions,
     }
-
-
-def write_secret(path: Path, text: str) -> Path:
-    """Write a token or key file as the daemon accepts one: mode 0600."""
-    path.write_text(text)
-    path.chmod(0o600)
-    return path
 
 
 def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> bool:

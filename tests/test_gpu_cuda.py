@@ -70,19 +70,18 @@ def block_bytes(kv: KVCache, block: int) -> np.ndarray:
     return view.contiguous().view(torch.uint8).cpu().numpy().reshape(-1)
 
 
-@pytest.fixture
-def shm_dir() -> Iterator[str]:
+def shm_folder() -> tempfile.TemporaryDirectory[str]:
     """A folder on tmpfs: Linux lets CUDA pin shared file pages only there (or hugetlbfs),
     which is why kvstored's arena_dir defaults to /dev/shm."""
-    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="kvstore-gpu-test-") as path:
-        yield path
+    return tempfile.TemporaryDirectory(dir="/dev/shm", prefix="kvstore-gpu-test-")
 
 
 @pytest.fixture
-def pinned_arena(shm_dir: str) -> Iterator[HostArena]:
-    arena = HostArena(64 << 20, directory=shm_dir, pin=cuda_pin_hook(strict=True))
-    yield arena
-    arena.close()
+def pinned_arena() -> Iterator[HostArena]:
+    with shm_folder() as folder:
+        arena = HostArena(64 << 20, directory=folder, pin=cuda_pin_hook(strict=True))
+        yield arena
+        arena.close()
 
 
 def test_a_refused_pin_leaves_cuda_usable(tmp_path) -> None:
@@ -152,8 +151,8 @@ def test_mover_round_trip_on_a_side_stream(
 
 @pytest.fixture(scope="module")
 def gpu_daemon(kvstored_module_factory: Callable[..., Daemon]) -> Iterator[Daemon]:
-    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="kvstore-gpu-test-") as shm:
-        daemon = kvstored_module_factory(arena_dir=shm)
+    with shm_folder() as folder:
+        daemon = kvstored_module_factory(arena_dir=folder)
         yield daemon
         daemon.stop()
 

@@ -27,6 +27,13 @@ from kvclient.sync_client import KVClient
 # -- daemons ----------------------------------------------------------------------------
 
 
+def write_secret(path: Path, text: str) -> Path:
+    """Write a token or key file as kvstored accepts one: mode 0600 (kvstored.auth)."""
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
 class OwnDaemon:
     """A kvstored this program starts in a temp dir, restarts, and stops."""
 

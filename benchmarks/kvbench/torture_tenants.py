@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from kvbench.servers import write_secret
 from kvbench.torture_kit import Kvstored, block_of, tokens_of
 from kvclient import KVClient
 from kvclient.errors import KVStoreError
@@ -38,9 +39,7 @@ def write_config(folder: Path) -> tuple[Path, dict[str, str]]:
     tokens = {who: secrets.token_hex(16) for who in ("a", "b")}
     lines = []
     for who, token in tokens.items():
-        path = folder / f"{who}.token"
-        path.write_text(token)
-        path.chmod(0o600)
+        path = write_secret(folder / f"{who}.token", token)
         lines += [f"[tenants.{who}]", f'token_file = "{path}"']
     config = folder / "kvstored.toml"
     config.write_text("\n".join(lines) + "\n")

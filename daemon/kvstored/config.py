@@ -322,36 +322,26 @@ def keep_disk_bytes(disk_dir: str, value: int) -> None:
 
 
 def _auto_disk_bytes(resolved: Mapping[str, Any]) -> int:
-    disk_dir = resolved["disk_dir"]
+    return _auto_disk(resolved["disk_dir"])[0]
+
+
+def _auto_disk(disk_dir: str) -> tuple[int, str]:
+    """The automatic disk size and its source: the one kept in ``disk_dir``; else 25% of
+    the free space; else, on a file system too full for that (under
+    MIN_AUTO_DISK_BYTES) but large enough for a tier, 25% of its size for this start
+    only (not kept: the tier waits for room, as it does when its files cannot be
+    created); else the too small size, which preflight refuses."""
     if not disk_dir:
-        return 0
+        return 0, "default (auto)"
     kept = kept_disk_bytes(disk_dir)
     if kept is not None:
-        return kept
-    return _full_disk_size(disk_dir) or min(AUTO_DISK_MAX, _free_quarter(disk_dir)) >> 20 << 20
-
-
-def _auto_disk_source(disk_dir: str, value: object) -> str:
-    if kept_disk_bytes(disk_dir) is not None:
-        return f"default (auto, kept in disk_dir/{DISK_SIZE_FILE})"
-    if value and value == _full_disk_size(disk_dir):
-        return f"default (auto: {FULL_DISK_SOURCE})"
-    return "default (auto)"
-
-
-def _free_quarter(disk_dir: str) -> int:
-    return hostinfo.disk_free_bytes(disk_dir) // 4
-
-
-def _full_disk_size(disk_dir: str) -> int:
-    """The automatic size on a file system too full for one (25% of its free space under
-    MIN_AUTO_DISK_BYTES) that is large enough for one: 25% of its size, for this start
-    only (not kept): the tier waits for room, as it does when its files cannot be
-    created. 0 otherwise (the size comes from the free space, or the start is refused)."""
-    if _free_quarter(disk_dir) >= MIN_AUTO_DISK_BYTES:
-        return 0
-    quarter = min(AUTO_DISK_MAX, hostinfo.disk_size_bytes(disk_dir) // 4) >> 20 << 20
-    return quarter if quarter >= MIN_AUTO_DISK_BYTES else 0
+        return kept, f"default (auto, kept in disk_dir/{DISK_SIZE_FILE})"
+    free_quarter = min(AUTO_DISK_MAX, hostinfo.disk_free_bytes(disk_dir) // 4) >> 20 << 20
+    if free_quarter < MIN_AUTO_DISK_BYTES:
+        size_quarter = min(AUTO_DISK_MAX, hostinfo.disk_size_bytes(disk_dir) // 4) >> 20 << 20
+        if size_quarter >= MIN_AUTO_DISK_BYTES:
+            return size_quarter, f"default (auto: {FULL_DISK_SOURCE})"
+    return free_quarter, "default (auto)"
 
 
 def _at_least(low: float, unit: str = "") -> Callable[[Any], str | None]:
@@ -757,18 +747,19 @@ def load_config(
     sources: dict[str, str] = {}
     for key in KEYS:  # table order: a computed default sees the keys above it
         raw: object = None
+        value: Any = None
         source = "default"
         for label, get in layers:
             found = get(key)
             if found is not None:
                 raw = found
                 source = label.format(key.env if label.startswith("env") else key.flag)
-        if raw is None:
+        if raw is None and key.name == "disk_bytes":
+            value, source = _auto_disk(values["disk_dir"])
+        elif raw is None:
             value = key.default(values) if callable(key.default) else key.default
             if callable(key.default):
                 source = "default (auto)"
-                if key.name == "disk_bytes":
-                    source = _auto_disk_source(values["disk_dir"], value)
         else:
             try:
                 value = key.parse(raw)
