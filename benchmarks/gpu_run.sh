@@ -13,6 +13,12 @@
 #   OUT=/tmp/gpu-out bash benchmarks/gpu_run.sh [tests] [bench] [ttft]   (none: all three)
 set -uo pipefail
 steps=" ${*:-tests bench ttft} "
+for step in $steps; do
+    case $step in
+        tests|bench|ttft) ;;
+        *) echo "gpu_run.sh: unknown step '$step' (tests, bench, ttft)" >&2; exit 2 ;;
+    esac
+done
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
