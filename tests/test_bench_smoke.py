@@ -211,6 +211,18 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
         assert done.returncode == 2 and why in done.stderr, done.stderr
 
 
+def test_the_gpu_script_refuses_an_unknown_step_before_it_does_anything(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_run.sh"
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(script), "tests", "tfft"], capture_output=True, text=True, timeout=60,
+        env={"PATH": "/usr/bin:/bin", "OUT": str(out)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "gpu_run.sh: unknown step 'tfft' (tests, bench, ttft)\n"
+    assert not out.exists()  # nothing made, nothing installed, nothing run
+
+
 def test_security_cost_program_measures_every_pair(tmp_path: Path) -> None:
     """benchmarks/security_cost.py at a tiny size: five daemons, every pair, a verdict."""
     out = tmp_path / "security.md"
