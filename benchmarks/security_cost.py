@@ -6,8 +6,10 @@ reverse order), so every pair of a ratio sees the same quiet and busy spells of 
 host and neither side always runs first:
 
 - ``arena``: same-host client on the default unix socket, shared arena and local
-  calls, without tokens and with a tenant's token (a daemon with tenants). The token
-  is checked once per local-call connection, so this is the path that must stay free.
+  calls, without tokens and with a tenant's token (a daemon with tenants; the tenant
+  has a host quota, so its client maps its own arena region, handed over by fd). The
+  token is checked once per local-call connection, so this is the path that must
+  stay free.
 - ``grpc``: the same two daemons, client without the arena (every call over gRPC on
   the unix socket, bytes inline): with a token, every call carries it and the daemon
   checks it (digest and constant-time compare against every known token).
@@ -89,7 +91,10 @@ class Pair:
 def start_daemons(work: Path, pki: dict[str, Path], token: str) -> dict[str, OwnDaemon]:
     token_file = write_secret(work / "tenant.token", token)
     config = work / "tenants.toml"
-    config.write_text(f'[tenants.bench]\ntoken_file = "{token_file}"\n')
+    # a host quota: the tenant's own arena region, mapped by fd (kvstore.host.arena)
+    config.write_text(
+        f'[tenants.bench]\ntoken_file = "{token_file}"\nhost_bytes = "{HOST_BYTES // 2}"\n'
+    )
     tls_args = ["--tls_cert", str(pki["server_cert"]), "--tls_key", str(pki["server_key"]),
                 "--admin_token_file", str(token_file.with_name("admin.token"))]
     write_secret(token_file.with_name("admin.token"), token[::-1])
@@ -144,6 +149,7 @@ def run(rounds: int, calls: int) -> tuple[list[Pair], dict[str, Any]]:
                         series.append(Series(result, made_calls))
                     pairs.append(pair)
         assert routes["arena"][1].arena_in_use and routes["arena"][0].arena_in_use
+        assert routes["arena"][1].server_info().arena_path.startswith("fd:")  # its own region
         started = time.time()
         interleaved_passes(series, rounds, alternate=True)
         meta = {
@@ -227,7 +233,7 @@ def check_costs(work: Path, token: str, n: int = 200_000) -> dict[str, float]:
 
 
 def report(pairs: list[Pair], meta: dict[str, Any]) -> str:
-    what = {"arena": "arena, unix socket: no token / tenant token",
+    what = {"arena": "arena, unix socket: no token / tenant token, own region by fd",
             "control": "control (A/A): arena, no token / no token, another daemon",
             "grpc": "gRPC inline, unix socket: no token / tenant token",
             "tcp": "inline, TCP loopback: plain / TLS + token"}

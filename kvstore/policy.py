@@ -23,7 +23,7 @@ block of all groups (their candidates merged by rank).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 from kvstore.index import Node
@@ -361,11 +361,12 @@ class GroupedPolicy:
     def reprioritize(self, node: Node) -> None:
         self._of(node).reprioritize(node)
 
-    def candidates(self, group: str | None = None) -> Iterator[Node]:
+    def candidates(self, group: str | None = None, skip: Collection[str] = ()) -> Iterator[Node]:
+        """The candidates of ``group``, or of every group not in ``skip``."""
         if group is not None:
             policy = self._groups.get(group)
             return policy.candidates() if policy is not None else iter(())
-        policies = list(self._groups.values())
+        policies = [p for name, p in self._groups.items() if name not in skip]
         if len(policies) == 1:
             return policies[0].candidates()
         return heapq.merge(*(p.candidates() for p in policies), key=self._rank)

@@ -89,6 +89,7 @@ class Store:
         self._platform = "cpu-only"
         self._arena = HostArena(
             config.host_bytes,
+            regions={t: q.host_bytes for t, q in config.quotas.items() if q.host_bytes},
             directory=config.arena_dir,
             shared=config.shared_arena,
             pin=pin,
@@ -229,6 +230,10 @@ class Store:
     @property
     def arena_path(self) -> str | None:
         return self._arena.path
+
+    def arena_name(self, tenant: str) -> str:
+        """How answers name the arena region of ``tenant``'s blocks (HostArena.name_of)."""
+        return self._arena.name_of(self._arena.region_of(tenant))
 
     @property
     def arena_bytes(self) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
+from kvstore.host.slot_space import PAGE_SIZE
 from kvstore.policy import MAX_PRIORITY, OVERFLOW_POLICIES, POLICIES
 from kvstore.shared.tier import SharedConfig
 from kvstore.tenants import NAME_RE, Quota
@@ -143,6 +144,17 @@ class StoreConfig:
                 raise InvalidArgument(f"quotas: {tenant!r} is not a tenant name")
             if quota.host_bytes < 0 or quota.disk_bytes < 0:
                 raise InvalidArgument(f"quotas: {tenant}: quotas must be >= 0")
+            if 0 < quota.host_bytes < PAGE_SIZE:
+                raise InvalidArgument(
+                    f"quotas: {tenant}: a host quota is the tenant's own arena region: "
+                    f"at least {PAGE_SIZE} bytes, got {quota.host_bytes}"
+                )
+        regions = sum(quota.host_bytes & ~(PAGE_SIZE - 1) for quota in self.quotas.values())
+        if regions and regions > (self.host_bytes & ~(PAGE_SIZE - 1)) - PAGE_SIZE:
+            raise InvalidArgument(
+                f"the tenants' host quotas ({regions} bytes) are their own arena regions "
+                f"and must leave room in host_bytes ({self.host_bytes}) for the rest"
+            )
 
 
 def check_priority(config: StoreConfig, priority: int | None) -> int:

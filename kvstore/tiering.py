@@ -32,7 +32,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -98,6 +98,8 @@ class Tiers:
         self._queue_full = False  # the last write_to_disk was refused for queue room
         # encodes coded namespaces' host blocks (codec_tiers has host; set by the store)
         self.coder: HostCoding | None = None
+        # tenants with their own arena region: the common region's eviction skips them
+        self._own_regions = frozenset(name for name in self.arena.regions if name)
 
     # --- a tier's blocks ----------------------------------------------------------------------
     def host_add(self, node: Node, offset: int) -> None:
@@ -305,10 +307,12 @@ class Tiers:
         if not self._quota_room(group, size, host=True):
             return None
         while True:
-            offset = self.arena.alloc(size, tail)
+            offset = self.arena.alloc(size, tail, group.region)
             if offset is not None:
                 return offset
-            victim = self._host_victim()
+            # a tenant's own region makes room from its own blocks; the common region
+            # from those of every group without one
+            victim = self._host_victim(group.name if group.region else None, self._own_regions)
             if victim is None:
                 return None
             self._evict_from_host(victim)
@@ -354,14 +358,17 @@ class Tiers:
                 return node
         return None
 
-    def _host_victim(self, group: str | None = None) -> Node | None:
-        """The host tier's next block to evict (see the module docstring): the first
+    def _host_victim(
+        self, group: str | None = None, skip: Collection[str] = ()
+    ) -> Node | None:
+        """The host tier's next block to evict (of ``group``, or of any group not in
+        ``skip``) (see the module docstring): the first
         evictable candidate that is clean, or dirty and now queued for the disk; a dirty
         one the writer has no queue room for is passed over (and dropped only under
         :attr:`drop_dirty`). Once the queue refused one, the scan tries no more writes."""
         policy = self.host_policy
         queue_full = False
-        for node in policy.candidates(group):
+        for node in policy.candidates(group, skip):
             if node.pins or not node.ready:
                 continue
             if policy.leaf_first:

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.host import arena as arena_module
+from kvstore.host import slot_space
 from kvstore.host.arena import HostArena
 from kvstore.host.mapping import map_arena
 from kvstore.host.slot_epochs import table_bytes
@@ -382,11 +383,11 @@ def test_failing_pin_hook_leaves_no_file(tmp_path):
 @given(st.integers(64, 1 << 40).map(lambda n: n & ~63))
 def test_size_classes_bound_their_members(size):
     # every size lies in its class; the "at least" class holds only sizes >= it
-    cls = arena_module._class_of(size)
-    assert arena_module._class_min(cls) <= size < arena_module._class_min(cls + 1)
-    up = arena_module._class_at_least(size)
-    assert arena_module._class_min(up) >= size
-    assert up == cls or arena_module._class_min(up - 1) < size
+    cls = slot_space._class_of(size)
+    assert slot_space._class_min(cls) <= size < slot_space._class_min(cls + 1)
+    up = slot_space._class_at_least(size)
+    assert slot_space._class_min(up) >= size
+    assert up == cls or slot_space._class_min(up - 1) < size
 
 
 SIZES = st.one_of(
@@ -608,3 +609,27 @@ def test_map_in_fills_the_page_table_of_one_range_only(tmp_path: Path) -> None:
     mapping.close()
     mapping.map_in(0, 4096, write=False)  # closed: a no-op, never a crash
     arena.close()
+
+
+def test_tenant_regions_are_memory_files_mapped_side_by_side(tmp_path: Path) -> None:
+    """Each tenant's region is its own fd, at its arena offset in the daemon's range;
+    a mapping of one fd (a client's) sees that region's slots and no other's."""
+    with HostArena(1 * MiB, regions={"a": 256 * KiB}, directory=str(tmp_path)) as arena:
+        region = arena.regions["a"]
+        mine, common = arena.alloc(8 * KiB, region="a"), arena.alloc(8 * KiB)
+        assert mine is not None and common is not None
+        assert arena.region_at(mine).name == "a" and arena.region_at(common).name == ""
+        arena.view(mine, 8 * KiB)[:] = b"\x0b" * (8 * KiB)
+        arena.view(common, 8 * KiB)[:] = b"\x4d" * (8 * KiB)
+        assert os.path.getsize(str(arena.path)) == region.base  # the file: the common region
+        mapped = arena_module.map_fds(
+            [(arena.fds["a"], region.base, region.length)], region.base + region.length
+        )
+        mapping = arena_module.ArenaMapping(mapped, None, writable=True, start=region.base)
+        seen = mapping.array()[region.base :]
+        assert np.count_nonzero(seen == 0x0B) == 8 * KiB and not np.any(seen == 0x4D)
+        with pytest.raises(ValueError, match="outside"):
+            mapping.view(common, 8)
+        arena.free(mine)  # the epoch of the slot moves in the table the client maps
+        assert np.any(seen[region.size :] != 0)
+        mapping.close()

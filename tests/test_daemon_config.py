@@ -187,6 +187,8 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         (["--log-level", "loud"], {}, "log_level"),
         (["--shared-arena", "maybe"], {}, "shared_arena"),
         (["--local-calls", "maybe"], {}, "local_calls"),
+        (["--socket-mode", "0644"], {}, "socket_mode"),
+        (["--socket-mode", "0666"], {}, "socket_mode"),  # without tokens
         ([], {"KVSTORED_PREFAULT_ARENA": "sometimes"}, "prefault_arena"),
         ([], {"KVSTORED_DISK_BYTES": "lots"}, "disk_bytes"),
         ([], {"KVSTORED_HOSTBYTES": "1GiB"}, "KVSTORED_HOSTBYTES"),
@@ -289,6 +291,19 @@ def test_bad_tenant_tables_exit_2_with_one_line(
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvstored: error: tenants: "), proc.stderr
     assert problem in lines[0]
+
+
+def test_host_quotas_beyond_the_arena_exit_2_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A host quota is the tenant's own arena region: they must fit host_bytes."""
+    toml = tmp_path / "tenants.toml"
+    toml.write_text(
+        'host_bytes = "64 MiB"\n[tenants.a]\ntoken_file = "/t"\nhost_bytes = "64 MiB"\n'
+    )
+    proc = run_main(monkeypatch, capsys, "--config", str(toml), "--print-config")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().startswith("kvstored: error: host_bytes: 64.0 MiB cannot hold")
 
 
 @pytest.mark.parametrize(

@@ -157,3 +157,26 @@ def test_staged_slots_count_against_the_host_quota() -> None:
                 store.release(r.stage_lease_id)
         assert usage(store)["a"] == (BLOCK, 0)  # the one block stays
         store.verify_invariants()
+
+
+def test_a_host_quota_is_the_tenants_own_region_and_others_never_evict_from_it() -> None:
+    """a's blocks live only in its region (of its quota); b fills the common region
+    over and over, evicting its own blocks only: a's stay, and a's new ones too."""
+    quotas = {"a": Quota(host_bytes=4 * BLOCK)}
+    with Store(StoreConfig(host_bytes=16 * BLOCK, shared_arena=False, quotas=quotas)) as store:
+        a, b = open_ns(store, "a"), open_ns(store, "b")
+        kept = put_chain(store, a, 0, 3)
+        for i in range(30):  # 30 blocks of b's into a common region of 12
+            put_chain(store, b, 1000 + i * 100, 1)
+        assert host_blocks(store, a, kept) == 3
+        assert usage(store)["b"] == (12 * BLOCK, 0)
+        region = store.arena.regions["a"]
+        located = store.locate(a, kept)
+        assert located is not None
+        assert all(region.base <= o < region.base + region.size for o in located.offsets)
+        store.verify_invariants()
+
+
+def test_host_quotas_must_leave_room_for_the_common_region() -> None:
+    with pytest.raises(InvalidArgument, match="own arena regions"):
+        StoreConfig(host_bytes=16 * BLOCK, quotas={"a": Quota(16 * BLOCK)}).validate()

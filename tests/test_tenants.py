@@ -367,6 +367,79 @@ def test_a_process_of_another_user_reads_no_arena_disk_file_salt_or_token(
     assert in_forked_child(as_nobody) == 0
 
 
+def test_a_tenant_of_another_user_maps_only_its_own_arena_region(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """With socket_mode 0666, tenants running as other users use the arena path, and
+    each maps only its own region, handed over by fd: a process of another user with
+    a's token finds a's blocks in what it was handed and none of b's, and cannot open
+    the arena file or the daemon's fds (where b's region is)."""
+    import os
+
+    from kvproto.v1.arena_handout import fetch_region
+    from kvstore.host.mapping import ArenaMapping, map_fds
+
+    if os.geteuid() != 0:
+        pytest.skip("switching to another user needs root")
+    tokens = {who: secrets.token_hex(16) for who in ("a", "b", "admin")}
+    lines = ['socket_mode = "0666"']
+    for who, token in tokens.items():
+        write_secret(tmp_path / f"{who}.token", token + "\n")
+    lines.append(f'admin_token_file = "{tmp_path / "admin.token"}"')
+    for who in ("a", "b"):
+        lines += [f"[tenants.{who}]", f'token_file = "{tmp_path / f"{who}.token"}"',
+                  'host_bytes = "4 MiB"']  # fmt: skip
+    (tmp_path / "kvstored.toml").write_text("\n".join(lines) + "\n")
+    daemon = kvstored_factory(extra_args=("--config", str(tmp_path / "kvstored.toml")))
+    os.chmod(os.path.dirname(daemon.socket_path), 0o711)  # other users may reach it
+    assert daemon.proc is not None
+    tokens_a, tokens_b = tokens_of(81, 3), tokens_of(82, 3)
+    with KVClient(daemon.addr, token=tokens["a"], use_arena=True) as a, KVClient(
+        daemon.addr, token=tokens["b"], use_arena=True
+    ) as b, KVClient(daemon.addr, token=tokens["admin"]) as admin:
+        ns_a = a.namespace("own-region", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        ns_b = b.namespace("own-region", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert ns_a.put(tokens_a, blocks_of(3, 4096, 11)).stored == 3
+        assert ns_b.put(tokens_b, blocks_of(3, 4096, 77)).stored == 3
+        assert a.arena_in_use and b.arena_in_use
+        assert np.all(ns_b.get(tokens_b).blocks == 77)
+        info_a, info_b = a.server_info(), b.server_info()
+        assert info_a.arena_path.startswith("fd:") and info_b.arena_path.startswith("fd:")
+        assert info_a.arena_path != info_b.arena_path and info_a.arena_socket
+        # the admin maps the common arena: a's blocks come to it inline
+        assert np.all(Namespace(admin, admin._conn, ns_a.info).get(tokens_a).blocks == 11)
+        common = admin.server_info().arena_path
+    assert Path(common).exists()
+    daemon_fds = f"/proc/{daemon.proc.pid}/fd"
+
+    def as_nobody() -> bool:
+        os.setgid(65534)
+        os.setuid(65534)
+        fd, reply = fetch_region(info_a.arena_socket, tokens["a"], 10, 0)
+        offset, length = int(reply["offset"]), int(reply["length"])
+        mapping = ArenaMapping(map_fds([(fd, offset, length)], offset + length), None,
+                               writable=True, start=offset)  # fmt: skip
+        region = mapping.array()[offset : offset + length]
+        found_a = int(np.count_nonzero(region == 11)) >= 3 * 4096
+        found_b = bool(np.any(region == 77))
+        refused = 0
+        for path in (common, daemon_fds, *(f"{daemon_fds}/{n}" for n in range(3, 64))):
+            try:
+                os.close(os.open(path, os.O_RDONLY))
+            except PermissionError:
+                refused += 1
+            except FileNotFoundError:
+                refused += 1
+        try:
+            fetch_region(info_a.arena_socket, "not-a-token-0123456789", 10, 0)
+            handed_to_a_stranger = True
+        except ValueError:
+            handed_to_a_stranger = False
+        return found_a and not found_b and refused == 63 and not handed_to_a_stranger
+
+    assert in_forked_child(as_nobody) == 0
+
+
 def test_kvctl_status_tenants_is_for_the_admin(tenancy: Tenancy) -> None:
     def kvctl(who: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

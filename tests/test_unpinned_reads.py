@@ -24,7 +24,7 @@ from kvclient.arena_path import ClientArena
 from kvclient.unpinned_reads import LastSlots, Slots, UnpinnedGet
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
-from kvstore.host.mapping import ArenaMapping
+from kvstore.host.mapping import ArenaMapping, map_arena
 from kvstore.host.slot_epochs import SlotEpochs
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
@@ -190,11 +190,12 @@ class _Harness:
         self.ns = open_ns(self.store)
         path = self.store.arena_path
         assert path is not None
-        self.arena = ClientArena.open(path, "h", "h")
-        assert self.arena is not None
+        self.arena = ClientArena(map_arena(path), path, None)
         mapping: ArenaMapping = self.arena.mapping
-        offset, count = self.store.arena.epochs_offset, self.store.arena.epochs.count
-        self.epochs = SlotEpochs.in_region(mapping.array(), offset, count)
+        region = self.store.arena.regions[""]
+        self.epochs = SlotEpochs.in_region(
+            mapping.array(), region.epochs_offset, region.epoch_count
+        )
 
     def answer(self, keys: list) -> pb.AcquireResponse:  # noqa: ANN401
         located = self.store.locate(self.ns, keys)

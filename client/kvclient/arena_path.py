@@ -1,8 +1,10 @@
 """The shared-arena data path: copying blocks straight into and out of daemon slots.
 
 On the daemon's own host the client maps the daemon's host arena (a file in
-``/dev/shm``) once, with :func:`kvstore.host.mapping.map_arena`, and moves block bytes with
-numpy copies while gRPC carries only slot offsets:
+``/dev/shm``) once, with :func:`kvstore.host.mapping.map_arena`, or, for a tenant with its
+own region, the region the daemon hands it as a file descriptor
+(:mod:`kvproto.v1.arena_handout`), at its arena offset. It moves block bytes with numpy
+copies while gRPC carries only slot offsets:
 
 - put: ``Reserve`` (the daemon hands out pending slots under a write lease) -> copy
   each block into its slot -> ``Commit``. On any exception in between the client
@@ -23,7 +25,8 @@ these copies, and a large batch is split between threads (:func:`parallel_copy`)
 on a machine with a free core that copies close to twice as fast as one thread.
 
 Whether the arena can be used is decided per client by :meth:`ClientArena.open`: the
-daemon's ``host_id`` must equal this host's, and its arena file must be mappable.
+daemon's ``host_id`` must equal this host's, and its arena file (or region) must be
+mappable.
 The mapping is checked before each use (:meth:`ClientArena.is_current`) and made
 again after the daemon restarted.
 """
@@ -40,7 +43,10 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstore.host.mapping import ArenaMapping, map_arena
+from kvproto.v1.arena_handout import FD_PREFIX, fetch_region
+from kvproto.v1.host import host_id
+from kvproto.v1.results import ServerInfo
+from kvstore.host.mapping import ArenaMapping, map_arena, map_fds
 from kvstore.host.slot_runs import Run, slot_runs
 from kvstore.stream_copy import copy_into
 
@@ -93,16 +99,22 @@ class ClientArena:
     ``stat`` (about a microsecond), done before every Reserve / Acquire.
     """
 
-    def __init__(self, mapping: ArenaMapping, path: str, identity: tuple[int, int]) -> None:
+    def __init__(
+        self, mapping: ArenaMapping, path: str, identity: tuple[int, int] | None
+    ) -> None:
         self.mapping = mapping
-        self.path = path
-        self._identity = identity
+        self.path = path  # the arena_path answers name it by
+        self._identity = identity  # the file's (st_dev, st_ino); None: handed out by fd
 
     @classmethod
-    def open(cls, arena_path: str, daemon_host_id: str, local_host_id: str) -> ClientArena | None:
-        """Map the daemon's arena when it is on this host and its file maps; else None."""
-        if not arena_path or not daemon_host_id or daemon_host_id != local_host_id:
+    def open(cls, info: ServerInfo, token: str = "", timeout: float = 10.0) -> ClientArena | None:
+        """Map the daemon's arena when it is on this host and maps here (its file by
+        path; a tenant's own region by fd, asked for with ``token``); else None."""
+        arena_path = info.arena_path
+        if not arena_path or not info.host_id or info.host_id != host_id():
             return None
+        if arena_path.startswith(FD_PREFIX):
+            return cls._handed_out(info, token, timeout)
         try:
             before = os.stat(arena_path)
             mapping = map_arena(arena_path, writable=True)
@@ -111,8 +123,31 @@ class ClientArena:
             return None
         return cls(mapping, arena_path, (before.st_dev, before.st_ino))
 
+    @classmethod
+    def _handed_out(cls, info: ServerInfo, token: str, timeout: float) -> ClientArena | None:
+        """Map this tenant's region, handed out by fd (kvproto.v1.arena_handout), at its
+        arena offset: the offsets in answers then need no translating."""
+        try:
+            fd, reply = fetch_region(info.arena_socket, token, timeout, info.uid)
+        except (OSError, ValueError) as exc:
+            log.debug("no arena region from %s: %s", info.arena_socket or "(none)", exc)
+            return None
+        try:
+            offset, length = int(reply["offset"]), int(reply["length"])  # type: ignore[call-overload]
+            region = map_fds([(fd, offset, length)], offset + length)
+        except (OSError, ValueError, TypeError) as exc:
+            log.debug("cannot map the arena region handed out: %s", exc)
+            return None
+        finally:
+            os.close(fd)
+        mapping = ArenaMapping(region, None, writable=True, start=offset)
+        return cls(mapping, str(reply["arena"]), None)
+
     def is_current(self) -> bool:
-        """Whether the path still names the file that was mapped."""
+        """Whether the path still names the file that was mapped (a region handed out
+        by fd has no path: answers that name another arena tell a restart)."""
+        if self._identity is None:
+            return True
         try:
             st = os.stat(self.path)
         except OSError:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvclient.address import CHANNEL_OPTIONS, resolve_address
+from kvclient.arena_path import ClientArena
 from kvclient.connection import Connection
 from kvclient.effects import Op
 from kvclient.local_calls import Sockets
@@ -21,7 +22,7 @@ from kvclient.session import GrpcSession
 from kvclient.transport import GrpcTransport
 from kvclient.wire import namespace_request
 from kvproto.v1 import kvstore_pb2 as pb
-from kvproto.v1.results import NamespaceInfo
+from kvproto.v1.results import NamespaceInfo, ServerInfo
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -70,6 +71,11 @@ class BaseClient:
 
     def _wake(self, now: bool) -> None:
         raise NotImplementedError
+
+    def open_arena(self, info: ServerInfo) -> ClientArena | None:
+        """A mapping of the daemon's arena of this process's own, e.g. to pin it
+        (kvclient.integrations.gpu); the caller closes it."""
+        return self._conn.open_arena(info)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.addr!r}, use_arena={self.use_arena})"

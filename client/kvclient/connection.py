@@ -227,7 +227,7 @@ class Connection:
         info = result_messages.server_info((yield from self.over_grpc(io)))
         arena = None
         if self.use_arena is not False:
-            arena = ClientArena.open(info.arena_path, info.host_id, host_id())
+            arena = self.open_arena(info)
         local = None
         if arena is not None and info.local_socket:
             local = LocalCalls(info.local_socket, self._sockets, self._token, info.uid)
@@ -241,6 +241,10 @@ class Connection:
             if part is not None:
                 part.close()
         return info, arena
+
+    def open_arena(self, info: ServerInfo) -> ClientArena | None:
+        """A new mapping of the daemon's arena as ``info`` names it (ClientArena.open)."""
+        return ClientArena.open(info, self._token, self.timeout)
 
     def arena_for_data(self) -> Op[tuple[ServerInfo, ClientArena | None]]:
         """:meth:`refresh`; ArenaUnavailableError when ``use_arena=True`` and the

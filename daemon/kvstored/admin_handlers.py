@@ -15,6 +15,7 @@ from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import result_messages
 from kvproto.v1.results import Event
 from kvstore.errors import InvalidArgument, UnknownNamespace
+from kvstore.host.arena import COMMON
 from kvstored import convert
 from kvstored.config import MAX_CHUNK_BYTES
 from kvstored.dispatch import Calls, Ctx
@@ -98,11 +99,15 @@ async def ServerInfo(
 ) -> pb.ServerInfoResponse:
     tenant = calls.access.caller(context).tenant
     cfg, arena = calls.config, calls.store.arena
+    # the caller's region: a tenant's own (handed out by fd), else the common one
+    region = arena.regions[arena.region_of(tenant) if calls.arena_socket else COMMON]
+    shared = bool(arena.path)
     return pb.ServerInfoResponse(
         version=calls.version,
         platform=calls.store.platform,
-        arena_path=calls.store.arena_path or "",
-        arena_bytes=calls.store.arena_bytes,
+        arena_path=arena.name_of(region.name),
+        arena_socket=calls.arena_socket if region.name else "",
+        arena_bytes=region.size,
         host_id=calls.host_id,
         max_message_bytes=cfg.max_message_bytes,
         max_blocks_per_request=cfg.max_blocks_per_request,
@@ -113,8 +118,8 @@ async def ServerInfo(
         pid=os.getpid(),
         uptime_s=time.monotonic() - calls.started,
         local_socket=calls.local_socket,
-        slot_epochs_offset=arena.epochs_offset if arena.path else 0,
-        slot_epochs_count=arena.epochs.count if arena.path else 0,
+        slot_epochs_offset=region.epochs_offset if shared else 0,
+        slot_epochs_count=region.epoch_count if shared else 0,
         arena_prefaulted=calls.store.config.prefault_arena,
         admission=calls.store.config.admission,
         uid=os.getuid(),

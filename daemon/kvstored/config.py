@@ -242,6 +242,9 @@ def parse_shared_url(raw: object) -> str:
     return text
 
 
+SOCKET_MODES = ("0600", "0660", "0666")
+
+
 def _choice(options: Sequence[str]) -> Callable[[object], str]:
     def parse(raw: object) -> str:
         text = str(raw).strip().lower()
@@ -438,6 +441,11 @@ KEYS: tuple[Key, ...] = (
     Key("local_calls", "bool", parse_bool, True,
         "serve short calls to same-host clients on a plain unix socket beside the gRPC "
         "one (a round trip ~10x cheaper); false: gRPC only"),
+    Key("socket_mode", "choice", _choice(SOCKET_MODES), "0600",
+        "file mode of the daemon's unix sockets: 0600 (its own user only); 0660 (its "
+        "group too) or 0666 (every user) let tenants that run as other users connect, "
+        "and need tokens: each tenant with a host quota then maps only its own arena "
+        "region, handed over as a file descriptor"),
     Key("log_level", "choice", _choice(LOG_LEVELS), "info", " | ".join(LOG_LEVELS)),
     Key("log_format", "choice", _choice(LOG_FORMATS), "text",
         "text: one readable line per event; json: one JSON object per line"),
@@ -533,6 +541,7 @@ class DaemonConfig:
     workers: int
     grace_s: float
     local_calls: bool
+    socket_mode: str
     log_level: str
     log_format: str
     metrics_listen: str
@@ -781,6 +790,15 @@ def load_config(
     for name in ("shared_password_file", "shared_key_file"):
         if values[name] and not values["shared_url"]:
             raise ConfigError(name, "is set but shared_url is not", sources[name])
+    regions = sum(t.quota.host_bytes for t in tenants)
+    if regions and regions > values["host_bytes"] - (1 << 20):
+        raise ConfigError(
+            "host_bytes",
+            f"{human_size(values['host_bytes'])} cannot hold the tenants' host quotas "
+            f"({human_size(regions)}): each is the tenant's own arena region, and the rest "
+            "needs at least 1 MiB",
+            sources["host_bytes"],
+        )
     config = DaemonConfig(**values, sources=sources, config_file=config_file, tenants=tenants)
     check_transport(config)
     return config, args
@@ -796,6 +814,11 @@ def check_transport(config: DaemonConfig) -> None:
     if config.tls_client_ca and not config.tls_cert:
         raise ConfigError(
             "tls_client_ca", "mutual TLS needs tls_cert and tls_key too", src["tls_client_ca"]
+        )
+    if config.socket_mode != "0600" and not config.needs_tokens:
+        raise ConfigError(
+            "socket_mode", f"{config.socket_mode} lets other users call the daemon: it needs "
+            "tokens ([tenants.*] or admin_token_file)", src["socket_mode"],
         )
     if config.socket_path is not None:
         if config.tls_cert:

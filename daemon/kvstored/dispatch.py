@@ -31,6 +31,7 @@ import grpc
 
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.store import Store
+from kvstore.tenants import tenant_of
 from kvstored import convert, hostinfo
 from kvstored.auth import Access, Caller
 from kvstored.config import DaemonConfig
@@ -144,6 +145,12 @@ class Calls:
         self.framed = False
         # the local-call socket once kvstored.local_calls serves it (ServerInfo names it)
         self.local_socket = ""
+        # the arena hand-out socket once kvstored.arena_handout serves it
+        self.arena_socket = ""
+
+    def arena_name(self, spec: NamespaceSpec) -> str:
+        """How answers about ``spec``'s blocks name the arena their slots are in."""
+        return self.store.arena_name(tenant_of(spec.tenant_salt))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -190,8 +197,10 @@ class Calls:
         fits the arena's free bytes (so it evicts nothing) and needs no promotion."""
         self.check_host(ns_id, keys)
         arena = self.store.arena
-        block = -(-self.store.namespace(ns_id).block_bytes // 4096) * 4096
-        if arena.capacity_bytes - arena.used_bytes < (n_blocks + 1) * block:
+        spec = self.store.namespace(ns_id)
+        region = arena.regions[arena.region_of(tenant_of(spec.tenant_salt))]
+        block = -(-spec.block_bytes // 4096) * 4096
+        if region.size - arena.used_bytes_of(region.name) < (n_blocks + 1) * block:
             raise NeedsPool
 
     def write_through(self) -> bool:

@@ -17,7 +17,8 @@ On a daemon with tokens (kvstored.auth) a connection's first frame carries its t
 UNAUTHENTICATED, as a gRPC call without a token is.
 
 Life: :meth:`LocalCallServer.start` binds the socket (mode 0600, born so under a
-umask: only the daemon's user may connect, as on the gRPC socket), :meth:`stop` stops
+umask: only the daemon's user may connect, as on the gRPC socket; socket_mode may
+open it to other users, whose every call then needs a token), :meth:`stop` stops
 accepting connections and answers further calls UNAVAILABLE while in-flight ones
 finish, :meth:`close` drops the connections and removes the socket.
 """
@@ -102,8 +103,9 @@ class LocalCallServer:
         self._stopping = False
         self.path: Path | None = None
 
-    async def start(self, path: Path) -> None:
-        """Listen on ``path`` (which must not exist: the caller cleared a stale one)."""
+    async def start(self, path: Path, mode: int = 0o600) -> None:
+        """Listen on ``path`` (which must not exist: the caller cleared a stale one),
+        born 0600, then ``mode`` (socket_mode)."""
         loop = asyncio.get_running_loop()
         old_umask = os.umask(0o177)
         try:
@@ -112,6 +114,7 @@ class LocalCallServer:
             )
         finally:
             os.umask(old_umask)
+        os.chmod(path, mode)
         self.path = path
 
     def stop(self) -> None:

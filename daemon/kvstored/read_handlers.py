@@ -191,7 +191,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
             located = calls.store.locate(spec.ns_id, keys)
             if located is not None:
                 return convert.located_response(
-                    located, spec.block_tokens, calls.store.arena_path or ""
+                    located, spec.block_tokens, calls.arena_name(spec)
                 )
             # a block is on disk only: acquire promotes it (from the page cache, when quick)
         got = calls.store.acquire(
@@ -201,7 +201,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
             raise NeedsPool
         calls.owners.own(owner, (got.lease_id,))
         return convert.acquire_response(
-            got, spec.block_tokens, calls.store.arena_path or "", request.compact_slots
+            got, spec.block_tokens, calls.arena_name(spec), request.compact_slots
         )
 
     return await calls.run_quick(acquire)

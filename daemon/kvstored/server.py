@@ -38,6 +38,7 @@ from kvstore.disk.files import DiskDirInUse
 from kvstore.host import pinning
 from kvstore.store import Store
 from kvstored import paths
+from kvstored.arena_handout import ArenaHandout, handout_socket_path
 from kvstored.auth import Access, Tokens
 from kvstored.config import (
     AUTO_HOST_MAX,
@@ -192,7 +193,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         finally:
             os.umask(old_umask)
         if sock_path is not None:
-            sock_path.chmod(0o600)
+            sock_path.chmod(int(config.socket_mode, 8))
         metrics_url = metrics.start_http(
             config.metrics_listen, required=config.sources["metrics_listen"] != "default"
         )
@@ -206,6 +207,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
             raise StartupError(f"cannot listen on {exc}") from exc
         raise StartupError(f"cannot listen on {config.listen}: {exc}") from exc
     local = await start_local_calls(config, service, metrics, port)
+    handout = await start_arena_handout(config, service, store, tokens, port)
     if metrics_url:  # logged before SERVING: whoever waits for health can read it
         log.info("metrics on %s", metrics_url, extra={"event": "metrics", "url": metrics_url})
 
@@ -242,6 +244,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         service.close()
         if local is not None:
             local.close()
+        if handout is not None:
+            handout.close()
         if sock_path is not None:
             with contextlib.suppress(OSError):
                 sock_path.unlink()
@@ -297,7 +301,7 @@ async def start_local_calls(
             raise StartupError(f"the path {path} is longer than a unix socket path may be")
         if problem := prepare_unix_socket(path):
             raise StartupError(problem)
-        await local.start(path)
+        await local.start(path, int(config.socket_mode, 8))
     except (StartupError, OSError) as exc:
         log.warning(
             "local calls off (clients use gRPC only): %s", exc,
@@ -306,6 +310,32 @@ async def start_local_calls(
         return None
     service.calls.local_socket = str(path)
     return local
+
+
+async def start_arena_handout(
+    config: DaemonConfig, service: KVStoreService, store: Store, tokens: Tokens, port: int
+) -> ArenaHandout | None:
+    """Hand tenants their arena regions by fd (kvstored.arena_handout), when the arena
+    has any; None otherwise, or when its socket cannot be made (logged: those tenants'
+    clients then move inline bytes)."""
+    if not store.arena.fds:
+        return None
+    path = handout_socket_path(paths.local_socket_path(config.socket_path, port))
+    handout = ArenaHandout(store.arena, tokens)
+    try:
+        if len(str(path).encode()) > UNIX_PATH_MAX:
+            raise StartupError(f"the path {path} is longer than a unix socket path may be")
+        if problem := prepare_unix_socket(path):
+            raise StartupError(problem)
+        await handout.start(path, int(config.socket_mode, 8))
+    except (StartupError, OSError) as exc:
+        log.warning(
+            "arena hand-out off (tenants with their own region use inline bytes): %s", exc,
+            extra={"event": "arena_handout_off"},
+        )
+        return None
+    service.calls.arena_socket = str(path)
+    return handout
 
 
 def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:

@@ -240,7 +240,7 @@ async def Reserve(calls: Calls, request: pb.ReserveRequest, context: Ctx) -> pb.
             calls.owners.own(owner, (res.lease_id,))
         calls.owners.own(owner, (res.stage_lease_id,))
         response = convert.reserve_response(
-            res, calls.store.arena_path or "", request.compact_slots
+            res, calls.arena_name(spec), request.compact_slots
         )
         response.durable = durable
         return response

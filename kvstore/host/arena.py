@@ -25,49 +25,27 @@ Protocol:
   Linux 5.14+; without it the arena stays lazy); start-up does not wait for it and
   close stops it. This commits the arena's memory up front, as pinning it would.
 
-Allocator design (two-level segregated fit, "TLSF"). Namespaces with different block
-sizes (256 B ... 8 MiB) share the arena, so fixed-size pools would strand memory in
-the wrong size; instead every slot is one contiguous extent carved from free extents:
+Regions: an arena serving tenants that must not see each other's bytes is cut into
+regions, one per such tenant (its host quota's worth) and one common region for the
+rest, each with its own slots, allocator and epoch table. Each tenant region is its
+own memory file (``memfd_create``: no path, nothing another process can open), which
+the daemon hands only to that tenant's clients as a file descriptor; the common
+region is the arena file. The daemon maps the files side by side in one range of
+addresses (:func:`kvstore.host.mapping.map_fds`), so every offset is an arena offset
+whatever region it is in: the store, the mover, pinning and the wire never translate
+one. ``alloc(size, region=...)`` carves from that region only, so a tenant's slots
+never leave its file. An arena without tenant regions is one region, laid out exactly
+as before regions: the slots, then the epoch table, in one file.
 
-1. Sizes are rounded up: requests that round to 4096 bytes or more to a multiple of
-   4096, placed at 4096-aligned offsets (page-aligned for DMA); smaller ones to a
-   multiple of 64 at 64-aligned offsets. A slot is always one contiguous range, so a
-   client can take a zero-copy view of it.
-2. Free extents are kept in size classes: 16 linear classes below 1 KiB, then 16
-   classes per power of two (each class spans 1/16 of its octave). One Python int is
-   the bitmap of non-empty classes, so "first non-empty class >= c" is a shift and a
-   lowest-set-bit, O(1) for any arena we will ever build (a few hundred bits).
-3. alloc looks in the first non-empty class whose every extent is large enough
-   (request rounded up to the next class boundary), so it pops any extent there
-   without comparing sizes (good fit, O(1)); a page-aligned slot whose extent turns
-   out misaligned retries where even the worst alignment pad fits. When that finds
-   nothing it scans the extents of the classes it skipped (the request's own class,
-   at most a couple), so alloc returns None only when no free extent can hold the
-   slot at all. That scan is the only step that is not O(1); it runs when the arena
-   is nearly full.
-4. Boundary tags are two dicts of int -> int (free extent start -> size and end ->
-   start); live slots are one dict offset -> size. free() merges the slot with free
-   neighbours immediately (O(1) dict lookups), so space freed by one block size is
-   reusable by any other, and free extents are always maximal.
-5. Large slots are carved from the head of an extent (after its alignment pad, which
-   stays free), small ones from its tail, which keeps the start of the remaining
-   extent page-aligned for the next large slot. ``alloc(tail=True)`` carves a large
-   slot from the tail too: blocks kept encoded in host (kvstore.host_coding) are
-   about half a block, and placed so they gather at the far end of free room and
-   in each other's holes, instead of cutting the extents the next whole blocks need.
-6. ``alloc_run`` carves the slots of a whole put as one run from one extent (one
-   lookup and one carve, then split into slots that are freed one by one like any),
-   when a free extent holds the run; the store falls back to slot-by-slot alloc
-   (with eviction) when none does. Contiguous slots also let the client copy a put
-   in one piece.
-
-Per slot this costs one dict entry: hundreds of thousands of slots are fine. The
-arena is not thread-safe; the store calls it under its own lock.
+Each region's allocator is a :class:`kvstore.host.slot_space.SlotSpace` (two-level
+segregated fit: O(1) good fit, immediate coalescing, every block size at once).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -77,78 +55,46 @@ import re
 import secrets
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.host.mapping import ArenaMapping
-from kvstore.host.slot_epochs import SlotEpochs, default_count, table_bytes
+from kvproto.v1.arena_handout import FD_PREFIX
+from kvstore.host.mapping import ArenaMapping, map_fds
+from kvstore.host.slot_epochs import RegionEpochs, SlotEpochs, default_count, table_bytes
+from kvstore.host.slot_space import PAGE_SIZE, SlotSpace
 
 log = logging.getLogger(__name__)
 
 PinHook = Callable[[memoryview], Callable[[], None]]
 """Called once with the slot space after mapping; returns the unpin, run on close."""
 
-PAGE_SIZE = 4096  # slots of at least this size are page-aligned
-GRAIN = 64  # alignment and size granule of smaller slots (one cache line)
 _PAGE_MASK = PAGE_SIZE - 1
-_GRAIN_MASK = GRAIN - 1
-_GRAIN_SHIFT = 6
-_SL_LOG2 = 4  # 2**4 = 16 second-level classes per power of two
-_SL_COUNT = 1 << _SL_LOG2
 _DEFAULT_DIR = "/dev/shm"
+COMMON = ""  # the name of the common region
 
 
-# -- size classes ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One region of an arena: slots ``[base, base + size)``, then its epoch table of
+    ``epoch_count`` counters at ``epochs_offset``, all in one file of ``length`` bytes
+    mapped at ``base``. ``name``: the tenant whose region it is (COMMON: the rest)."""
+
+    name: str
+    base: int
+    size: int
+    epoch_count: int
+
+    @property
+    def epochs_offset(self) -> int:
+        return self.base + self.size
+
+    @property
+    def length(self) -> int:
+        return self.size + table_bytes(self.epoch_count)
 
 
-def _class_of(size: int) -> int:
-    """The class holding extents of ``size`` bytes (a multiple of GRAIN)."""
-    granules = size >> _GRAIN_SHIFT
-    if granules < _SL_COUNT:
-        return granules
-    fl = granules.bit_length() - 1
-    return ((fl - _SL_LOG2 + 1) << _SL_LOG2) + (granules >> (fl - _SL_LOG2)) - _SL_COUNT
-
-
-def _class_at_least(size: int) -> int:
-    """The lowest class whose every extent has at least ``size`` bytes."""
-    granules = size >> _GRAIN_SHIFT
-    if granules >= _SL_COUNT:
-        granules += (1 << (granules.bit_length() - 1 - _SL_LOG2)) - 1
-    return _class_of(granules << _GRAIN_SHIFT)
-
-
-def _class_min(cls: int) -> int:
-    """Smallest extent size (bytes) that falls in class ``cls``."""
-    if cls < _SL_COUNT:
-        return cls << _GRAIN_SHIFT
-    fl = (cls >> _SL_LOG2) + _SL_LOG2 - 1
-    sl = cls & (_SL_COUNT - 1)
-    return ((_SL_COUNT + sl) << (fl - _SL_LOG2)) << _GRAIN_SHIFT
-
-
-def _slot_shape(size: int) -> tuple[int, int]:
-    """(rounded size, alignment) of a slot asked for ``size`` bytes."""
-    if size > PAGE_SIZE - GRAIN:  # rounds to a page or more: a page-aligned slot
-        return (size + _PAGE_MASK) & ~_PAGE_MASK, PAGE_SIZE
-    return (size + _GRAIN_MASK) & ~_GRAIN_MASK, GRAIN
-
-
-def _slot_start(start: int, extent: int, rounded: int, align: int) -> int:
-    """Where a slot goes inside a free extent: large at the aligned head, small at the tail."""
-    if align == GRAIN:
-        return start + extent - rounded
-    return (start + _PAGE_MASK) & ~_PAGE_MASK
-
-
-def _fits(start: int, extent: int, rounded: int, align: int) -> bool:
-    slot = _slot_start(start, extent, rounded, align)
-    return start <= slot and slot + rounded <= start + extent
-
-
-# -- the region -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,13 +191,58 @@ def _drop_region_file(path: str) -> None:
 # -- the arena ------------------------------------------------------------------------
 
 
+def _layout(
+    capacity: int, tenant_sizes: Mapping[str, int], epoch_count: int | None
+) -> list[Region]:
+    """The regions of an arena of ``capacity`` slot bytes: the common one first (what
+    the tenants' regions leave), then one per tenant in name order."""
+    sizes = {name: operator.index(size) & ~_PAGE_MASK for name, size in tenant_sizes.items()}
+    for name, size in sizes.items():
+        if not name or size < PAGE_SIZE:
+            raise ValueError(f"tenant region {name!r} must be named and at least {PAGE_SIZE} bytes")
+    common = capacity - sum(sizes.values())
+    if common < PAGE_SIZE:
+        raise ValueError(
+            f"the tenants' regions ({sum(sizes.values())} bytes) leave less than a page of "
+            f"the {capacity}-byte arena for everything else"
+        )
+    regions, base = [], 0
+    for name, size in [(COMMON, common), *sorted(sizes.items())]:
+        count = epoch_count if name == COMMON and epoch_count else default_count(size)
+        region = Region(name, base, size, count)
+        regions.append(region)
+        base += region.length
+    return regions
+
+
+def _memfd(name: str, size: int) -> int:
+    """A memory file of ``size`` bytes with no path (only fds reach it), close-on-exec."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+# -- the arena ------------------------------------------------------------------------
+
+
 class HostArena:
-    """The daemon's host tier: one shared region plus the allocator of its slots."""
+    """The daemon's host tier: its regions and the allocator of each."""
 
     def __init__(
         self,
         capacity_bytes: int,
         *,
+        regions: Mapping[str, int] | None = None,
         directory: str | None = None,
         shared: bool = True,
         name_prefix: str = "kvstore",
@@ -259,133 +250,146 @@ class HostArena:
         prefault: bool = False,
         epoch_count: int | None = None,
     ) -> None:
+        """``regions``: tenant -> bytes of its own region (see the module docstring);
+        the common region gets the rest of ``capacity_bytes``."""
         capacity = operator.index(capacity_bytes) & ~_PAGE_MASK
         if capacity < PAGE_SIZE:
             raise ValueError(
                 f"arena capacity must be at least {PAGE_SIZE} bytes, got {capacity_bytes}"
             )
         self.capacity_bytes = capacity
+        layout = _layout(capacity, regions or {}, epoch_count)
+        common, total = layout[0], layout[-1].base + layout[-1].length
+        self.regions: dict[str, Region] = {r.name: r for r in layout}
+        self._spaces = [SlotSpace(r.base, r.size) for r in layout]
+        self._by_name = {r.name: space for r, space in zip(layout, self._spaces, strict=True)}
+        self._bases = [r.base for r in layout]
+        self._names = [r.name for r in layout]
         self.path: str | None = None
+        self.fds: dict[str, int] = {}  # tenant -> the fd of its region's file
+        self._instance = secrets.token_hex(8)  # names this arena's regions (name_of)
         self._unlink: Callable[[], object] | None = None
-        # the slot epoch table (kvstore.host.slot_epochs) follows the slots in the same file
-        self.epochs_offset = capacity
-        epoch_count = epoch_count or default_count(capacity)
-        size = capacity + table_bytes(epoch_count)
+        region: mmap.mmap | ctypes.Array[ctypes.c_ubyte]
         if shared:
-            path, region = _create_region(directory or _default_directory(), name_prefix, size)
+            path, region = _create_region(
+                directory or _default_directory(), name_prefix, common.length
+            )
             self.path = path
             # unlinks the file if the arena is dropped (or the interpreter exits) unclosed
             self._unlink = weakref.finalize(self, _drop_region_file, path)
+            if len(layout) > 1:
+                region = self._side_by_side(region, layout, total, name_prefix)
         else:
-            region = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+            region = mmap.mmap(-1, total, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self._mapping = ArenaMapping(region, self.path, writable=True)
         whole = self._mapping.array()
-        self._slot_array = whole[:capacity]
-        self.epochs = SlotEpochs.in_region(whole, capacity, epoch_count)
+        self._slot_array = whole[: layout[-1].base + layout[-1].size]
+        self.epochs: SlotEpochs = (
+            SlotEpochs.in_region(whole, common.epochs_offset, common.epoch_count)
+            if len(layout) == 1
+            else RegionEpochs(whole, [(r.base, r.epochs_offset, r.epoch_count) for r in layout])
+        )
         self._pin_view: memoryview | None = None
         self._unpin: Callable[[], None] | None = None
         if pin is not None:
-            self._pin(pin, region)
-        self._init_allocator()
+            self._pin(pin)
         if prefault:
             self._mapping.map_in_background(write=True)
 
-    def _pin(self, pin: PinHook, region: mmap.mmap) -> None:
-        self._pin_view = memoryview(region)[: self.capacity_bytes]  # the slots, not the table
+    def _side_by_side(
+        self, common: mmap.mmap, layout: list[Region], total: int, name_prefix: str
+    ) -> ctypes.Array[ctypes.c_ubyte]:
+        """The common region's file and a memory file per tenant region, mapped in one
+        range (the fds are kept: they are what the tenants' clients are handed)."""
+        assert self.path is not None
+        try:
+            for r in layout[1:]:
+                self.fds[r.name] = _memfd(f"{name_prefix}-{r.name}", r.length)
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                parts = [(fd, 0, layout[0].length)]
+                parts += [(self.fds[r.name], r.base, r.length) for r in layout[1:]]
+                return map_fds(parts, total)
+            finally:
+                os.close(fd)
+        except BaseException:
+            _close_fds(list(self.fds.values()))
+            self._unlink_now()
+            raise
+        finally:
+            common.close()  # map_fds mapped the file again
+
+    def _unlink_now(self) -> None:
+        if self._unlink is not None:
+            self._unlink()
+
+    def _pin(self, pin: PinHook) -> None:
+        self._pin_view = self._slot_array.data  # the slots (and inner epoch tables)
         try:
             self._unpin = pin(self._pin_view)
         except BaseException:
             self.close()
             raise
 
-    def _init_allocator(self) -> None:
-        n_classes = _class_of(self.capacity_bytes) + 1
-        self._slots: dict[int, int] = {}  # live slot offset -> rounded size
-        self._free_size: dict[int, int] = {}  # free extent start -> size
-        self._free_start: dict[int, int] = {}  # free extent end -> start
-        self._classes: list[dict[int, int]] = [{} for _ in range(n_classes)]  # start -> size
-        self._bitmap = 0  # bit c set <=> self._classes[c] is not empty
-        self._used_bytes = 0
-        self._insert(0, self.capacity_bytes)
+    # -- regions
+
+    def name_of(self, region: str) -> str:
+        """How answers name ``region`` to a client: the arena file's path for the
+        common region ("" when not shared), ``fd:<arena>/<tenant>`` for a tenant's
+        (handed out by fd: kvproto.v1.arena_handout; unique to this arena, so a
+        client sees a restarted daemon's region as another one)."""
+        if region == COMMON or not self.fds:
+            return self.path or ""
+        return f"{FD_PREFIX}{self._instance}/{region}"
+
+    def region_of(self, tenant: str) -> str:
+        """The region a tenant's blocks go in: its own, else the common one."""
+        return tenant if tenant in self.regions else COMMON
+
+    def region_at(self, offset: int) -> Region:
+        """The region holding the arena offset ``offset``."""
+        return self.regions[self._space_at(offset)[1]]
+
+    def _space_at(self, offset: int) -> tuple[SlotSpace, str]:
+        i = max(bisect.bisect_right(self._bases, offset) - 1, 0)
+        return self._spaces[i], self._names[i]
 
     # -- public allocator interface
 
     @property
     def used_bytes(self) -> int:
         """Bytes held by live slots (rounded sizes); never more than capacity_bytes."""
-        return self._used_bytes
+        return sum(space.used_bytes for space in self._spaces)
 
-    def alloc(self, size: int, tail: bool = False) -> int | None:
-        """Offset of a new slot of at least ``size`` bytes, or None when nothing fits.
-        ``tail``: a large slot goes at the end of its extent, not the head (see 5.)."""
-        size = operator.index(size)
-        if size <= 0:
-            raise ValueError(f"slot size must be positive, got {size}")
-        rounded, align = _slot_shape(size)
-        if rounded > self.capacity_bytes:
-            return None
-        found = self._good_fit(rounded, align)
-        if found is None:
-            found = self._scan_fit(rounded, align)
-            if found is None:
-                return None
-        start, extent = found
-        return self._carve(start, extent, rounded, align, tail)
+    def used_bytes_of(self, region: str) -> int:
+        return self._by_name[region].used_bytes
 
-    def alloc_run(self, size: int, count: int) -> list[int]:
-        """Offsets of ``count`` new slots of ``size`` bytes carved as one contiguous run
-        (one free-extent lookup and one carve instead of ``count``, and the blocks of a
-        put land next to each other, so the client copies them in one piece); [] when
-        no free extent holds the whole run (the caller allocates slot by slot)."""
-        size, count = operator.index(size), operator.index(count)
-        if size <= 0 or count <= 0:
-            raise ValueError(f"a run of {count} slots of {size} bytes")
-        rounded, align = _slot_shape(size)
-        total = rounded * count
-        if count == 1:
-            offset = self.alloc(size)
-            return [] if offset is None else [offset]
-        if total > self.capacity_bytes:
-            return []
-        found = self._good_fit(total, align)
-        if found is None:
-            return []
-        first = self._carve(found[0], found[1], total, align)
-        del self._slots[first]  # carved as one slot of the whole run: split it
-        offsets = list(range(first, first + total, rounded))
-        for offset in offsets:
-            self._slots[offset] = rounded
-        return offsets
+    def alloc(self, size: int, tail: bool = False, region: str = COMMON) -> int | None:
+        """Offset of a new slot of at least ``size`` bytes in ``region``, or None when
+        nothing fits. ``tail``: a large slot goes at the end of its extent, not the
+        head (see kvstore.host.slot_space, 5.)."""
+        return self._by_name[region].alloc(size, tail)
+
+    def alloc_run(self, size: int, count: int, region: str = COMMON) -> list[int]:
+        """Offsets of ``count`` new slots of ``size`` bytes in ``region``, carved as one
+        contiguous run (the client copies a put in one piece); [] when no free extent
+        holds the whole run (the caller allocates slot by slot)."""
+        return self._by_name[region].alloc_run(size, count)
 
     def free(self, offset: int) -> None:
         """Return a slot; merges it with free neighbours. Unknown offsets raise ValueError.
         Bumps the slot's epoch: a reader that copied it unpinned discards its copy."""
-        size = self._slots.pop(offset, None)
-        if size is None:
-            raise ValueError(f"offset {offset} is not a live slot (double free?)")
+        space = self._spaces[0] if len(self._spaces) == 1 else self._space_at(offset)[0]
+        space.free(offset)
         self.epochs.bump((offset,))
-        self._used_bytes -= size
-        start, end = offset, offset + size
-        right = self._free_size.get(end)
-        if right is not None:
-            self._remove(end, right)
-            end += right
-        left = self._free_start.get(start)
-        if left is not None:
-            self._remove(left, start - left)
-            start = left
-        self._insert(start, end - start)
 
     def slot_size(self, offset: int) -> int:
         """Bytes reserved for the live slot at ``offset`` (after rounding)."""
-        size = self._slots.get(offset)
-        if size is None:
-            raise ValueError(f"offset {offset} is not a live slot")
-        return size
+        return self._space_at(offset)[0].slot_size(offset)
 
     def view(self, offset: int, size: int) -> memoryview:
         """Writable zero-copy view of ``arena[offset:offset + size]``."""
-        if offset + size > self.capacity_bytes:  # the epoch table is not slot space
+        if offset + size > self._slot_array.size:  # the epoch table is not slot space
             raise ValueError(
                 f"range [{offset}, {offset + size}) is outside the arena of "
                 f"{self.capacity_bytes} bytes"
@@ -397,13 +401,14 @@ class HostArena:
         return self._slot_array
 
     def stats(self) -> ArenaStats:
-        free = self.capacity_bytes - self._used_bytes
-        largest = self._largest_free()
+        used = self.used_bytes
+        free = self.capacity_bytes - used
+        largest = max(space.largest_free() for space in self._spaces)
         return ArenaStats(
             capacity_bytes=self.capacity_bytes,
-            used_bytes=self._used_bytes,
+            used_bytes=used,
             free_bytes=free,
-            slots=len(self._slots),
+            slots=sum(len(space._slots) for space in self._spaces),
             largest_free_bytes=largest,
             fragmentation=1.0 - largest / free if free else 0.0,
         )
@@ -413,7 +418,7 @@ class HostArena:
         return self._mapping.closed
 
     def close(self) -> None:
-        """Unpin, unlink the file and unmap. Idempotent.
+        """Unpin, unlink the file, close the regions' fds and unmap. Idempotent.
 
         Clients that mapped the file keep their mapping until they close it; the
         memory goes back to the system when the last mapping goes.
@@ -427,8 +432,9 @@ class HostArena:
                 unpin()
         finally:
             self._release_pin_view()
-            if self._unlink is not None:
-                self._unlink()
+            self._unlink_now()
+            fds, self.fds = list(self.fds.values()), {}
+            _close_fds(fds)
             # these viewed the mapping: let it unmap now (later bumps go nowhere)
             self.epochs = SlotEpochs(np.zeros(2, dtype=np.uint64))
             self._slot_array = np.zeros(0, dtype=np.uint8)
@@ -449,84 +455,6 @@ class HostArena:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- free-extent bookkeeping
-
-    def _insert(self, start: int, size: int) -> None:
-        cls = _class_of(size)
-        self._free_size[start] = size
-        self._free_start[start + size] = start
-        self._classes[cls][start] = size
-        self._bitmap |= 1 << cls
-
-    def _remove(self, start: int, size: int) -> None:
-        cls = _class_of(size)
-        del self._free_size[start]
-        del self._free_start[start + size]
-        members = self._classes[cls]
-        del members[start]
-        if not members:
-            self._bitmap &= ~(1 << cls)
-
-    def _good_fit(self, rounded: int, align: int) -> tuple[int, int] | None:
-        """O(1): an extent of the first non-empty class where every extent fits.
-
-        Large slots first ignore the alignment pad: extents almost always start on a
-        page (see _slot_start), and counting the pad would send the search one class
-        up, splitting a bigger extent while an exact hole sits unused.
-        """
-        found = self._pop_first(_class_at_least(rounded))
-        if found is None or align == GRAIN or _fits(found[0], found[1], rounded, align):
-            return found
-        self._insert(*found)  # misaligned: put it back, look where the pad always fits
-        return self._pop_first(_class_at_least(rounded + align - GRAIN))
-
-    def _pop_first(self, cls: int) -> tuple[int, int] | None:
-        """Unlist and return any extent of the first non-empty class >= cls."""
-        candidates = self._bitmap >> cls
-        if not candidates:
-            return None
-        cls += (candidates & -candidates).bit_length() - 1
-        members = self._classes[cls]
-        # popitem, not peek-then-del: it is O(1) and hands back the most recently freed
-        start, size = members.popitem()
-        if not members:
-            self._bitmap &= ~(1 << cls)
-        del self._free_size[start]
-        del self._free_start[start + size]
-        return start, size
-
-    def _scan_fit(self, rounded: int, align: int) -> tuple[int, int] | None:
-        """Fallback: look at each extent of the classes the good fit skipped."""
-        first = _class_of(rounded)
-        last = _class_at_least(rounded + align - GRAIN)  # exclusive: _good_fit saw those
-        for cls in range(first, last):
-            if not (self._bitmap >> cls) & 1:
-                continue
-            for start, size in self._classes[cls].items():
-                if _fits(start, size, rounded, align):
-                    self._remove(start, size)
-                    return start, size
-        return None
-
-    def _carve(self, start: int, extent: int, rounded: int, align: int, tail: bool = False) -> int:
-        """Place a slot in a free extent (already unlisted); list what is left of it."""
-        slot = _slot_start(start, extent, rounded, align)
-        if tail and align == PAGE_SIZE and (start + extent - rounded) & ~_PAGE_MASK >= start:
-            slot = (start + extent - rounded) & ~_PAGE_MASK
-        if slot > start:
-            self._insert(start, slot - start)
-        end, extent_end = slot + rounded, start + extent
-        if extent_end > end:
-            self._insert(end, extent_end - end)
-        self._slots[slot] = rounded
-        self._used_bytes += rounded
-        return slot
-
-    def _largest_free(self) -> int:
-        if not self._bitmap:
-            return 0
-        return max(self._classes[self._bitmap.bit_length() - 1].values())
-
     def _free_extents(self) -> list[tuple[int, int]]:
         """Sorted (start, size) of every free extent: for tests and debugging, O(n)."""
-        return sorted(self._free_size.items())
+        return sorted(e for space in self._spaces for e in space.free_extents())

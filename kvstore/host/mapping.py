@@ -1,7 +1,15 @@
 """A process's mapping of the shared host arena: the daemon's own (under
-:class:`kvstore.host.arena.HostArena`) and each client's (:func:`map_arena`), with the page
-tables filled in the background or a range at a time (``MADV_POPULATE_*``) instead of
-a fault per page. Clients import this module only, not the allocator."""
+:class:`kvstore.host.arena.HostArena`) and each client's (:func:`map_arena` by path,
+:func:`map_fds` for a region handed over as a file descriptor), with the page tables
+filled in the background or a range at a time (``MADV_POPULATE_*``) instead of a fault
+per page. Clients import this module only, not the allocator.
+
+An arena of several regions (one per tenant: kvstore.host.arena) is several files, and
+the daemon sees them as one range of addresses: :func:`map_fds` reserves the range
+(``PROT_NONE``, no memory) and maps each file at its place in it (``MAP_FIXED``). A
+client maps its one region the same way, at the same offset of a range of its own, so
+arena offsets mean the same in every process and nothing translates them; the rest of
+its range stays reserved and unreadable."""
 
 from __future__ import annotations
 
@@ -14,7 +22,9 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,11 +36,17 @@ MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+: fault pages in, writabl
 PREFAULT_CHUNK = 32 << 20  # one madvise call: how long close may wait for the thread
 
 
-def _load_madvise() -> Callable[[int, int, int], int] | None:
+def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    libc = _libc()
+    madvise = getattr(libc, "madvise", None)
+    if madvise is None:
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
@@ -100,12 +116,18 @@ class ArenaMapping:
     fails because of them.
     """
 
-    def __init__(self, region: mmap.mmap, path: str | None, *, writable: bool) -> None:
-        self._region: mmap.mmap | None = region
-        self._buffer: memoryview | None = memoryview(region)
-        self._array: np.ndarray | None = None
+    def __init__(
+        self, region: mmap.mmap | ctypes.Array[ctypes.c_ubyte], path: str | None, *,
+        writable: bool, start: int = 0,
+    ) -> None:  # fmt: skip
+        """``region``: a file mapped whole (mmap), or a range of :func:`map_fds`;
+        ``start``: the first offset mapped (below it the range is reserved only)."""
+        self._region: mmap.mmap | ctypes.Array[ctypes.c_ubyte] | None = region
+        self._array: np.ndarray | None = np.frombuffer(region, dtype=np.uint8)  # type: ignore[arg-type]
+        self._buffer: memoryview | None = self._array.data
         self._prefaulter: _Prefaulter | None = None
         self.path = path
+        self.start = start
         self.size = len(region)
         self.writable = writable
 
@@ -153,18 +175,17 @@ class ArenaMapping:
         if self._buffer is None:
             raise ValueError("arena mapping is closed")
         offset, size = operator.index(offset), operator.index(size)
-        if offset < 0 or size < 0 or offset + size > self.size:
+        if offset < self.start or size < 0 or offset + size > self.size:
             raise ValueError(
                 f"range [{offset}, {offset + size}) is outside the arena of {self.size} bytes"
             )
         return self._buffer[offset : offset + size]
 
     def array(self) -> np.ndarray:
-        """The whole region as a uint8 array (no copy)."""
-        if self._region is None:
-            raise ValueError("arena mapping is closed")
+        """The whole range as a uint8 array (no copy); offsets below :attr:`start`
+        are not mapped."""
         if self._array is None:
-            self._array = np.frombuffer(self._region, dtype=np.uint8)
+            raise ValueError("arena mapping is closed")
         return self._array
 
     def close(self) -> None:
@@ -173,10 +194,12 @@ class ArenaMapping:
         if region is None:
             return
         self.stop_mapping_in()  # it must not touch an unmapped region
-        self._array = None
         if self._buffer is not None:
             self._buffer.release()
             self._buffer = None
+        self._array = None
+        if not isinstance(region, mmap.mmap):
+            return  # map_fds: unmapped when the last view of it is dropped
         try:
             region.close()
         except BufferError:
@@ -201,3 +224,63 @@ def map_arena(path: str, *, writable: bool = True) -> ArenaMapping:
     finally:
         os.close(fd)
     return ArenaMapping(region, path, writable=writable)
+
+
+# -- several files side by side ----------------------------------------------------------
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000
+
+
+def _load_mmap() -> tuple[Any, Any] | None:
+    libc = _libc()
+    if libc is None:
+        return None
+    mmap_, munmap = libc.mmap, libc.munmap
+    mmap_.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long
+    ]
+    mmap_.restype = ctypes.c_void_p
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    munmap.restype = ctypes.c_int
+    return mmap_, munmap
+
+
+_MMAP = _load_mmap()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _unmap(address: int, size: int) -> None:
+    assert _MMAP is not None
+    _MMAP[1](address, size)
+
+
+def map_fds(
+    parts: Sequence[tuple[int, int, int]], size: int, *, writable: bool = True
+) -> ctypes.Array[ctypes.c_ubyte]:
+    """Reserve ``size`` bytes of addresses and map each ``(fd, offset, length)`` of
+    ``parts`` there, ``MAP_SHARED | MAP_FIXED`` at ``offset``; the rest stays reserved
+    (``PROT_NONE``). Returns the range as a ctypes byte array for :class:`ArenaMapping`;
+    it is unmapped when the last reference to it (views included) goes. OSError when
+    the kernel refuses."""
+    if _MMAP is None:
+        raise OSError(errno.ENOSYS, "mmap is not reachable through ctypes here")
+    mmap_, munmap = _MMAP
+    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+    base = mmap_(None, size, PROT_NONE, flags, -1, 0)
+    if base in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), f"reserving {size} bytes of addresses")
+    prot = PROT_READ | PROT_WRITE if writable else PROT_READ
+    try:
+        for fd, offset, length in parts:
+            if offset < 0 or offset % mmap.PAGESIZE or offset + length > size:
+                raise ValueError(f"a part [{offset}, {offset + length}) of a {size}-byte range")
+            got = mmap_(base + offset, length, prot, MAP_SHARED | MAP_FIXED, fd, 0)
+            if got != base + offset:
+                raise OSError(ctypes.get_errno(), f"mapping {length} bytes at offset {offset}")
+    except BaseException:
+        munmap(base, size)
+        raise
+    region = (ctypes.c_ubyte * size).from_address(base)
+    weakref.finalize(region, _unmap, base, size)
+    return region

@@ -86,3 +86,29 @@ class SlotEpochs:
             self.table[self.entries(offsets)[0]] += np.uint64(1)
         elif offsets:
             np.add.at(self.table, self.entries(offsets), np.uint64(1))
+
+
+class RegionEpochs(SlotEpochs):
+    """The epoch tables of an arena of several regions (kvstore.host.arena), as one:
+    a slot's counter is in its region's table, at the entry its offset hashes to in a
+    table of that region's size. Each region's clients map that one table and find
+    the same entry for an offset with a :class:`SlotEpochs` of it."""
+
+    def __init__(self, region: np.ndarray, tables: Sequence[tuple[int, int, int]]) -> None:
+        """``region``: the uint8 mapping of the whole arena; ``tables``: (slot base,
+        table byte offset, count) of each region, in base order."""
+        if any(offset % 8 or count < 2 or count & (count - 1) for _, offset, count in tables):
+            raise ValueError(f"epoch tables must be 8-byte aligned powers of two: {tables}")
+        self.table = region[: region.size & ~7].view(np.uint64)
+        self.count = sum(count for _, _, count in tables)
+        self._bases = np.array([base for base, _, _ in tables], dtype=np.uint64)
+        self._starts = np.array([offset // 8 for _, offset, _ in tables], dtype=np.int64)
+        self._shifts = np.array(
+            [64 - (count.bit_length() - 1) for _, _, count in tables], dtype=np.uint64
+        )
+
+    def entries(self, offsets: np.ndarray | Sequence[int]) -> np.ndarray:
+        at = np.asarray(offsets, dtype=np.uint64)
+        which = np.searchsorted(self._bases, at, side="right") - 1
+        hashed = ((at >> np.uint64(6)) * FIB) >> self._shifts[which]
+        return self._starts[which] + hashed.astype(np.int64)

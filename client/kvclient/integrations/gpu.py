@@ -66,7 +66,6 @@ from kvclient.sync_client import KVClient
 from kvclient.wire import ExtraKeys, extra_bytes
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
-from kvproto.v1.host import host_id
 from kvproto.v1.results import PutResult
 from kvstore import platform as kv_platform
 from kvstore.errors import InvalidArgument
@@ -390,7 +389,7 @@ class GpuClient:
                 return self._mover
             self._drop_arena()
             info = self.client.server_info()
-            arena = ClientArena.open(info.arena_path, info.host_id, host_id())
+            arena = self.client.open_arena(info)
             if arena is None:
                 raise ArenaUnavailableError(
                     f"the shared arena of kvstored at {self.client.addr} cannot be mapped "
@@ -402,7 +401,8 @@ class GpuClient:
             if self.pin_arena and torch.cuda.is_available():
                 local = kv_platform.detect()
                 pin = pinning.cuda_pin_hook(local.host_register_flags)
-                unpin = pin(arena.mapping.view(0, arena.mapping.size))
+                start = arena.mapping.start  # a region handed out by fd starts there
+                unpin = pin(arena.mapping.view(start, arena.mapping.size - start))
                 if pin.pinned_bytes and local.direct_host_access:
                     for dev in local.devices:
                         device = torch.device("cuda", dev.index)

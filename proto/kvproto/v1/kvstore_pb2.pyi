@@ -118,7 +118,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "admission", "uid", "tenant")
+    __slots__ = ("version", "platform", "arena_path", "arena_bytes", "host_id", "max_message_bytes", "max_blocks_per_request", "default_lease_ttl_s", "max_lease_ttl_s", "max_chunk_bytes", "max_transfer_bytes", "pid", "uptime_s", "local_socket", "slot_epochs_offset", "slot_epochs_count", "arena_prefaulted", "admission", "uid", "tenant", "arena_socket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class ServerInfoResponse(_message.Message):
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    ARENA_SOCKET_FIELD_NUMBER: _ClassVar[int]
     version: str
     platform: str
     arena_path: str
@@ -159,7 +160,8 @@ class ServerInfoResponse(_message.Message):
     admission: str
     uid: int
     tenant: str
-    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., admission: _Optional[str] = ..., uid: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    arena_socket: str
+    def __init__(self, version: _Optional[str] = ..., platform: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_lease_ttl_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., max_transfer_bytes: _Optional[int] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., local_socket: _Optional[str] = ..., slot_epochs_offset: _Optional[int] = ..., slot_epochs_count: _Optional[int] = ..., arena_prefaulted: _Optional[bool] = ..., admission: _Optional[str] = ..., uid: _Optional[int] = ..., tenant: _Optional[str] = ..., arena_socket: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id",)

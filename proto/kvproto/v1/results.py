@@ -235,6 +235,7 @@ class ServerInfo:
     admission: str = ""  # the daemon's disk admission: write-back | write-through | selective
     uid: int | None = None  # the daemon's uid (None from a daemon that does not say)
     tenant: str = ""  # this client's tenant ("" for the admin or a daemon without tenants)
+    arena_socket: str = ""  # where an arena_path "fd:..." is handed out (arena_handout)
 
 
 @dataclass(frozen=True, slots=True)
