@@ -95,8 +95,6 @@ class Region:
         return self.size + table_bytes(self.epoch_count)
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class ArenaStats:
     """Occupancy of an arena. ``fragmentation`` is 1 - largest_free/free (0.0 when full)."""
