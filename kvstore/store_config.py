@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
+from kvstore.host.arena import common_bytes
 from kvstore.host.slot_space import PAGE_SIZE
 from kvstore.policy import MAX_PRIORITY, OVERFLOW_POLICIES, POLICIES
 from kvstore.shared.tier import SharedConfig
@@ -149,11 +150,11 @@ class StoreConfig:
                     f"quotas: {tenant}: a host quota is the tenant's own arena region: "
                     f"at least {PAGE_SIZE} bytes, got {quota.host_bytes}"
                 )
-        regions = sum(quota.host_bytes & ~(PAGE_SIZE - 1) for quota in self.quotas.values())
-        if regions and regions > (self.host_bytes & ~(PAGE_SIZE - 1)) - PAGE_SIZE:
+        regions = [quota.host_bytes for quota in self.quotas.values() if quota.host_bytes]
+        if regions and common_bytes(self.host_bytes, regions) < PAGE_SIZE:
             raise InvalidArgument(
-                f"the tenants' host quotas ({regions} bytes) are their own arena regions "
-                f"and must leave room in host_bytes ({self.host_bytes}) for the rest"
+                f"the tenants' host quotas ({sum(regions)} bytes) are their own arena "
+                f"regions and must leave room in host_bytes ({self.host_bytes}) for the rest"
             )
 
 

@@ -333,8 +333,8 @@ class Reads:
             quota = node.ns.group.quota.host_bytes
             held = node.ns.group.host_held + sum(nodes[j].size for j in fresh)
             over_quota = quota and held + node.size > quota
-            region = node.ns.group.region
-            offset = None if over_quota else self._parts.arena.alloc(node.size, False, region)
+            tenant = node.ns.group.name
+            offset = None if over_quota else self._parts.arena.alloc(node.size, False, tenant)
             if offset is None:
                 for taken in fresh.values():
                     self._parts.arena.free(taken)

@@ -253,7 +253,7 @@ class Writes:
             count = self._parts.tiers.quota_blocks(group, count, size)
         if count == 0:
             return []
-        offsets = self._parts.arena.alloc_run(size, count, group.region)
+        offsets = self._parts.arena.alloc_run(size, count, group.name)
         group.staged_bytes += len(offsets) * size
         while len(offsets) < count:
             offset = self._parts.tiers.alloc_host(size, group)
@@ -312,7 +312,7 @@ class Writes:
             if staged_offsets:
                 run = list(staged_offsets[first_new - start : end - start])
             elif end > first_new:
-                run = self._parts.arena.alloc_run(size, end - first_new, entry.group.region)
+                run = self._parts.arena.alloc_run(size, end - first_new, entry.group.name)
             if run:
                 created = self._parts.tiers.add_pending_run(
                     entry, keys[first_new:end], parent, prio, run,

@@ -60,12 +60,6 @@ class Group:
     quota_evictions: int = 0  # blocks it evicted to stay within its quota
 
     @property
-    def region(self) -> str:
-        """The arena region its host blocks go in (kvstore.host.arena): a tenant with a
-        host quota has its own, of that size; "" (the common region) otherwise."""
-        return self.name if self.quota.host_bytes else ""
-
-    @property
     def host_held(self) -> int:
         """What counts against its host quota: its blocks and its staged slots."""
         return self.host_bytes + self.staged_bytes

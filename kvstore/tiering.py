@@ -306,13 +306,14 @@ class Tiers:
         HostArena.alloc."""
         if not self._quota_room(group, size, host=True):
             return None
+        own_region = bool(self.arena.region_of(group.name))
         while True:
-            offset = self.arena.alloc(size, tail, group.region)
+            offset = self.arena.alloc(size, tail, group.name)
             if offset is not None:
                 return offset
             # a tenant's own region makes room from its own blocks; the common region
             # from those of every group without one
-            victim = self._host_victim(group.name if group.region else None, self._own_regions)
+            victim = self._host_victim(group.name if own_region else None, self._own_regions)
             if victim is None:
                 return None
             self._evict_from_host(victim)

@@ -616,7 +616,7 @@ def test_tenant_regions_are_memory_files_mapped_side_by_side(tmp_path: Path) -> 
     a mapping of one fd (a client's) sees that region's slots and no other's."""
     with HostArena(1 * MiB, regions={"a": 256 * KiB}, directory=str(tmp_path)) as arena:
         region = arena.regions["a"]
-        mine, common = arena.alloc(8 * KiB, region="a"), arena.alloc(8 * KiB)
+        mine, common = arena.alloc(8 * KiB, tenant="a"), arena.alloc(8 * KiB)
         assert mine is not None and common is not None
         assert arena.region_at(mine).name == "a" and arena.region_at(common).name == ""
         arena.view(mine, 8 * KiB)[:] = b"\x0b" * (8 * KiB)

@@ -376,8 +376,7 @@ def test_a_tenant_of_another_user_maps_only_its_own_arena_region(
     the arena file or the daemon's fds (where b's region is)."""
     import os
 
-    from kvproto.v1.arena_handout import fetch_region
-    from kvstore.host.mapping import ArenaMapping, map_fds
+    from kvclient.arena_path import map_handed_out
 
     if os.geteuid() != 0:
         pytest.skip("switching to another user needs root")
@@ -415,11 +414,8 @@ def test_a_tenant_of_another_user_maps_only_its_own_arena_region(
     def as_nobody() -> bool:
         os.setgid(65534)
         os.setuid(65534)
-        fd, reply = fetch_region(info_a.arena_socket, tokens["a"], 10, 0)
-        offset, length = int(reply["offset"]), int(reply["length"])
-        mapping = ArenaMapping(map_fds([(fd, offset, length)], offset + length), None,
-                               writable=True, start=offset)  # fmt: skip
-        region = mapping.array()[offset : offset + length]
+        mapping, _ = map_handed_out(info_a.arena_socket, tokens["a"], 10, 0)
+        region = mapping.array()[mapping.start :]
         found_a = int(np.count_nonzero(region == 11)) >= 3 * 4096
         found_b = bool(np.any(region == 77))
         refused = 0
@@ -431,7 +427,7 @@ def test_a_tenant_of_another_user_maps_only_its_own_arena_region(
             except FileNotFoundError:
                 refused += 1
         try:
-            fetch_region(info_a.arena_socket, "not-a-token-0123456789", 10, 0)
+            map_handed_out(info_a.arena_socket, "not-a-token-0123456789", 10, 0)
             handed_to_a_stranger = True
         except ValueError:
             handed_to_a_stranger = False

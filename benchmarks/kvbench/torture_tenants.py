@@ -11,7 +11,6 @@ with guessed tokens. Every call goes over the daemon's real sockets.
 from __future__ import annotations
 
 import functools
-import os
 import secrets
 import threading
 import time
@@ -24,11 +23,10 @@ import grpc
 from kvbench.servers import write_secret
 from kvbench.torture_kit import Kvstored, block_of, tokens_of
 from kvclient import KVClient
+from kvclient.arena_path import map_handed_out
 from kvclient.errors import KVStoreError
 from kvproto.v1 import kvstore_pb2 as pb
-from kvproto.v1.arena_handout import fetch_region
 from kvproto.v1.kvstore_pb2_grpc import KVStoreStub
-from kvstore.host.mapping import ArenaMapping, map_fds
 
 BLOCK = 4096
 EVENT_BUFFER = 64
@@ -133,14 +131,9 @@ def map_the_arena(daemon: Kvstored, token: str, ns_a: Any, b_tokens: list[int]) 
     ns_a.put(tokens_of(3, 2), [block_of(3, i, BLOCK) for i in range(2)])
     with KVClient(daemon.addr, token=token, use_arena=True) as a:
         info = a.server_info()
-    fd, reply = fetch_region(info.arena_socket, token, 10, info.uid)
-    try:
-        offset, length = int(reply["offset"]), int(reply["length"])  # type: ignore[call-overload]
-        mapped = ArenaMapping(map_fds([(fd, offset, length)], offset + length), None,
-                              writable=False, start=offset)  # fmt: skip
-    finally:
-        os.close(fd)
-    seen = mapped.array()[offset:].tobytes()
+    mapped, _ = map_handed_out(info.arena_socket, token, 10, info.uid, writable=False)
+    length = mapped.size - mapped.start
+    seen = mapped.array()[mapped.start :].tobytes()
     mapped.close()
     own = seen.find(block_of(3, 0, BLOCK)) >= 0
     theirs = seen.find(block_of(1, 0, BLOCK)[:64]) >= 0

@@ -125,23 +125,13 @@ class ClientArena:
 
     @classmethod
     def _handed_out(cls, info: ServerInfo, token: str, timeout: float) -> ClientArena | None:
-        """Map this tenant's region, handed out by fd (kvproto.v1.arena_handout), at its
-        arena offset: the offsets in answers then need no translating."""
+        """This tenant's region (:func:`map_handed_out`); None, logged, when it cannot be."""
         try:
-            fd, reply = fetch_region(info.arena_socket, token, timeout, info.uid)
+            mapping, name = map_handed_out(info.arena_socket, token, timeout, info.uid)
         except (OSError, ValueError) as exc:
             log.debug("no arena region from %s: %s", info.arena_socket or "(none)", exc)
             return None
-        try:
-            offset, length = int(reply["offset"]), int(reply["length"])  # type: ignore[call-overload]
-            region = map_fds([(fd, offset, length)], offset + length)
-        except (OSError, ValueError, TypeError) as exc:
-            log.debug("cannot map the arena region handed out: %s", exc)
-            return None
-        finally:
-            os.close(fd)
-        mapping = ArenaMapping(region, None, writable=True, start=offset)
-        return cls(mapping, str(reply["arena"]), None)
+        return cls(mapping, name, None)
 
     def is_current(self) -> bool:
         """Whether the path still names the file that was mapped (a region handed out
@@ -164,6 +154,25 @@ class ClientArena:
 
     def close(self) -> None:
         self.mapping.close()
+
+
+def map_handed_out(
+    socket_path: str, token: str, timeout: float, daemon_uid: int | None,
+    *, writable: bool = True,
+) -> tuple[ArenaMapping, str]:  # fmt: skip
+    """Map the region the daemon on ``socket_path`` hands ``token``'s tenant
+    (kvproto.v1.arena_handout) at its arena offset, so the offsets in answers need no
+    translating; -> the mapping and the region's name (the arena_path answers give).
+    OSError or ValueError saying why not."""
+    fd, reply = fetch_region(socket_path, token, timeout, daemon_uid)
+    try:
+        offset, length = int(reply["offset"]), int(reply["length"])  # type: ignore[call-overload]
+        region = map_fds([(fd, offset, length)], offset + length, writable=writable)
+    except TypeError as exc:
+        raise ValueError(f"not a region: {reply}") from exc
+    finally:
+        os.close(fd)
+    return ArenaMapping(region, None, writable=writable, start=offset), str(reply["arena"])
 
 
 # -- runs -----------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import socket
 from pathlib import Path
 
@@ -46,18 +45,14 @@ class ArenaHandout:
         self._serving: set[asyncio.Task[None]] = set()
         self.path: Path | None = None
 
-    async def start(self, path: Path, mode: int) -> None:
-        """Listen on ``path`` (cleared by the caller), born 0600, then ``mode``."""
+    async def start(self, path: Path) -> None:
+        """Listen on ``path`` (cleared, and its mode set, by kvstored.server.serve_beside)."""
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
         try:
             listener.bind(str(path))
         except BaseException:
             listener.close()
             raise
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, mode)
         listener.listen(64)
         listener.setblocking(False)
         self._listener, self.path = listener, path
@@ -85,20 +80,17 @@ class ArenaHandout:
             except (TimeoutError, OSError, ValueError) as exc:
                 await _send(conn, {"error": f"no token line: {exc or 'timed out'}"})
                 return
-            answer, fd = self._answer(token)
-            if fd is None:
-                await asyncio.sleep(self._refused_delay(answer))
+            try:
+                answer, fd = self._answer(token)
+            except Unauthenticated as exc:
+                await asyncio.sleep(BAD_TOKENS.note(""))  # logged; late past the free ones
+                answer, fd = {"error": str(exc)}, None
             await _send(conn, answer, fd)
 
-    def _refused_delay(self, answer: dict[str, object]) -> float:
-        return BAD_TOKENS.note("") if answer.get("unauthenticated") else 0.0
-
     def _answer(self, token: bytes) -> tuple[dict[str, object], int | None]:
-        """The reply to ``token`` and the fd to attach (None: none)."""
-        try:
-            caller = self._tokens.caller(token.decode(errors="replace"))
-        except Unauthenticated as exc:
-            return {"error": str(exc), "unauthenticated": True}, None
+        """The reply to ``token`` and the fd to attach (None: none); Unauthenticated
+        for an unknown token."""
+        caller = self._tokens.caller(token.decode(errors="replace"))
         region = self._arena.regions.get(caller.tenant) if caller.tenant else None
         fd = self._arena.fds.get(caller.tenant) if region is not None else None
         if region is None or fd is None:
@@ -134,7 +126,7 @@ async def _read_line(conn: socket.socket) -> bytes:
 
 
 async def _send(conn: socket.socket, answer: dict[str, object], fd: int | None = None) -> None:
-    line = json.dumps({k: v for k, v in answer.items() if k != "unauthenticated"}).encode()
+    line = json.dumps(answer).encode()
     with contextlib.suppress(OSError):  # the peer went away: nothing to tell
         if fd is None:
             await asyncio.get_running_loop().sock_sendall(conn, line + b"\n")

@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from kvproto.v1.addresses import is_loopback
+from kvstore.host.arena import common_bytes
 from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.format import mac_key
 from kvstore.shared.tier import SharedConfig
@@ -296,6 +297,7 @@ AUTO_HOST_MAX = 4 << 30
 AUTO_DISK_MAX = 64 << 30
 DISK_SIZE_FILE = "kvstored-disk-bytes"  # in disk_dir: the size chosen at the first start
 MIN_AUTO_DISK_BYTES = 64 << 20  # an automatic disk size below this is no tier at all
+MIN_COMMON_REGION_BYTES = 1 << 20  # what tenants' own arena regions leave for the rest
 FULL_DISK_SOURCE = "the file system is full, 25% of its size, chosen again at the next start"
 
 
@@ -790,13 +792,13 @@ def load_config(
     for name in ("shared_password_file", "shared_key_file"):
         if values[name] and not values["shared_url"]:
             raise ConfigError(name, "is set but shared_url is not", sources[name])
-    regions = sum(t.quota.host_bytes for t in tenants)
-    if regions and regions > values["host_bytes"] - (1 << 20):
+    regions = [t.quota.host_bytes for t in tenants if t.quota.host_bytes]
+    if regions and common_bytes(values["host_bytes"], regions) < MIN_COMMON_REGION_BYTES:
         raise ConfigError(
             "host_bytes",
             f"{human_size(values['host_bytes'])} cannot hold the tenants' host quotas "
-            f"({human_size(regions)}): each is the tenant's own arena region, and the rest "
-            "needs at least 1 MiB",
+            f"({human_size(sum(regions))}): each is the tenant's own arena region, and the "
+            "rest needs at least 1 MiB",
             sources["host_bytes"],
         )
     config = DaemonConfig(**values, sources=sources, config_file=config_file, tenants=tenants)

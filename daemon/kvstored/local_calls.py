@@ -16,9 +16,10 @@ On a daemon with tokens (kvstored.auth) a connection's first frame carries its t
 (``AUTH_NAME``); its calls are then that caller's. Until then every call on it is
 UNAUTHENTICATED, as a gRPC call without a token is.
 
-Life: :meth:`LocalCallServer.start` binds the socket (mode 0600, born so under a
-umask: only the daemon's user may connect, as on the gRPC socket; socket_mode may
-open it to other users, whose every call then needs a token), :meth:`stop` stops
+Life: :meth:`LocalCallServer.start` binds the socket (born 0600 under a umask, then
+socket_mode, as the gRPC socket: kvstored.server.serve_beside; only the daemon's user
+may connect unless socket_mode opens it to other users, whose every call then needs a
+token), :meth:`stop` stops
 accepting connections and answers further calls UNAVAILABLE while in-flight ones
 finish, :meth:`close` drops the connections and removes the socket.
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -103,18 +103,10 @@ class LocalCallServer:
         self._stopping = False
         self.path: Path | None = None
 
-    async def start(self, path: Path, mode: int = 0o600) -> None:
-        """Listen on ``path`` (which must not exist: the caller cleared a stale one),
-        born 0600, then ``mode`` (socket_mode)."""
+    async def start(self, path: Path) -> None:
+        """Listen on ``path`` (cleared, and its mode set, by kvstored.server.serve_beside)."""
         loop = asyncio.get_running_loop()
-        old_umask = os.umask(0o177)
-        try:
-            self._server = await loop.create_unix_server(
-                lambda: _Connection(self), str(path)
-            )
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, mode)
+        self._server = await loop.create_unix_server(lambda: _Connection(self), str(path))
         self.path = path
 
     def stop(self) -> None:

@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -296,17 +297,8 @@ async def start_local_calls(
         return None
     path = paths.local_socket_path(config.socket_path, port)
     local = LocalCallServer(service, config.max_message_bytes, metrics.interceptor.observe)
-    try:
-        if len(str(path).encode()) > UNIX_PATH_MAX:
-            raise StartupError(f"the path {path} is longer than a unix socket path may be")
-        if problem := prepare_unix_socket(path):
-            raise StartupError(problem)
-        await local.start(path, int(config.socket_mode, 8))
-    except (StartupError, OSError) as exc:
-        log.warning(
-            "local calls off (clients use gRPC only): %s", exc,
-            extra={"event": "local_calls_off"},
-        )
+    off = ("local calls off (clients use gRPC only)", "local_calls_off")
+    if not await serve_beside(path, local.start, config.socket_mode, *off):
         return None
     service.calls.local_socket = str(path)
     return local
@@ -322,20 +314,36 @@ async def start_arena_handout(
         return None
     path = handout_socket_path(paths.local_socket_path(config.socket_path, port))
     handout = ArenaHandout(store.arena, tokens)
+    off = ("arena hand-out off (tenants with their own region use inline bytes)",
+           "arena_handout_off")  # fmt: skip
+    if not await serve_beside(path, handout.start, config.socket_mode, *off):
+        return None
+    service.calls.arena_socket = str(path)
+    return handout
+
+
+async def serve_beside(
+    path: Path, start: Callable[[Path], Awaitable[None]], mode: str, off: str, event: str
+) -> bool:
+    """Start a server on a unix socket beside the gRPC one: ``start(path)`` binds it
+    (born 0600 under a umask: no window for other users), then it gets ``mode``
+    (socket_mode). False, with one warning line (``off``, ``event``), when the socket
+    cannot be made: the daemon runs without it."""
     try:
         if len(str(path).encode()) > UNIX_PATH_MAX:
             raise StartupError(f"the path {path} is longer than a unix socket path may be")
         if problem := prepare_unix_socket(path):
             raise StartupError(problem)
-        await handout.start(path, int(config.socket_mode, 8))
+        old_umask = os.umask(0o177)
+        try:
+            await start(path)
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, int(mode, 8))
     except (StartupError, OSError) as exc:
-        log.warning(
-            "arena hand-out off (tenants with their own region use inline bytes): %s", exc,
-            extra={"event": "arena_handout_off"},
-        )
-        return None
-    service.calls.arena_socket = str(path)
-    return handout
+        log.warning("%s: %s", off, exc, extra={"event": event})
+        return False
+    return True
 
 
 def server_credentials(config: DaemonConfig) -> grpc.ServerCredentials | None:

@@ -33,7 +33,7 @@ the daemon hands only to that tenant's clients as a file descriptor; the common
 region is the arena file. The daemon maps the files side by side in one range of
 addresses (:func:`kvstore.host.mapping.map_fds`), so every offset is an arena offset
 whatever region it is in: the store, the mover, pinning and the wire never translate
-one. ``alloc(size, region=...)`` carves from that region only, so a tenant's slots
+one. ``alloc(size, tenant=...)`` carves from that tenant's region only, so its slots
 never leave its file. An arena without tenant regions is one region, laid out exactly
 as before regions: the slots, then the epoch table, in one file.
 
@@ -55,7 +55,7 @@ import re
 import secrets
 import tempfile
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,6 +189,13 @@ def _drop_region_file(path: str) -> None:
 # -- the arena ------------------------------------------------------------------------
 
 
+def common_bytes(capacity: int, tenant_sizes: Iterable[int]) -> int:
+    """The slot bytes of the common region of an arena of ``capacity`` bytes with
+    tenant regions of ``tenant_sizes`` (each cut to whole pages, as the arena cuts
+    them); the store's and the daemon's config checks ask it before an arena exists."""
+    return (capacity & ~_PAGE_MASK) - sum(size & ~_PAGE_MASK for size in tenant_sizes)
+
+
 def _layout(
     capacity: int, tenant_sizes: Mapping[str, int], epoch_count: int | None
 ) -> list[Region]:
@@ -198,7 +205,7 @@ def _layout(
     for name, size in sizes.items():
         if not name or size < PAGE_SIZE:
             raise ValueError(f"tenant region {name!r} must be named and at least {PAGE_SIZE} bytes")
-    common = capacity - sum(sizes.values())
+    common = common_bytes(capacity, sizes.values())
     if common < PAGE_SIZE:
         raise ValueError(
             f"the tenants' regions ({sum(sizes.values())} bytes) leave less than a page of "
@@ -362,17 +369,17 @@ class HostArena:
     def used_bytes_of(self, region: str) -> int:
         return self._by_name[region].used_bytes
 
-    def alloc(self, size: int, tail: bool = False, region: str = COMMON) -> int | None:
-        """Offset of a new slot of at least ``size`` bytes in ``region``, or None when
-        nothing fits. ``tail``: a large slot goes at the end of its extent, not the
-        head (see kvstore.host.slot_space, 5.)."""
-        return self._by_name[region].alloc(size, tail)
+    def alloc(self, size: int, tail: bool = False, tenant: str = "") -> int | None:
+        """Offset of a new slot of at least ``size`` bytes for a block of ``tenant``
+        (in :meth:`region_of` it), or None when nothing fits there. ``tail``: a large
+        slot goes at the end of its extent, not the head (kvstore.host.slot_space, 5.)."""
+        return self._by_name[self.region_of(tenant)].alloc(size, tail)
 
-    def alloc_run(self, size: int, count: int, region: str = COMMON) -> list[int]:
-        """Offsets of ``count`` new slots of ``size`` bytes in ``region``, carved as one
-        contiguous run (the client copies a put in one piece); [] when no free extent
-        holds the whole run (the caller allocates slot by slot)."""
-        return self._by_name[region].alloc_run(size, count)
+    def alloc_run(self, size: int, count: int, tenant: str = "") -> list[int]:
+        """Offsets of ``count`` new slots of ``size`` bytes for blocks of ``tenant``,
+        carved as one contiguous run (the client copies a put in one piece); [] when no
+        free extent of its region holds the whole run (the caller goes slot by slot)."""
+        return self._by_name[self.region_of(tenant)].alloc_run(size, count)
 
     def free(self, offset: int) -> None:
         """Return a slot; merges it with free neighbours. Unknown offsets raise ValueError.
@@ -406,7 +413,7 @@ class HostArena:
             capacity_bytes=self.capacity_bytes,
             used_bytes=used,
             free_bytes=free,
-            slots=sum(len(space._slots) for space in self._spaces),
+            slots=sum(space.slots for space in self._spaces),
             largest_free_bytes=largest,
             fragmentation=1.0 - largest / free if free else 0.0,
         )

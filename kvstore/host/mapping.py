@@ -124,6 +124,8 @@ class ArenaMapping:
         ``start``: the first offset mapped (below it the range is reserved only)."""
         self._region: mmap.mmap | ctypes.Array[ctypes.c_ubyte] | None = region
         self._array: np.ndarray | None = np.frombuffer(region, dtype=np.uint8)  # type: ignore[arg-type]
+        if not writable:  # a read-only mapping of map_fds still exports a writable buffer
+            self._array.flags.writeable = False
         self._buffer: memoryview | None = self._array.data
         self._prefaulter: _Prefaulter | None = None
         self.path = path
@@ -228,8 +230,7 @@ def map_arena(path: str, *, writable: bool = True) -> ArenaMapping:
 
 # -- several files side by side ----------------------------------------------------------
 
-PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
-MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 1, 2, 0x10, 0x20, 0x4000
+PROT_NONE, MAP_FIXED, MAP_NORESERVE = 0, 0x10, 0x4000  # <sys/mman.h>; the mmap module lacks them
 
 
 def _load_mmap() -> tuple[Any, Any] | None:
@@ -266,16 +267,16 @@ def map_fds(
     if _MMAP is None:
         raise OSError(errno.ENOSYS, "mmap is not reachable through ctypes here")
     mmap_, munmap = _MMAP
-    flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
     base = mmap_(None, size, PROT_NONE, flags, -1, 0)
     if base in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"reserving {size} bytes of addresses")
-    prot = PROT_READ | PROT_WRITE if writable else PROT_READ
+    prot = mmap.PROT_READ | mmap.PROT_WRITE if writable else mmap.PROT_READ
     try:
         for fd, offset, length in parts:
             if offset < 0 or offset % mmap.PAGESIZE or offset + length > size:
                 raise ValueError(f"a part [{offset}, {offset + length}) of a {size}-byte range")
-            got = mmap_(base + offset, length, prot, MAP_SHARED | MAP_FIXED, fd, 0)
+            got = mmap_(base + offset, length, prot, mmap.MAP_SHARED | MAP_FIXED, fd, 0)
             if got != base + offset:
                 raise OSError(ctypes.get_errno(), f"mapping {length} bytes at offset {offset}")
     except BaseException:

@@ -191,6 +191,11 @@ class SlotSpace:
             raise ValueError(f"offset {offset} is not a live slot")
         return size
 
+    @property
+    def slots(self) -> int:
+        """Live slots."""
+        return len(self._slots)
+
     def largest_free(self) -> int:
         """Bytes of the largest free extent (0 when full)."""
         if not self._bitmap:
