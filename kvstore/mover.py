@@ -59,6 +59,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from kvstore import block_kernel
+from kvstore.block_kernel import KernelPieces, strided_pieces
 from kvstore.errors import InvalidArgument
 from kvstore.host.slot_runs import Run, slot_runs
 from kvstore.keys import NamespaceSpec
@@ -235,6 +237,17 @@ class KVCache(ABC):
     def _index(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (ids,)
 
+    def kernel_pieces(self) -> KernelPieces | None:
+        """The cache as :mod:`kvstore.block_kernel` addresses it (pieces = layers x K|V,
+        in block byte order); None where its rows are not contiguous 16-byte vectors."""
+        return None
+
+    def layer(self, index: int) -> KVCache:
+        """Layer ``index`` alone, as a one-layer cache of the same block ids: its block
+        bytes are bytes ``[index * block_bytes / L, (index + 1) * block_bytes / L)`` of
+        the whole block's (layer-major layout)."""
+        raise NotImplementedError
+
     def _parts(self, ids: torch.Tensor, staged: torch.Tensor) -> list[torch.Tensor]:
         """Each piece's share of a staging tensor ``[n, L, 2, H, T, D]`` (views)."""
         n = ids.numel()
@@ -323,6 +336,34 @@ class PagedKV(KVCache):
             dtype = tensors[0].dtype
         super().__init__(BlockShape(L, H, D, T, dtype), tensors, pieces, 1, nb)
 
+    def layer(self, index: int) -> PagedKV:
+        if len(self.tensors) == 1:
+            return PagedKV(self.tensors[0][index : index + 1])
+        return PagedKV([self.tensors[index]])
+
+    def kernel_pieces(self) -> KernelPieces | None:
+        es = self.tensors[0].element_size()
+        if len(self.tensors) == 1:  # [L, 2, NB, T, H, D]
+            t = self.tensors[0]
+            sl, skv, sb, st, sh, sd = t.stride()
+            bases = [t.data_ptr() + (layer * sl + kv * skv) * es
+                     for layer in range(t.shape[0]) for kv in range(2)]
+        else:  # per layer [2, NB, T, H, D], one stride pattern for all
+            t = self.tensors[0]
+            if any(x.stride() != t.stride() for x in self.tensors):
+                return None
+            skv, sb, st, sh, sd = t.stride()
+            bases = [x.data_ptr() + kv * skv * es for x in self.tensors for kv in range(2)]
+        if sd != 1:
+            return None
+        s = self.shape
+
+        def offsets(ids: np.ndarray, step: int = sb * es) -> np.ndarray:
+            return ids * step
+
+        return strided_pieces(bases, (s.num_kv_heads, s.block_tokens, s.head_dim), (sh, st),
+                              es, offsets)
+
 
 class HFKV(KVCache):
     """transformers' contiguous KV: per layer (K, V), each ``[batch, kv_heads, seq,
@@ -380,6 +421,35 @@ class HFKV(KVCache):
                 for t in tensors
             ]
         super().__init__(BlockShape(L, H, D, T, tensors[0].dtype), tensors, pieces, 2, B * nb)
+
+    def layer(self, index: int) -> HFKV:
+        T = self.shape.block_tokens
+        if len(self.tensors) == 1:
+            return HFKV(self.tensors[0][index : index + 1], T)
+        return HFKV([(self.tensors[2 * index], self.tensors[2 * index + 1])], T)
+
+    def kernel_pieces(self) -> KernelPieces | None:
+        es = self.tensors[0].element_size()
+        if len(self.tensors) == 1:  # [L, 2, B, H, S, D]
+            t = self.tensors[0]
+            sl, skv, sbatch, sh, ss, sd = t.stride()
+            bases = [t.data_ptr() + (layer * sl + kv * skv) * es
+                     for layer in range(t.shape[0]) for kv in range(2)]
+        else:  # K0, V0, K1, V1, ... each [B, H, S, D], one stride pattern for all
+            t = self.tensors[0]
+            if any(x.stride() != t.stride() for x in self.tensors):
+                return None
+            sbatch, sh, ss, sd = t.stride()
+            bases = [x.data_ptr() for x in self.tensors]
+        if sd != 1:
+            return None
+        s, nb = self.shape, self.blocks_per_seq
+
+        def offsets(ids: np.ndarray) -> np.ndarray:
+            return ((ids // nb) * sbatch + (ids % nb) * s.block_tokens * ss) * es
+
+        return strided_pieces(bases, (s.num_kv_heads, s.block_tokens, s.head_dim), (sh, ss),
+                              es, offsets)
 
     def block_id(self, batch_index: int, block: int) -> int:
         if not (0 <= batch_index < self.batch and 0 <= block < self.blocks_per_seq):
@@ -445,9 +515,13 @@ class Mover:
     """Copies blocks between KV caches and the slots of one arena region.
 
     ``arena`` is the whole region as a flat uint8 CPU tensor (pinned when CUDA copies
-    should be asynchronous). ``device_arenas`` maps a CUDA device to an alias of the
-    same bytes that kernels there can address (c2c only); without one, CUDA copies go
-    through a staging tensor in device memory and one DMA per slot run.
+    should be asynchronous). ``device_address``: the address at which CUDA kernels
+    reach the arena's first byte (registered memory, mapped: over the link on PCIe,
+    coherently on c2c; None: not reachable). With it, and where
+    :mod:`kvstore.block_kernel` runs, a CUDA batch is one kernel launch between the KV
+    tensors and the slots. Otherwise ``device_arenas`` (c2c: an alias of the same bytes
+    for torch's kernels) or, by default, a staging tensor in device memory and one DMA
+    per slot run.
 
     Thread-safe. CUDA staging comes from torch's caching allocator (stream-ordered);
     CPU staging buffers are kept for reuse, up to ``max_staging_bytes`` in all,
@@ -459,6 +533,7 @@ class Mover:
         arena: torch.Tensor,
         *,
         device_arenas: dict[torch.device, torch.Tensor] | None = None,
+        device_address: int | None = None,
         max_run_copies: int = MAX_RUN_COPIES,
         max_staging_bytes: int = MAX_STAGING_BYTES,
     ) -> None:
@@ -467,6 +542,7 @@ class Mover:
         self.arena = arena
         self.size = arena.numel()
         self.device_arenas = dict(device_arenas or {})
+        self.device_address = device_address
         self.max_run_copies = max_run_copies
         self.max_staging_bytes = min(max_staging_bytes, self.size)  # a transfer fits the arena
         self._spare: list[torch.Tensor] = []  # idle CPU staging buffers (uint8)
@@ -538,6 +614,13 @@ class Mover:
         n = len(offsets)
         if n == 0:
             return None
+        one_launch = self._one_launch(kv, offsets)
+        if one_launch is not None:
+            kernel, pieces = one_launch
+            with _on_stream(kv.device, stream, wait_current) as s:
+                table = kernel.table(pieces, ids.numpy(), self._addresses(offsets), kv.device)
+                kernel.launch(table, pieces, n, to_slots, s)
+                return _record(s)
         runs = slot_runs(offsets, bb)
         with _on_stream(kv.device, stream, wait_current) as s:
             ids = ids.to(kv.device, non_blocking=True)
@@ -555,6 +638,73 @@ class Mover:
                         self._from_slots(staging.view(n, bb), offsets, runs, near)
                         kv.scatter(ids, staging.view(kv.shape.dtype))
             return _record(s)
+
+    def onboard_layers(
+        self,
+        kv: KVCache,
+        block_ids: Any,
+        offsets: Sequence[int],
+        *,
+        stream: Any = None,
+        wait_current: bool = True,
+    ) -> list[torch.cuda.Event] | None:
+        """Onboard layer after layer: one launch per layer on ``stream`` and an event
+        recorded after each, so a model's layer ``i`` waits only for ``events[i]``
+        (layer-wise loading: copies overlap the compute of earlier layers).
+
+        None, with nothing done, where the one-launch kernel cannot run here (CPU, no
+        CuPy, an arena kernels cannot reach): then :meth:`onboard_layer` moves one
+        layer at a time through the torch path."""
+        ids, _ = self._check(kv, block_ids, offsets)
+        n = len(offsets)
+        one_launch = self._one_launch(kv, offsets) if n else None
+        if one_launch is None:
+            return None
+        kernel, pieces = one_launch
+        per_layer = len(pieces.bases) // kv.shape.num_layers
+        events: list[torch.cuda.Event] = []
+        with _on_stream(kv.device, stream, wait_current) as s:
+            table = kernel.table(pieces, ids.numpy(), self._addresses(offsets), kv.device)
+            for layer in range(kv.shape.num_layers):
+                kernel.launch(table, pieces, n, False, s, layer * per_layer, per_layer)
+                event = _record(s)
+                assert event is not None
+                events.append(event)
+        return events
+
+    def onboard_layer(
+        self,
+        kv: KVCache,
+        block_ids: Any,
+        offsets: Sequence[int],
+        layer: int,
+        *,
+        stream: Any = None,
+        wait_current: bool = True,
+    ) -> torch.cuda.Event | None:
+        """The slots' layer ``layer`` -> that layer of blocks ``block_ids`` (the other
+        layers are not touched): a one-layer cache over the layer's share of each slot."""
+        share = kv.shape.block_bytes // kv.shape.num_layers
+        shifted = [off + layer * share for off in offsets]
+        return self._move(kv.layer(layer), block_ids, shifted, False, stream, wait_current)
+
+    def _one_launch(
+        self, kv: KVCache, offsets: Sequence[int]
+    ) -> tuple[block_kernel.BlockKernel, KernelPieces] | None:
+        """The kernel and the cache's pieces, where one launch can move this batch."""
+        if kv.device.type != "cuda" or self.device_address is None:
+            return None
+        if any((self.device_address + off) % block_kernel.VECTOR for off in offsets):
+            return None
+        kernel = block_kernel.load()
+        if kernel is None:
+            return None
+        pieces = kv.kernel_pieces()
+        return None if pieces is None else (kernel, pieces)
+
+    def _addresses(self, offsets: Sequence[int]) -> np.ndarray:
+        assert self.device_address is not None
+        return np.asarray(offsets, dtype=np.int64) + self.device_address
 
     @contextmanager
     def _staging(self, nbytes: int, device: torch.device) -> Iterator[torch.Tensor]:

@@ -126,10 +126,10 @@ class PlatformInfo:
 
     @property
     def host_register_flags(self) -> int:
-        """cudaHostRegister flags for the arena: Portable, plus Mapped on c2c."""
-        if self.profile is Profile.C2C:
-            return HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
-        return HOST_REGISTER_PORTABLE
+        """cudaHostRegister flags for the arena: Portable and Mapped (kernels reach it:
+        coherently on c2c, over the link on PCIe, where the one-launch block copy of
+        :mod:`kvstore.block_kernel` reads and writes the slots itself)."""
+        return HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
 
     @property
     def direct_host_access(self) -> bool:

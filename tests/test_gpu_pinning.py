@@ -79,7 +79,7 @@ def test_profile_picks_the_flags() -> None:
     assert arena_pin_hook(PlatformInfo(Profile.CPU_ONLY)) is None
     pcie = arena_pin_hook(PlatformInfo(Profile.PCIE, (H100_PCIE,)))
     c2c = arena_pin_hook(PlatformInfo(Profile.C2C, (GH200,)))
-    assert pcie is not None and pcie.flags == HOST_REGISTER_PORTABLE
+    assert pcie is not None and pcie.flags == HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
     assert c2c is not None and c2c.flags == HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
 
 

@@ -122,7 +122,7 @@ def test_env_can_turn_the_gpu_path_off(caplog: pytest.LogCaptureFixture) -> None
 def test_register_flags_and_direct_access_follow_the_profile() -> None:
     pcie = detect(query_of(H100_PCIE), env={})
     c2c = detect(query_of(GH200), env={})
-    assert pcie.host_register_flags == HOST_REGISTER_PORTABLE
+    assert pcie.host_register_flags == HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
     assert c2c.host_register_flags == HOST_REGISTER_PORTABLE | HOST_REGISTER_MAPPED
     assert not pcie.direct_host_access
     assert c2c.direct_host_access

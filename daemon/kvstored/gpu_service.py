@@ -51,6 +51,7 @@ import grpc
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
 from kvstore.errors import InvalidArgument, LeaseError
+from kvstore.host import pinning
 from kvstore.host.pinning import CudaPin
 from kvstore.keys import NamespaceSpec
 from kvstore.platform import PlatformInfo
@@ -343,6 +344,8 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
                 from kvstore.mover import Mover, device_alias
 
                 mover = Mover.for_array(self._store.arena.array())
+                if self._pin and self._pin.pinned_bytes:  # the one-launch copy reaches it
+                    mover.device_address = pinning.device_address(mover.arena.data_ptr())
                 if self._platform.direct_host_access and self._pin and self._pin.pinned_bytes:
                     for dev in self._platform.devices:
                         device = _torch_device(f"cuda:{dev.index}")

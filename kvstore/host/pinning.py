@@ -12,9 +12,10 @@ Protocol:
   mapping and calls the returned unpin on close. On ``cpu-only`` there is no hook.
 - Registration is per process (it pins *virtual* pages of one address space), so a
   client that maps the arena registers its own mapping: :func:`pin_mapping`.
-- Flags: ``Portable`` everywhere (the registration is valid in every CUDA context of
-  the process, whatever device is current), plus ``Mapped`` on ``c2c`` so kernels can
-  address the arena (on GH200 the device pointer equals the host pointer).
+- Flags: ``Portable`` (the registration is valid in every CUDA context of the
+  process, whatever device is current) and ``Mapped``, so kernels can address the
+  arena (:func:`device_address`; on GH200 and on most x86 hosts the device pointer
+  equals the host pointer): the one-launch block copy reads and writes slots itself.
 - Pinning is an optimisation, never a requirement: a failed registration (too little
   ``RLIMIT_MEMLOCK``, an old driver, a region too large, or an arena file outside
   tmpfs/hugetlbfs: Linux refuses long-term pins of writable shared file pages there,
@@ -77,16 +78,57 @@ def buffer_address(view: memoryview) -> int:
 def clear_last_error() -> None:
     """Reset the CUDA runtime's last error on this thread (``cudaGetLastError``), through
     the libcudart this process loaded (torch's binding of the runtime lacks the call)."""
+    for get_last_error in _cudart_functions("cudaGetLastError"):
+        get_last_error()
+
+
+def _cudart_functions(name: str) -> list[Any]:
+    """``name`` in every libcudart this process has loaded (torch's binding of the
+    runtime lacks the calls that take pointers out)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
     except OSError:
-        return
+        return []
+    found = []
     for path in sorted(paths):
         try:
-            ctypes.CDLL(path).cudaGetLastError()
+            found.append(getattr(ctypes.CDLL(path), name))
         except (OSError, AttributeError) as exc:
-            log.debug("cannot clear CUDA's last error through %s: %s", path, exc)
+            log.debug("no %s in %s: %s", name, path, exc)
+    return found
+
+
+def device_address(host_address: int) -> int | None:
+    """The address at which CUDA kernels reach registered, mapped host memory at
+    ``host_address`` (``cudaHostGetDevicePointer``); None where it is not mapped or the
+    runtime refuses (the error is cleared)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.set_device(torch.cuda.current_device())  # a current context on this thread
+    for get in _cudart_functions("cudaHostGetDevicePointer"):
+        pointer = ctypes.c_void_p(0)
+        result = get(ctypes.byref(pointer), ctypes.c_void_p(host_address), ctypes.c_uint(0))
+        if result == 0 and pointer.value:
+            return int(pointer.value)
+        clear_last_error()
+        log.debug("cudaHostGetDevicePointer(%#x) failed: cudaError %d", host_address, result)
+    # a runtime linked statically (not in /proc/self/maps): the driver API, in the
+    # context the runtime made current on this thread
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device_pointer = ctypes.c_uint64(0)
+    result = driver.cuMemHostGetDevicePointer_v2(
+        ctypes.byref(device_pointer), ctypes.c_void_p(host_address), ctypes.c_uint(0)
+    )
+    if result != 0 or not device_pointer.value:
+        log.debug("cuMemHostGetDevicePointer(%#x) failed: CUresult %d", host_address, result)
+        return None
+    return int(device_pointer.value)
 
 
 class CudaPin:
@@ -191,5 +233,6 @@ __all__ = [
     "arena_pin_hook",
     "buffer_address",
     "cuda_pin_hook",
+    "device_address",
     "pin_mapping",
 ]

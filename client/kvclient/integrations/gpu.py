@@ -60,7 +60,7 @@ from kvclient.errors import (
     _error_kind,
     error_from_rpc,
 )
-from kvclient.namespace import Namespace
+from kvclient.namespace import BlockLease, Namespace
 from kvclient.payloads import as_tokens, check_cover, check_priority
 from kvclient.sync_client import KVClient
 from kvclient.wire import ExtraKeys, extra_bytes
@@ -82,6 +82,7 @@ __all__ = [
     "GpuClient",
     "GpuInfo",
     "KVCache",
+    "LayerOnboarding",
     "OffloadResult",
     "OnboardResult",
     "Onboarding",
@@ -161,6 +162,68 @@ class Onboarding:
             release()
 
     def __enter__(self) -> Onboarding:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class LayerOnboarding:
+    """A layer-wise onboard in flight (:meth:`GpuClient.onboard_layers`).
+
+    ``wait(layer)`` before the model reads ``layer``: on CUDA the current stream waits
+    for that layer's event (the host does not block); on CPU the layer is copied then.
+    ``release()`` after the forward: loads what was never waited for, waits for the
+    last copy and ends the read lease. ``onboarded`` blocks were asked for.
+    """
+
+    def __init__(
+        self,
+        release: Callable[[], None] | None,
+        mover: Mover | None,
+        kv: KVCache,
+        block_ids: list[int],
+        offsets: list[int],
+        events: list[torch.cuda.Event] | None,
+        ready_blocks: int,
+        block_tokens: int,
+    ) -> None:
+        self._release = release
+        self._mover = mover
+        self._kv = kv
+        self._block_ids = block_ids
+        self._offsets = offsets
+        self._events = events
+        self._loaded: set[int] = set()
+        self.ready_blocks = ready_blocks
+        self.onboarded = len(offsets)
+        self.tokens = self.onboarded * block_tokens
+
+    def wait(self, layer: int) -> None:
+        if self._events is not None:
+            torch.cuda.current_stream(self._kv.device).wait_event(self._events[layer])
+        elif layer not in self._loaded and self._mover is not None and self._offsets:
+            try:
+                self._mover.onboard_layer(self._kv, self._block_ids, self._offsets, layer)
+            except InvalidArgument as exc:
+                raise InvalidArgumentError(str(exc)) from None
+            self._loaded.add(layer)
+
+    def release(self) -> None:
+        """Complete every layer, then end the lease. Idempotent."""
+        release, self._release = self._release, None
+        if release is None:
+            return
+        try:
+            if self._events is not None:
+                self._events[-1].synchronize()  # the last launch: every copy before it
+            else:
+                for layer in range(self._kv.shape.num_layers):
+                    self.wait(layer)
+        finally:
+            release()
+
+    def __enter__(self) -> LayerOnboarding:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -403,6 +466,9 @@ class GpuClient:
                 pin = pinning.cuda_pin_hook(local.host_register_flags)
                 start = arena.mapping.start  # a region handed out by fd starts there
                 unpin = pin(arena.mapping.view(start, arena.mapping.size - start))
+                if pin.pinned_bytes:  # kernels reach it: the one-launch block copy
+                    first = pinning.device_address(mover.arena.data_ptr() + start)
+                    mover.device_address = None if first is None else first - start
                 if pin.pinned_bytes and local.direct_host_access:
                     for dev in local.devices:
                         device = torch.device("cuda", dev.index)
@@ -453,31 +519,84 @@ class GpuClient:
         -> (``wait``: wait, Release). Only the ready prefix is copied:
         ``result.onboarded`` blocks.
         """
+        got = self._acquire(ns, tokens, kv, block_ids, start, extra_keys)
+        if got is None:
+            return Onboarding(None, 0, 0, ns.block_tokens, None)
+        mover, lease, ready, block_ids, offsets = got
+        try:
+            event = _moved(mover.onboard, kv, block_ids, offsets, stream) if offsets else None
+        except BaseException:
+            lease.release()
+            raise
+        result = Onboarding(lease.release, ready, len(offsets), ns.block_tokens, event)
+        if wait or event is None:
+            result.release()
+        return result
+
+    def onboard_layers(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: KVCache,
+        block_ids: Sequence[int],
+        *,
+        start: int = 0,
+        extra_keys: ExtraKeys = (),
+        stream: Any = None,
+    ) -> LayerOnboarding:
+        """:meth:`onboard`, layer by layer: the model waits for each layer's copy just
+        before it reads that layer (:meth:`LayerOnboarding.wait`), so copies of later
+        layers overlap the compute of earlier ones.
+
+        CUDA: every layer's copy is enqueued now on ``stream`` (give a side stream for
+        overlap), one launch and one event per layer; without the one-launch kernel the
+        whole batch is one onboard and every layer waits for its event. CPU: a layer is
+        copied when it is first waited for. Call :meth:`LayerOnboarding.release` after
+        the forward (it completes any layer not yet loaded, then ends the lease)."""
+        got = self._acquire(ns, tokens, kv, block_ids, start, extra_keys)
+        if got is None:
+            return LayerOnboarding(None, None, kv, [], [], None, 0, ns.block_tokens)
+        mover, lease, ready, block_ids, offsets = got
+        events: list[torch.cuda.Event] | None = None
+        try:
+            if offsets and kv.device.type == "cuda":
+                events = mover.onboard_layers(kv, block_ids, offsets, stream=stream)
+                if events is None:  # no one-launch kernel here: the whole batch at once
+                    event = _moved(mover.onboard, kv, block_ids, offsets, stream)
+                    assert event is not None
+                    events = [event] * kv.shape.num_layers
+        except BaseException:
+            lease.release()
+            raise
+        return LayerOnboarding(
+            lease.release, mover, kv, block_ids, offsets, events, ready, ns.block_tokens
+        )
+
+    def _acquire(
+        self,
+        ns: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: KVCache,
+        block_ids: Sequence[int],
+        start: int,
+        extra_keys: ExtraKeys,
+    ) -> tuple[Mover, BlockLease, int, list[int], list[int]] | None:
+        """Acquire the ready prefix of chain blocks ``start ..``: (mover, lease, ready
+        blocks, the cache's block ids and the slot offsets to copy); None: none asked."""
         arr = as_tokens(tokens)
         ids = list(block_ids)
         check_cover(arr, ns.block_tokens, start, len(ids))
         _check_kv(ns, kv)
         _validated(kv, ids)
         if not ids:
-            return Onboarding(None, 0, 0, ns.block_tokens, None)
+            return None
         mover = self._mover_for(kv)
         n = start + len(ids)
         lease = ns.acquire(arr[: n * ns.block_tokens], extra_keys=extra_keys, max_blocks=n)
         table = lease.slots
         wanted = np.flatnonzero(table.indices >= start)
-        try:
-            event = None
-            if wanted.size:
-                block_ids = [ids[int(table.indices[k]) - start] for k in wanted]
-                offsets = table.offsets[wanted].tolist()
-                event = _moved(mover.onboard, kv, block_ids, offsets, stream)
-        except BaseException:
-            lease.release()
-            raise
-        result = Onboarding(lease.release, len(table), int(wanted.size), ns.block_tokens, event)
-        if wait or event is None:
-            result.release()
-        return result
+        chosen = [ids[int(table.indices[k]) - start] for k in wanted]
+        return mover, lease, len(table), chosen, table.offsets[wanted].tolist()
 
     # -- daemon-driven copies
 

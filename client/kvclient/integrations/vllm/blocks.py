@@ -17,7 +17,9 @@ layout; the connector puts the layout into the namespace, so they never meet.
 Moving n blocks is one ``index_select`` (store) or ``index_copy_`` (load) per layer and
 outer part, between the paged tensor and a ``[n, block_bytes]`` uint8 view: no
 per-block Python, no temporary tensors. On a GPU the rows pass through one device
-staging buffer (a host <-> device copy of all n blocks at once).
+staging buffer (a host <-> device copy of all n blocks at once), except where the
+rows are pinned and :mod:`kvstore.block_kernel` runs: then one kernel launch moves
+every page part of the batch straight between the pages and the host rows.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from kvstore import block_kernel
+from kvstore.block_kernel import KernelPieces, strided_pieces
+from kvstore.host import pinning
 
 
 class PagedLayers:
@@ -54,6 +61,7 @@ class PagedLayers:
         self.page_bytes = self.outer * self.inner * first.element_size()
         self.block_bytes = self.page_bytes * len(layers)
         self._device_rows: torch.Tensor | None = None  # GPU: staging of whole blocks
+        self._pieces = self._kernel_pieces(first.element_size())
 
     @property
     def num_layers(self) -> int:
@@ -65,6 +73,8 @@ class PagedLayers:
         n = len(block_ids)
         out = self._check_rows(rows, n)
         if n == 0:
+            return out
+        if self._one_launch(block_ids, out, to_rows=True):
             return out
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         staged = self._staging(out)
@@ -83,6 +93,8 @@ class PagedLayers:
         source = self._check_rows(rows, n)
         if n == 0:
             return
+        if self._one_launch(block_ids, source, to_rows=False):
+            return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         staged = self._staging(source)
         if staged is not source:
@@ -91,6 +103,45 @@ class PagedLayers:
         for layer, pages in enumerate(self._pages):
             for o in range(self.outer):
                 pages[o].index_copy_(0, ids, parts[layer][o])
+
+    def _kernel_pieces(self, element_bytes: int) -> KernelPieces | None:
+        """Pieces = (layer, outer part), each page part one row of ``inner`` elements."""
+        if self.device.type != "cuda":
+            return None
+        part_bytes = self.inner * element_bytes
+        bases = [
+            pages.data_ptr() + o * self.num_blocks * part_bytes
+            for pages in self._pages
+            for o in range(self.outer)
+        ]
+
+        def offsets(ids: np.ndarray) -> np.ndarray:
+            return ids * part_bytes
+
+        return strided_pieces(bases, (1, 1, self.inner), (0, 0), element_bytes, offsets)
+
+    def _one_launch(self, block_ids: Sequence[int], rows: torch.Tensor, to_rows: bool) -> bool:
+        """Move the blocks in one kernel launch between the pages and pinned ``rows``
+        (waited for before returning, as the copies of the torch path are); False,
+        with nothing done, where the kernel cannot run here."""
+        if self._pieces is None or not rows.is_pinned():
+            return False
+        kernel = block_kernel.load()
+        address = pinning.device_address(rows.data_ptr()) if kernel is not None else None
+        if kernel is None or address is None:
+            return False
+        n = len(block_ids)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if (address | self.block_bytes) % block_kernel.VECTOR or ids.min() < 0:
+            return False  # the torch path copies it (and refuses bad ids)
+        if ids.max() >= self.num_blocks:
+            return False
+        slots = address + np.arange(n, dtype=np.int64) * self.block_bytes
+        stream = torch.cuda.current_stream(self.device)
+        table = kernel.table(self._pieces, ids, slots, self.device)
+        kernel.launch(table, self._pieces, n, to_rows, stream)
+        stream.synchronize()
+        return True
 
     def _check_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.block_bytes:
