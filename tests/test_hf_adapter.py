@@ -31,6 +31,7 @@ from conftest import Daemon  # noqa: E402
 from kvbench.models import random_llama  # noqa: E402
 from kvclient import KVClient  # noqa: E402
 from kvclient.hf import HFPrefixCache  # noqa: E402
+from kvclient.integrations.gpu import LayerOnboarding  # noqa: E402
 from kvclient.integrations.hf import cache as hf_cache  # noqa: E402
 
 BLOCK_TOKENS = 8
@@ -297,3 +298,41 @@ def test_loaded_prefix_plugs_into_transformers_generate(daemon: Daemon) -> None:
             )
         assert torch.equal(got, expected)
         assert seen[0] == 2  # transformers ran only the two uncached prompt tokens
+
+
+def test_layer_wise_load_gives_todays_logits_and_appends_in_place(daemon: Daemon) -> None:
+    model = random_llama("tiny", seed=0)
+    prompt = make_prompt(11, 70)  # 8 full blocks reusable, 6 tokens computed
+    with KVClient(daemon.addr) as client:
+        today = HFPrefixCache(
+            client, model, MODEL_ID, block_tokens=BLOCK_TOKENS, tenant_salt="layers"
+        )
+        layered = HFPrefixCache(
+            client, model, MODEL_ID, block_tokens=BLOCK_TOKENS, tenant_salt="layers",
+            stream_layers=True,
+        )
+        today.prefill(prompt)
+        before = today.prefill(prompt, logits_to_keep=0, store=False)
+        waited: list[int] = []
+        original_wait = LayerOnboarding.wait
+
+        def spy(self, layer: int) -> None:  # type: ignore[no-untyped-def]
+            waited.append(layer)
+            original_wait(self, layer)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("kvclient.integrations.gpu.LayerOnboarding.wait", spy)
+            after = layered.prefill(prompt, logits_to_keep=0, store=False, reserve_tokens=5)
+        assert after.stats.reused_tokens == before.stats.reused_tokens == 64
+        assert torch.equal(after.logits, before.logits)
+        assert waited == [0, 1, 2]  # each layer waited for just before it ran
+        # the computed tokens went into the room after the prefix: no copy of it
+        layer = after.cache.layers[0]
+        assert isinstance(layer, hf_cache.ReservedLayer)
+        keys, _ = hf_cache.layer_kv(after.cache, 0)
+        assert keys.shape[-2] == 70 and keys.data_ptr() == layer._room[0].data_ptr()
+        assert layer._room[0].shape[-2] == 75
+        # decoding past the room grows it once and gives today's tokens
+        want = today.generate(prompt, max_new_tokens=9, store=False).tokens
+        assert layered.generate(prompt, max_new_tokens=9, store=False).tokens == want
+        layered.close()

@@ -202,7 +202,11 @@ class LayerOnboarding:
     def wait(self, layer: int) -> None:
         if self._events is not None:
             torch.cuda.current_stream(self._kv.device).wait_event(self._events[layer])
-        elif layer not in self._loaded and self._mover is not None and self._offsets:
+        else:
+            self._load(layer)
+
+    def _load(self, layer: int) -> None:
+        if layer not in self._loaded and self._mover is not None and self._offsets:
             try:
                 self._mover.onboard_layer(self._kv, self._block_ids, self._offsets, layer)
             except InvalidArgument as exc:
@@ -219,7 +223,7 @@ class LayerOnboarding:
                 self._events[-1].synchronize()  # the last launch: every copy before it
             else:
                 for layer in range(self._kv.shape.num_layers):
-                    self.wait(layer)
+                    self._load(layer)
         finally:
             release()
 

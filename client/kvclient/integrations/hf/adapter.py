@@ -14,10 +14,16 @@ Protocol of one prefill (:meth:`HFPrefixCache.prefill`):
    least the last prompt token to produce the next-token logits.
 2. ``lookup`` (for the host/disk split) and ``get`` the longest cached prefix of those
    blocks; turn the bytes into a ``DynamicCache`` (:func:`cache_from_blocks`). This step
-   alone is :meth:`HFPrefixCache.load`.
+   alone is :meth:`HFPrefixCache.load`. With layer-wise loading (``stream_layers``,
+   the default on CUDA) the blocks are acquired and every layer's copy is enqueued on
+   a side stream instead, one event per layer, and the cache's layers keep room after
+   the prefix for the tokens still to come (``cache.ReservedLayer``: no copy of the
+   prefix per forward).
 3. Run the model on the remaining tokens only, at positions ``reused ..`` (so RoPE and
-   the causal mask see the true offsets). TTFT is measured here: from the call until
-   the logits exist (on CUDA, after a synchronize).
+   the causal mask see the true offsets); with layer-wise loading, decoder layer ``i``
+   first waits for layer ``i``'s copy (a forward pre-hook), so copies of later layers
+   overlap the compute of earlier ones, and the lease ends after the forward. TTFT is
+   measured here: from the call until the logits exist (on CUDA, after a synchronize).
 4. ``put`` the prompt's new full blocks with ``start`` = reused blocks
    (:func:`blocks_from_cache`). Only full blocks are stored.
 
@@ -64,7 +70,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -77,7 +83,7 @@ from kvclient.errors import (
     OutOfSpaceError,
     RequestTimeoutError,
 )
-from kvclient.integrations.gpu import GpuClient
+from kvclient.integrations.gpu import GpuClient, LayerOnboarding
 from kvclient.integrations.hf import cache as hf_cache
 from kvclient.integrations.hf.cache import UnsupportedModelError
 from kvclient.integrations.hf.layout import (
@@ -151,6 +157,9 @@ class LoadedPrefix:
     host_blocks: int
     disk_blocks: int
     load_s: float
+    # layer-wise loading: copies still in flight (the prefill waits per layer, then
+    # releases it); None once the cache is complete
+    loading: LayerOnboarding | None = None
 
     def stats(
         self, prompt_tokens: int, stored: int, ttft_s: float, store_s: float, waited_s: float = 0.0
@@ -198,6 +207,10 @@ class HFPrefixCache:
     namespace this is; ``tenant_salt`` further separates users of one tenant.
     ``codec``: how the daemon's disk and shared tiers keep the blocks (kvstore.codecs:
     "exact", "fp8", "int8", "int4"); the cache always gets the model's own dtype.
+    ``stream_layers``: load a hit layer by layer while the model runs (module
+    docstring, step 2); None means on for CUDA models whose daemon shares its arena
+    here. On a CPU model True maps the arena and copies each layer just before the
+    model reads it (the same protocol, without overlap).
     The namespace is opened at construction (the daemon must be reachable then).
     """
 
@@ -213,12 +226,15 @@ class HFPrefixCache:
         fingerprint_config: bool = True,
         codec: str = "exact",
         direct_copies: bool = True,
+        stream_layers: bool | None = None,
     ) -> None:
         hf_cache.check_supported(model.config)
         self.client = client
         # CUDA: copies between the cache and the pinned arena (None until first needed;
         # False once the arena proved not mappable here, or when turned off)
         self._gpu: GpuClient | None | bool = None if direct_copies else False
+        self._stream_layers = stream_layers
+        self._side_stream: torch.cuda.Stream | None = None
         self.model = model
         self.config = model.config
         self.layout = KVLayout.from_model(model, block_tokens)
@@ -270,8 +286,13 @@ class HFPrefixCache:
         early_reuse: bool = False,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         wait_s: float | None = None,
+        reserve_tokens: int = 0,
     ) -> PrefillOutput:
         """Load the longest cached prefix, compute the rest, store the new full blocks.
+
+        ``reserve_tokens``: room kept in a layer-wise loaded cache for that many tokens
+        after the prompt (``generate`` passes ``max_new_tokens``), so decoding appends
+        without copying the prefix.
 
         ``early_reuse``: for bursts of requests sharing a prompt (see
         :meth:`_prefill_early`): wait for blocks other sessions are computing, claim the
@@ -285,14 +306,23 @@ class HFPrefixCache:
             return self._prefill_early(ids, start_time, logits_to_keep, chunk_tokens, wait_s)
         n_tokens = len(tokens)
         T = self.block_tokens
-        loaded = self.load(ids)
+        loaded = self._load(ids, n_tokens + reserve_tokens)
         cache = loaded.cache if loaded.cache is not None else hf_cache.new_cache(self.config)
         reused = loaded.tokens
         reused_blocks = reused // T
 
-        cache, logits = self._forward(ids, reused, n_tokens, cache, logits_to_keep)
-        _synchronize(self.device)
-        ttft_s = time.perf_counter() - start_time
+        loading = loaded.loading
+        try:
+            if loading is not None:
+                with hf_cache.waiting_layers(self.model, loading.wait):
+                    cache, logits = self._forward(ids, reused, n_tokens, cache, logits_to_keep)
+            else:
+                cache, logits = self._forward(ids, reused, n_tokens, cache, logits_to_keep)
+            _synchronize(self.device)
+            ttft_s = time.perf_counter() - start_time
+        finally:
+            if loading is not None:
+                loading.release()
         self._learn_rate(n_tokens - reused, ttft_s - loaded.load_s)
 
         stored, store_s = 0, 0.0
@@ -441,13 +471,23 @@ class HFPrefixCache:
         past_key_values=loaded.cache)``, which then runs only the uncached tokens.
         """
         start_time = time.perf_counter()
-        tokens = _as_ids(input_ids).tolist()
+        loaded = self._load(_as_ids(input_ids), 0)
+        if loaded.loading is None:
+            return loaded
+        loaded.loading.release()  # every layer copied: the cache is complete
+        return replace(loaded, loading=None, load_s=time.perf_counter() - start_time)
+
+    def _load(self, ids: torch.Tensor, room: int) -> LoadedPrefix:
+        """:meth:`load`, whose copies may still be in flight (``loading``); a layer-wise
+        loaded cache keeps room for ``room`` tokens in all."""
+        start_time = time.perf_counter()
+        tokens = ids.tolist()
         T = self.block_tokens
         prefix = tokens[: ((len(tokens) - 1) // T) * T]
         gpu = self._gpu_client()
         if gpu is not None and prefix:
             try:
-                return self._load_direct(gpu, prefix, start_time)
+                return self._load_direct(gpu, prefix, room, start_time)
             except ArenaUnavailableError as exc:
                 self._no_direct_copies(exc)
         blocks, host_blocks = self._fetch(prefix)
@@ -459,10 +499,25 @@ class HFPrefixCache:
         return LoadedPrefix(cache, n * T, host, n - host, time.perf_counter() - start_time)
 
     def _gpu_client(self) -> GpuClient | None:
-        """The direct copy path, on a CUDA model only (None: through host memory)."""
+        """The direct copy path: on a CUDA model, or where layer-wise loading was asked
+        for (None: through host memory)."""
         if self._gpu is None:
-            self._gpu = GpuClient(self.client) if self.device.type == "cuda" else False
+            direct = self.device.type == "cuda" or bool(self._stream_layers)
+            self._gpu = GpuClient(self.client) if direct else False
         return self._gpu if isinstance(self._gpu, GpuClient) else None
+
+    def _streams_layers(self) -> bool:
+        if self._stream_layers is None:
+            return self.device.type == "cuda"
+        return self._stream_layers
+
+    def _copy_stream(self) -> torch.cuda.Stream | None:
+        """The side stream layer copies run on (CUDA), so they overlap the model's."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
 
     def _no_direct_copies(self, why: Exception) -> None:
         log.info("kvstore blocks go through host memory: %s", why)
@@ -470,29 +525,54 @@ class HFPrefixCache:
             self._gpu.close()
         self._gpu = False
 
-    def _load_direct(self, gpu: GpuClient, prefix: list[int], start_time: float) -> LoadedPrefix:
-        """``load`` on the direct path: one ``[layers, 2, 1, heads, tokens, head_dim]``
-        tensor on the device, filled from the leased arena slots, adopted by the cache."""
+    def _load_direct(
+        self, gpu: GpuClient, prefix: list[int], room: int, start_time: float
+    ) -> LoadedPrefix:
+        """``load`` on the direct path: one ``[layers, 2, 1, heads, capacity, head_dim]``
+        tensor on the device, filled from the leased arena slots.
+
+        Layer-wise (:meth:`_streams_layers`): the layers' copies are enqueued on the side
+        stream (``loading``) and the cache is :class:`~kvclient.integrations.hf.cache.
+        ReservedLayer` s over the tensor, with room for ``room`` tokens. Otherwise the
+        whole prefix is copied before this returns and a ``DynamicCache`` adopts it."""
         T, layout = self.block_tokens, self.layout
+        layered = self._streams_layers()
+        loading: LayerOnboarding | None = None
         try:
             hit = self.namespace.lookup(prefix)
             n = hit.blocks
             if n == 0:
                 return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
-            shape = (layout.num_layers, 2, 1, layout.num_kv_heads, n * T, layout.head_dim)
+            capacity = max(n * T, room) if layered else n * T
+            shape = (layout.num_layers, 2, 1, layout.num_kv_heads, capacity, layout.head_dim)
             kv = torch.empty(shape, dtype=layout.dtype, device=self.device)
-            got = gpu.onboard(self.namespace, prefix[: n * T], HFKV(kv, T), list(range(n)))
+            blocks = (self.namespace, prefix[: n * T], HFKV(kv[..., : n * T, :], T), list(range(n)))
+            if layered:
+                stream = self._copy_stream()
+                if stream is not None:
+                    kv.record_stream(stream)  # written there: not reused before it is done
+                loading = gpu.onboard_layers(*blocks, stream=stream)
+                m = loading.onboarded
+            else:
+                m = gpu.onboard(*blocks).onboarded
         except _RECOVERABLE as exc:
             log.warning("kvstore load failed, recomputing the prompt: %s", exc)
             return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
-        m = got.onboarded  # the ready prefix: blocks evicted since the lookup are not
+        # m: the ready prefix (all n blocks, or those still ready at the acquire)
         if m == 0:
+            if loading is not None:
+                loading.release()
             return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)
-        held = kv[..., : m * T, :]  # all n blocks, or the m still ready at the acquire
-        layers = [(held[i, 0], held[i, 1]) for i in range(layout.num_layers)]
-        cache = hf_cache.cache_from_layers(self.config, layers)
+        rooms = [(kv[i, 0], kv[i, 1]) for i in range(layout.num_layers)]
+        if layered:
+            cache = hf_cache.reserved_cache(self.config, rooms, m * T)
+        else:
+            cache = hf_cache.cache_from_layers(
+                self.config, [(k[:, :, : m * T], v[:, :, : m * T]) for k, v in rooms]
+            )
         host = min(hit.host_blocks, m)
-        return LoadedPrefix(cache, m * T, host, m - host, time.perf_counter() - start_time)
+        elapsed = time.perf_counter() - start_time
+        return LoadedPrefix(cache, m * T, host, m - host, elapsed, loading)
 
     def _fetch(self, prefix: list[int]) -> tuple[np.ndarray | None, int]:
         """Bytes of the longest cached prefix of ``prefix`` and how many of its blocks
@@ -549,7 +629,7 @@ class HFPrefixCache:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = _as_ids(input_ids)
         prompt = ids.tolist()
-        pre = self.prefill(ids, store=store, logits_to_keep=1)
+        pre = self.prefill(ids, store=store, logits_to_keep=1, reserve_tokens=max_new_tokens)
         cache = pre.cache
         device = self.device
         next_token = pre.logits[0, -1].argmax()

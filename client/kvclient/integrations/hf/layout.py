@@ -15,7 +15,7 @@ import torch
 from transformers import PretrainedConfig
 
 from kvclient.integrations.hf import cache as hf_cache
-from kvclient.integrations.hf.cache import UnsupportedModelError
+from kvclient.integrations.hf.cache import UnsupportedModelError, text_config
 from kvstore.keys import DTYPE_BYTES
 
 DEFAULT_BLOCK_TOKENS = 16
@@ -96,12 +96,6 @@ class KVLayout:
             "head_dim": self.head_dim,
             "dtype": self.dtype_name,
         }
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    if hasattr(config, "gettext_config"):
-        return config.gettext_config(decoder=True)
-    return config  # pragma: no cover
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:
