@@ -16,11 +16,15 @@ code on CPU tensors, so the program is smoke-testable anywhere):
    HF contiguous layout are measured (``paged1``: the paged layers as views of one
    allocation, which the mover moves with one indexed copy for all layers); ``--naive``
    adds the per-layer-per-block copy loop the mover replaces, for comparison (CPU). On
-   a c2c machine the "direct" rows are the same copies done by kernels straight into
-   the registered arena.
+   a c2c machine the "direct" rows are the same copies done by torch's kernels straight
+   into the registered arena. The "kernel" rows (CUDA, where CuPy builds it) are the
+   one-launch copy of :mod:`kvstore.block_kernel`: every layer of the batch in one
+   launch, reading and writing the mapped slots itself; timed in the same run as the
+   torch path they replace.
 3. The vLLM connector's worker path (paged layout only): ``PagedLayers.gather`` of the
    batch's pages into host block rows (pinned where CUDA runs, as the worker allocates
-   them) and ``scatter`` back, through one device staging buffer.
+   them) and ``scatter`` back, through one device staging buffer, and (CUDA) with the
+   one-launch kernel straight between the pages and the pinned rows.
 
 Reported: median GB/s over ``--iters`` runs after a warm-up (1 GB = 1e9 bytes), and the
 ratio to the link limit. ``--json`` writes every number.
@@ -50,8 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvbench.cuda_copy import copy_gbs  # noqa: E402
 from kvclient.integrations.vllm.blocks import PagedLayers  # noqa: E402
+from kvstore import block_kernel  # noqa: E402
 from kvstore.host.arena import HostArena  # noqa: E402
-from kvstore.host.pinning import cuda_pin_hook  # noqa: E402
+from kvstore.host.pinning import cuda_pin_hook, device_address  # noqa: E402
 from kvstore.mover import (  # noqa: E402
     HFKV,
     MAX_RUN_COPIES,
@@ -199,6 +204,9 @@ def one_shape(
         host = torch.from_numpy(arena.array())
         host.fill_(0)  # fault the pages in before timing
         movers = {"": Mover(host, max_run_copies=args.max_run_copies)}
+        if device.type == "cuda" and pin and pin.pinned_bytes and block_kernel.load():
+            # one launch per batch, the kernel reading and writing the mapped slots
+            movers[" kernel"] = Mover(host, device_address=device_address(host.data_ptr()))
         if device.type == "cuda" and detect().direct_host_access and pin and pin.pinned_bytes:
             # c2c: kernels gather/scatter straight into the registered arena
             alias = {device: device_alias(host, device)}
@@ -254,18 +262,21 @@ def connector_rows(
 ) -> list[Row]:
     """The vLLM connector's worker: pages <-> host block rows (pinned on CUDA)."""
     assert isinstance(kv, PagedKV)
-    pages = PagedLayers(kv.tensors, kv.num_blocks)
-    host = torch.empty((batch, pages.block_bytes), dtype=torch.uint8,
-                       pin_memory=device.type == "cuda")
+    variants = {"": PagedLayers(kv.tensors, kv.num_blocks, one_launch=False)}
+    if device.type == "cuda" and block_kernel.load():
+        variants[" kernel"] = PagedLayers(kv.tensors, kv.num_blocks)
+    block = variants[""].block_bytes
+    host = torch.empty((batch, block), dtype=torch.uint8, pin_memory=device.type == "cuda")
     host.fill_(0)
-    nbytes = batch * pages.block_bytes
+    nbytes = batch * block
     rows = []
-    for what, fn in (("offload connector", lambda: pages.gather(ids, host)),
-                     ("onboard connector", lambda: pages.scatter(ids, host))):
-        speed = gb_per_s(nbytes, timed(fn, device, iters))
-        rows.append(Row(what, "paged", T, batch, "host rows", pages.block_bytes, speed,
-                        speed / link, speed / floor[what.split()[0]]))
-        print_row(rows[-1])
+    for tag, pages in variants.items():
+        for what, fn in ((f"offload connector{tag}", lambda p=pages: p.gather(ids, host)),
+                         (f"onboard connector{tag}", lambda p=pages: p.scatter(ids, host))):
+            speed = gb_per_s(nbytes, timed(fn, device, iters))
+            rows.append(Row(what, "paged", T, batch, "host rows", block, speed,
+                            speed / link, speed / floor[what.split()[0]]))
+            print_row(rows[-1])
     return rows
 
 

@@ -7,12 +7,16 @@ For each prompt length it measures, on a Llama with seeded random weights:
   blocks that follows is timed apart (it is not on the path to the first token);
 - host hit: the same prompt again, its prefix served from the daemon's host arena
   (best of ``--repeat``: the machine may be shared); on CUDA the adapter copies
-  straight from the pinned arena slots into the cache's tensors, and the same hit is
-  also timed through host memory (``direct_copies=False``: the bytes path a remote
-  daemon takes), in turns with it;
+  straight from the pinned arena slots into the cache's tensors, layer by layer while
+  the model runs (the default), and the same hit is also timed with the whole prefix
+  loaded before the model runs (``stream_layers=False``, the path before) and through
+  host memory (``direct_copies=False``: the bytes path a remote daemon takes), all in
+  turns; on CPU the other path is the layer-wise one (``stream_layers=True``);
 - disk hit: the same prompt after the daemon was restarted (SIGTERM persists the host
   tier to LMDB) and LMDB's data file was dropped from the page cache, so the prefix is
-  read from disk (best of ``--disk-repeat`` restarts).
+  read from disk (best of ``--disk-repeat`` restarts); then the disk's own rate on the
+  same file, cold: parallel reads of LMDB's data file after dropping it from the page
+  cache (``--disk-threads`` readers), the floor of any disk hit.
 
 A hit reuses ``(len - 1) // block_tokens`` blocks and computes the rest (at least one
 token: the model must produce the last position's logits). Each length uses its own
@@ -36,6 +40,7 @@ import signal
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -70,7 +75,11 @@ class Row:
     host_load_s: float
     via_host_s: float = float("nan")  # CUDA: the host hit through host memory
     via_host_load_s: float = float("nan")
-    floor_s: float = float("nan")  # CUDA: prefix bytes over the link + the hit's compute
+    other_s: float = float("nan")  # the other host-hit path (CUDA: whole load; CPU: layers)
+    other_load_s: float = float("nan")
+    compute_s: float = float("nan")  # the hit's own compute: the whole load's TTFT - load
+    link_s: float = float("nan")  # CUDA: the prefix bytes over the link, one large copy
+    disk_floor_s: float = float("nan")  # the prefix bytes at the disk's cold read rate
     disk_s: float = float("nan")
     disk_load_s: float = float("nan")
     disk_blocks: int = 0
@@ -81,6 +90,17 @@ class Row:
     def baseline_s(self) -> float:
         """No reuse: the better of the two full prefills (plain, and the adapter's miss)."""
         return min(self.prefill_s, self.miss_s)
+
+    @property
+    def floor_s(self) -> float:
+        """CUDA: what a hit needs at least when loading overlaps compute: the larger of
+        the prefix bytes over the link and the hit's own compute."""
+        return max(self.link_s, self.compute_s)
+
+    @property
+    def serial_floor_s(self) -> float:
+        """CUDA: what a load-then-compute hit needs at least: the two one after another."""
+        return self.link_s + self.compute_s
 
 
 def arena_dir_for(workdir: Path, host_bytes: int) -> Path:
@@ -98,6 +118,30 @@ def drop_disk_cache(disk_dir: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def disk_read_gbs(path: Path, threads: int, chunk: int = 8 << 20) -> float:
+    """GB/s of reading ``path`` cold: dropped from the page cache, then read by
+    ``threads`` readers in ``chunk``-sized pieces (each reader reuses one buffer)."""
+    drop_disk_cache(path.parent)
+    size = path.stat().st_size
+    starts = list(range(0, size, chunk))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def reader(index: int) -> int:
+            buffer = bytearray(chunk)
+            done = 0
+            for start in starts[index::threads]:
+                done += os.preadv(fd, [buffer], start)
+            return done
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(reader, range(threads)))
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    return total / elapsed / 1e9
 
 
 def sync(device: torch.device) -> None:
@@ -177,21 +221,28 @@ def run(args: argparse.Namespace) -> list[Row]:
             via_host = HFPrefixCache(
                 client, model, model_id, block_tokens=args.block_tokens, direct_copies=False
             )
+            # the other host-hit path: CUDA: the whole prefix before the model (before
+            # layer-wise loading); CPU: layer-wise (CPU's default is the bytes path)
+            other = HFPrefixCache(
+                client, model, model_id, block_tokens=args.block_tokens, stream_layers=not cuda
+            )
             T = kv.block_tokens
             # warm-up: first calls allocate and pick kernels, at the first length too
             warm = torch.randint(0, vocab, (2 * T + 3,))
             kv.prefill(warm)
             kv.prefill(warm)
             via_host.prefill(warm, store=False)
+            other.prefill(warm, store=False)
             plain_prefill(model, prompts[args.lengths[0]])
             for n in args.lengths:
                 ids = prompts[n]
                 prefill_s, ref = plain_prefill(model, ids)
                 miss = kv.prefill(ids)
                 assert miss.stats.reused_tokens == 0, "prompts must not share blocks"
-                hits, host_hits = [], []
+                hits, host_hits, other_hits = [], [], []
                 for _ in range(args.repeat):  # in turns: the machine may be shared
                     hits.append(kv.prefill(ids, store=False))
+                    other_hits.append(other.prefill(ids, store=False))
                     if cuda:
                         host_hits.append(via_host.prefill(ids, store=False))
                 reused = hits[0].stats.reused_tokens
@@ -209,23 +260,27 @@ def run(args: argparse.Namespace) -> list[Row]:
                     max_abs_diff=diff,
                     max_abs_logit=float(ref.abs().max()),
                 )
+                assert all(h.stats.reused_tokens == reused for h in other_hits + host_hits)
+                assert torch.equal(other_hits[0].logits, hits[0].logits)  # the same bytes
+                row.other_s = min(h.stats.ttft_s for h in other_hits)
+                row.other_load_s = min(h.stats.load_s for h in other_hits)
                 if host_hits:
-                    assert all(h.stats.reused_tokens == reused for h in host_hits)
                     assert torch.equal(host_hits[0].logits, hits[0].logits)  # the same bytes
                     row.via_host_s = min(h.stats.ttft_s for h in host_hits)
                     row.via_host_load_s = min(h.stats.load_s for h in host_hits)
-                    row.floor_s = row.prefix_bytes / (link_gbs * 1e9) + (
-                        row.host_s - row.host_load_s
-                    )
+                    # the whole load's compute: its TTFT less its (complete) load
+                    row.compute_s = min(h.stats.ttft_s - h.stats.load_s for h in other_hits)
+                    row.link_s = row.prefix_bytes / (link_gbs * 1e9)
                 rows.append(row)
                 print(
                     f"{n:>6} tokens: prefill {prefill_s:8.3f} s | miss {row.miss_s:8.3f} s "
                     f"(+ put {row.put_s:.3f} s) | host hit {row.host_s:.3f} s "
                     f"({row.baseline_s / row.host_s:.1f}x, load {row.host_load_s:.3f} s) | "
-                    f"via host memory {row.via_host_s:.3f} s | max |dlogit| {diff:.2e}",
+                    f"other path {row.other_s:.3f} s | via host memory {row.via_host_s:.3f} s | "
+                    f"max |dlogit| {diff:.2e}",
                     flush=True,
                 )
-                del miss, hits, host_hits
+                del miss, hits, host_hits, other_hits
         disk_times: dict[int, list[float]] = {n: [] for n in args.lengths}
         disk_loads: dict[int, list[float]] = {n: [] for n in args.lengths}
         for attempt in range(args.disk_repeat):
@@ -251,6 +306,12 @@ def run(args: argparse.Namespace) -> list[Row]:
         for row in rows:
             row.disk_s = min(disk_times[row.length])
             row.disk_load_s = min(disk_loads[row.length])
+        daemon.stop()  # LMDB's file at rest: nobody else reads it while it is timed
+        args.disk_gbs = disk_read_gbs(daemon.disk_dir / "data.mdb", args.disk_threads)
+        print(f"disk: {args.disk_threads} readers read LMDB's data file cold at "
+              f"{args.disk_gbs:.2f} GB/s", flush=True)
+        for row in rows:
+            row.disk_floor_s = row.prefix_bytes / (args.disk_gbs * 1e9)
     finally:
         daemon.cleanup()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -298,39 +359,86 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
         "whole prefix)",
         "",
     ]
-    via_host = args.device == "cuda"
-    if via_host:
+    cuda = args.device == "cuda"
+    other = "whole load first (before)" if cuda else "layer-wise"
+    lines += [
+        "- host hit: "
+        + (
+            "the adapter's default on CUDA: the prefix copied layer by layer on a side "
+            "stream (one kernel launch per layer) while the model runs, each decoder layer "
+            "waiting only for its own layer; `whole load first`: the same hit with "
+            "`stream_layers=False`, the path before (every layer copied, then the model), "
+            "timed in turns with it"
+            if cuda
+            else "the adapter's default on CPU (the bytes path); `layer-wise`: "
+            "`stream_layers=True`, each layer copied from the mapped arena just before "
+            "the model reads it, timed in turns with it"
+        ),
+    ]
+    if cuda:
         lines += [
             "- `via host memory`: the same host hit with `direct_copies=False` (the bytes "
             "path: arena -> numpy -> `.to(device)` from pageable memory, as for a remote "
-            "daemon), timed in turns with the direct one (pinned arena slots -> the cache's "
-            "tensors)",
-            "- `floor`: what any load-then-compute hit needs at least: the prefix bytes over "
-            "one large pinned host -> device copy measured in the same run, plus the hit's "
-            "own compute (its TTFT minus its load); `floor x`: the prefill over that floor",
-            "",
+            "daemon), timed in turns with the others",
+            "- floor: `link` is the prefix bytes over one large pinned host -> device copy "
+            "measured in the same run; `compute` is the hit's own compute (the whole "
+            "load's TTFT less its load); `floor` is the larger of the two (what a hit that "
+            "overlaps loading and compute needs at least; one that loads first needs their "
+            "sum); `floor x`: the prefill over that floor",
         ]
     lines += [
+        "",
         "| prompt tokens | cached prefix | computed on hit | prefill | miss (+put) | "
-        "host hit (load) | speed-up | "
-        + ("via host memory (load) | floor | floor x | " if via_host else "")
-        + "disk hit (load) | speed-up | max abs dlogit (max abs logit) |",
-        "|" + "---:|" * (13 if via_host else 10),
+        f"host hit (load) | speed-up | {other} (load) | speed-up | "
+        + ("via host memory (load) | link | compute | floor | floor x | " if cuda else "")
+        + "max abs dlogit (max abs logit) |",
+        "|" + "---:|" * (15 if cuda else 10),
     ]
     for r in rows:
         lines.append(
             f"| {r.length} | {_size(r.prefix_bytes)} | {r.computed_on_hit} | "
             f"{_ms(r.prefill_s)} | {_ms(r.miss_s)} (+{_ms(r.put_s)}) | "
             f"{_ms(r.host_s)} ({_ms(r.host_load_s)}) | {r.baseline_s / r.host_s:.1f}x | "
+            f"{_ms(r.other_s)} ({_ms(r.other_load_s)}) | {r.baseline_s / r.other_s:.1f}x | "
             + (
-                f"{_ms(r.via_host_s)} ({_ms(r.via_host_load_s)}) | {_ms(r.floor_s)} | "
-                f"{r.baseline_s / r.floor_s:.1f}x | "
-                if via_host
+                f"{_ms(r.via_host_s)} ({_ms(r.via_host_load_s)}) | {_ms(r.link_s)} | "
+                f"{_ms(r.compute_s)} | {_ms(r.floor_s)} | {r.baseline_s / r.floor_s:.1f}x | "
+                if cuda
                 else ""
             )
-            + f"{_ms(r.disk_s)} ({_ms(r.disk_load_s)}) | {r.baseline_s / r.disk_s:.1f}x | "
-            f"{r.max_abs_diff:.1e} ({r.max_abs_logit:.1f}) |"
+            + f"{r.max_abs_diff:.1e} ({r.max_abs_logit:.1f}) |"
         )
+    disk_gbs = getattr(args, "disk_gbs", float("nan"))
+    lines += [
+        "",
+        "### The disk tier against the disk's own rate",
+        "",
+        f"`disk floor`: the prefix bytes at the rate {args.disk_threads} parallel readers "
+        f"read LMDB's data file with a cold page cache, measured after the disk hits: "
+        f"**{disk_gbs:.2f} GB/s**. The disk tier pays off where that floor is under the "
+        "prefill.",
+        "",
+        "| prompt tokens | cached prefix | prefill | disk hit (load) | speed-up | disk floor | "
+        "floor x | pays off at the floor |",
+        "|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.length} | {_size(r.prefix_bytes)} | {_ms(r.baseline_s)} | "
+            f"{_ms(r.disk_s)} ({_ms(r.disk_load_s)}) | {r.baseline_s / r.disk_s:.1f}x | "
+            f"{_ms(r.disk_floor_s)} | {r.baseline_s / r.disk_floor_s:.1f}x | "
+            f"{'yes' if r.disk_floor_s < r.baseline_s else 'no'} |"
+        )
+    if rows:
+        per_token = rows[0].prefix_bytes / max(1, rows[0].length - rows[0].computed_on_hit)
+        need = per_token / (rows[-1].baseline_s / rows[-1].length) / 1e9
+        lines += [
+            "",
+            f"Where it pays: a token's KV is {_size(int(per_token))}; at the longest prompt "
+            f"the prefill takes {rows[-1].baseline_s / rows[-1].length * 1e6:.1f} us a token, "
+            f"so a disk hit can only beat it from a cold read rate of {need * 1e3:,.0f} MB/s up "
+            "(prefill per token grows with the prompt, so longer prompts need less).",
+        ]
     lines += ["", f"![TTFT vs prompt length]({png.name})", ""]
     last = rows[-1]
     load_how = (
@@ -350,8 +458,8 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
         f"{_ms(last.disk_load_s)} from LMDB with a cold page cache (then promoted to host); "
         f"the rest of a hit is the model running {last.computed_on_hit} tokens that attend to "
         "the whole prefix (its `DynamicCache` also copies the prefix once more per layer as "
-        "it appends). Prefill grows faster than linearly with the prompt (attention), loading "
-        "linearly, so the speed-up grows with the prompt. Raw numbers: "
+        "it appends, on the whole-load path). Prefill grows faster than linearly with the "
+        "prompt (attention), loading linearly, so the speed-up grows with the prompt. Raw numbers: "
         f"`{out.with_suffix('.json').name}`.",
         "",
     ]
@@ -443,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5, help="host-hit repetitions (best)")
     parser.add_argument("--disk-repeat", type=int, default=2, help="restarts for disk hits (best)")
+    parser.add_argument("--disk-threads", type=int, default=8, help="readers of the disk floor")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: all)")
     parser.add_argument("--tmp", default=None, help="directory for the daemon's files")
     parser.add_argument("--out", default=str(REPO / "docs" / "benchmarks" / "ttft.md"))

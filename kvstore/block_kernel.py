@@ -231,10 +231,13 @@ def _compile() -> BlockKernel | None:
         return None
     try:
         import cupy  # type: ignore[import-not-found,unused-ignore]
-
+    except ImportError:
+        log.info("no CuPy: the torch copies move KV blocks (one launch per layer)")
+        return None
+    try:
         kernel = BlockKernel(cupy)
         kernel._kernel.compile()
-    except Exception as exc:  # ImportError, or a CUDA/NVRTC error of any kind
-        log.info("the one-launch block copy is not available (%s): torch copies are used", exc)
+    except Exception as exc:  # a CUDA or NVRTC error of any kind
+        log.warning("the one-launch block copy did not build (%s): torch copies are used", exc)
         return None
     return kernel

@@ -20,6 +20,8 @@ from kvclient import KVClient, Namespace
 from kvclient.hf import HFPrefixCache
 from kvclient.integrations.gpu import GpuClient
 from kvclient.integrations.vllm.blocks import PagedLayers
+from kvstore import block_kernel
+from kvstore.host import pinning
 from kvstore.host.arena import HostArena
 from kvstore.host.pinning import cuda_pin_hook
 from kvstore.mover import HFKV, KVCache, Mover, PagedKV, device_alias
@@ -256,3 +258,186 @@ def test_hf_adapter_copies_between_the_gpu_cache_and_the_pinned_arena(gpu_daemon
         assert out.stats.reused_tokens == 5 * T
         assert torch.allclose(out.logits.float(), miss.logits.float(), atol=0.05, rtol=0.02)
     assert torch.equal(hit.logits, through_host.logits)
+
+
+# -- round two (#59): one launch per batch, layer-wise loads, tenant regions, a real model
+
+
+def kernel_or_skip() -> block_kernel.BlockKernel:
+    pytest.importorskip("cupy", reason="the one-launch kernel is built with CuPy")
+    kernel = block_kernel.load()
+    assert kernel is not None, "CuPy is here but the kernel did not compile (see the log)"
+    return kernel
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+@pytest.mark.parametrize("layout", ["paged", "hf"])
+def test_one_launch_round_trip_through_the_mapped_arena(
+    pinned_arena: HostArena, layout: str, scattered: bool
+) -> None:
+    kernel_or_skip()
+    src, dst, ref = make(layout), make(layout), make(layout)
+    random_(src, 11)
+    poison(dst)
+    poison(ref)
+    host = torch.from_numpy(pinned_arena.array())
+    address = pinning.device_address(host.data_ptr())
+    assert address is not None, "the registered arena has no device address"
+    fused = Mover(host, device_address=address)
+    bb = src.shape.block_bytes
+    offsets = [pinned_arena.alloc(bb) for _ in range(8)]
+    assert all(o is not None for o in offsets)
+    if scattered:
+        offsets = offsets[::-1]
+    ids = [(5 * i + 1) % src.num_blocks for i in range(8)]
+    stream = torch.cuda.Stream()
+    fused.offload(src, ids, offsets, stream=stream).synchronize()
+    region = pinned_arena.array()
+    for block, off in zip(ids, offsets, strict=True):
+        assert np.array_equal(region[off : off + bb], block_bytes(src, block))
+    targets = [(3 * i + 2) % dst.num_blocks for i in range(8)]
+    fused.onboard(dst, targets, offsets, stream=stream).synchronize()
+    Mover(host).onboard(ref, targets, offsets, stream=stream).synchronize()
+    for mine, theirs in zip(dst.tensors, ref.tensors, strict=True):  # untouched blocks too
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+
+
+def test_onboard_layers_gives_each_layer_its_own_event(pinned_arena: HostArena) -> None:
+    kernel_or_skip()
+    src, dst = make("hf"), make("hf")
+    random_(src, 12)
+    poison(dst)
+    host = torch.from_numpy(pinned_arena.array())
+    mover = Mover(host, device_address=pinning.device_address(host.data_ptr()))
+    bb = src.shape.block_bytes
+    offsets = [pinned_arena.alloc(bb) for _ in range(5)]
+    ids = [1, 2, 3, 9, 10]
+    mover.offload(src, ids, offsets).synchronize()
+    side = torch.cuda.Stream()
+    events = mover.onboard_layers(dst, ids, offsets, stream=side)
+    assert events is not None and len(events) == L
+    for layer, event in enumerate(events):
+        torch.cuda.current_stream().wait_event(event)
+        for kv in range(2):
+            a, b = src.tensors[2 * layer + kv], dst.tensors[2 * layer + kv]
+            for block in ids:
+                seq, j = divmod(block, src.blocks_per_seq)  # type: ignore[attr-defined]
+                part = slice(j * T, (j + 1) * T)
+                assert torch.equal(a[seq, :, part].view(torch.uint8),
+                                   b[seq, :, part].view(torch.uint8))
+
+
+def test_connector_pages_take_one_launch_when_the_rows_are_pinned() -> None:
+    kernel_or_skip()
+    source = make("paged")
+    random_(source, 13)
+    layers = PagedLayers(source.tensors, NB)
+    rows = torch.empty((3, layers.block_bytes), dtype=torch.uint8).pin_memory()
+    assert layers._one_launch([4, 0, 7], rows, to_rows=True)
+    expected = torch.empty((3, layers.block_bytes), dtype=torch.uint8)
+    PagedLayers([t.cpu() for t in source.tensors], NB).gather([4, 0, 7], expected)
+    assert torch.equal(rows, expected)
+
+
+def test_two_tenants_regions_are_pinned_and_round_trip(
+    kvstored_factory: Callable[..., Daemon], tmp_path
+) -> None:
+    """A daemon with two tenants with host quotas registers its whole range; each
+    tenant's client registers its own region (handed over by fd) and moves blocks
+    between the GPU and its slots byte for byte."""
+    import secrets
+
+    from conftest import write_secret
+
+    tokens = {who: secrets.token_hex(16) for who in ("a", "b")}
+    lines = []
+    for who, token in tokens.items():
+        write_secret(tmp_path / f"{who}.token", token + "\n")
+        lines += [f"[tenants.{who}]", f'token_file = "{tmp_path / f"{who}.token"}"',
+                  'host_bytes = "16 MiB"']  # fmt: skip
+    (tmp_path / "kvstored.toml").write_text("\n".join(lines) + "\n")
+    with shm_folder() as folder:
+        daemon = kvstored_factory(
+            extra_args=("--config", str(tmp_path / "kvstored.toml")), arena_dir=folder
+        )
+        moved = {}
+        for index, (who, token) in enumerate(tokens.items()):
+            with KVClient(daemon.addr, token=token, use_arena=True) as client, GpuClient(
+                client
+            ) as gpu:
+                assert gpu.info().arena_pinned
+                ns = _ns(gpu, "tenant-region")
+                src, dst = make("hf"), make("hf")
+                random_(src, 20 + index)
+                poison(dst)
+                tokens_ = list(range(300, 300 + 6 * T + 1))
+                ids = [(5 * i + 1) % src.num_blocks for i in range(6)]
+                assert gpu.offload(ns, tokens_, src, ids).stored == 6
+                mover = gpu._mover
+                assert mover is not None and gpu._arena is not None
+                mapping = gpu._arena.mapping
+                region = torch.from_numpy(mapping.array()[mapping.start :])
+                assert region.is_pinned(), f"tenant {who}'s region is not registered"
+                targets = [(3 * i + 2) % dst.num_blocks for i in range(6)]
+                assert gpu.onboard(ns, tokens_, dst, targets).onboarded == 6
+                torch.cuda.synchronize()
+                for s_, d in zip(ids, targets, strict=True):
+                    assert np.array_equal(block_bytes(dst, d), block_bytes(src, s_))
+                moved[who] = (mapping.start, mover.device_address is not None)
+        assert moved["a"][0] != moved["b"][0]  # two regions
+        daemon.stop()
+
+
+def test_hf_adapter_loads_layer_by_layer_with_the_whole_loads_logits(
+    gpu_daemon: Daemon,
+) -> None:
+    model = random_llama("tiny", seed=0, dtype=torch.bfloat16, device="cuda")
+    vocab, gen = model.config.vocab_size, torch.Generator().manual_seed(6)
+    ids = torch.randint(0, vocab, (7 * T + 5,), generator=gen)
+    with KVClient(gpu_daemon.addr) as client:
+        with HFPrefixCache(client, model, "cuda-layers", block_tokens=T) as layered:
+            layered.prefill(ids)
+            hit = layered.prefill(ids, store=False)
+            assert hit.stats.reused_tokens == 7 * T
+        with HFPrefixCache(
+            client, model, "cuda-layers", block_tokens=T, stream_layers=False
+        ) as whole:
+            before = whole.prefill(ids, store=False)
+    assert torch.equal(hit.logits, before.logits)
+
+
+def test_smollm2_bf16_turn_two_reuses_turn_one_on_cuda(gpu_daemon: Daemon) -> None:
+    """The real chat model in bf16 on the GPU: turn 2 loads turn 1's prompt and reply
+    (layer by layer) and predicts what a full prefill predicts, within bf16 noise."""
+    pytest.importorskip("gguf", reason="the gguf package converts the model")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvbench.chats import QUESTIONS, make_chats, prompt_tokens
+    from kvclient.smollm2 import MODEL_ID, ModelError, model_dir
+
+    try:
+        folder = model_dir()
+    except ModelError as exc:
+        pytest.skip(f"the real model is not on this machine: {exc}")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    chat = make_chats(tokenizer, 1, 120)[0]
+    with KVClient(gpu_daemon.addr) as client, HFPrefixCache(
+        client, model, MODEL_ID + " cuda", block_tokens=16
+    ) as kv:
+        first_prompt = prompt_tokens(tokenizer, chat.ask(QUESTIONS[0]))
+        first = kv.generate(first_prompt, 24, eos_token_id=tokenizer.eos_token_id)
+        reply = tokenizer.decode(first.tokens, skip_special_tokens=True)
+        assert reply.strip(), "the real model gave an empty reply"
+        chat.answer(reply)
+        second_prompt = prompt_tokens(tokenizer, chat.ask(QUESTIONS[1]))
+        second = kv.prefill(second_prompt, store=False)
+    held = (len(first.sequence) - 1) // 16 * 16
+    assert second.stats.reused_tokens == held > len(first_prompt)
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([second_prompt], device="cuda")).logits[0, -1]
+    reused = second.logits[0, -1]
+    drift = (reused.float() - full.float()).abs().max().item()
+    print(f"smollm2 bf16 on cuda: reused {held} tokens, max |dlogit| {drift:.3f}")
+    assert int(reused.argmax()) == int(full.argmax())
+    assert drift < 0.5  # bf16: logits of tens, a few ulps apart

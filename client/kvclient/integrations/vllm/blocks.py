@@ -38,7 +38,9 @@ from kvstore.host import pinning
 class PagedLayers:
     """The paged KV tensors of one worker, in layer order, seen as whole blocks."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int) -> None:
+    def __init__(
+        self, layers: Sequence[torch.Tensor], num_blocks: int, *, one_launch: bool = True
+    ) -> None:
         if not layers:
             raise ValueError("no KV cache layers to register")
         first = layers[0]
@@ -61,7 +63,8 @@ class PagedLayers:
         self.page_bytes = self.outer * self.inner * first.element_size()
         self.block_bytes = self.page_bytes * len(layers)
         self._device_rows: torch.Tensor | None = None  # GPU: staging of whole blocks
-        self._pieces = self._kernel_pieces(first.element_size())
+        # the one-launch kernel's view of the pages (None: the torch path, always)
+        self._pieces = self._kernel_pieces(first.element_size()) if one_launch else None
 
     @property
     def num_layers(self) -> int:
