@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 VECTOR = 16  # bytes moved per load and store
 THREADS = 256
 UNROLL = 4  # vectors in flight per thread: loads over the link have a long latency
+BLOCKS_PER_SM = 16  # grid of a launch, at most: enough loads in flight to fill the link
 
 SOURCE = r"""
 extern "C" __global__ void kv_block_copy(
@@ -161,8 +162,11 @@ class BlockKernel:
         stream: torch.cuda.Stream,
         first_piece: int = 0,
         count: int | None = None,
+        blocks_per_sm: int = BLOCKS_PER_SM,
     ) -> None:
-        """Copy pieces ``[first_piece, first_piece + count)`` of ``n`` blocks, on ``stream``."""
+        """Copy pieces ``[first_piece, first_piece + count)`` of ``n`` blocks, on ``stream``,
+        with at most ``blocks_per_sm`` thread blocks per multiprocessor (fewer leave the
+        multiprocessors to kernels running beside the copy)."""
         count = len(pieces.bases) - first_piece if count is None else count
         args = arguments(table.data_ptr(), pieces, n, to_slots, first_piece, count)
         total = vectors_to_move(pieces, n, count)
@@ -173,7 +177,7 @@ class BlockKernel:
         if sms is None:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             self._sms[device] = sms
-        blocks = max(1, min(-(-total // (THREADS * UNROLL)), sms * 16))
+        blocks = max(1, min(-(-total // (THREADS * UNROLL)), sms * blocks_per_sm))
         cupy = self._cupy
         with cupy.cuda.Device(device), cupy.cuda.ExternalStream(stream.cuda_stream, device):
             self._kernel((blocks,), (THREADS,), args)

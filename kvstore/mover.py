@@ -647,6 +647,7 @@ class Mover:
         *,
         stream: Any = None,
         wait_current: bool = True,
+        blocks_per_sm: int = block_kernel.BLOCKS_PER_SM,
     ) -> list[torch.cuda.Event] | None:
         """Onboard layer after layer: one launch per layer on ``stream`` and an event
         recorded after each, so a model's layer ``i`` waits only for ``events[i]``
@@ -666,7 +667,9 @@ class Mover:
         with _on_stream(kv.device, stream, wait_current) as s:
             table = kernel.table(pieces, ids.numpy(), self._addresses(offsets), kv.device)
             for layer in range(kv.shape.num_layers):
-                kernel.launch(table, pieces, n, False, s, layer * per_layer, per_layer)
+                kernel.launch(
+                    table, pieces, n, False, s, layer * per_layer, per_layer, blocks_per_sm
+                )
                 event = _record(s)
                 assert event is not None
                 events.append(event)

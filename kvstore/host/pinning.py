@@ -82,9 +82,21 @@ def clear_last_error() -> None:
         get_last_error()
 
 
+_FOUND: dict[str, list[Any]] = {}
+
+
 def _cudart_functions(name: str) -> list[Any]:
     """``name`` in every libcudart this process has loaded (torch's binding of the
-    runtime lacks the calls that take pointers out)."""
+    runtime lacks the calls that take pointers out); kept once found (reading the
+    process's mappings again costs a millisecond)."""
+    found = _FOUND.get(name)
+    if found is not None:
+        return found
+    found = _FOUND[name] = _cudart_lookup(name)
+    return found
+
+
+def _cudart_lookup(name: str) -> list[Any]:
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
