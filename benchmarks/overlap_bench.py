@@ -86,6 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         def together(bps: int) -> Callable[[], None]:
             return lambda: forward(*load(bps))
 
+        def unordered(bps: int) -> Callable[[], None]:
+            """Diagnostic only (the model reads layers still being copied): whether the
+            copies and the compute run at once at all when nothing orders them."""
+
+            def run() -> None:
+                cache, events = load(bps)
+                forward(cache, None)
+                events[-1].synchronize()
+
+            return run
+
         def compute() -> None:
             cache, events = load(16)
             events[-1].synchronize()
@@ -99,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for bps in args.blocks_per_sm:
             cases[f"copies alone, {bps} blocks/SM"] = copies(bps)
             cases[f"copies + compute, {bps} blocks/SM"] = together(bps)
+            cases[f"copies + compute unordered (diagnostic), {bps} blocks/SM"] = unordered(bps)
         times: dict[str, list[float]] = {name: [] for name in cases}
         compute_times: list[float] = []
         for fn in cases.values():  # warm-up

@@ -11,7 +11,7 @@ For each prompt length it measures, on a Llama with seeded random weights:
   the model runs (the default), and the same hit is also timed with the whole prefix
   loaded before the model runs (``stream_layers=False``, the path before) and through
   host memory (``direct_copies=False``: the bytes path a remote daemon takes), all in
-  turns; on CPU the other path is the layer-wise one (``stream_layers=True``);
+  turns; on CPU the path before is the bytes path (``stream_layers=False``);
 - disk hit: the same prompt after the daemon was restarted (SIGTERM persists the host
   tier to LMDB) and LMDB's data file was dropped from the page cache, so the prefix is
   read from disk (best of ``--disk-repeat`` restarts); then the disk's own rate on the
@@ -221,10 +221,10 @@ def run(args: argparse.Namespace) -> list[Row]:
             via_host = HFPrefixCache(
                 client, model, model_id, block_tokens=args.block_tokens, direct_copies=False
             )
-            # the other host-hit path: CUDA: the whole prefix before the model (before
-            # layer-wise loading); CPU: layer-wise (CPU's default is the bytes path)
+            # the path before layer-wise loading: CUDA: the whole prefix straight from
+            # the arena, then the model; CPU: the bytes path, then the model
             other = HFPrefixCache(
-                client, model, model_id, block_tokens=args.block_tokens, stream_layers=not cuda
+                client, model, model_id, block_tokens=args.block_tokens, stream_layers=False
             )
             T = kv.block_tokens
             # warm-up: first calls allocate and pick kernels, at the first length too
@@ -354,13 +354,15 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
         "- a hit reuses `(len - 1) // block_tokens` blocks and computes the rest (the last "
         "prompt token must be computed to get logits); `max |dlogit|` compares the host "
         "hit's last logits with the plain prefill's",
-        "- `(load)`: of a hit's TTFT, the part spent in lookup + get + building the "
-        "`DynamicCache`; the rest is the model on the computed tokens (attending to the "
+        "- `(load)`: of a hit's TTFT, the part before the model runs: lookup and get or "
+        "acquire (loading the whole prefix first: also the copies and building the "
+        "`DynamicCache`; layer by layer: the copies run inside the rest); the rest is "
+        "the model on the computed tokens (attending to the "
         "whole prefix)",
         "",
     ]
     cuda = args.device == "cuda"
-    other = "whole load first (before)" if cuda else "layer-wise"
+    other = "whole load first (before)" if cuda else "bytes path (before)"
     lines += [
         "- host hit: "
         + (
@@ -370,9 +372,10 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
             "`stream_layers=False`, the path before (every layer copied, then the model), "
             "timed in turns with it"
             if cuda
-            else "the adapter's default on CPU (the bytes path); `layer-wise`: "
-            "`stream_layers=True`, each layer copied from the mapped arena just before "
-            "the model reads it, timed in turns with it"
+            else "the adapter's default: each layer copied from the mapped arena just "
+            "before the model reads it; `bytes path`: the same hit with "
+            "`stream_layers=False`, the path before (the prefix copied out of the arena, "
+            "then gathered into a `DynamicCache`), timed in turns with it"
         ),
     ]
     if cuda:
@@ -442,10 +445,12 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
     lines += ["", f"![TTFT vs prompt length]({png.name})", ""]
     last = rows[-1]
     load_how = (
-        "(lookup, then one DMA per run of leased slots from the pinned arena straight into "
-        "the cache's tensors)"
+        "(lookup, acquire, and every layer's copy enqueued on a side stream, one kernel "
+        "launch per layer from the mapped arena into the cache's tensors: the copies "
+        "themselves run during the forward, inside the rest of the hit)"
         if args.device == "cuda"
-        else "(lookup, one copy out of the arena, one gather into the cache)"
+        else "(lookup and acquire; each layer is copied from the arena when the model "
+        "reaches it, inside the rest of the hit)"
     )
     lines += [
         "Reading it: at the longest prompt, "

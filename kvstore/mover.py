@@ -48,6 +48,7 @@ until then. On CUDA the copy stream first waits for the current stream when
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from abc import ABC
@@ -242,6 +243,22 @@ class KVCache(ABC):
         in block byte order); None where its rows are not contiguous 16-byte vectors."""
         return None
 
+    def _piece_addresses(self, lead: int) -> tuple[list[int], tuple[int, ...]] | None:
+        """The byte address of every (layer, K|V) in block byte order, and the element
+        strides of the dimensions after them; None unless every tensor has the same
+        strides. ``lead``: how many leading dimensions of each given tensor index
+        (layer, K|V): 2 when stacked, 1 for a paged layer, 0 for an HF K or V."""
+        first = self.tensors[0]
+        if any(t.stride() != first.stride() for t in self.tensors):
+            return None
+        es, lead_strides = first.element_size(), first.stride()[:lead]
+        bases = [
+            t.data_ptr() + sum(i * step for i, step in zip(index, lead_strides, strict=True)) * es
+            for t in self.tensors
+            for index in itertools.product(*(range(n) for n in t.shape[:lead]))
+        ]
+        return bases, tuple(first.stride()[lead:])
+
     def layer(self, index: int) -> KVCache:
         """Layer ``index`` alone, as a one-layer cache of the same block ids: its block
         bytes are bytes ``[index * block_bytes / L, (index + 1) * block_bytes / L)`` of
@@ -342,24 +359,17 @@ class PagedKV(KVCache):
         return PagedKV([self.tensors[index]])
 
     def kernel_pieces(self) -> KernelPieces | None:
-        es = self.tensors[0].element_size()
-        if len(self.tensors) == 1:  # [L, 2, NB, T, H, D]
-            t = self.tensors[0]
-            sl, skv, sb, st, sh, sd = t.stride()
-            bases = [t.data_ptr() + (layer * sl + kv * skv) * es
-                     for layer in range(t.shape[0]) for kv in range(2)]
-        else:  # per layer [2, NB, T, H, D], one stride pattern for all
-            t = self.tensors[0]
-            if any(x.stride() != t.stride() for x in self.tensors):
-                return None
-            skv, sb, st, sh, sd = t.stride()
-            bases = [x.data_ptr() + kv * skv * es for x in self.tensors for kv in range(2)]
+        # stacked [L, 2, NB, T, H, D], or per layer [2, NB, T, H, D]
+        found = self._piece_addresses(2 if len(self.tensors) == 1 else 1)
+        if found is None:
+            return None
+        bases, (sb, st, sh, sd) = found
         if sd != 1:
             return None
-        s = self.shape
+        es, s = self.tensors[0].element_size(), self.shape
 
-        def offsets(ids: np.ndarray, step: int = sb * es) -> np.ndarray:
-            return ids * step
+        def offsets(ids: np.ndarray) -> np.ndarray:
+            return ids * (sb * es)
 
         return strided_pieces(bases, (s.num_kv_heads, s.block_tokens, s.head_dim), (sh, st),
                               es, offsets)
@@ -429,21 +439,14 @@ class HFKV(KVCache):
         return HFKV([(self.tensors[2 * index], self.tensors[2 * index + 1])], T)
 
     def kernel_pieces(self) -> KernelPieces | None:
-        es = self.tensors[0].element_size()
-        if len(self.tensors) == 1:  # [L, 2, B, H, S, D]
-            t = self.tensors[0]
-            sl, skv, sbatch, sh, ss, sd = t.stride()
-            bases = [t.data_ptr() + (layer * sl + kv * skv) * es
-                     for layer in range(t.shape[0]) for kv in range(2)]
-        else:  # K0, V0, K1, V1, ... each [B, H, S, D], one stride pattern for all
-            t = self.tensors[0]
-            if any(x.stride() != t.stride() for x in self.tensors):
-                return None
-            sbatch, sh, ss, sd = t.stride()
-            bases = [x.data_ptr() for x in self.tensors]
+        # stacked [L, 2, B, H, S, D], or K0, V0, K1, V1, ... each [B, H, S, D]
+        found = self._piece_addresses(2 if len(self.tensors) == 1 else 0)
+        if found is None:
+            return None
+        bases, (sbatch, sh, ss, sd) = found
         if sd != 1:
             return None
-        s, nb = self.shape, self.blocks_per_seq
+        es, s, nb = self.tensors[0].element_size(), self.shape, self.blocks_per_seq
 
         def offsets(ids: np.ndarray) -> np.ndarray:
             return ((ids // nb) * sbatch + (ids % nb) * s.block_tokens * ss) * es

@@ -14,9 +14,10 @@ Protocol of one prefill (:meth:`HFPrefixCache.prefill`):
    least the last prompt token to produce the next-token logits.
 2. ``lookup`` (for the host/disk split) and ``get`` the longest cached prefix of those
    blocks; turn the bytes into a ``DynamicCache`` (:func:`cache_from_blocks`). This step
-   alone is :meth:`HFPrefixCache.load`. With layer-wise loading (``stream_layers``,
-   the default on CUDA) the blocks are acquired and every layer's copy is enqueued on
-   a side stream instead, one event per layer, and the cache's layers keep room after
+   alone is :meth:`HFPrefixCache.load`. With layer-wise loading (``stream_layers``, the
+   default wherever the daemon's arena maps here) the blocks are acquired instead and
+   every layer's copy is enqueued (CUDA: on a side stream, one event per layer) or
+   left until the model reaches the layer (CPU), and the cache's layers keep room after
    the prefix for the tokens still to come (``cache.ReservedLayer``: no copy of the
    prefix per forward).
 3. Run the model on the remaining tokens only, at positions ``reused ..`` (so RoPE and
@@ -55,13 +56,14 @@ warning and recomputes (a cache must never make an answer fail); malformed reque
 layout mismatches raise. Batch size 1; full-attention decoder models only
 (:func:`kvclient.integrations.hf.cache.check_supported`).
 
-Devices: on a CUDA model whose daemon shares its arena with this process, blocks move
-straight between the cache's tensors and the pinned arena slots
-(:class:`kvclient.integrations.gpu.GpuClient`, an ``HFKV`` over the tensors: one DMA per
-run of slots, no host copy). Otherwise (CPU models, a remote daemon, or
-``direct_copies=False``) block bytes arrive in host memory (a numpy array filled from
-the shared arena or the gRPC stream) and move with ``.to(device)``; stored blocks are
-gathered on the model's device and copied back with ``.cpu()``. Both use the same byte
+Devices: where the daemon shares its arena with this process, blocks move straight
+between the cache's tensors and the arena slots (:class:`kvclient.integrations.gpu.
+GpuClient`, an ``HFKV`` over the tensors; on CUDA the arena is pinned and a batch is one
+kernel launch or one DMA per run of slots, no host copy). Otherwise (a remote daemon,
+``direct_copies=False``, or a CPU model with ``stream_layers=False``) block bytes
+arrive in host memory (a numpy array filled from the shared arena or the gRPC stream)
+and move with ``.to(device)``; stored blocks are gathered on the model's device and
+copied back with ``.cpu()``. Both use the same byte
 layout (``kvstore.mover``), so blocks stored by either path are interchangeable.
 """
 
@@ -208,9 +210,11 @@ class HFPrefixCache:
     ``codec``: how the daemon's disk and shared tiers keep the blocks (kvstore.codecs:
     "exact", "fp8", "int8", "int4"); the cache always gets the model's own dtype.
     ``stream_layers``: load a hit layer by layer while the model runs (module
-    docstring, step 2); None means on for CUDA models whose daemon shares its arena
-    here. On a CPU model True maps the arena and copies each layer just before the
-    model reads it (the same protocol, without overlap).
+    docstring, step 2), straight from the daemon's arena mapped here; None means on
+    (CUDA: copies overlap earlier layers' compute; CPU: each layer is copied just
+    before the model reads it, which skips the bytes path's copy out of the arena and
+    the cache's copies of the prefix). False: the whole prefix first (CUDA: straight
+    from the arena; CPU: through host memory, the bytes path).
     The namespace is opened at construction (the daemon must be reachable then).
     """
 
@@ -499,17 +503,15 @@ class HFPrefixCache:
         return LoadedPrefix(cache, n * T, host, n - host, time.perf_counter() - start_time)
 
     def _gpu_client(self) -> GpuClient | None:
-        """The direct copy path: on a CUDA model, or where layer-wise loading was asked
-        for (None: through host memory)."""
+        """The direct copy path: on a CUDA model, or with layer-wise loading (None:
+        through host memory; also once the arena proved not mappable here)."""
         if self._gpu is None:
-            direct = self.device.type == "cuda" or bool(self._stream_layers)
+            direct = self.device.type == "cuda" or self._streams_layers()
             self._gpu = GpuClient(self.client) if direct else False
         return self._gpu if isinstance(self._gpu, GpuClient) else None
 
     def _streams_layers(self) -> bool:
-        if self._stream_layers is None:
-            return self.device.type == "cuda"
-        return self._stream_layers
+        return True if self._stream_layers is None else self._stream_layers
 
     def _copy_stream(self) -> torch.cuda.Stream | None:
         """The side stream layer copies run on (CUDA), so they overlap the model's."""

@@ -91,6 +91,15 @@ def cache_length(cache: DynamicCache) -> int:
     return int(cache.get_seq_length())
 
 
+def _plain_layers(cache: DynamicCache, count: int) -> list[Any] | None:
+    """The cache's ``count`` layer objects when all are plain ``DynamicLayer`` s (whose
+    tensors may be set directly); None on other versions or layer kinds."""
+    layers = getattr(cache, "layers", None)
+    if DynamicLayer is None or layers is None or len(layers) != count:
+        return None
+    return layers if all(type(layer) is DynamicLayer for layer in layers) else None
+
+
 def cache_from_layers(
     config: PretrainedConfig, layers: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> DynamicCache:
@@ -101,15 +110,9 @@ def cache_from_layers(
     ``Cache.update``, which copies once.
     """
     cache = new_cache(config)
-    cache_layers = getattr(cache, "layers", None)
-    adopt = (
-        DynamicLayer is not None
-        and cache_layers is not None
-        and len(cache_layers) == len(layers)
-        and all(type(layer) is DynamicLayer for layer in cache_layers)
-    )
+    cache_layers = _plain_layers(cache, len(layers))
     for idx, (keys, values) in enumerate(layers):
-        if adopt and cache_layers is not None:
+        if cache_layers is not None:
             layer = cache_layers[idx]
             # initialise through the layer's own update (dtype, device, flags: whatever
             # this version keeps) with zero tokens, then adopt the tensors
@@ -211,14 +214,8 @@ def reserved_cache(
     appends into the rest (:class:`ReservedLayer`). Where this transformers keeps no
     plain ``DynamicLayer`` list, the views are adopted as :func:`cache_from_layers` does."""
     cache = new_cache(config)
-    layers = getattr(cache, "layers", None)
-    plain = (
-        DynamicLayer is not None
-        and layers is not None
-        and len(layers) == len(rooms)
-        and all(type(layer) is DynamicLayer for layer in layers)
-    )
-    if not plain or layers is None:
+    layers = _plain_layers(cache, len(rooms))
+    if layers is None:
         return cache_from_layers(config, [(k[:, :, :length], v[:, :, :length]) for k, v in rooms])
     for idx, (keys, values) in enumerate(rooms):
         layer = ReservedLayer()
