@@ -472,8 +472,8 @@ def write_report(args: argparse.Namespace, rows: list[Row], elapsed_s: float) ->
         lines += [
             "## GPU",
             "",
-            "The Llama-3-8B-shaped run on an H100 (8k, 16k and 32k tokens) is in "
-            "[ttft_gpu.md](ttft_gpu.md); its command:",
+            "The Llama-3-8B-shaped run on a lent GPU (last: an H200; 8k, 16k and 32k "
+            "tokens) is in [ttft_gpu.md](ttft_gpu.md); its command:",
             "",
             "```bash",
             GPU_COMMAND,

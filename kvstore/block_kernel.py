@@ -2,9 +2,9 @@
 
 The torch path of :mod:`kvstore.mover` issues one indexed copy per layer (and K/V),
 stages the batch in device memory and then issues one DMA per run of slots: 32-64
-launches and two passes per call. Measured on an H100 that fixed cost kept batches
-of 64 blocks at 0.4-0.74 of the link. This kernel does the whole batch in one launch
-and one pass: each thread moves 16-byte vectors straight between the KV tensors and
+launches and two passes per call, a fixed cost that small batches cannot spread
+(``docs/benchmarks/gpu.md``). This kernel does the whole batch in one launch and one
+pass: each thread moves 16-byte vectors straight between the KV tensors and
 the slots, whose addresses it is given. The slots are host memory that the device
 addresses directly (an arena registered with ``cudaHostRegister``, read and written
 over the link by the kernel itself: no staging, no DMA calls) or any device buffer.
@@ -26,6 +26,11 @@ torch stream (the whole batch, or one layer at a time for layer-wise loading). T
 caller orders it: the slots must stay leased and the tensors alive until an event
 recorded after the launch has completed. Addresses, strides and sizes must all be
 multiples of 16 (:meth:`KernelPieces.aligned`); callers check and fall back.
+
+A cost to know: while it reads or writes host memory, the kernel's thread blocks wait
+on the link and hold their multiprocessors, so a model's kernels do not run beside it
+(the copy engines, which DMA calls use, would leave them free). Layer-wise loads
+therefore do not overlap compute yet (``docs/benchmarks/ttft_gpu.md``).
 """
 
 from __future__ import annotations
