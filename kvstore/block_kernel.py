@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,6 +220,52 @@ def arguments(
         np.int64(pieces.head_stride), np.int64(pieces.token_stride),
         np.int32(1 if to_slots else 0),
     )
+
+
+def page_pieces(pages: Sequence[torch.Tensor]) -> KernelPieces | None:
+    """Pieces of CUDA tensors each ``[outer, num_blocks, inner]`` (a paged cache's
+    layers, as the vLLM connector views them): one piece per tensor and outer part, a
+    block one row of ``inner`` elements in each; None unless 16-byte aligned."""
+    first = pages[0]
+    outer, num_blocks, inner = first.shape
+    part_bytes = inner * first.element_size()
+    bases = [t.data_ptr() + o * num_blocks * part_bytes for t in pages for o in range(outer)]
+
+    def offsets(ids: np.ndarray) -> np.ndarray:
+        return ids * part_bytes
+
+    return strided_pieces(bases, (1, 1, inner), (0, 0), first.element_size(), offsets)
+
+
+def copy_rows(
+    pieces: KernelPieces,
+    block_ids: Sequence[int],
+    rows: torch.Tensor,
+    to_rows: bool,
+    num_blocks: int,
+    device: torch.device,
+) -> bool:
+    """Blocks ``block_ids`` between the ``pieces`` of a cache on ``device`` and pinned
+    host ``rows`` (``[>= n, block_bytes]``, row ``i`` for block ``i``) in one launch on
+    the device's current stream, waited for before returning (as a blocking copy would
+    be). False, with nothing done, where one launch cannot do it: rows not pinned, no kernel here,
+    addresses not 16-byte aligned, or a block id outside ``[0, num_blocks)`` (the
+    caller's own path then copies or refuses)."""
+    from kvstore.host import pinning
+
+    kernel = load() if rows.is_pinned() else None
+    address = pinning.device_address(rows.data_ptr()) if kernel is not None else None
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if kernel is None or address is None or not ids.size:
+        return False
+    if (address | pieces.block_bytes) % VECTOR or ids.min() < 0 or ids.max() >= num_blocks:
+        return False
+    slots = address + np.arange(ids.size, dtype=np.int64) * pieces.block_bytes
+    stream = torch.cuda.current_stream(device)
+    table = kernel.table(pieces, ids, slots, device)
+    kernel.launch(table, pieces, int(ids.size), to_rows, stream)  # the rows are the slots
+    stream.synchronize()
+    return True
 
 
 _lock = threading.Lock()

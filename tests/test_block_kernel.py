@@ -171,8 +171,7 @@ def test_the_connector_pages_move_as_one_launch_would(emulator: ctypes.CDLL) -> 
     expected = torch.zeros(len(ids), paged.block_bytes, dtype=torch.uint8)
     paged.gather(ids, expected)
     # the pieces the CUDA path would use, built over these CPU pages
-    paged.device = torch.device("cuda")
-    pieces = paged._kernel_pieces(2)
+    pieces = block_kernel.page_pieces(paged._pages)
     assert pieces is not None and pieces.block_bytes == paged.block_bytes
     rows = arena_bytes(len(ids) * paged.block_bytes)
     slots = rows.data_ptr() + np.arange(len(ids), dtype=np.int64) * paged.block_bytes

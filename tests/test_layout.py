@@ -153,8 +153,10 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     wings = client / "integrations"
     assert lines(client, without=wings) <= 5000
     assert lines(FOLDERS["kvctl"]) <= 850  # (+50 for `kvctl why`, issue 43)
-    assert lines(wings / "vllm") <= 1100
-    assert lines(wings / "hf") <= 950  # (+50: copies straight to CUDA, issue 45)
+    assert lines(wings / "vllm") <= 1120  # (+20: the one-launch page copy, issue 59)
+    # (+50: copies straight to CUDA, issue 45; +170: layer-wise loads into cache layers
+    # with room, issue 59)
+    assert lines(wings / "hf") <= 1120
 
 
 # -- composition, not inheritance ------------------------------------------------------

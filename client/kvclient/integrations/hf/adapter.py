@@ -72,6 +72,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -317,10 +318,7 @@ class HFPrefixCache:
 
         loading = loaded.loading
         try:
-            if loading is not None:
-                with hf_cache.waiting_layers(self.model, loading.wait):
-                    cache, logits = self._forward(ids, reused, n_tokens, cache, logits_to_keep)
-            else:
+            with hf_cache.waiting_layers(self.model, loading.wait) if loading else nullcontext():
                 cache, logits = self._forward(ids, reused, n_tokens, cache, logits_to_keep)
             _synchronize(self.device)
             ttft_s = time.perf_counter() - start_time

@@ -17,9 +17,7 @@ layout; the connector puts the layout into the namespace, so they never meet.
 Moving n blocks is one ``index_select`` (store) or ``index_copy_`` (load) per layer and
 outer part, between the paged tensor and a ``[n, block_bytes]`` uint8 view: no
 per-block Python, no temporary tensors. On a GPU the rows pass through one device
-staging buffer (a host <-> device copy of all n blocks at once), except where the
-rows are pinned and :mod:`kvstore.block_kernel` runs: then one kernel launch moves
-every page part of the batch straight between the pages and the host rows.
+staging buffer, or (pinned rows, :mod:`kvstore.block_kernel`) one kernel launch.
 """
 
 from __future__ import annotations
@@ -27,12 +25,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kvstore import block_kernel
-from kvstore.block_kernel import KernelPieces, strided_pieces
-from kvstore.host import pinning
 
 
 class PagedLayers:
@@ -64,7 +59,8 @@ class PagedLayers:
         self.block_bytes = self.page_bytes * len(layers)
         self._device_rows: torch.Tensor | None = None  # GPU: staging of whole blocks
         # the one-launch kernel's view of the pages (None: the torch path, always)
-        self._pieces = self._kernel_pieces(first.element_size()) if one_launch else None
+        on_gpu = one_launch and self.device.type == "cuda"
+        self._pieces = block_kernel.page_pieces(self._pages) if on_gpu else None
 
     @property
     def num_layers(self) -> int:
@@ -77,7 +73,7 @@ class PagedLayers:
         out = self._check_rows(rows, n)
         if n == 0:
             return out
-        if self._one_launch(block_ids, out, to_rows=True):
+        if self._one_launch(block_ids, out, True):
             return out
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         staged = self._staging(out)
@@ -96,7 +92,7 @@ class PagedLayers:
         source = self._check_rows(rows, n)
         if n == 0:
             return
-        if self._one_launch(block_ids, source, to_rows=False):
+        if self._one_launch(block_ids, source, False):
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         staged = self._staging(source)
@@ -107,44 +103,11 @@ class PagedLayers:
             for o in range(self.outer):
                 pages[o].index_copy_(0, ids, parts[layer][o])
 
-    def _kernel_pieces(self, element_bytes: int) -> KernelPieces | None:
-        """Pieces = (layer, outer part), each page part one row of ``inner`` elements."""
-        if self.device.type != "cuda":
-            return None
-        part_bytes = self.inner * element_bytes
-        bases = [
-            pages.data_ptr() + o * self.num_blocks * part_bytes
-            for pages in self._pages
-            for o in range(self.outer)
-        ]
-
-        def offsets(ids: np.ndarray) -> np.ndarray:
-            return ids * part_bytes
-
-        return strided_pieces(bases, (1, 1, self.inner), (0, 0), element_bytes, offsets)
-
     def _one_launch(self, block_ids: Sequence[int], rows: torch.Tensor, to_rows: bool) -> bool:
-        """Move the blocks in one kernel launch between the pages and pinned ``rows``
-        (waited for before returning, as the copies of the torch path are); False,
-        with nothing done, where the kernel cannot run here."""
-        if self._pieces is None or not rows.is_pinned():
-            return False
-        kernel = block_kernel.load()
-        address = pinning.device_address(rows.data_ptr()) if kernel is not None else None
-        if kernel is None or address is None:
-            return False
-        n = len(block_ids)
-        ids = np.asarray(block_ids, dtype=np.int64)
-        if (address | self.block_bytes) % block_kernel.VECTOR or ids.min() < 0:
-            return False  # the torch path copies it (and refuses bad ids)
-        if ids.max() >= self.num_blocks:
-            return False
-        slots = address + np.arange(n, dtype=np.int64) * self.block_bytes
-        stream = torch.cuda.current_stream(self.device)
-        table = kernel.table(self._pieces, ids, slots, self.device)
-        kernel.launch(table, self._pieces, n, to_rows, stream)
-        stream.synchronize()
-        return True
+        pieces, blocks = self._pieces, self.num_blocks
+        return pieces is not None and block_kernel.copy_rows(
+            pieces, block_ids, rows, to_rows, blocks, self.device
+        )
 
     def _check_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.block_bytes:
