@@ -52,7 +52,7 @@ import itertools
 import math
 import threading
 from abc import ABC
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -241,7 +241,28 @@ class KVCache(ABC):
     def kernel_pieces(self) -> KernelPieces | None:
         """The cache as :mod:`kvstore.block_kernel` addresses it (pieces = layers x K|V,
         in block byte order); None where its rows are not contiguous 16-byte vectors."""
-        return None
+        # leading dims that index (layer, K|V): 2 when stacked; a paged layer's 1 (its
+        # K|V), an HF tensor's 0 (it is one K or V)
+        lead = 2 if len(self.tensors) == 1 else 1 if self.kind == "paged" else 0
+        found = self._piece_addresses(lead)
+        if found is None or found[1][-1] != 1:  # head_dim must be contiguous
+            return None
+        bases, strides = found
+        head, token, block_offset = self._kernel_strides(strides[:-1])
+        es, s = self.tensors[0].element_size(), self.shape
+
+        def offsets(ids: np.ndarray) -> np.ndarray:
+            return block_offset(ids) * es
+
+        dims = (s.num_kv_heads, s.block_tokens, s.head_dim)
+        return strided_pieces(bases, dims, (head, token), es, offsets)
+
+    def _kernel_strides(
+        self, strides: tuple[int, ...]
+    ) -> tuple[int, int, Callable[[np.ndarray], np.ndarray]]:
+        """(head stride, token stride, block ids -> offsets), in elements, from the
+        strides of the dimensions between (layer, K|V) and head_dim."""
+        raise NotImplementedError
 
     def _piece_addresses(self, lead: int) -> tuple[list[int], tuple[int, ...]] | None:
         """The byte address of every (layer, K|V) in block byte order, and the element
@@ -358,21 +379,12 @@ class PagedKV(KVCache):
             return PagedKV(self.tensors[0][index : index + 1])
         return PagedKV([self.tensors[index]])
 
-    def kernel_pieces(self) -> KernelPieces | None:
-        # stacked [L, 2, NB, T, H, D], or per layer [2, NB, T, H, D]
-        found = self._piece_addresses(2 if len(self.tensors) == 1 else 1)
-        if found is None:
-            return None
-        bases, (sb, st, sh, sd) = found
-        if sd != 1:
-            return None
-        es, s = self.tensors[0].element_size(), self.shape
-
-        def offsets(ids: np.ndarray) -> np.ndarray:
-            return ids * (sb * es)
-
-        return strided_pieces(bases, (s.num_kv_heads, s.block_tokens, s.head_dim), (sh, st),
-                              es, offsets)
+    def _kernel_strides(
+        self, strides: tuple[int, ...]
+    ) -> tuple[int, int, Callable[[np.ndarray], np.ndarray]]:
+        # after (layer, K|V): [NB, T, H] (then D), stacked or per layer
+        sb, st, sh = strides
+        return sh, st, lambda ids: ids * sb
 
 
 class HFKV(KVCache):
@@ -438,21 +450,13 @@ class HFKV(KVCache):
             return HFKV(self.tensors[0][index : index + 1], T)
         return HFKV([(self.tensors[2 * index], self.tensors[2 * index + 1])], T)
 
-    def kernel_pieces(self) -> KernelPieces | None:
-        # stacked [L, 2, B, H, S, D], or K0, V0, K1, V1, ... each [B, H, S, D]
-        found = self._piece_addresses(2 if len(self.tensors) == 1 else 0)
-        if found is None:
-            return None
-        bases, (sbatch, sh, ss, sd) = found
-        if sd != 1:
-            return None
-        es, s, nb = self.tensors[0].element_size(), self.shape, self.blocks_per_seq
-
-        def offsets(ids: np.ndarray) -> np.ndarray:
-            return ((ids // nb) * sbatch + (ids % nb) * s.block_tokens * ss) * es
-
-        return strided_pieces(bases, (s.num_kv_heads, s.block_tokens, s.head_dim), (sh, ss),
-                              es, offsets)
+    def _kernel_strides(
+        self, strides: tuple[int, ...]
+    ) -> tuple[int, int, Callable[[np.ndarray], np.ndarray]]:
+        # after (layer, K|V): [B, H, S] (then D), stacked or K0, V0, K1, ...
+        sbatch, sh, ss = strides
+        nb, T = self.blocks_per_seq, self.shape.block_tokens
+        return sh, ss, lambda ids: (ids // nb) * sbatch + (ids % nb) * T * ss
 
     def block_id(self, batch_index: int, block: int) -> int:
         if not (0 <= batch_index < self.batch and 0 <= block < self.blocks_per_seq):
