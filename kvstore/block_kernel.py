@@ -44,6 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstore.host import pinning
+
 log = logging.getLogger(__name__)
 
 VECTOR = 16  # bytes moved per load and store
@@ -248,11 +250,9 @@ def copy_rows(
     """Blocks ``block_ids`` between the ``pieces`` of a cache on ``device`` and pinned
     host ``rows`` (``[>= n, block_bytes]``, row ``i`` for block ``i``) in one launch on
     the device's current stream, waited for before returning (as a blocking copy would
-    be). False, with nothing done, where one launch cannot do it: rows not pinned, no kernel here,
-    addresses not 16-byte aligned, or a block id outside ``[0, num_blocks)`` (the
-    caller's own path then copies or refuses)."""
-    from kvstore.host import pinning
-
+    be). False, with nothing done, where one launch cannot do it: rows not pinned, no
+    kernel here, addresses not 16-byte aligned, or a block id outside
+    ``[0, num_blocks)`` (the caller's own path then copies or refuses)."""
     kernel = load() if rows.is_pinned() else None
     address = pinning.device_address(rows.data_ptr()) if kernel is not None else None
     ids = np.asarray(block_ids, dtype=np.int64)
