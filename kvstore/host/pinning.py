@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -87,12 +88,17 @@ _FOUND: dict[str, list[Any]] = {}
 
 def _cudart_functions(name: str) -> list[Any]:
     """``name`` in every libcudart this process has loaded (torch's binding of the
-    runtime lacks the calls that take pointers out); kept once found (reading the
-    process's mappings again costs a millisecond)."""
+    runtime lacks the calls that take pointers out). Kept once found, or once CUDA is
+    initialised without one (a runtime linked statically): reading the process's
+    mappings costs a millisecond. Before that an empty answer is not kept, since the
+    runtime may simply not be loaded yet."""
     found = _FOUND.get(name)
     if found is not None:
         return found
-    found = _FOUND[name] = _cudart_lookup(name)
+    found = _cudart_lookup(name)
+    torch = sys.modules.get("torch")
+    if found or (torch is not None and torch.cuda.is_initialized()):
+        _FOUND[name] = found
     return found
 
 
