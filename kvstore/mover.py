@@ -49,6 +49,7 @@ until then. On CUDA the copy stream first waits for the current stream when
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 from abc import ABC
@@ -63,8 +64,11 @@ import torch
 from kvstore import block_kernel
 from kvstore.block_kernel import KernelPieces, strided_pieces
 from kvstore.errors import InvalidArgument
+from kvstore.host import pinning
 from kvstore.host.slot_runs import Run, slot_runs
 from kvstore.keys import NamespaceSpec
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -559,6 +563,18 @@ class Mover:
     def for_array(cls, array: np.ndarray, **kwargs: Any) -> Mover:
         """A mover over an arena's numpy view (``HostArena.array()``, ``ArenaMapping.array()``)."""
         return cls(torch.from_numpy(array), **kwargs)
+
+    def reach_pinned(self, start: int, alias_devices: Sequence[torch.device]) -> None:
+        """The arena, from byte ``start`` on, was just registered (mapped) in this
+        process: kernels reach it at its device address (the one-launch copy), and
+        torch's kernels on ``alias_devices`` (c2c) through aliases of its host pointer."""
+        first = pinning.device_address(self.arena.data_ptr() + start)
+        self.device_address = None if first is None else first - start
+        for device in alias_devices:
+            try:
+                self.device_arenas[device] = device_alias(self.arena, device)
+            except Exception as exc:  # noqa: BLE001 - DMA copies serve instead
+                log.warning("no direct arena access from %s: %s", device, exc)
 
     def _arena_on(self, device: torch.device) -> torch.Tensor | None:
         if device.type == "cpu":

@@ -51,7 +51,6 @@ import grpc
 from kvproto.v1 import gpu_pb2 as gpb
 from kvproto.v1 import gpu_pb2_grpc as gpb_grpc
 from kvstore.errors import InvalidArgument, LeaseError
-from kvstore.host import pinning
 from kvstore.host.pinning import CudaPin
 from kvstore.keys import NamespaceSpec
 from kvstore.platform import PlatformInfo
@@ -341,18 +340,12 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
     def _mover_for(self) -> Mover:
         with self._lock:
             if self._mover is None:
-                from kvstore.mover import Mover, device_alias
+                from kvstore.mover import Mover
 
                 mover = Mover.for_array(self._store.arena.array())
-                if self._pin and self._pin.pinned_bytes:  # the one-launch copy reaches it
-                    mover.device_address = pinning.device_address(mover.arena.data_ptr())
-                if self._platform.direct_host_access and self._pin and self._pin.pinned_bytes:
-                    for dev in self._platform.devices:
-                        device = _torch_device(f"cuda:{dev.index}")
-                        try:
-                            mover.device_arenas[device] = device_alias(mover.arena, device)
-                        except Exception as exc:  # noqa: BLE001 - fall back to DMA copies
-                            log.warning("no direct arena access from %s: %s", device, exc)
+                if self._pin and self._pin.pinned_bytes:
+                    aliased = self._platform.devices if self._platform.direct_host_access else ()
+                    mover.reach_pinned(0, [_torch_device(f"cuda:{d.index}") for d in aliased])
                 self._mover = mover
             return self._mover
 

@@ -71,7 +71,7 @@ from kvstore import platform as kv_platform
 from kvstore.errors import InvalidArgument
 from kvstore.host import pinning
 from kvstore.host.mapping import ArenaMapping
-from kvstore.mover import DTYPE_NAMES, HFKV, KVCache, Mover, PagedKV, device_alias
+from kvstore.mover import DTYPE_NAMES, HFKV, KVCache, Mover, PagedKV
 
 log = logging.getLogger(__name__)
 
@@ -470,13 +470,9 @@ class GpuClient:
                 pin = pinning.cuda_pin_hook(local.host_register_flags)
                 start = arena.mapping.start  # a region handed out by fd starts there
                 unpin = pin(arena.mapping.view(start, arena.mapping.size - start))
-                if pin.pinned_bytes:  # kernels reach it: the one-launch block copy
-                    first = pinning.device_address(mover.arena.data_ptr() + start)
-                    mover.device_address = None if first is None else first - start
-                if pin.pinned_bytes and local.direct_host_access:
-                    for dev in local.devices:
-                        device = torch.device("cuda", dev.index)
-                        mover.device_arenas[device] = device_alias(mover.arena, device)
+                if pin.pinned_bytes:
+                    aliased = local.devices if local.direct_host_access else ()
+                    mover.reach_pinned(start, [torch.device("cuda", d.index) for d in aliased])
             self._arena, self._mover = arena, mover
             self._release = weakref.finalize(self, _unpin_and_unmap, unpin, arena)
             return mover
