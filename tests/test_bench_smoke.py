@@ -219,7 +219,7 @@ def test_the_gpu_script_refuses_an_unknown_step_before_it_does_anything(tmp_path
         env={"PATH": "/usr/bin:/bin", "OUT": str(out)},
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
-    assert done.stderr == "gpu_run.sh: unknown step 'tfft' (tests, bench, ttft, model)\n"
+    assert done.stderr == "gpu_run.sh: unknown step 'tfft' (tests, bench, ttft, overlap, model)\n"
     assert not out.exists()  # nothing made, nothing installed, nothing run
 
 
