@@ -573,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
+    if args.disk_threads < 1:
+        parser.error(f"--disk-threads must be at least 1, got {args.disk_threads}")
     args.preset = args.preset or ("llama3-8b" if cuda else "cpu-250m")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     lengths = args.lengths.split(",") if args.lengths else (GPU_LENGTHS if cuda else CPU_LENGTHS)

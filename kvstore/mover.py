@@ -710,6 +710,10 @@ class Mover:
     ) -> torch.cuda.Event | None:
         """The slots' layer ``layer`` -> that layer of blocks ``block_ids`` (the other
         layers are not touched): a one-layer cache over the layer's share of each slot."""
+        if not 0 <= layer < kv.shape.num_layers:
+            raise InvalidArgument(
+                f"layer {layer} is outside the cache's layers 0..{kv.shape.num_layers - 1}"
+            )
         share = kv.shape.block_bytes // kv.shape.num_layers
         shifted = [off + layer * share for off in offsets]
         return self._move(kv.layer(layer), block_ids, shifted, False, stream, wait_current)

@@ -372,3 +372,30 @@ def test_daemon_stops_cleanly_with_live_registrations(
         # SIGTERM with the registration (and its mapping of our file) still open
         assert daemon.stop() == 0
     assert "stopped" in daemon.output()
+
+
+def test_client_driven_layer_wise_onboard_and_its_refusals(
+    client: KVClient, gpu: GpuClient
+) -> None:
+    """onboard_layers on CPU tensors: each layer lands when it is waited for, release
+    completes the rest, and bad requests are refused before anything is acquired."""
+    ns = namespace(client, "client-layers")
+    src = plain("hf")
+    fill_random(src, seed=4)
+    tokens = prompt(2400, 3)
+    assert gpu.offload(ns, tokens, src, [0, 1, 2]).stored == 3
+    dst = plain("hf")
+    poison(dst)
+    with pytest.raises(InvalidArgumentError, match="must be in"):
+        gpu.onboard_layers(ns, tokens, dst, [0, 1, dst.num_blocks])
+    with pytest.raises(InvalidArgumentError, match="need"):
+        gpu.onboard_layers(ns, tokens[: 2 * T], dst, [0, 1, 2])
+    assert all(bool((t.view(torch.uint8) == SENTINEL).all()) for t in dst.tensors)
+    got = gpu.onboard_layers(ns, tokens, dst, [3, 4, 5])
+    assert (got.ready_blocks, got.onboarded) == (3, 3)
+    got.wait(0)  # layer 0 only
+    assert not bool((dst.tensors[0].view(torch.uint8) == SENTINEL).all())
+    assert bool((dst.tensors[2].view(torch.uint8) == SENTINEL).all())  # layer 1 not yet
+    got.release()
+    got.release()  # idempotent
+    assert_moved(src, dst, [(0, 3), (1, 4), (2, 5)])

@@ -336,3 +336,16 @@ def test_layer_wise_load_gives_todays_logits_and_appends_in_place(daemon: Daemon
         want = today.generate(prompt, max_new_tokens=9, store=False).tokens
         assert layered.generate(prompt, max_new_tokens=9, store=False).tokens == want
         layered.close()
+
+
+def test_a_negative_reserve_is_refused_before_anything_runs(daemon: Daemon) -> None:
+    model = random_llama("tiny", seed=0)
+    prompt = make_prompt(12, 40)
+    with KVClient(daemon.addr) as client:
+        kv = HFPrefixCache(client, model, MODEL_ID, block_tokens=BLOCK_TOKENS, tenant_salt="neg")
+        seen = count_model_tokens(model)
+        with pytest.raises(ValueError, match="reserve_tokens must be >= 0, got -1"):
+            kv.prefill(prompt, reserve_tokens=-1)
+        assert seen == []  # the model never ran
+        assert kv.namespace.lookup(prompt).blocks == 0  # and nothing was stored
+        kv.close()

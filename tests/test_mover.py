@@ -291,7 +291,21 @@ def test_bad_requests_raise_and_copy_nothing(ids: list, offsets: list[int], mess
         mover.offload(kv, ids, offsets)
     with pytest.raises(InvalidArgument, match=message):
         mover.onboard(kv, ids, offsets)
+    with pytest.raises(InvalidArgument, match=message):
+        mover.onboard_layers(kv, ids, offsets)
+    with pytest.raises(InvalidArgument, match=message):
+        mover.onboard_layer(kv, ids, offsets, 0)
     assert not mover.arena.any()
+
+
+@pytest.mark.parametrize("layer", [-1, L])
+def test_a_layer_outside_the_cache_is_refused_and_nothing_moves(layer: int) -> None:
+    mover = Mover(arena())
+    mover.arena.fill_(7)
+    kv = _small_paged()
+    with pytest.raises(InvalidArgument, match=f"layer {layer} is outside"):
+        mover.onboard_layer(kv, [1], [0], layer)
+    assert all(not t.any() for t in kv.tensors)
 
 
 def test_mismatched_layers_are_refused() -> None:

@@ -305,6 +305,8 @@ class HFPrefixCache:
         concurrent sessions can start before this prefill ends.
         """
         start_time = time.perf_counter()
+        if reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be >= 0, got {reserve_tokens}")
         ids = _as_ids(input_ids)
         tokens = ids.tolist()
         if early_reuse and store:
