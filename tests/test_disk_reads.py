@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import lmdb
@@ -244,3 +246,21 @@ def test_a_quick_acquire_of_more_than_it_may_promote_changes_nothing(tmp_path: P
         assert store.acquire(ns, keys, host_only=True) is None
         assert store.stats().promotions == 0 and store.stats().leases == 0
         store.verify_invariants()
+
+
+def test_a_disk_tier_on_tmpfs_serves_arena_reads(kvstored_factory: Callable[..., Daemon]) -> None:
+    """/dev/shm (tmpfs, like a memory-backed emptyDir) refuses RWF_NOWAIT: the quick
+    read that must not wait reads plainly there, instead of failing the get."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    with tempfile.TemporaryDirectory(prefix="kvdisk", dir="/dev/shm") as disk_dir:
+        kvstored = kvstored_factory(disk_dir=disk_dir)
+        chains = put_then_restart(kvstored, 2, 4)
+        with KVClient(kvstored.addr) as client:
+            assert client.arena_in_use
+            ns = client.namespace("direct", TOKENS, block_bytes=BLOCK)
+            for c, tokens in enumerate(chains):
+                assert ns.get(tokens).blocks.tobytes() == expected(c, 4)
+            stats = client.stats()
+            assert stats.tier("disk").hits == 8 and stats.corrupt_reads == 0
+        kvstored.stop()

@@ -9,6 +9,7 @@ is a miss, never bytes.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -47,6 +48,9 @@ class DiskReads:
         self._s = state
         self._scratch = threading.local()  # each reading thread's encoded payload
         self._foreign_codecs: set[tuple[int, int]] = set()  # logged already
+        # cleared when the file system refuses RWF_NOWAIT (tmpfs, some network ones):
+        # reads that must not wait then read plainly (see _copy_value)
+        self._nowait_works = True
 
     # --- read side --------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
@@ -291,16 +295,39 @@ class DiskReads:
         size = len(view)
         offset = self._s.file_offset(view)
         if offset is not None:
-            flags = 0
+            if nowait and NOWAIT_FLAG is None:
+                raise BlockingIOError("reads that never wait need preadv2 RWF_NOWAIT")
+            nowait = nowait and self._nowait_works
             if nowait:
-                if NOWAIT_FLAG is None:
-                    raise BlockingIOError("reads that never wait need preadv2 RWF_NOWAIT")
-                flags = NOWAIT_FLAG
-            if os.preadv(self._s.read_fd, [dst], offset, flags) == size:
+                assert NOWAIT_FLAG is not None
+                try:
+                    got = os.preadv(self._s.read_fd, [dst], offset, NOWAIT_FLAG)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                        raise
+                    self._nowait_unsupported(e)
+                    got = os.preadv(self._s.read_fd, [dst], offset)
+            else:
+                got = os.preadv(self._s.read_fd, [dst], offset)
+            if got == size:
                 return
             if nowait:  # part of it is not cached: the map would fault it in
                 raise BlockingIOError("a payload is not all in the page cache")
         _copy(dst, view)
+
+    def _nowait_unsupported(self, error: OSError) -> None:
+        """The disk tier's file system refuses ``RWF_NOWAIT`` (tmpfs, a memory-backed
+        volume, some network file systems): from now on a read that must not wait reads
+        plainly, which on a memory-backed file system never waits on a device anyway.
+        Logged once."""
+        if not self._nowait_works:
+            return
+        self._nowait_works = False
+        log.info(
+            "the disk tier's file system does not support RWF_NOWAIT reads (%s): "
+            "quick reads read plainly",
+            error.strerror,
+        )
 
     @staticmethod
     def _check_out(dst: memoryview, size: int) -> None:
