@@ -38,6 +38,10 @@ class Lease:
     decoded: list[int] | None = None
     ttl: float = 0.0  # staging leases: each reserve that uses the lease renews it by this
     owner: str = ""  # the client connection it ends with (see Store.own), "" for none
+    # write leases of a chain too long for the host tier (kvstore.store_writes): its
+    # blocks go to disk as they are committed, and with ``spill`` leave the host tier
+    persist: bool = False
+    spill: bool = False
 
     @property
     def kind(self) -> str:

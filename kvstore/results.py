@@ -77,7 +77,8 @@ class Reservation:
     chain order: ``keys`` and their host arena ``offsets`` (``slots`` gives them as
     SlotRefs). Blocks of the request that were already ready are counted in
     ``existing``; blocks that could not be reserved (no room, or pending under another
-    owner) end the reservation.
+    owner) end the reservation, and so do the blocks after one window of a chain too
+    long for the host tier (:attr:`more`).
     """
 
     lease_id: int
@@ -102,6 +103,13 @@ class Reservation:
         """The reserved blocks as SlotRefs (built on demand: the hot path uses
         ``offsets``)."""
         return slot_refs(self.first_index, self.keys, self.offsets, self.block_bytes)
+
+    @property
+    def more(self) -> bool:
+        """Whether this is one window of a chain too long for the host tier: the
+        blocks after it were not refused for want of room, they are for the next
+        reserve, from ``first_index + len(offsets)`` (kvstore.store_writes)."""
+        return bool(self.offsets) and self.refused > 0 and not self.out_of_space
 
 
 @dataclass(frozen=True, slots=True)

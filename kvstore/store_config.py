@@ -79,6 +79,9 @@ class StoreConfig:
     shared: SharedConfig | None = None  # a shared tier on a Valkey / Redis Cluster
     # the tiers where a namespace with a codec keeps its blocks encoded (kvstore.codecs)
     codec_tiers: tuple[str, ...] = ("disk", "shared")
+    # a chain too long for the host tier passes through it in windows of at most this
+    # many bytes (and a quarter of the tenant's host room): kvstore.store_writes
+    window_bytes: int = 64 << 20
 
     @property
     def staged_bytes_limit(self) -> int:
@@ -119,6 +122,8 @@ class StoreConfig:
             raise InvalidArgument(f"max_staged_bytes must be >= 0, got {self.max_staged_bytes}")
         if self.selective_hits < 0:
             raise InvalidArgument(f"selective_hits must be >= 0, got {self.selective_hits}")
+        if self.window_bytes < 1:
+            raise InvalidArgument(f"window_bytes must be >= 1, got {self.window_bytes}")
         if self.disk_queue_bytes < 1:
             raise InvalidArgument(f"disk_queue_bytes must be >= 1, got {self.disk_queue_bytes}")
         if self.persist_timeout_s < 0:

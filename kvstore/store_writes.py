@@ -82,25 +82,30 @@ class Writes:
                     f"blocks of {size} bytes"
                 )
         chain = keys[: start + len(views)]
-        reservation = self.reserve(ns_id, chain, start, priority=priority)
-        reserved = len(reservation.offsets)
-        try:
-            array = self._parts.arena.array()
-            first = reservation.first_index - start
-            for i, offset in enumerate(reservation.offsets):
-                array[offset : offset + size] = np.frombuffer(views[first + i], dtype=np.uint8)
-        except BaseException:
+        stored = existing = 0
+        at = start  # a chain too long for the host tier comes in windows (see reserve)
+        while True:
+            reservation = self.reserve(ns_id, chain, at, priority=priority)
+            reserved = len(reservation.offsets)
+            try:
+                array = self._parts.arena.array()
+                first = reservation.first_index - start
+                for i, offset in enumerate(reservation.offsets):
+                    view = views[first + i]
+                    array[offset : offset + size] = np.frombuffer(view, dtype=np.uint8)
+            except BaseException:
+                if reserved:
+                    self.abandon(reservation.lease_id)
+                raise
             if reserved:
-                self.abandon(reservation.lease_id)
-            raise
-        if reserved:
-            self.commit(reservation.lease_id)
-        return PutResult(
-            reserved,
-            reservation.existing,
-            reservation.refused,
-            out_of_space=reservation.out_of_space,
-        )
+                self.commit(reservation.lease_id)
+            stored += reserved
+            existing += reservation.existing
+            if not (reservation.more and reserved):
+                return PutResult(
+                    stored, existing, reservation.refused, out_of_space=reservation.out_of_space
+                )
+            at = reservation.first_index + reserved
 
     def reserve(
         self,
@@ -292,16 +297,16 @@ class Writes:
         run: list[int] = []
         try:
             parent = walk[-1] if walk else None
-            # new blocks go to host, so their prefix must be there too (parents first)
-            promoted = all(
-                self._parts.tiers.promote_now(node, run_tokens(keys, i, i + 1)[0])
-                for i, node in enumerate(walk)
-                if not node.in_host
-            )
-            out_of_space = not promoted
+            # (a new host block's parent may be on disk only: nothing is promoted here)
+            out_of_space = False
             first_new = max(start, len(walk))
-            end = len(keys) if promoted else first_new
+            end = len(keys)
             size = entry.spec.block_bytes
+            # (staged slots were set aside for these very blocks: no window)
+            window = 0 if staged_offsets else self._window_blocks(entry, len(keys), prio)
+            if window:
+                end = min(end, first_new + window)
+            wanted_end = end  # (what a quota cuts below is out of space, not behind)
             if entry.group.quota.host_bytes and end > first_new and not staged_offsets:
                 # (blocks going into staged slots were counted when the slots were staged)
                 fits = self._parts.tiers.quota_blocks(entry.group, end - first_new, size)
@@ -330,7 +335,7 @@ class Writes:
                     entry, keys[i : i + 1], parent, prio, [offset], run_tokens(keys, i, i + 1)
                 )
                 parent = created[-1]
-            if undo and self._parts.tiers.writer_blocked and first_new + len(created) < len(keys):
+            if undo and self._parts.tiers.writer_blocked and first_new + len(created) < wanted_end:
                 self._unreserve(created)
                 return None
         finally:
@@ -342,13 +347,16 @@ class Writes:
         tiers = self._parts.tiers
         tiers.touch(walk[-1:] if tiers.host_policy.touch_prefix else walk[start:])
         refused = offered - existing - len(created)
-        behind = refused > 0 and self._parts.tiers.writer_blocked
+        behind = first_new + len(created) < wanted_end and self._parts.tiers.writer_blocked
         if not created:
             return Reservation(0, 0.0, existing, refused, out_of_space, behind)
         self._parts.tiers.pending += len(created)
         lease = self._parts.leases.new(entry, created, write=True, ttl=ttl)
-        first = len(keys) - refused - len(created)
+        first = first_new
         lease.first_index = first
+        if window:
+            lease.persist = True
+            lease.spill = first + len(created) < len(keys)
         return Reservation(
             lease.lease_id,
             lease.expires_at,
@@ -370,6 +378,39 @@ class Writes:
             tiers.host_drop(node)
             self._parts.index.remove(node)
         created.clear()
+
+    def _window_blocks(self, entry: NamespaceEntry, chain_blocks: int, prio: int) -> int:
+        """How many new blocks one reserve of a chain of ``chain_blocks`` takes when
+        the chain is too long for the host tier (longer than the tenant's host room)
+        and the disk tier can hold it; 0 (no limit) otherwise. Under the lock.
+
+        Such a chain passes through the host tier in windows: each reserve takes one
+        window (the caller reserves again from where it ended: a reservation that
+        refused blocks without ``out_of_space``), and its commit writes the blocks to
+        disk and, unless it is the chain's last window, lets them leave the host tier
+        (:meth:`commit_durably`). So a chain of any length is stored whole, and the
+        host tier keeps its last window."""
+        disk = self._parts.disk
+        if disk is None or prio < self._parts.config.disk_min_priority:
+            return 0
+        group = entry.group
+        room = group.quota.host_bytes or self._parts.arena.regions[
+            self._parts.arena.region_of(group.name)
+        ].size
+        size = entry.spec.block_bytes
+        if chain_blocks * size <= room:
+            return 0
+        return max(1, min(self._parts.config.window_bytes, room // 4) // size)
+
+    def commit_writes_disk(self, lease_id: int) -> bool:
+        """Whether committing ``lease_id`` may wait on the disk writer (a window of a
+        chain too long for the host tier): a caller that must not wait runs it on a
+        thread of its own. False for a lease that is not a live write lease."""
+        with self._parts.lock:
+            try:
+                return self._parts.leases.get(lease_id, write=True).persist
+            except LeaseError:
+                return False
 
     def commit(self, lease_id: int, count: int | None = None) -> int:
         """Make the next ``count`` (default: all) reserved blocks of a write lease ready;
@@ -410,17 +451,46 @@ class Writes:
                     self._parts.tiers.coder.offer(batch)
                 if self._parts.shared_queue is not None:
                     self._parts.shared_queue.add(batch)
-                if through:
+                if through or lease.persist:
                     for node in batch:
-                        self._parts.tiers.write_to_disk(node)
+                        self._parts.tiers.write_to_disk(node, admitted=lease.persist)
             if lease.committed == len(lease.nodes):
                 self._parts.leases.forget(lease, "committed")
             self._parts.changed.notify_all()
+            persist, spill = lease.persist, lease.spill
+        if persist and batch:
+            self._pass_through(batch, spill)
+        with self._parts.lock:
             on_disk = [node.key for node in batch if node.on_disk]
         if not through or not on_disk:
             return n, 0
         assert disk is not None
         return n, disk.wait_committed(on_disk, self._parts.config.write_through_wait_s)
+
+    def _pass_through(self, batch: Sequence[Node], spill: bool) -> None:
+        """The committed ``batch`` of a chain too long for the host tier (see
+        :meth:`_window_blocks`): queue each block for the disk, waiting for the writer's
+        queue as a put waits (``put_wait_ms``, lock released), then with ``spill`` let
+        the written blocks leave the host tier. A block still not queued then stays in
+        host, where eviction treats it as any other."""
+        tiers, disk = self._parts.tiers, self._parts.disk
+        assert disk is not None
+        deadline = time.monotonic() + self._parts.config.put_wait_ms / 1000
+        while True:
+            with self._parts.lock:
+                todo = [node for node in batch if node.in_host and not node.on_disk]
+                for node in todo:
+                    if self._parts.index.get(node.key) is node and not tiers.write_to_disk(
+                        node, admitted=True
+                    ):
+                        break
+                else:
+                    todo = []
+                if not todo or not tiers.queue_full or time.monotonic() >= deadline:
+                    if spill:
+                        tiers.spill(batch)
+                    return
+            disk.wait_room(batch[0].size, deadline - time.monotonic())
 
     def claimed_slots(self, lease_id: int, count: int) -> tuple[SlotRef, ...]:
         """The next ``count`` uncommitted blocks of a write lease (chain order), for a

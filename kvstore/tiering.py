@@ -353,7 +353,12 @@ class Tiers:
             if node.pins or not node.ready:
                 continue
             if policy.leaf_first:
-                if (node.host_children if host else node.disk_children) == 0:
+                if host and node.host_children == 0:
+                    return node
+                # a disk-only block whose children are in host holds them up
+                if not host and node.disk_children == 0 and (
+                    node.in_host or node.host_children == 0
+                ):
                     return node
             elif not self._subtree_busy(node):
                 return node
@@ -392,6 +397,11 @@ class Tiers:
             self.writer_blocked = True
         return None
 
+    @property
+    def queue_full(self) -> bool:
+        """Whether the last :meth:`write_to_disk` was refused for want of queue room."""
+        return self._queue_full
+
     def due_on_disk(self, node: Node) -> bool:
         """Whether a host block is dirty: admitted to the disk tier and not written."""
         return self.disk is not None and not node.on_disk and self.admit(node)
@@ -418,8 +428,10 @@ class Tiers:
             return node.hits >= self.config.selective_hits
         return True
 
-    def write_to_disk(self, node: Node, evict: bool = True) -> bool:
+    def write_to_disk(self, node: Node, evict: bool = True, admitted: bool = False) -> bool:
         """Queue a host block's bytes for the disk tier; False if not admitted or no room.
+        ``admitted``: the caller admits it (a chain too long for the host tier, whose
+        blocks have nowhere else to go: selective admission does not wait for hits).
 
         The disk tier is prefix-closed on its own: ancestors missing from disk are
         written first (they stay in host too), so what is on disk is always a usable
@@ -429,7 +441,7 @@ class Tiers:
         """
         disk = self.disk
         self._queue_full = False
-        if disk is None or node.on_disk or not self.admit(node):
+        if disk is None or node.on_disk or not (admitted or self.admit(node)):
             return False
         if disk.fault:  # refused now, before making room for it
             disk.refuse()
@@ -492,6 +504,20 @@ class Tiers:
         self.disk_add(node)
         self.counters.disk_bytes_in += node.size
         return True
+
+    def spill(self, nodes: Sequence[Node]) -> int:
+        """Let the blocks of a window that passed through the host tier leave it: each
+        one on disk already, unpinned and without children in host, leaf first (a chain
+        too long for the host tier: kvstore.store_writes). Returns how many left."""
+        left = 0
+        for node in reversed(nodes):
+            movable = node.in_host and node.on_disk and node.ready and not node.pins
+            if movable and node.host_children == 0 and self.index.get(node.key) is node:
+                self.host_drop(node)
+                self.counters.demotions += 1
+                self.events.emit(EventKind.DEMOTED, node, Tier.DISK)
+                left += 1
+        return left
 
     def disk_codec(self, entry: NamespaceEntry) -> Codec | None:
         """The codec a namespace's blocks are kept on disk with (None: as they are)."""
@@ -590,15 +616,20 @@ class Tiers:
 
     def _due_blocks(self) -> list[Node]:
         """The host blocks due on disk, parents first (a block not admitted there
-        keeps its descendants off it: they would be orphans on disk). The host tier
-        holds whole prefixes (parents are promoted first, evicted last), so the walk
-        stops at the first block of a chain that is not in it."""
+        keeps its descendants off it: they would be orphans on disk). A host block's
+        parent is in host or on disk, so the walk goes on through blocks on disk only
+        (a chain too long for the host tier: its last window in host, the rest on disk)
+        and stops at the first block of a chain in neither."""
         due: list[Node] = []
         for entry in self.namespaces:
             queue = [self.index.nodes[key] for key in entry.roots]
             while queue:
                 node = queue.pop()
-                if not node.ready or not node.in_host:
+                if not node.ready:
+                    continue
+                if not node.in_host:
+                    if node.on_disk and node.host_children + node.disk_children:
+                        queue.extend(node.children())
                     continue
                 if not node.on_disk:
                     if not self.due_on_disk(node):
@@ -615,24 +646,6 @@ class Tiers:
                 return False
             if not disk.wait_room(node.size, deadline - time.monotonic()):
                 return False
-        return True
-
-    def promote_now(self, node: Node, tokens: bytes | None = None) -> bool:
-        """Copy a disk-only block into a host slot while holding the lock.
-
-        Only for the prefix of a reserve (a few blocks, usually after a restart); reads
-        promote outside the lock. The caller pins ``node`` and its ancestors.
-        """
-        assert self.disk is not None and node.on_disk and not node.in_host
-        offset = self.alloc_host(node.size, node.ns.group)
-        if offset is None:
-            return False
-        slot = self.arena.view(offset, node.size)
-        if self.disk.read(node.key, out=slot, codec=node.ns.codec) is None:
-            self.arena.free(offset)
-            self.lost_on_disk(node)
-            return False
-        self.publish_promotion(node, offset, tokens)
         return True
 
     def publish_promotion(self, node: Node, offset: int, tokens: bytes | None = None) -> None:
@@ -653,17 +666,25 @@ class Tiers:
     def lost_on_disk(self, node: Node) -> None:
         """A block the index had on disk could not be read back (checksum or gone).
 
-        Its disk descendants lose their parent there: blocks also in host just leave the
-        disk tier, disk-only ones are dropped. If a concurrent reader still pins a
-        disk-only block of that subtree, cleanup waits for the next failed read.
+        Its disk descendants lose their parent there and leave the disk tier. A block
+        stays only in host, and only where every block from ``node`` down to it is in
+        host (a block under a block that is lost whole is unusable). If a concurrent
+        reader still pins a block that goes whole, cleanup waits for the next failed
+        read.
         """
-        subtree = [n for n in self.index.subtree_postorder(node) if n.on_disk]
-        if any(n.pins and not n.in_host for n in subtree):
+        subtree = self.index.subtree_postorder(node)  # children before their parents
+        kept: set[Node] = set()  # usable in host after the loss
+        for late in reversed(subtree):  # parents first
+            if late.in_host and (late is node or late.parent in kept):
+                kept.add(late)
+        gone = [n for n in subtree if n not in kept]
+        if any(n.pins for n in gone):
             return
         self.counters.lost_on_disk += 1
         self.events.emit(EventKind.CORRUPT, node, Tier.DISK)
         for late in subtree:
-            if late.in_host:
-                self.disk_drop(late)
+            if late in kept:
+                if late.on_disk:
+                    self.disk_drop(late)
             else:
                 self.drop_node(late, CORRUPT)

@@ -150,17 +150,27 @@ class Get:
             return (yield from self.inline())
         try:
             slots = wire.slot_table(answer)
-            blocks = output_array(self.out, len(slots), self.ns.block_bytes)
+            total = len(slots)
+            if answer.ready_blocks > total:  # longer than the daemon's host tier holds
+                total = answer.ready_blocks
+                if self.max_blocks:
+                    total = min(total, self.max_blocks)
+            blocks = output_array(self.out, total, self.ns.block_bytes)
             if len(slots):
                 yield Work(read_slots, (arena.mapping, slots, blocks, self.ns.block_bytes))
         finally:
             if answer.lease_id:
                 conn.accounting.release_later(answer.lease_id)
+        if total > len(slots):  # the rest streams from the daemon's disk tier
+            return (yield from self.inline(blocks, len(slots)))
         return self._result(blocks)
 
-    def inline(self) -> Op[GetResult]:
-        """Route 1: Get streams until the prefix is whole."""
+    def inline(self, blocks: np.ndarray | None = None, received: int = 0) -> Op[GetResult]:
+        """Route 1: Get streams until the prefix is whole (from block ``received`` on,
+        into ``blocks``, when the first ones came through the arena)."""
         sink = _GetSink(self.out, self.max_blocks, self.ns.block_bytes, self.conn.addr)
+        if blocks is not None:
+            sink.resume(blocks, received)
         while True:
             request = pb.GetRequest(
                 ns_id=self.ns.ns_id, tokens=self.tokens, extra_keys=self.extra,
@@ -192,7 +202,13 @@ class _GetSink:
         self._n = self._filled = 0
         self._flat = np.empty(0, dtype=np.uint8)
 
+    def resume(self, blocks: np.ndarray, received: int) -> None:
+        """Go on filling ``blocks``, whose first ``received`` rows are written."""
+        self._blocks, self.received = blocks, received
+
     def remaining(self) -> int:
+        if self._blocks is not None:  # (sized already: ask for no more than it holds)
+            return self._blocks.shape[0] - self.received
         return (self._max_blocks - self.received) if self._max_blocks else 0
 
     def __call__(self, raw: bytes) -> None:

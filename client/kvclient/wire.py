@@ -122,6 +122,13 @@ def committed_put(
     )
 
 
+def more_windows(reserved: pb.ReserveResponse, n_slots: int) -> bool:
+    """Whether a Reserve answered one window of a chain too long for the daemon's host
+    tier: it reserved slots and refused the rest without running out of room, so the
+    rest is for the next Reserve, from the block after the last slot (commit first)."""
+    return n_slots > 0 and reserved.refused > 0 and not reserved.out_of_space
+
+
 def slots(msgs: Sequence[pb.Slot]) -> list[Slot]:
     return [Slot(index=s.index, offset=s.offset, size=s.size) for s in msgs]
 

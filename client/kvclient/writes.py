@@ -165,11 +165,9 @@ class Put:
         if not reserved.lease_id:
             return conn.resolved(wire.committed_put(reserved, 0, None))
         if staged is None:
-            try:
-                yield Work(self.blocks.write, (arena.mapping, slots, self.start))
-            except BaseException:
-                yield from abandon_quietly(conn, reserved.lease_id)
-                raise
+            yield from self.write_slots(arena, reserved.lease_id, slots)
+        if wire.more_windows(reserved, len(slots)):  # (never with staged slots)
+            return conn.resolved((yield from self.windows(arena, reserved, slots)))
         commit = pb.CommitRequest(lease_id=reserved.lease_id)
         if wait and not (conn.info is not None and conn.info.admission == "write-through"):
             # this client's next call on the connection reads the Commit's answer first
@@ -179,6 +177,50 @@ class Put:
         pending = conn.pending_put()
         yield from conn.send("Commit", commit, commit_handler(pending, reserved, len(slots)))
         return pending
+
+    def write_slots(self, arena: ClientArena, lease_id: int, slots: SlotTable) -> Op[None]:
+        """Copy the blocks into the reserved ``slots``; a failed copy abandons the lease."""
+        try:
+            yield Work(self.blocks.write, (arena.mapping, slots, self.start))
+        except BaseException:
+            yield from abandon_quietly(self.conn, lease_id)
+            raise
+
+    def windows(
+        self, arena: ClientArena, reserved: pb.ReserveResponse, slots: SlotTable
+    ) -> Op[PutResult]:
+        """A put of a chain too long for the daemon's host tier, window by window, the
+        first one copied already: commit the window (the daemon writes it to disk and
+        lets it leave the host tier), reserve the next, copy into it, until the last."""
+        conn = self.conn
+        stored = existing = durable = 0
+        while True:
+            done = yield from conn.call("Commit", pb.CommitRequest(lease_id=reserved.lease_id))
+            stored += done.committed
+            existing += reserved.existing
+            durable += done.durable
+            if done.committed < len(slots) or not wire.more_windows(reserved, len(slots)):
+                refused = reserved.refused + len(slots) - done.committed
+                return PutResult(stored, existing, refused, durable, reserved.out_of_space)
+            at = int(slots.indices[-1]) + 1
+            request = pb.ReserveRequest(
+                ns_id=self.ns.ns_id, tokens=self.tokens, extra_keys=self.extra,
+                start_block=at, n_blocks=self.start + self.n - at, priority=self.priority,
+                compact_slots=True,
+            )  # fmt: skip
+            reserved = yield from conn.call("Reserve", request)
+            slots = wire.slot_table(reserved)
+            if arena.names_another_arena(reserved.arena_path):  # the daemon restarted
+                if reserved.lease_id:
+                    yield from abandon_quietly(conn, reserved.lease_id)
+                refused = self.start + self.n - at
+                return PutResult(stored, existing, refused, durable, out_of_space=False)
+            if not reserved.lease_id:
+                return PutResult(
+                    stored, existing + reserved.existing, reserved.refused, durable,
+                    reserved.out_of_space,
+                )  # fmt: skip
+            yield from self.write_slots(arena, reserved.lease_id, slots)
 
     def inline(self, info: ServerInfo | None) -> Op[PutResult]:
         conn = self.conn

@@ -395,6 +395,10 @@ KEYS: tuple[Key, ...] = (
         "block bytes waiting for the disk writer, at most; when full, puts that need "
         "room wait for it (put_wait_ms, overflow); with write-back also the most a "
         "crash loses beyond the host tier", _at_least(1 << 20, "size")),
+    Key("window_bytes", "size", parse_size, 64 << 20,
+        "a prefix longer than the host tier passes through it in windows of at most "
+        "this many bytes (and a quarter of the host tier): puts go to disk window by "
+        "window, so a prefix of any length is stored whole", _at_least(1 << 20, "size")),
     Key("put_wait_ms", "int", parse_int, 5000,
         "a put whose room only the disk writer can make (every block it could evict is "
         "due on disk and disk_queue_bytes is full) waits this long for it, then "
@@ -527,6 +531,7 @@ class DaemonConfig:
     max_blocks_per_request: int
     max_staged_bytes: int
     disk_queue_bytes: int
+    window_bytes: int
     put_wait_ms: int
     overflow: str
     write_through_wait_s: float
@@ -588,6 +593,7 @@ class DaemonConfig:
             max_blocks_per_request=self.max_blocks_per_request,
             max_staged_bytes=self.max_staged_bytes,
             disk_queue_bytes=self.disk_queue_bytes,
+            window_bytes=self.window_bytes,
             put_wait_ms=self.put_wait_ms,
             overflow=self.overflow,
             write_through_wait_s=self.write_through_wait_s,

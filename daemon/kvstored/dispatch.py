@@ -194,8 +194,7 @@ class Calls:
 
     def check_room(self, ns_id: str, keys: Sequence[BlockKey], n_blocks: int) -> None:
         """Quick calls only: a reservation of ``n_blocks`` after ``keys``' ready prefix
-        fits the arena's free bytes (so it evicts nothing) and needs no promotion."""
-        self.check_host(ns_id, keys)
+        fits the arena's free bytes (so it evicts nothing)."""
         arena = self.store.arena
         spec = self.store.namespace(ns_id)
         region = arena.regions[arena.region_of(tenant_of(spec.tenant_salt))]

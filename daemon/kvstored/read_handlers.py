@@ -200,9 +200,14 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
         if got is None:  # a block is on disk only: promoting it waits on the disk
             raise NeedsPool
         calls.owners.own(owner, (got.lease_id,))
-        return convert.acquire_response(
+        response = convert.acquire_response(
             got, spec.block_tokens, calls.arena_name(spec), request.compact_slots
         )
+        if len(got.offsets) < len(keys):  # the host tier may not hold the whole prefix
+            ready = calls.store.lookup(spec.ns_id, keys).ready_blocks
+            if ready > len(got.offsets):
+                response.ready_blocks = ready
+        return response
 
     return await calls.run_quick(acquire)
 

@@ -68,39 +68,107 @@ async def Put(
             f"max_transfer_bytes={calls.config.max_transfer_bytes}; split it"
         )
 
-    def reserve(quick: bool = False) -> Reservation:
-        if quick:
-            calls.check_room(spec.ns_id, keys, head.n_blocks)
-        return calls.store.reserve(
-            spec.ns_id, keys, head.start_block, calls.config.max_lease_ttl_s, prio
-        )
-
-    reservation = await calls.run_quick(reserve, may_wait=True)
-    lease = reservation.lease_id
-    sink = _SlotSink(calls.store.arena.array(), reservation.slots, head.start_block, bb)
-    committed = durable = 0
+    windows = _Windows(calls, spec.ns_id, keys, head.start_block, head.n_blocks, prio)
+    await windows.open()
     try:
-        await _receive(calls, messages, sink, head.n_blocks, bb)
-        if lease:
-            committed, durable = await _commit(calls, lease, None)
+        await _receive(calls, messages, windows, head.n_blocks, bb)
+        await windows.finish()
     except BaseException:
-        if lease and not committed:
-            with contextlib.suppress(StoreError):
-                calls.store.abandon(lease)  # short, and safe while being cancelled
+        windows.abandon()
         raise
+    opened = windows.first
     # Refused outright: a missing parent or another owner computing the first
     # block is an ordinary answer; only lack of room is an error.
-    if reservation.out_of_space and committed == 0 and reservation.existing == 0:
-        raise no_room(calls, reservation, head.n_blocks)
+    if opened.out_of_space and windows.committed == 0 and opened.existing == 0:
+        raise no_room(calls, opened, head.n_blocks)
     return result_messages.put_response(
         PutResult.of_reservation(
-            reservation.existing,
-            reservation.refused,
-            len(reservation.offsets),
-            committed,
-            durable,
+            windows.existing,
+            windows.last.refused,
+            windows.reserved,
+            windows.committed,
+            windows.durable,
         )
     )
+
+
+class _Windows:
+    """The reservations of one inline Put, and where its bytes go. A chain too long
+    for the host tier is reserved one window at a time (kvstore.store_writes): when
+    the data reaches the end of a window, that window is committed (the store writes
+    it to disk) and the next one reserved. Bytes of blocks that already existed or
+    were refused are dropped."""
+
+    def __init__(
+        self,
+        calls: Calls,
+        ns_id: str,
+        keys: Sequence[BlockKey],
+        start: int,
+        n_blocks: int,
+        priority: int | None,
+    ) -> None:
+        self._calls = calls
+        self._ns_id, self._keys, self._start, self._n = ns_id, keys, start, n_blocks
+        self._priority = priority
+        self.reserved = self.committed = self.durable = self.existing = 0
+        self._lease = 0  # the current window's, until committed
+        self.first = self.last = Reservation(0, 0.0, 0, 0)
+        self._sink: _SlotSink | None = None
+        self._end = 0  # data offset where the current window's blocks end (more only)
+
+    async def open(self) -> None:
+        self.first = await self._reserve(self._start)
+
+    async def _reserve(self, at: int) -> Reservation:
+        calls = self._calls
+
+        def reserve(quick: bool = False) -> Reservation:
+            if quick:
+                calls.check_room(self._ns_id, self._keys, self._start + self._n - at)
+            return calls.store.reserve(
+                self._ns_id, self._keys, at, calls.config.max_lease_ttl_s, self._priority
+            )
+
+        reservation = await calls.run_quick(reserve, may_wait=True)
+        self.last, self._lease = reservation, reservation.lease_id
+        self.reserved += len(reservation.offsets)
+        self.existing += reservation.existing
+        bb = calls.store.namespace(self._ns_id).block_bytes
+        self._sink = _SlotSink(calls.store.arena.array(), reservation.slots, self._start, bb)
+        ended = reservation.first_index + len(reservation.offsets)
+        self._end = (ended - self._start) * bb if reservation.more else 0
+        return reservation
+
+    async def write(self, position: int, chunk: bytes | memoryview) -> None:
+        """Copy ``chunk`` (data bytes from ``position``) into the slots, moving on to
+        the next window where it crosses the current one's end."""
+        view = memoryview(chunk)
+        while self._end and position + len(view) > self._end:
+            cut = max(self._end - position, 0)
+            assert self._sink is not None
+            self._sink.write(position, view[:cut])
+            position, view = position + cut, view[cut:]
+            await self._commit()
+            await self._reserve(self.last.first_index + len(self.last.offsets))
+        assert self._sink is not None
+        self._sink.write(position, view)
+
+    async def _commit(self) -> None:
+        if self._lease:
+            lease, self._lease = self._lease, 0
+            committed, durable = await _commit(self._calls, lease, None)
+            self.committed += committed
+            self.durable += durable
+
+    async def finish(self) -> None:
+        await self._commit()
+
+    def abandon(self) -> None:
+        """Drop the current window's pending blocks (short, and safe while cancelled)."""
+        if self._lease:
+            with contextlib.suppress(StoreError):
+                self._calls.store.abandon(self._lease)
 
 
 async def _put_into_claim(
@@ -139,7 +207,7 @@ async def _put_into_claim(
 async def _receive(
     calls: Calls,
     messages: AsyncIterator[pb.PutRequest | bytes],
-    sink: _SlotSink,
+    sink: _SlotSink | _Windows,
     n_blocks: int,
     block_bytes: int,
 ) -> None:
@@ -158,7 +226,10 @@ async def _receive(
                 f"Put data exceeds n_blocks x block_bytes = {n_blocks} x {block_bytes} "
                 f"= {expected} bytes (got at least {received + size})"
             )
-        sink.write(received, chunk)
+        if isinstance(sink, _Windows):
+            await sink.write(received, chunk)
+        else:
+            sink.write(received, chunk)
         received += size
     if received != expected:
         raise InvalidArgument(
@@ -259,7 +330,7 @@ async def Commit(calls: Calls, request: pb.CommitRequest, context: Ctx) -> pb.Co
 
 async def _commit(calls: Calls, lease: int, count: int | None) -> tuple[int, int]:
     """(committed, durable): see Store.commit_durably."""
-    if calls.write_through():  # commit waits for the disk
+    if calls.write_through() or calls.store.commit_writes_disk(lease):  # waits for the disk
         return await calls.run(calls.store.commit_durably, lease, count)
     return calls.store.commit_durably(lease, count)
 

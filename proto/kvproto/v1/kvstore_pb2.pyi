@@ -298,7 +298,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., compact_slots: _Optional[bool] = ..., unpinned: _Optional[bool] = ..., counted: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path", "slot_offsets", "slot_epochs")
+    __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path", "slot_offsets", "slot_epochs", "ready_blocks")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,7 @@ class AcquireResponse(_message.Message):
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SLOT_EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     expires_in_s: float
     slots: _containers.RepeatedCompositeFieldContainer[Slot]
@@ -313,7 +314,8 @@ class AcquireResponse(_message.Message):
     arena_path: str
     slot_offsets: _containers.RepeatedScalarFieldContainer[int]
     slot_epochs: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., slot_epochs: _Optional[_Iterable[int]] = ...) -> None: ...
+    ready_blocks: int
+    def __init__(self, lease_id: _Optional[int] = ..., expires_in_s: _Optional[float] = ..., slots: _Optional[_Iterable[_Union[Slot, _Mapping]]] = ..., ready_tokens: _Optional[int] = ..., arena_path: _Optional[str] = ..., slot_offsets: _Optional[_Iterable[int]] = ..., slot_epochs: _Optional[_Iterable[int]] = ..., ready_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefixReads(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "n_blocks", "reads")

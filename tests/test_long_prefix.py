@@ -1,0 +1,99 @@
+"""A prefix longer than the host tier is stored and served whole (#55).
+
+A real daemon with an 8 MiB host tier takes one put of a 32 MiB chain (4x the host
+tier) in each admission mode, through the shared arena and inline: the chain passes
+through the host tier in windows onto disk. After a restart one get returns every
+block byte for byte, through the arena (the first window from host slots, the rest
+streamed from disk) and inline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import Daemon, block_bytes_for, damage_in_disk_file
+
+from kvclient import KVClient
+from kvstore.keys import NamespaceSpec
+from kvstore.store import Store, StoreConfig
+
+HOST = 8 << 20
+BLOCK = 256 << 10
+TOKENS = 16
+BLOCKS = 4 * HOST // BLOCK  # 4x the host tier
+
+
+def chain(seed: int) -> tuple[list[int], np.ndarray]:
+    tokens = list(range(seed * 100_000, seed * 100_000 + BLOCKS * TOKENS))
+    rows = b"".join(block_bytes_for(seed, i, BLOCK) for i in range(BLOCKS))
+    return tokens, np.frombuffer(rows, np.uint8).reshape(BLOCKS, BLOCK)
+
+
+@pytest.mark.parametrize("admission", ["write-back", "write-through", "selective"])
+def test_a_put_of_4x_the_host_tier_survives_a_restart_whole(
+    kvstored_factory: Callable[..., Daemon], admission: str
+) -> None:
+    daemon = kvstored_factory(host_bytes=HOST, disk_bytes="256MiB", admission=admission)
+    arena_tokens, arena_rows = chain(1)
+    inline_tokens, inline_rows = chain(2)
+    with KVClient(daemon.addr) as client:
+        assert client.arena_in_use
+        ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+        put = ns.put(arena_tokens, arena_rows)
+        assert (put.stored, put.refused, put.out_of_space) == (BLOCKS, 0, False)
+        assert ns.lookup(arena_tokens).blocks == BLOCKS
+    with KVClient(daemon.addr, use_arena=False) as inline:
+        ns = inline.namespace("long", TOKENS, block_bytes=BLOCK)
+        put = ns.put(inline_tokens, inline_rows)
+        assert (put.stored, put.refused) == (BLOCKS, 0)
+    daemon.restart()
+    for use_arena in (True, False):
+        with KVClient(daemon.addr, use_arena=use_arena) as client:
+            assert client.arena_in_use == use_arena
+            ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+            for tokens, rows in ((arena_tokens, arena_rows), (inline_tokens, inline_rows)):
+                assert ns.lookup(tokens).blocks == BLOCKS
+                got = ns.get(tokens)
+                assert got.blocks.shape == rows.shape
+                assert np.array_equal(got.blocks, rows)
+                # the longest cached prefix of a longer prompt: the same blocks
+                longer = ns.get(tokens + list(range(3 * TOKENS)))
+                assert np.array_equal(longer.blocks, rows)
+    daemon.stop()
+
+
+def test_the_store_keeps_its_invariants_through_windows(tmp_path: Path) -> None:
+    """The store itself: a chain 4x its host tier is put whole (in windows), read
+    whole, and the index stays consistent (a host block's parent may be on disk only);
+    a block lost on disk takes every block under it, those in host too."""
+    config = StoreConfig(
+        host_bytes=HOST, disk_dir=str(tmp_path), disk_bytes=256 << 20, shared_arena=False,
+        window_bytes=1 << 20,
+    )  # fmt: skip
+    tokens, rows = chain(3)
+    with Store(config) as store:
+        spec = store.open_namespace(
+            NamespaceSpec(model="m", block_tokens=TOKENS, block_bytes=BLOCK)
+        )
+        keys = store.keys_for(spec.ns_id, tokens)
+        put = store.put(spec.ns_id, keys, list(rows))
+        assert (put.stored, put.refused) == (BLOCKS, 0)
+        store.verify_invariants()
+        found = store.lookup(spec.ns_id, keys)
+        assert found.ready_blocks == BLOCKS and 0 < found.host_blocks < BLOCKS
+        n, out = store.read(spec.ns_id, keys)
+        assert n == BLOCKS and bytes(out) == rows.tobytes()
+        store.verify_invariants()
+        store.flush()
+        damage_in_disk_file(str(tmp_path), rows[BLOCKS // 2].tobytes())  # on disk only
+        n, out = store.read(spec.ns_id, keys)
+        assert n == BLOCKS // 2 and bytes(out) == rows[: BLOCKS // 2].tobytes()
+        store.verify_invariants()
+        found = store.lookup(spec.ns_id, keys)
+        assert found.ready_blocks == BLOCKS // 2
+        store.delete(spec.ns_id, keys, BLOCKS // 4)
+        store.verify_invariants()
+        assert store.lookup(spec.ns_id, keys).ready_blocks == BLOCKS // 4
