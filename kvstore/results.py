@@ -118,14 +118,15 @@ class Acquisition:
 
     lease_id: int  # 0 when no block was pinned (nothing to release)
     expires_at: float
-    keys: tuple[BlockKey, ...]  # of blocks 0 .. n-1 of the request's chain
+    keys: tuple[BlockKey, ...]  # of blocks first_index .. first_index + n-1 of the chain
     offsets: tuple[int, ...]  # their host arena offsets
     block_bytes: int
+    first_index: int = 0  # the chain position of the first pinned block (see acquire)
 
     @property
     def slots(self) -> tuple[SlotRef, ...]:
         """The same as SlotRefs (built on demand: the hot path uses ``offsets``)."""
-        return slot_refs(0, self.keys, self.offsets, self.block_bytes)
+        return slot_refs(self.first_index, self.keys, self.offsets, self.block_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from kvstore.index import Index
 from kvstore.leases import Lease, LeaseTable
 from kvstore.namespaces import Namespaces
 from kvstore.store_config import StoreConfig
+from kvstore.tenants import Group
 from kvstore.tiering import Tiers
 
 if TYPE_CHECKING:
@@ -59,6 +60,12 @@ class StoreParts:
     tiers: Tiers
     shared_queue: SharedQueue | None = None  # with a shared tier (kvstore.store_shared)
     closed: bool = False
+
+    def host_room(self, group: Group) -> int:
+        """The host bytes a tenant's blocks may take at most: its quota, else its
+        arena region (its own, or the common one)."""
+        region = self.arena.regions[self.arena.region_of(group.name)]
+        return group.quota.host_bytes or region.size
 
     def check_open(self) -> None:
         if self.closed:

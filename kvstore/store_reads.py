@@ -114,7 +114,7 @@ class Reads:
                     f"({wanted} blocks x {size}), got {out.nbytes}"
                     + (" (read-only)" if out.readonly else "")
                 )
-        pinned = self._pin_prefix(entry, keys, promote_all=False)
+        pinned = self._pin_prefix(entry, keys, promote_all=False, start=start)
         assert pinned is not None  # None only for host_only
         nodes, fresh = pinned
         if out is None:
@@ -140,6 +140,7 @@ class Reads:
         ttl_s: float | None,
         host_only: bool,
         count: bool = True,
+        start: int = 0,
     ) -> Acquisition | None: ...
 
     def acquire(
@@ -149,9 +150,13 @@ class Reads:
         ttl_s: float | None = None,
         host_only: bool = False,
         count: bool = True,
+        start: int = 0,
     ) -> Acquisition | None:
         """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
-        its disk-only blocks. ``host_only`` (for a caller that must not wait on the
+        its disk-only blocks. With ``start`` only its blocks from ``start`` on are
+        pinned (those before it must be ready, in any tier, and are neither pinned nor
+        promoted): one window of a prefix longer than the host tier, read window by
+        window. ``host_only`` (for a caller that must not wait on the
         disk): disk-only blocks are promoted only when they are at most
         QUICK_PROMOTE_BYTES, fit the arena's free room (nothing is evicted) and are all
         in the page cache; otherwise None, having changed nothing.
@@ -161,7 +166,15 @@ class Reads:
         entry = self._parts.namespaces.entry(ns_id)
         self._parts.namespaces.check_keys(entry, keys)
         ttl = check_ttl(self._parts.config, ttl_s)
-        pinned = self._pin_prefix(entry, keys, promote_all=True, host_only=host_only)
+        if not 0 <= start <= len(keys):
+            raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
+        # at most what the tenant's host room holds: a prefix longer than the host tier
+        # is pinned one window at a time (its own blocks held in host would else leave
+        # no room for the rest)
+        keys = keys[: start + self._parts.host_room(entry.group) // entry.spec.block_bytes]
+        pinned = self._pin_prefix(
+            entry, keys, promote_all=True, host_only=host_only, start=start
+        )
         if pinned is None:
             return None
         nodes, fresh = pinned
@@ -171,31 +184,37 @@ class Reads:
             with self._parts.lock:
                 for offset in fresh.values():
                     self._parts.arena.free(offset)
-                for node in nodes:
+                for node in nodes[start:]:
                     node.pins -= 1
             return None
         except BaseException:
-            self._finish_pinned(entry, keys, nodes, fresh, 0, keep_pins=True, count=count)
+            self._finish_pinned(
+                entry, keys, nodes, fresh, 0, keep_pins=True, start=start, count=count
+            )
             raise
         if not count:  # here: a quick attempt that went to the pool is not a get
             with self._parts.lock:
                 self._parts.counters.repeated_gets += 1
         # decoded copies of blocks encoded in host: the lease's, not promotions
         decoded = {i: fresh.pop(i) for i in [i for i in fresh if nodes[i].in_host]}
-        self._finish_pinned(entry, keys, nodes, fresh, ok, keep_pins=True, count=count)
-        kept = nodes[:ok]
+        self._finish_pinned(
+            entry, keys, nodes, fresh, ok, keep_pins=True, start=start, count=count
+        )
+        kept = nodes[start:ok]
         with self._parts.lock:
             size = entry.spec.block_bytes
             for i in [i for i in decoded if i >= ok]:
                 self._parts.arena.free(decoded.pop(i))
             if not kept:
-                return Acquisition(0, 0.0, (), (), size)
+                return Acquisition(0, 0.0, (), (), size, start)
             lease = self._parts.leases.new(entry, kept, write=False, ttl=ttl)
             if decoded:
                 lease.decoded = list(decoded.values())
             keys = tuple([node.key for node in kept])
-            offsets = tuple([decoded.get(i, node.host_offset) for i, node in enumerate(kept)])
-            return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size)
+            offsets = tuple(
+                [decoded.get(start + i, node.host_offset) for i, node in enumerate(kept)]
+            )
+            return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size, start)
 
     def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
         """The host slots of the ready prefix of ``keys`` and their epochs, pinning
@@ -251,8 +270,10 @@ class Reads:
         keys: Sequence[BlockKey],
         promote_all: bool,
         host_only: bool = False,
+        start: int = 0,
     ) -> tuple[list[Node], dict[int, int]] | None:
-        """Pin the ready prefix and reserve host slots for its disk-only blocks.
+        """Pin the ready prefix and reserve host slots for its disk-only blocks, from
+        ``start`` on (the caller does not read the blocks before it).
 
         Returns the pinned nodes and {position: fresh host offset} for blocks to promote
         and, with ``promote_all``, for blocks encoded in host to decode into.
@@ -272,34 +293,37 @@ class Reads:
                 self._parts.check_open()
                 self._parts.expire()
                 nodes = self._ready_prefix(keys)
-                in_place = not any(_needs_slot(node, promote_all) for node in nodes)
+                in_place = not any(_needs_slot(node, promote_all) for node in nodes[start:])
                 if host_only and not in_place:
-                    fresh_room = self._free_room_slots(nodes)
+                    fresh_room = self._free_room_slots(nodes, start)
                     if fresh_room is None:
                         return None
-                    for node in nodes:
+                    for node in nodes[start:]:
                         node.pins += 1
                     return nodes, fresh_room
-                for node in nodes:
+                # (a block before start, left unpinned, has its children indexed: it
+                # may leave the host tier meanwhile, never the index)
+                for node in nodes[start:]:
                     node.pins += 1
                 if in_place:
                     return nodes, {}
-                fresh = self._promotion_slots(nodes, promote_all, deadline)
+                fresh = self._promotion_slots(nodes, promote_all, deadline, start)
                 if fresh is not None:
                     return nodes, fresh
                 shared = self._parts.tiers.shared_blocked
             self._parts.wait_for_writer(nodes[0].size, deadline, shared)
 
     def _promotion_slots(
-        self, nodes: list[Node], promote_all: bool, deadline: float
+        self, nodes: list[Node], promote_all: bool, deadline: float, start: int = 0
     ) -> dict[int, int] | None:
-        """Host slots for the disk-only blocks of the pinned ``nodes`` (see
-        :meth:`_pin_prefix`); None, with ``nodes`` unpinned and nothing allocated, when
-        the disk writer is behind and ``deadline`` has not passed. Under the lock."""
+        """Host slots for the disk-only blocks of the pinned ``nodes`` from ``start`` on
+        (see :meth:`_pin_prefix`); None, with ``nodes`` unpinned and nothing allocated,
+        when the disk writer is behind and ``deadline`` has not passed. Under the lock."""
         tiers = self._parts.tiers
         tiers.writer_blocked = tiers.shared_blocked = False
         fresh: dict[int, int] = {}
-        for i, node in enumerate(nodes):
+        for i in range(start, len(nodes)):
+            node = nodes[i]
             if not _needs_slot(node, promote_all):
                 continue
             offset = tiers.alloc_host(node.size, node.ns.group)
@@ -309,7 +333,7 @@ class Reads:
             if tiers.writer_blocked and time.monotonic() < deadline:
                 for taken in fresh.values():
                     self._parts.arena.free(taken)
-                for late in nodes:
+                for late in nodes[start:]:
                     late.pins -= 1
                 return None
             if promote_all:
@@ -319,12 +343,12 @@ class Reads:
             break
         return fresh
 
-    def _free_room_slots(self, nodes: list[Node]) -> dict[int, int] | None:
+    def _free_room_slots(self, nodes: list[Node], start: int = 0) -> dict[int, int] | None:
         """Host slots for the disk-only blocks of ``nodes`` (and those encoded in host)
         from the arena's free room (no eviction, within the tenant's quota), when they
         are at most QUICK_PROMOTE_BYTES; None, with nothing allocated, otherwise. Under
         the lock."""
-        on_disk = [i for i, node in enumerate(nodes) if _needs_slot(node, True)]
+        on_disk = [i for i in range(start, len(nodes)) if _needs_slot(nodes[i], True)]
         if sum(nodes[i].size for i in on_disk) > QUICK_PROMOTE_BYTES:
             return None
         fresh: dict[int, int] = {}
@@ -450,7 +474,7 @@ class Reads:
                     self._parts.tiers.publish_promotion(node, offset, tokens)
                 else:
                     self._parts.arena.free(offset)
-            for node in nodes[ok:] if keep_pins else nodes:
+            for node in nodes[max(ok, start) :] if keep_pins else nodes[start:]:
                 node.pins -= 1
             if ok < len(nodes) and nodes[ok].on_disk:
                 self._parts.tiers.lost_on_disk(nodes[ok])

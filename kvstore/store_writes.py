@@ -291,8 +291,11 @@ class Writes:
             if not node.ready:  # another owner is computing it: wait or recompute
                 return Reservation(0, 0.0, existing, offered - existing)
             existing += 1
-        for node in walk:
-            node.pins += 1
+        # The chain is not pinned while room is made: a block of it may leave the host
+        # tier (its parent may be on disk only), but not the index. Used first (so it
+        # goes last); if making room dropped the parent all the same, nothing attaches.
+        tiers = self._parts.tiers
+        tiers.touch(walk[-1:] if tiers.host_policy.touch_prefix else walk[start:])
         created: list[Node] = []
         run: list[int] = []
         try:
@@ -310,6 +313,8 @@ class Writes:
             if entry.group.quota.host_bytes and end > first_new and not staged_offsets:
                 # (blocks going into staged slots were counted when the slots were staged)
                 fits = self._parts.tiers.quota_blocks(entry.group, end - first_new, size)
+                if not self._attached(parent):
+                    fits = 0  # the quota's room was made from the parent itself
                 out_of_space = out_of_space or fits < end - first_new
                 end = first_new + fits
             # staged slots, or one carve for the whole batch when a free extent holds
@@ -328,6 +333,9 @@ class Writes:
                     staging.entry.group.staged_bytes -= len(run) * size
             for i in range(first_new + len(created), end):
                 offset = self._parts.tiers.alloc_host(size, entry.group)
+                if offset is not None and not self._attached(parent):  # dropped for room
+                    self._parts.arena.free(offset)
+                    offset = None
                 if offset is None:
                     out_of_space = True
                     break
@@ -342,10 +350,6 @@ class Writes:
             if not staged_offsets:
                 for offset in run[len(created) :]:  # only if something above raised
                     self._parts.arena.free(offset)
-            for node in walk:
-                node.pins -= 1
-        tiers = self._parts.tiers
-        tiers.touch(walk[-1:] if tiers.host_policy.touch_prefix else walk[start:])
         refused = offered - existing - len(created)
         behind = first_new + len(created) < wanted_end and self._parts.tiers.writer_blocked
         if not created:
@@ -370,6 +374,11 @@ class Writes:
             size,
         )
 
+    def _attached(self, parent: Node | None) -> bool:
+        """Whether new blocks may still go under ``parent`` (the chain is not pinned
+        while a reserve makes room: see _reserve_locked). Under the lock."""
+        return parent is None or self._parts.index.get(parent.key) is parent
+
     def _unreserve(self, created: list[Node]) -> None:
         """Take back pending blocks made by this call (before its lease exists)."""
         tiers = self._parts.tiers
@@ -393,10 +402,7 @@ class Writes:
         disk = self._parts.disk
         if disk is None or prio < self._parts.config.disk_min_priority:
             return 0
-        group = entry.group
-        room = group.quota.host_bytes or self._parts.arena.regions[
-            self._parts.arena.region_of(group.name)
-        ].size
+        room = self._parts.host_room(entry.group)
         size = entry.spec.block_bytes
         if chain_blocks * size <= room:
             return 0

@@ -151,9 +151,10 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     (engine API churn): each has its own budget of lines, docstrings included."""
     client = FOLDERS["kvclient"]
     wings = client / "integrations"
-    assert lines(client, without=wings) <= 5000
+    assert lines(client, without=wings) <= 5300  # (+300: windows of long prefixes, issue 55)
     assert lines(FOLDERS["kvctl"]) <= 850  # (+50 for `kvctl why`, issue 43)
-    assert lines(wings / "vllm") <= 1120  # (+20: the one-launch page copy, issue 59)
+    # (+20: the one-launch page copy, issue 59; +10: loads window by window, issue 55)
+    assert lines(wings / "vllm") <= 1130
     # (+50: copies straight to CUDA, issue 45; +170: layer-wise loads into cache layers
     # with room, issue 59)
     assert lines(wings / "hf") <= 1120

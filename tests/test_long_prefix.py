@@ -9,6 +9,7 @@ streamed from disk) and inline.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import Daemon, block_bytes_for, damage_in_disk_file
 
-from kvclient import KVClient
+from kvclient import AsyncKVClient, InvalidArgumentError, KVClient
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
 
@@ -62,6 +63,43 @@ def test_a_put_of_4x_the_host_tier_survives_a_restart_whole(
                 # the longest cached prefix of a longer prompt: the same blocks
                 longer = ns.get(tokens + list(range(3 * TOKENS)))
                 assert np.array_equal(longer.blocks, rows)
+    with KVClient(daemon.addr) as client:  # window by window, each pinned in turn
+        ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+        seen = []
+        for lease in ns.windows(arena_tokens, start=3, window_blocks=10):
+            first = lease.first_block
+            assert np.array_equal(np.stack(lease.views), arena_rows[first : first + lease.n_blocks])
+            seen.append((first, lease.n_blocks))
+        assert seen == [(b, min(10, BLOCKS - b)) for b in range(3, BLOCKS, 10)]
+        assert client.stats().leases == 0
+
+
+def test_windows_of_a_prefix_async_stop_and_refusals(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    daemon = kvstored_factory(host_bytes=HOST, disk_bytes="256MiB")
+    tokens, rows = chain(4)
+
+    async def main() -> list[tuple[int, int]]:
+        async with AsyncKVClient(daemon.addr) as client:
+            ns = await client.namespace("long", TOKENS, block_bytes=BLOCK)
+            assert (await ns.put(tokens, rows)).stored == BLOCKS
+            seen = []
+            async for lease in ns.windows(tokens, stop=BLOCKS - 5):
+                first = lease.first_block
+                got = np.stack(lease.views)
+                assert np.array_equal(got, rows[first : first + lease.n_blocks])
+                seen.append((first, lease.n_blocks))
+            with pytest.raises(InvalidArgumentError):
+                async for _ in ns.windows(tokens, window_blocks=-1):
+                    pass
+            return seen
+
+    seen = asyncio.run(main())
+    # the default window: DEFAULT_WINDOW_BYTES of blocks, but each one fits the host tier
+    assert sum(n for _, n in seen) == BLOCKS - 5 and seen[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(seen, seen[1:], strict=False))
+    daemon.stop()
     daemon.stop()
 
 

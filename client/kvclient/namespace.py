@@ -10,7 +10,8 @@ Tokens: a list or ndarray of ints (the whole prompt from its first token); block
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Generator, Sequence
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from kvclient.arena_path import BlockViews, ClientArena, SlotTable
 from kvclient.claims import Claim, ClaimTicket
 from kvclient.connection import Connection
 from kvclient.effects import Op
+from kvclient.errors import InvalidArgumentError
 from kvclient.puts_ahead import PendingPut
 from kvclient.results import GetResult
 from kvclient.wire import ExtraKeys, extra_bytes
@@ -59,11 +61,47 @@ class _Namespace:
         return reads.Get(self._conn, self.info, tokens, extra_keys, out).run()
 
     def _acquire(
-        self, tokens: Tokens, extra_keys: ExtraKeys, max_blocks: int, ttl_s: float | None
+        self,
+        tokens: Tokens,
+        extra_keys: ExtraKeys,
+        max_blocks: int,
+        ttl_s: float | None,
+        start: int = 0,
     ) -> Op[BlockLease]:
-        request = reads.acquire_request(self.info, tokens, extra_keys, max_blocks, ttl_s)
-        arena, table, lease_id = yield from reads.acquire(self._conn, request)
-        return BlockLease(self._conn, arena, table, self.block_bytes, self.block_tokens, lease_id)
+        request = reads.acquire_request(self.info, tokens, extra_keys, max_blocks, ttl_s, start)
+        arena, table, lease_id, ready = yield from reads.acquire(self._conn, request)
+        lease = BlockLease(self._conn, arena, table, self.block_bytes, self.block_tokens, lease_id)
+        lease.first_block = start
+        lease.ready_blocks = max(ready, start + lease.n_blocks)
+        return lease
+
+    def _window_ops(
+        self,
+        tokens: Tokens,
+        extra_keys: ExtraKeys,
+        start: int,
+        stop: int,
+        window_blocks: int,
+        ttl_s: float | None,
+    ) -> Generator[Callable[[], Op[BlockLease]], BlockLease, None]:
+        """The acquires of :meth:`Namespace.windows`, one per window, each made when the
+        last one's lease came back (see there); validated before the first."""
+        if window_blocks < 0 or stop < 0:
+            raise InvalidArgumentError(
+                f"window_blocks and stop must be >= 0, got {window_blocks} and {stop}"
+            )
+        size = window_blocks or max(1, reads.DEFAULT_WINDOW_BYTES // self.block_bytes)
+        at = start
+        while not stop or at < stop:
+            limit = size if not stop else min(size, stop - at)
+            lease = yield functools.partial(
+                self._acquire, tokens, extra_keys, limit, ttl_s, at
+            )
+            if not lease.n_blocks:
+                return
+            at += lease.n_blocks
+            if lease.n_blocks < limit and at >= lease.ready_blocks:
+                return  # the prefix ends here (else the host tier held less than a window)
 
     def _put(
         self, tokens: Tokens, blocks: Any, start: int, priority: int | None, extra: ExtraKeys
@@ -127,6 +165,7 @@ class Namespace(_Namespace):
         extra_keys: ExtraKeys = (),
         max_blocks: int = 0,
         ttl_s: float | None = None,
+        start: int = 0,
     ) -> BlockLease:
         """Pin the cached prefix of ``tokens`` and see its blocks in place, no copy::
 
@@ -136,9 +175,48 @@ class Namespace(_Namespace):
             # released here: the views must not be used any more
 
         Shared arena only (:class:`ArenaUnavailableError` otherwise). The lease lasts
-        ``ttl_s`` (the daemon's default when None) unless released first.
+        ``ttl_s`` (the daemon's default when None) unless released first. With
+        ``start`` only blocks ``start ..`` are pinned (``max_blocks`` of them at most;
+        ``lease.first_block``), the blocks before it ready in any tier: one window of a
+        prefix longer than the daemon's host tier (:meth:`windows` reads them all).
         """
-        return self.client._drive(self._acquire(tokens, extra_keys, max_blocks, ttl_s))
+        return self.client._drive(self._acquire(tokens, extra_keys, max_blocks, ttl_s, start))
+
+    def windows(
+        self,
+        tokens: Tokens,
+        *,
+        start: int = 0,
+        stop: int = 0,
+        window_blocks: int = 0,
+        extra_keys: ExtraKeys = (),
+        ttl_s: float | None = None,
+    ) -> Iterator[BlockLease]:
+        """The cached prefix of ``tokens`` one window at a time, each pinned while the
+        loop body reads it, however long the prefix (longer than the daemon's host
+        tier too)::
+
+            for lease in ns.windows(tokens):   # async: async for ... in ns.windows(...)
+                copy(lease.views, lease.first_block)  # blocks first_block .. + n_blocks
+
+        Blocks ``start`` .. ``stop`` (0: to the end of the prefix), ``window_blocks`` at
+        a time (0: DEFAULT_WINDOW_BYTES of blocks). Each window is released when the
+        next one is asked for (its release rides on that Acquire) or the loop ends;
+        the daemon reads each from its disk tier into host slots as it is asked for.
+        Shared arena only, as :meth:`acquire`."""
+        ops = self._window_ops(tokens, extra_keys, start, stop, window_blocks, ttl_s)
+        make = next(ops, None)
+        while make is not None:
+            lease = self.client._drive(make())
+            try:
+                if lease.n_blocks:
+                    yield lease
+            finally:
+                lease.release()
+            try:
+                make = ops.send(lease)
+            except StopIteration:
+                return
 
     # -- write side -----------------------------------------------------------------
 
@@ -230,11 +308,36 @@ class AsyncNamespace(_Namespace):
 
     def acquire(
         self, tokens: Tokens, *, extra_keys: ExtraKeys = (), max_blocks: int = 0,
-        ttl_s: float | None = None,
+        ttl_s: float | None = None, start: int = 0,
     ) -> AsyncAcquire:  # fmt: skip
         """Await it for the lease, or ``async with`` it to release the lease after."""
-        op = self._acquire(tokens, extra_keys, max_blocks, ttl_s)
+        op = self._acquire(tokens, extra_keys, max_blocks, ttl_s, start)
         return AsyncAcquire(self.client._drive(op))
+
+    async def windows(
+        self,
+        tokens: Tokens,
+        *,
+        start: int = 0,
+        stop: int = 0,
+        window_blocks: int = 0,
+        extra_keys: ExtraKeys = (),
+        ttl_s: float | None = None,
+    ) -> AsyncIterator[BlockLease]:
+        """:meth:`Namespace.windows`, for ``async for``."""
+        ops = self._window_ops(tokens, extra_keys, start, stop, window_blocks, ttl_s)
+        make = next(ops, None)
+        while make is not None:
+            lease = await self.client._drive(make())
+            try:
+                if lease.n_blocks:
+                    yield lease
+            finally:
+                await lease.release()
+            try:
+                make = ops.send(lease)
+            except StopIteration:
+                return
 
     async def put(
         self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
@@ -308,6 +411,10 @@ class BlockLease(BlockViews):
     ) -> None:
         super().__init__(arena.mapping, table, block_bytes, block_tokens, lease_id)
         self._conn = conn
+        self.first_block = 0  # the chain position of views[0] (a window: see windows)
+        # the ready prefix the daemon found, in blocks: more than first_block + n_blocks
+        # when the host tier could not hold it all (read the rest with windows)
+        self.ready_blocks = self.n_blocks
 
     def release(self) -> Any:
         """Give the blocks back (idempotent); the views must not be used after it. With

@@ -64,6 +64,10 @@ def why(
     return result_messages.miss_reason((yield from conn.call("Lookup", request)).miss)
 
 
+# a window of Namespace.windows when none is given: bytes of blocks one window pins
+DEFAULT_WINDOW_BYTES = 64 << 20
+
+
 class Get:
     """One get of the longest cached prefix of ``tokens`` (see the module docstring)."""
 
@@ -116,8 +120,9 @@ class Get:
         # an effect only where there is work: each one costs the asyncio client a thread
         early = reader.copy_early if last is not None else None
         answer = yield from conn.call("Acquire", request, during=early)
-        if answer.lease_id or arena.names_another_arena(answer.arena_path):
-            # pinned after all (a block was on disk), or from a restarted daemon
+        if answer.lease_id or answer.ready_blocks or arena.names_another_arena(answer.arena_path):
+            # pinned after all (a block was on disk; maybe nothing of a prefix longer
+            # than the host tier could be), or from a restarted daemon
             return (yield from self.read_pinned(arena, answer))
         done = (
             (yield Work(reader.finish, (answer,))) if answer.slot_offsets else reader.finish(answer)
@@ -253,22 +258,35 @@ class _GetSink:
 
 
 def acquire_request(
-    ns: NamespaceInfo, tokens: Any, extra_keys: wire.ExtraKeys, max_blocks: int, ttl_s: float | None
+    ns: NamespaceInfo,
+    tokens: Any,
+    extra_keys: wire.ExtraKeys,
+    max_blocks: int,
+    ttl_s: float | None,
+    start_block: int = 0,
 ) -> pb.AcquireRequest:
-    """The Acquire of ``Namespace.acquire`` (validated)."""
+    """The Acquire of ``Namespace.acquire`` or of one of ``Namespace.windows``
+    (validated)."""
     token_list = as_tokens(tokens).tolist()
     if max_blocks < 0:
         raise InvalidArgumentError(f"max_blocks must be >= 0, got {max_blocks}")
+    if start_block < 0:
+        raise InvalidArgumentError(f"start must be >= 0, got {start_block}")
     if ttl_s is not None and not ttl_s > 0:
         raise InvalidArgumentError(f"ttl_s must be > 0, got {ttl_s}")
     return pb.AcquireRequest(
         ns_id=ns.ns_id, tokens=token_list, extra_keys=wire.extra_bytes(extra_keys),
         max_blocks=max_blocks, ttl_s=ttl_s or 0.0, compact_slots=True,
+        start_block=start_block,
     )  # fmt: skip
 
 
-def acquire(conn: Connection, request: pb.AcquireRequest) -> Op[tuple[ClientArena, SlotTable, int]]:
-    """Pin the prefix: (the arena, its slots, the lease id) for zero-copy views."""
+def acquire(
+    conn: Connection, request: pb.AcquireRequest
+) -> Op[tuple[ClientArena, SlotTable, int, int]]:
+    """Pin the prefix (from the request's start_block): (the arena, its slots, the lease
+    id, the ready prefix's length when it is longer than the slots, else 0) for
+    zero-copy views."""
     for _ in range(2):
         info, arena = yield from conn.arena_for_data()
         if arena is None:
@@ -280,7 +298,7 @@ def acquire(conn: Connection, request: pb.AcquireRequest) -> Op[tuple[ClientAren
         request.release_lease_ids[:] = conn.accounting.take_done()
         answer = yield from conn.call("Acquire", request)
         if not arena.names_another_arena(answer.arena_path):
-            return arena, wire.slot_table(answer), answer.lease_id
+            return arena, wire.slot_table(answer), answer.lease_id, answer.ready_blocks
         if answer.lease_id:  # the daemon restarted: map its new arena and ask again
             yield from conn.call("Release", pb.ReleaseRequest(lease_id=answer.lease_id))
         conn.forget_arena()

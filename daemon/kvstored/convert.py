@@ -187,7 +187,7 @@ def acquire_response(
     msg = pb.AcquireResponse(
         lease_id=got.lease_id,
         expires_in_s=expires_in(got.expires_at) if got.lease_id else 0.0,
-        ready_tokens=len(got.offsets) * block_tokens,
+        ready_tokens=(got.first_index + len(got.offsets)) * block_tokens,
         arena_path=arena_path,
     )
     if not compact:

@@ -185,9 +185,14 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
         spec, keys, _ = calls.read_chain(
             request.ns_id, request.tokens, request.extra_keys, caller, quick
         )
+        start = request.start_block
+        if start > len(keys):
+            raise InvalidArgument(
+                f"start_block={start} is beyond the {len(keys)} full blocks the tokens make"
+            )
         if request.max_blocks:
-            keys = keys[: request.max_blocks]
-        if request.unpinned:
+            keys = keys[: start + request.max_blocks]
+        if request.unpinned and not start:
             located = calls.store.locate(spec.ns_id, keys)
             if located is not None:
                 return convert.located_response(
@@ -195,7 +200,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
                 )
             # a block is on disk only: acquire promotes it (from the page cache, when quick)
         got = calls.store.acquire(
-            spec.ns_id, keys, ttl, host_only=quick, count=not request.counted
+            spec.ns_id, keys, ttl, host_only=quick, count=not request.counted, start=start
         )
         if got is None:  # a block is on disk only: promoting it waits on the disk
             raise NeedsPool
@@ -203,7 +208,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
         response = convert.acquire_response(
             got, spec.block_tokens, calls.arena_name(spec), request.compact_slots
         )
-        if len(got.offsets) < len(keys):  # the host tier may not hold the whole prefix
+        if start + len(got.offsets) < len(keys):  # the host tier may not hold it all
             ready = calls.store.lookup(spec.ns_id, keys).ready_blocks
             if ready > len(got.offsets):
                 response.ready_blocks = ready

@@ -592,11 +592,11 @@ class GpuClient:
             return None
         mover = self._mover_for(kv)
         n = start + len(ids)
-        lease = ns.acquire(arr[: n * ns.block_tokens], extra_keys=extra_keys, max_blocks=n)
-        table = lease.slots
-        wanted = np.flatnonzero(table.indices >= start)
-        chosen = [ids[int(table.indices[k]) - start] for k in wanted]
-        return mover, lease, len(table), chosen, table.offsets[wanted].tolist()
+        lease = ns.acquire(
+            arr[: n * ns.block_tokens], extra_keys=extra_keys, max_blocks=len(ids), start=start
+        )
+        table = lease.slots  # (blocks start .. of the chain: the lease's window)
+        return mover, lease, start + len(table), ids[: len(table)], table.offsets.tolist()
 
     # -- daemon-driven copies
 

@@ -557,6 +557,12 @@ class HFPrefixCache:
                 m = loading.onboarded
             else:
                 m = gpu.onboard(*blocks).onboarded
+            # a prefix longer than the daemon's host tier: the rest window by window
+            while 0 < m < n:
+                more = gpu.onboard(*blocks[:3], list(range(m, n)), start=m).onboarded
+                if more == 0:
+                    break
+                m += more
         except _RECOVERABLE as exc:
             log.warning("kvstore load failed, recomputing the prompt: %s", exc)
             return LoadedPrefix(None, 0, 0, 0, time.perf_counter() - start_time)

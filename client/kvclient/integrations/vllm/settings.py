@@ -48,6 +48,9 @@ class ConnectorSettings:
     # its configuration, kv_connector_extra_config included.
     token_file: str = ""
     codec: str = "exact"  # of the disk and shared tiers (kvstore.codecs: fp8, int8, int4)
+    # a load pins this many bytes of blocks at a time (a prefix longer than the daemon's
+    # host tier is loaded window by window: kvclient.Namespace.windows)
+    window_bytes: int = 64 << 20
 
     def token(self) -> str | None:
         """The token from ``token_file``; None: the client's default (environment)."""
@@ -71,6 +74,8 @@ class ConnectorSettings:
         for name in ("early_reuse_wait_s", "lookup_timeout_s", "io_timeout_s"):
             if not float(getattr(settings, name)) > 0:
                 raise ValueError(f"KVStoreConnector: {name} must be > 0")
+        if not int(settings.window_bytes) > 0:
+            raise ValueError("KVStoreConnector: window_bytes must be > 0")
         if settings.priority is not None and not 0 <= int(settings.priority) <= 100:
             raise ValueError("KVStoreConnector: priority must be in 0..100")
         if settings.load_failure_policy not in ("recompute", "fail"):

@@ -92,14 +92,18 @@ class WorkerSide:
         end = spec.start + len(spec.block_ids)
         try:
             ns = self.namespaces.get(spec.salt)
+            window = max(1, self.settings.window_bytes // self.layout.block_bytes)
+            got = 0
             try:
-                with ns.acquire(spec.tokens, max_blocks=end) as lease:
-                    got = max(min(lease.n_blocks, end) - spec.start, 0)
-                    if got:
-                        self.layers.scatter(
-                            spec.block_ids[:got], self._leased_rows(lease, spec.start, got)
-                        )
-                    return got
+                # window by window: a prefix longer than the daemon's host tier too
+                for lease in ns.windows(
+                    spec.tokens, start=spec.start, stop=end, window_blocks=window
+                ):
+                    n = lease.n_blocks
+                    ids = spec.block_ids[got : got + n]
+                    self.layers.scatter(ids, self._leased_rows(lease, 0, n))
+                    got += n
+                return got
             except ArenaUnavailableError:  # another host: the bytes come inline
                 rows = self._rows_for(end)
                 result = ns.get(spec.tokens, out=rows.numpy()[:end])
