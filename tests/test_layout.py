@@ -156,8 +156,8 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     # (+20: the one-launch page copy, issue 59; +10: loads window by window, issue 55)
     assert lines(wings / "vllm") <= 1130
     # (+50: copies straight to CUDA, issue 45; +170: layer-wise loads into cache layers
-    # with room, issue 59)
-    assert lines(wings / "hf") <= 1120
+    # with room, issue 59; +10: the rest of a long prefix in windows, issue 55)
+    assert lines(wings / "hf") <= 1130
 
 
 # -- composition, not inheritance ------------------------------------------------------
