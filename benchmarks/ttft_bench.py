@@ -40,7 +40,6 @@ import signal
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvbench.cuda_copy import copy_gbs  # noqa: E402
+from kvbench.disk_floor import disk_read_gbs, drop_disk_cache  # noqa: E402
 from kvbench.models import LLAMA_PRESETS, random_llama  # noqa: E402
 from kvbench.servers import OwnDaemon  # noqa: E402
 from kvclient import KVClient  # noqa: E402
@@ -109,40 +109,6 @@ def arena_dir_for(workdir: Path, host_bytes: int) -> Path:
     shm = Path("/dev/shm")
     room = shutil.disk_usage(shm).free if shm.is_dir() else 0
     return shm if room > host_bytes * 1.25 else workdir
-
-
-def drop_disk_cache(disk_dir: Path) -> None:
-    """Evict LMDB's data file from the page cache: the next read hits the disk."""
-    fd = os.open(disk_dir / "data.mdb", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def disk_read_gbs(path: Path, threads: int, chunk: int = 8 << 20) -> float:
-    """GB/s of reading ``path`` cold: dropped from the page cache, then read by
-    ``threads`` readers in ``chunk``-sized pieces (each reader reuses one buffer)."""
-    drop_disk_cache(path.parent)
-    size = path.stat().st_size
-    starts = list(range(0, size, chunk))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        def reader(index: int) -> int:
-            buffer = bytearray(chunk)
-            done = 0
-            for start in starts[index::threads]:
-                done += os.preadv(fd, [buffer], start)
-            return done
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            total = sum(pool.map(reader, range(threads)))
-        elapsed = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-    return total / elapsed / 1e9
 
 
 def sync(device: torch.device) -> None:
