@@ -86,8 +86,11 @@ def prompts(args: argparse.Namespace, tokenizer: Any, host: int, bb: int) -> lis
     return rounds
 
 
-def read_cold(daemon: OwnDaemon, chat: list[Any], tokenizer: Any, bb: int) -> tuple[int, float]:
-    """Bytes of the chat's prefix read through windows from a cold disk, and seconds."""
+def read_cold(
+    daemon: OwnDaemon, chat: list[Any], tokenizer: Any, bb: int, read_ahead: bool
+) -> tuple[int, float]:
+    """Bytes of the chat's prefix read through windows from a cold disk (each window
+    copied out), and seconds."""
     tokens = prompt_tokens(tokenizer, chat)
     drop_disk_cache(daemon.disk_dir)
     with KVClient(daemon.addr) as client:
@@ -95,11 +98,40 @@ def read_cold(daemon: OwnDaemon, chat: list[Any], tokenizer: Any, bb: int) -> tu
         namespace = client.open_namespace(ns.ns_id)
         got = 0
         started = time.perf_counter()
-        for lease in namespace.windows(tokens):
+        for lease in namespace.windows(tokens, read_ahead=read_ahead):
             out = np.empty((lease.n_blocks, bb), np.uint8)
             lease.copy_to(out)
             got += out.nbytes
         return got, time.perf_counter() - started
+
+
+READS = ("windows", "windows, no read-ahead", "floor")
+
+
+def cold_reads(
+    args: argparse.Namespace, daemon: OwnDaemon, chat: list[Any], tokenizer: Any, bb: int
+) -> list[dict[str, Any]]:
+    """The longest prefix read cold, in turns: through windows with read-ahead, without
+    it, and the floor (``--disk-threads`` readers of as many bytes of the data file,
+    block by block), each after the daemon restarted and the file left the page cache;
+    the order turns each time, so that no case always runs first."""
+    rows = []
+    for turn in range(args.read_turns):
+        order = READS[turn % 3 :] + READS[: turn % 3]
+        for case in order:
+            daemon.stop()
+            daemon.start()
+            if case == "floor":
+                nbytes = rows[-1]["bytes"] if rows else 64 * bb
+                gbs = disk_read_gbs(daemon.disk_dir / "data.mdb", args.disk_threads, bb, nbytes)
+                rows.append({"case": case, "bytes": nbytes, "seconds": nbytes / gbs / 1e9})
+            else:
+                got, seconds = read_cold(daemon, chat, tokenizer, bb, case == "windows")
+                rows.append({"case": case, "bytes": got, "seconds": seconds})
+            row = rows[-1]
+            print(f"cold read {turn + 1}: {case}: {row['bytes'] / MiB:.0f} MiB at "
+                  f"{row['bytes'] / row['seconds'] / 1e9:.2f} GB/s", file=sys.stderr)
+    return rows
 
 
 def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -114,7 +146,8 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     daemon = OwnDaemon(work, host, 4 << 30)
     daemon.start()
     results: list[dict[str, Any]] = []
-    record = {"host_bytes": host, "block_bytes": bb, "results": results, "reads": []}
+    record: dict[str, Any] = {"host_bytes": host, "block_bytes": bb, "results": results}
+    record["reads"] = []
 
     def note(case: str, ratio: float, answer: dict[str, Any], round_: int) -> None:
         results.append({"case": case, "ratio": ratio, "round": round_, **answer})
@@ -144,13 +177,9 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             # the disk case: the daemon restarted, its file out of the page cache,
             # a fresh engine
             kv.close()
-            daemon.stop()
-            daemon.start()
-            got, seconds = read_cold(daemon, chats[-1], tokenizer, bb)
-            floor = disk_read_gbs(daemon.disk_dir / "data.mdb", args.disk_threads)
-            record["reads"].append({"bytes": got, "seconds": seconds, "floor_gbs": floor})
-            print(f"round {r + 1}: {got / MiB:.0f} MiB read cold in windows at "
-                  f"{got / seconds / 1e9:.2f} GB/s; floor {floor:.2f} GB/s", file=sys.stderr)
+            if r == 0:
+                record["reads"] = cold_reads(args, daemon, chats[-1], tokenizer, bb)
+                out.write_text(json.dumps(record, indent=1))
             daemon.stop()
             daemon.start()
             drop_disk_cache(daemon.disk_dir)
@@ -211,18 +240,31 @@ def report(args: argparse.Namespace, record: dict[str, Any], elapsed_s: float) -
     lines += ["", f"Replies equal to vLLM alone's: {same} of {kv_rows}.", ""]
     reads = record["reads"]
     if reads:
-        rate = statistics.median(r["bytes"] / r["seconds"] / 1e9 for r in reads)
-        floor = statistics.median(r["floor_gbs"] for r in reads)
+        rates = {
+            case: [r["bytes"] / r["seconds"] / 1e9 for r in reads if r["case"] == case]
+            for case in READS
+        }
+        floor = statistics.median(rates["floor"])
         lines += [
             "## Disk reads of the longest prefix",
             "",
-            f"After a restart, with the data file dropped from the page cache, the "
-            f"{max(args.ratios)}x prefix ({reads[0]['bytes'] / MiB:.0f} MiB) read through "
-            f"`Namespace.windows` (each window copied out): **{rate:.2f} GB/s**, median of "
-            f"{len(reads)}; floor in the same run ({args.disk_threads} parallel readers of "
-            f"the data file, cold): {floor:.2f} GB/s: **{rate / floor:.2f} of the floor**.",
+            f"The {max(args.ratios)}x prefix ({reads[0]['bytes'] / MiB:.0f} MiB), each read "
+            "after a daemon restart with the data file dropped from the page cache, in "
+            f"turns ({args.read_turns} each, the order turning): through "
+            "`Namespace.windows` (each window copied out), with and without read-ahead, "
+            f"and the floor: {args.disk_threads} parallel readers of as many bytes of the "
+            "data file, a block at a time. Median GB/s (min-max):",
             "",
+            "| read | GB/s | of the floor |",
+            "|---|---|---|",
         ]
+        for case in READS:
+            mid = statistics.median(rates[case])
+            lines.append(
+                f"| {case} | {mid:.2f} ({min(rates[case]):.2f}-{max(rates[case]):.2f}) "
+                f"| {mid / floor:.2f} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -234,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--disk-threads", type=int, default=4)
+    parser.add_argument("--read-turns", type=int, default=3, help="cold reads of each kind")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "long-prefix.md")
     args = parser.parse_args(argv)
     args.ratios = [float(x) for x in args.ratios.split(",")]
-    if any(r <= 0 for r in args.ratios) or args.rounds < 1 or args.disk_threads < 1:
-        parser.error("ratios must be > 0, rounds and disk threads at least 1")
+    if any(r <= 0 for r in args.ratios) or min(args.rounds, args.disk_threads, args.read_turns) < 1:
+        parser.error("ratios must be > 0; rounds, disk threads and read turns at least 1")
     if args.model is None:
         from kvclient.smollm2 import model_dir
 

@@ -137,6 +137,7 @@ class Store:
         self.lookup = self._reads.lookup
         self.read = self._reads.read
         self.acquire = self._reads.acquire
+        self.read_ahead = self._reads.read_ahead
         self.locate = self._reads.locate
         self.why = self._reads.why
         self.note_reads = self._reads.note_reads

@@ -16,13 +16,14 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import overload
 
 import numpy as np
 
 from kvstore.errors import (
     InvalidArgument,
+    StoreError,
 )
 from kvstore.index import READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, run_tokens
@@ -66,6 +67,8 @@ class Reads:
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
         self._promoters: ThreadPoolExecutor | None = None  # made on the first big promotion
+        # read-ahead in flight, by the first key of its window (see read_ahead)
+        self._ahead: dict[BlockKey, Future[None]] = {}
 
     def close(self) -> None:
         """Stop the promotion threads (after the store closed)."""
@@ -168,10 +171,14 @@ class Reads:
         ttl = check_ttl(self._parts.config, ttl_s)
         if not 0 <= start <= len(keys):
             raise InvalidArgument(f"start={start} is outside a chain of {len(keys)} blocks")
-        # at most what the tenant's host room holds: a prefix longer than the host tier
-        # is pinned one window at a time (its own blocks held in host would else leave
-        # no room for the rest)
-        keys = keys[: start + self._parts.host_room(entry.group) // entry.spec.block_bytes]
+        # at most what the tenant's host room holds: a prefix longer than that is pinned
+        # one window at a time (its own blocks held in host would else leave no room for
+        # the rest); a later window at most half of it, so that the next one may be read
+        # ahead meanwhile
+        room = self._parts.host_room(entry.group) // entry.spec.block_bytes
+        keys = keys[: start + (self._window_blocks(entry) if start else room)]
+        if start < len(keys) and not self._read_ahead_done(keys[start], wait=not host_only):
+            return None  # (host_only: a read-ahead of this window is still reading)
         pinned = self._pin_prefix(
             entry, keys, promote_all=True, host_only=host_only, start=start
         )
@@ -215,6 +222,68 @@ class Reads:
                 [decoded.get(start + i, node.host_offset) for i, node in enumerate(kept)]
             )
             return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size, start)
+
+    def read_ahead(self, ns_id: str, keys: Sequence[BlockKey], start: int) -> bool:
+        """Start promoting the window of ``keys`` from ``start`` on (at most half the
+        tenant's host room; its disk-only blocks) into the host tier on a promotion
+        thread, for a caller that reads a long prefix window by window: the disk reads
+        of its next window overlap its copy of the last one. An acquire of that window
+        waits for the read-ahead first. Nothing is leased, nothing is counted: the
+        blocks are ordinary host blocks once read (evictable as any). False when there
+        is nothing to read ahead (no disk tier, ``start`` past the chain, or a read-ahead
+        of that window in flight already)."""
+        entry = self._parts.namespaces.entry(ns_id)
+        self._parts.namespaces.check_keys(entry, keys)
+        if self._parts.disk is None or not 0 <= start < len(keys):
+            return False
+        window = list(keys[: start + self._window_blocks(entry)])
+        with self._parts.lock:
+            if keys[start] in self._ahead:
+                return False
+            future: Future[None] = Future()
+            self._ahead[keys[start]] = future
+        self._promote_pool().submit(self._read_ahead, entry, window, start, future)
+        return True
+
+    def _read_ahead(
+        self, entry: NamespaceEntry, keys: list[BlockKey], start: int, future: Future[None]
+    ) -> None:
+        """:meth:`read_ahead`'s work, on a promotion thread."""
+        try:
+            pinned = self._pin_prefix(entry, keys, promote_all=True, start=start)
+            if pinned is not None:
+                nodes, fresh = pinned
+                try:
+                    ok = self._fill_promotions(nodes, fresh)
+                except Exception:  # a hint only: the acquire reads what is missing
+                    log.debug("read-ahead of a window failed", exc_info=True)
+                    ok = start
+                self._finish_pinned(
+                    entry, keys, nodes, fresh, ok, keep_pins=False, start=start, count=False
+                )
+        except StoreError:  # closed meanwhile
+            pass
+        finally:
+            with self._parts.lock:
+                if self._ahead.get(keys[start]) is future:
+                    del self._ahead[keys[start]]
+            future.set_result(None)
+
+    def _read_ahead_done(self, first: BlockKey, wait: bool) -> bool:
+        """Whether no read-ahead of the window that starts with ``first`` is in flight
+        (its blocks would else be read twice), after waiting for it with ``wait``."""
+        with self._parts.lock:
+            future = self._ahead.get(first)
+        if future is None:
+            return True
+        if wait:
+            future.result()
+        return wait
+
+    def _window_blocks(self, entry: NamespaceEntry) -> int:
+        """Blocks one acquire pins at most: half the tenant's host room (one window
+        pinned, the next read ahead)."""
+        return max(1, self._parts.host_room(entry.group) // 2 // entry.spec.block_bytes)
 
     def locate(self, ns_id: str, keys: Sequence[BlockKey]) -> Located | None:
         """The host slots of the ready prefix of ``keys`` and their epochs, pinning

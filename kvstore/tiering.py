@@ -7,7 +7,9 @@ tier: a block enters and leaves a tier here and nowhere else.
 
 - Only leaves leave a tier, lowest priority then least recently used first; a host
   leaf is written back to disk when admitted, else dropped; a tenant at its quota
-  evicts its own blocks first.
+  evicts its own blocks first. When no host leaf can go, a block already on disk
+  leaves the host tier even with children there (they keep their parent on disk: a
+  prefix longer than the host tier is one chain whose only leaf is pinned).
 - A host block due on disk (admitted, not written yet: "dirty") never leaves the host
   tier unwritten: when the disk writer's queue is full, eviction passes over dirty
   blocks to clean ones (on disk, or not due there), and when none is left it reports
@@ -395,6 +397,17 @@ class Tiers:
                 self.counters.dirty_dropped += 1
                 return node
             self.writer_blocked = True
+        return self._clean_inner_victim(group, skip) if policy.leaf_first else None
+
+    def _clean_inner_victim(self, group: str | None, skip: Collection[str]) -> Node | None:
+        """When no host leaf can go: the first evictable block that is on disk already
+        and has children in host (a prefix longer than the host tier, read or written
+        window by window, is one chain in host whose only leaf is its pinned window).
+        It leaves the host tier only; its children keep their parent on disk."""
+        for node in self.host_policy.candidates(group, skip):
+            movable = node.on_disk and node.ready and not node.pins and node.host_children
+            if movable and not (node.shared_due and self.shared_wait):
+                return node
         return None
 
     @property

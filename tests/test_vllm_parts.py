@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import Daemon
@@ -295,3 +296,25 @@ def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks
     finally:
         worker.close()
         scheduler.close()
+
+
+def test_leased_rows_in_a_downward_run_are_copied_not_viewed() -> None:
+    """Slots freed in reverse order make a downward run: its one view has a negative
+    stride, which torch cannot take; such rows are copied into the worker's buffer."""
+    from types import SimpleNamespace
+
+    from kvclient.integrations.vllm.worker import WorkerSide
+
+    arena = np.arange(4 * 8, dtype=np.uint8).reshape(4, 8)
+    downward = arena[::-1]
+    buffer = torch.zeros((4, 8), dtype=torch.uint8)
+
+    def copy_to(out: np.ndarray, first: int, n: int) -> None:
+        out[:n] = downward[first : first + n]
+
+    lease = SimpleNamespace(blocks=downward, copy_to=copy_to)
+    worker = SimpleNamespace(_rows_for=lambda n: buffer)
+    rows = WorkerSide._leased_rows(worker, lease, 1, 3)  # type: ignore[arg-type]
+    assert rows.tolist() == downward[1:4].tolist()
+    upward = SimpleNamespace(blocks=arena, copy_to=copy_to)
+    assert WorkerSide._leased_rows(worker, upward, 0, 2).tolist() == arena[:2].tolist()  # type: ignore[arg-type]

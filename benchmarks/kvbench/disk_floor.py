@@ -19,11 +19,12 @@ def drop_disk_cache(disk_dir: Path) -> None:
         os.close(fd)
 
 
-def disk_read_gbs(path: Path, threads: int, chunk: int = 8 << 20) -> float:
+def disk_read_gbs(path: Path, threads: int, chunk: int = 8 << 20, nbytes: int = 0) -> float:
     """GB/s of reading ``path`` cold: dropped from the page cache, then read by
-    ``threads`` readers in ``chunk``-sized pieces (each reader reuses one buffer)."""
+    ``threads`` readers in ``chunk``-sized pieces (each reader reuses one buffer); its
+    first ``nbytes`` only when given."""
     drop_disk_cache(path.parent)
-    size = path.stat().st_size
+    size = path.stat().st_size if not nbytes else min(nbytes, path.stat().st_size)
     starts = list(range(0, size, chunk))
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -67,8 +67,11 @@ class _Namespace:
         max_blocks: int,
         ttl_s: float | None,
         start: int = 0,
+        read_ahead: bool = False,
     ) -> Op[BlockLease]:
-        request = reads.acquire_request(self.info, tokens, extra_keys, max_blocks, ttl_s, start)
+        request = reads.acquire_request(
+            self.info, tokens, extra_keys, max_blocks, ttl_s, start, read_ahead
+        )
         arena, table, lease_id, ready = yield from reads.acquire(self._conn, request)
         lease = BlockLease(self._conn, arena, table, self.block_bytes, self.block_tokens, lease_id)
         lease.first_block = start
@@ -83,6 +86,7 @@ class _Namespace:
         stop: int,
         window_blocks: int,
         ttl_s: float | None,
+        read_ahead: bool,
     ) -> Generator[Callable[[], Op[BlockLease]], BlockLease, None]:
         """The acquires of :meth:`Namespace.windows`, one per window, each made when the
         last one's lease came back (see there); validated before the first."""
@@ -95,7 +99,7 @@ class _Namespace:
         while not stop or at < stop:
             limit = size if not stop else min(size, stop - at)
             lease = yield functools.partial(
-                self._acquire, tokens, extra_keys, limit, ttl_s, at
+                self._acquire, tokens, extra_keys, limit, ttl_s, at, read_ahead=read_ahead
             )
             if not lease.n_blocks:
                 return
@@ -191,6 +195,7 @@ class Namespace(_Namespace):
         window_blocks: int = 0,
         extra_keys: ExtraKeys = (),
         ttl_s: float | None = None,
+        read_ahead: bool = True,
     ) -> Iterator[BlockLease]:
         """The cached prefix of ``tokens`` one window at a time, each pinned while the
         loop body reads it, however long the prefix (longer than the daemon's host
@@ -202,9 +207,12 @@ class Namespace(_Namespace):
         Blocks ``start`` .. ``stop`` (0: to the end of the prefix), ``window_blocks`` at
         a time (0: DEFAULT_WINDOW_BYTES of blocks). Each window is released when the
         next one is asked for (its release rides on that Acquire) or the loop ends;
-        the daemon reads each from its disk tier into host slots as it is asked for.
-        Shared arena only, as :meth:`acquire`."""
-        ops = self._window_ops(tokens, extra_keys, start, stop, window_blocks, ttl_s)
+        the daemon reads the next window from its disk tier into host while the loop
+        body copies the last one (``read_ahead``; False: each window is read when asked
+        for). Shared arena only, as :meth:`acquire`."""
+        ops = self._window_ops(
+            tokens, extra_keys, start, stop, window_blocks, ttl_s, read_ahead
+        )
         make = next(ops, None)
         while make is not None:
             lease = self.client._drive(make())
@@ -323,9 +331,12 @@ class AsyncNamespace(_Namespace):
         window_blocks: int = 0,
         extra_keys: ExtraKeys = (),
         ttl_s: float | None = None,
+        read_ahead: bool = True,
     ) -> AsyncIterator[BlockLease]:
         """:meth:`Namespace.windows`, for ``async for``."""
-        ops = self._window_ops(tokens, extra_keys, start, stop, window_blocks, ttl_s)
+        ops = self._window_ops(
+            tokens, extra_keys, start, stop, window_blocks, ttl_s, read_ahead
+        )
         make = next(ops, None)
         while make is not None:
             lease = await self.client._drive(make())

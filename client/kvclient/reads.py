@@ -264,6 +264,7 @@ def acquire_request(
     max_blocks: int,
     ttl_s: float | None,
     start_block: int = 0,
+    read_ahead: bool = False,
 ) -> pb.AcquireRequest:
     """The Acquire of ``Namespace.acquire`` or of one of ``Namespace.windows``
     (validated)."""
@@ -277,7 +278,7 @@ def acquire_request(
     return pb.AcquireRequest(
         ns_id=ns.ns_id, tokens=token_list, extra_keys=wire.extra_bytes(extra_keys),
         max_blocks=max_blocks, ttl_s=ttl_s or 0.0, compact_slots=True,
-        start_block=start_block,
+        start_block=start_block, read_ahead=read_ahead,
     )  # fmt: skip
 
 

@@ -190,6 +190,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
             raise InvalidArgument(
                 f"start_block={start} is beyond the {len(keys)} full blocks the tokens make"
             )
+        chain = keys
         if request.max_blocks:
             keys = keys[: start + request.max_blocks]
         if request.unpinned and not start:
@@ -208,10 +209,14 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
         response = convert.acquire_response(
             got, spec.block_tokens, calls.arena_name(spec), request.compact_slots
         )
-        if start + len(got.offsets) < len(keys):  # the host tier may not hold it all
+        ended = start + len(got.offsets)
+        if ended < len(keys):  # the host tier may not hold it all
             ready = calls.store.lookup(spec.ns_id, keys).ready_blocks
-            if ready > len(got.offsets):
+            if ready > ended:
                 response.ready_blocks = ready
+        if request.read_ahead and got.offsets and ended < len(chain):
+            window = request.max_blocks or len(got.offsets)
+            calls.store.read_ahead(spec.ns_id, chain[: ended + window], ended)
         return response
 
     return await calls.run_quick(acquire)

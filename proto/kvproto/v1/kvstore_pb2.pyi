@@ -276,7 +276,7 @@ class Slot(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s", "release_lease_ids", "compact_slots", "unpinned", "counted", "start_block")
+    __slots__ = ("ns_id", "tokens", "extra_keys", "max_blocks", "ttl_s", "release_lease_ids", "compact_slots", "unpinned", "counted", "start_block", "read_ahead")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,7 @@ class AcquireRequest(_message.Message):
     UNPINNED_FIELD_NUMBER: _ClassVar[int]
     COUNTED_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    READ_AHEAD_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
@@ -297,7 +298,8 @@ class AcquireRequest(_message.Message):
     unpinned: bool
     counted: bool
     start_block: int
-    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., compact_slots: _Optional[bool] = ..., unpinned: _Optional[bool] = ..., counted: _Optional[bool] = ..., start_block: _Optional[int] = ...) -> None: ...
+    read_ahead: bool
+    def __init__(self, ns_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., max_blocks: _Optional[int] = ..., ttl_s: _Optional[float] = ..., release_lease_ids: _Optional[_Iterable[int]] = ..., compact_slots: _Optional[bool] = ..., unpinned: _Optional[bool] = ..., counted: _Optional[bool] = ..., start_block: _Optional[int] = ..., read_ahead: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "expires_in_s", "slots", "ready_tokens", "arena_path", "slot_offsets", "slot_epochs", "ready_blocks")

@@ -121,7 +121,7 @@ class WorkerSide:
         run = lease.blocks
         with warnings.catch_warnings():  # the arena's views are read-only; only read here
             warnings.simplefilter("ignore", UserWarning)
-            if run is not None:
+            if run is not None and run.strides[0] > 0:  # (torch takes no downward run)
                 return torch.from_numpy(run[first : first + n])
             rows = self._rows_for(n)
             lease.copy_to(rows.numpy(), first, n)
