@@ -59,15 +59,8 @@ from kvclient.integrations.vllm.blocks import PagedLayers  # noqa: E402
 from kvstore import block_kernel  # noqa: E402
 from kvstore.host.arena import HostArena  # noqa: E402
 from kvstore.host.pinning import cuda_pin_hook, device_address  # noqa: E402
-from kvstore.mover import (  # noqa: E402
-    HFKV,
-    MAX_RUN_COPIES,
-    KVCache,
-    Mover,
-    PagedKV,
-    device_alias,
-    dtype_of,
-)
+from kvstore.kv_caches import HFKV, KVCache, PagedKV, dtype_of  # noqa: E402
+from kvstore.mover import MAX_RUN_COPIES, Mover, device_alias  # noqa: E402
 from kvstore.platform import detect  # noqa: E402
 
 

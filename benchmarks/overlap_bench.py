@@ -30,7 +30,8 @@ from kvbench.models import random_llama  # noqa: E402
 from kvclient.integrations.hf import cache as hf_cache  # noqa: E402
 from kvstore.host.arena import HostArena  # noqa: E402
 from kvstore.host.pinning import cuda_pin_hook, device_address  # noqa: E402
-from kvstore.mover import HFKV, Mover  # noqa: E402
+from kvstore.kv_caches import HFKV  # noqa: E402
+from kvstore.mover import Mover  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

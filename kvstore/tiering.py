@@ -7,9 +7,8 @@ tier: a block enters and leaves a tier here and nowhere else.
 
 - Only leaves leave a tier, lowest priority then least recently used first; a host
   leaf is written back to disk when admitted, else dropped; a tenant at its quota
-  evicts its own blocks first. When no host leaf can go, a block already on disk
-  leaves the host tier even with children there (they keep their parent on disk: a
-  prefix longer than the host tier is one chain whose only leaf is pinned).
+  evicts its own blocks first. When no host leaf can go, a block already on disk leaves
+  the host tier, its children there keep it on disk (a long prefix has one, pinned, leaf).
 - A host block due on disk (admitted, not written yet: "dirty") never leaves the host
   tier unwritten: when the disk writer's queue is full, eviction passes over dirty
   blocks to clean ones (on disk, or not due there), and when none is left it reports
@@ -17,11 +16,10 @@ tier: a block enters and leaves a tier here and nowhere else.
   writer outside the lock (:mod:`kvstore.store_writes`). Only a put past that wait
   under ``overflow = drop`` sets :attr:`Tiers.drop_dirty`, and each block dropped so
   is counted (``dirty_dropped``).
-- A disk hit is promoted into a host slot, parents first; a disk block that cannot be
-  read back is dropped with its disk-only descendants.
-- At close the host blocks due on disk are written there, waiting for the writer
-  until a deadline. (At start the disk tier's records are indexed by
-  :mod:`kvstore.index_load`, behind the store's first answers.)
+- A disk hit is promoted into a host slot; a disk block that cannot be read back goes,
+  with every block under it that has no path through host.
+- At close the host blocks due on disk are written there (waiting for the writer until
+  a deadline); at start :mod:`kvstore.index_load` indexes the disk tier's records.
 - Ending a lease (:meth:`Tiers.let_go`) unpins its blocks, drops its pending ones and
   frees its staged slots.
 
@@ -400,10 +398,9 @@ class Tiers:
         return self._clean_inner_victim(group, skip) if policy.leaf_first else None
 
     def _clean_inner_victim(self, group: str | None, skip: Collection[str]) -> Node | None:
-        """When no host leaf can go: the first evictable block that is on disk already
-        and has children in host (a prefix longer than the host tier, read or written
-        window by window, is one chain in host whose only leaf is its pinned window).
-        It leaves the host tier only; its children keep their parent on disk."""
+        """When no host leaf can go: the first evictable block already on disk with
+        children in host (a long prefix read window by window is one chain in host whose
+        only leaf is pinned). It leaves the host tier; its children keep it on disk."""
         for node in self.host_policy.candidates(group, skip):
             movable = node.on_disk and node.ready and not node.pins and node.host_children
             if movable and not (node.shared_due and self.shared_wait):
@@ -519,9 +516,9 @@ class Tiers:
         return True
 
     def spill(self, nodes: Sequence[Node]) -> int:
-        """Let the blocks of a window that passed through the host tier leave it: each
-        one on disk already, unpinned and without children in host, leaf first (a chain
-        too long for the host tier: kvstore.store_writes). Returns how many left."""
+        """Let the blocks of a window of a chain too long for the host tier leave it
+        (kvstore.store_writes): those on disk, unpinned, without children in host, leaf
+        first. How many left."""
         left = 0
         for node in reversed(nodes):
             movable = node.in_host and node.on_disk and node.ready and not node.pins

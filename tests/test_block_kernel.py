@@ -22,7 +22,8 @@ import torch
 from kvclient.integrations.vllm.blocks import PagedLayers
 from kvstore import block_kernel
 from kvstore.block_kernel import KernelPieces
-from kvstore.mover import HFKV, KVCache, Mover, PagedKV
+from kvstore.kv_caches import HFKV, KVCache, PagedKV
+from kvstore.mover import Mover
 
 COMPILER = shutil.which("c++") or shutil.which("g++")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="needs a C++ compiler")

@@ -24,7 +24,8 @@ from kvstore import block_kernel
 from kvstore.host import pinning
 from kvstore.host.arena import HostArena
 from kvstore.host.pinning import cuda_pin_hook
-from kvstore.mover import HFKV, KVCache, Mover, PagedKV, device_alias
+from kvstore.kv_caches import HFKV, KVCache, PagedKV
+from kvstore.mover import Mover, device_alias
 from kvstore.platform import Profile, detect
 
 pytestmark = [

@@ -160,6 +160,22 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     assert lines(wings / "hf") <= 1130
 
 
+MAX_MODULE_LINES = 700  # a module a newcomer reads in one pass (issue 55)
+
+
+def test_no_module_is_longer_than_one_reading() -> None:
+    """Every module of the packages, docstrings included, at most MAX_MODULE_LINES
+    (generated protobuf code aside): a longer one holds two jobs, one of which moves
+    to a module of its own."""
+    long = [
+        f"{name}: {len(path.read_text().splitlines())} lines"
+        for package in FOLDERS
+        for name, path in modules(package)
+        if "_pb2" not in path.name and len(path.read_text().splitlines()) > MAX_MODULE_LINES
+    ]
+    assert long == []
+
+
 # -- composition, not inheritance ------------------------------------------------------
 
 

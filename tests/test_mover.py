@@ -16,7 +16,8 @@ import torch
 
 from kvstore.errors import InvalidArgument
 from kvstore.keys import NamespaceSpec
-from kvstore.mover import HFKV, BlockShape, KVCache, Mover, PagedKV, stack_uniform
+from kvstore.kv_caches import HFKV, BlockShape, KVCache, PagedKV, stack_uniform
+from kvstore.mover import Mover
 
 L, H, T, D = 3, 2, 4, 8  # layers, kv heads, tokens per block, head dim
 NB = 12  # paged: blocks in the pool

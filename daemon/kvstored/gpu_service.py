@@ -64,7 +64,8 @@ from kvstored.names import NamespaceNames
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.mover import KVCache, Mover
+    from kvstore.kv_caches import KVCache
+    from kvstore.mover import Mover
 
 log = logging.getLogger("kvstored.gpu")
 
@@ -242,7 +243,7 @@ def _local_device(index: int, uuid: str) -> int:
 
 def build_kv(layout: gpb.KVLayout, closers: list[Callable[[], None]]) -> KVCache:
     """The engine's KV cache, mapped into this process, as a mover KVCache."""
-    from kvstore.mover import HFKV, PagedKV, dtype_of
+    from kvstore.kv_caches import HFKV, PagedKV, dtype_of
 
     dtype = dtype_of(layout.dtype)
     if layout.device == "cpu":

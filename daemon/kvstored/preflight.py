@@ -39,14 +39,8 @@ from pathlib import Path
 
 from kvstored import hostinfo, paths
 from kvstored.auth import MIN_SECRET_CHARS, Tokens, read_secret
-from kvstored.config import (
-    DISK_SIZE_FILE,
-    MIN_AUTO_DISK_BYTES,
-    ConfigError,
-    DaemonConfig,
-    human_size,
-    keep_disk_bytes,
-)
+from kvstored.config import DISK_SIZE_FILE, MIN_AUTO_DISK_BYTES, DaemonConfig, keep_disk_bytes
+from kvstored.config_values import ConfigError, human_size
 
 log = logging.getLogger("kvstored")
 

@@ -41,13 +41,8 @@ from kvstore.store import Store
 from kvstored import paths
 from kvstored.arena_handout import ArenaHandout, handout_socket_path
 from kvstored.auth import Access, Tokens
-from kvstored.config import (
-    AUTO_HOST_MAX,
-    DISK_SIZE_FILE,
-    UNIX_PATH_MAX,
-    DaemonConfig,
-    human_size,
-)
+from kvstored.config import AUTO_HOST_MAX, DISK_SIZE_FILE, DaemonConfig
+from kvstored.config_values import UNIX_PATH_MAX, human_size
 from kvstored.dispatch import Calls
 from kvstored.gpu_service import KVGpuService
 from kvstored.kv_events import Publisher

@@ -64,7 +64,7 @@ kernel launch or one DMA per run of slots, no host copy). Otherwise (a remote da
 arrive in host memory (a numpy array filled from the shared arena or the gRPC stream)
 and move with ``.to(device)``; stored blocks are gathered on the model's device and
 copied back with ``.cpu()``. Both use the same byte
-layout (``kvstore.mover``), so blocks stored by either path are interchangeable.
+layout (``kvstore.kv_caches``), so blocks stored by either path are interchangeable.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ from kvclient.integrations.hf.layout import (
 )
 from kvclient.namespace import Namespace
 from kvclient.sync_client import KVClient
-from kvstore.mover import HFKV
+from kvstore.kv_caches import HFKV
 
 log = logging.getLogger(__name__)
 
