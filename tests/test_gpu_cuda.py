@@ -442,3 +442,37 @@ def test_smollm2_bf16_turn_two_reuses_turn_one_on_cuda(gpu_daemon: Daemon) -> No
     print(f"smollm2 bf16 on cuda: reused {held} tokens, max |dlogit| {drift:.3f}")
     assert int(reused.argmax()) == int(full.argmax())
     assert drift < 0.5  # bf16: logits of tens, a few ulps apart
+
+
+def test_a_prefix_5x_the_host_tier_goes_out_and_back_window_by_window(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    """The client-driven GPU path with a prefix longer than the daemon's host tier
+    (#55): one offload of 160 blocks into a 1 MiB host tier (32 blocks) is stored whole
+    through windows onto disk; onboards from where the last ended (each pins one
+    window) bring every block back into another cache, byte for byte."""
+    nb = 160
+    with shm_folder() as folder:
+        daemon = kvstored_factory(arena_dir=folder, host_bytes="1MiB", disk_bytes="256MiB")
+        src, dst = (
+            PagedKV([torch.empty(2, nb, T, H, D, dtype=torch.bfloat16, device="cuda")
+                     for _ in range(L)])
+            for _ in range(2)
+        )  # fmt: skip
+        random_(src, 7)
+        poison(dst)
+        tokens = list(range(1000, 1000 + nb * T + 1))
+        ids = list(range(nb))
+        with KVClient(daemon.addr) as client, GpuClient(client) as gpu:
+            ns = _ns(gpu, "cuda-long-prefix")
+            assert gpu.offload(ns, tokens, src, ids).stored == nb
+            got = windows = 0
+            while got < nb:
+                more = gpu.onboard(ns, tokens, dst, ids[got:], start=got).onboarded
+                assert more > 0
+                got, windows = got + more, windows + 1
+        torch.cuda.synchronize()
+        assert windows > 1
+        for block in ids:
+            assert np.array_equal(block_bytes(dst, block), block_bytes(src, block))
+        daemon.stop()
