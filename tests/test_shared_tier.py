@@ -224,6 +224,10 @@ def test_with_a_shared_key_a_planted_value_is_a_miss(
     with KVClient(plain.addr) as client:
         assert client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES).lookup(tokens).shared_blocks == 0
     assert shared_stats(plain).unauthenticated > unkeyed
+    # keyed: no warning; the unkeyed nodes warned at start, once each (#56 item 14)
+    assert "without shared_key_file" not in a.output() + b.output()
+    for node in nodes:
+        assert node.output().count("the shared tier runs without shared_key_file") == 1
 
 
 def test_a_killed_cluster_node_cuts_the_prefix_at_its_first_block(

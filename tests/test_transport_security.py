@@ -214,3 +214,24 @@ def test_bad_client_security_settings_are_one_clear_error(
     )
     assert kvctl.returncode == 2 and kvctl.stderr.count("\n") == 1
     assert "cannot read the token file from" in kvctl.stderr
+
+
+@pytest.mark.parametrize("key", ["kv_events_listen", "kv_events_replay_listen"])
+def test_kv_events_beyond_loopback_need_insecure(key: str) -> None:
+    """KV events carry prompt token ids: an address other hosts reach is refused
+    with one line unless the operator says insecure (#56 item 10)."""
+    base = ["--disk-bytes", "0", "--host-bytes", "64MiB", "--metrics-listen", "off"]
+    flag = "--" + key.replace("_", "-")
+    for wide in ("tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://10.1.2.3:5557"):
+        refused = subprocess.run(
+            [sys.executable, "-m", "kvstored", *base, flag, wide],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.count("\n") == 1 and key in refused.stderr
+        assert "insecure" in refused.stderr
+        config, _ = load_config([*base, flag, wide, "--insecure"], env={})
+        assert getattr(config, key) == wide
+    for near in ("tcp://127.0.0.1:5557", "tcp://localhost:5557", "ipc:///tmp/kv-events"):
+        config, _ = load_config([*base, flag, near], env={})
+        assert getattr(config, key) == near

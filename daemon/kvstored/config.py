@@ -634,6 +634,15 @@ def check_transport(config: DaemonConfig) -> None:
         raise ConfigError(
             "tls_client_ca", "mutual TLS needs tls_cert and tls_key too", src["tls_client_ca"]
         )
+    for key in ("kv_events_listen", "kv_events_replay_listen"):
+        endpoint = getattr(config, key)
+        reachable = endpoint.startswith("tcp://") and not is_loopback(endpoint[len("tcp://") :])
+        if reachable and not config.insecure:
+            raise ConfigError(
+                key, f"{endpoint} is reachable from other hosts, and KV events carry prompt "
+                "token ids: bind a loopback or ipc:// address, or insecure = true "
+                "(--insecure) to publish there all the same", src[key],
+            )  # fmt: skip
     if config.socket_mode != "0600" and not config.needs_tokens:
         raise ConfigError(
             "socket_mode", f"{config.socket_mode} lets other users call the daemon: it needs "

@@ -216,6 +216,13 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     log.info("%s", describe(config, store, listening), extra={"event": "serving"})
     if defaults := chosen_defaults(config):
         log.info("%s", defaults, extra={"event": "defaults"})
+    if config.shared_url and not config.shared_key_file:
+        log.warning(
+            "the shared tier runs without shared_key_file: whoever can write to the "
+            "cluster can plant blocks this daemon serves as hits; give every node the "
+            "same secret in shared_key_file",
+            extra={"event": "shared_unkeyed"},
+        )
 
     try:
         await stop.wait()
