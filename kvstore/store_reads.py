@@ -176,7 +176,7 @@ class Reads:
         # the rest); a later window at most half of it, so that the next one may be read
         # ahead meanwhile
         room = self._parts.host_room(entry.group) // entry.spec.block_bytes
-        keys = keys[: start + (self._window_blocks(entry) if start else room)]
+        keys = keys[: start + (self._half_room_blocks(entry) if start else room)]
         if start < len(keys) and not self._read_ahead_done(keys[start], wait=not host_only):
             return None  # (host_only: a read-ahead of this window is still reading)
         pinned = self._pin_prefix(
@@ -236,7 +236,7 @@ class Reads:
         self._parts.namespaces.check_keys(entry, keys)
         if self._parts.disk is None or not 0 <= start < len(keys):
             return False
-        window = list(keys[: start + self._window_blocks(entry)])
+        window = list(keys[: start + self._half_room_blocks(entry)])
         with self._parts.lock:
             if keys[start] in self._ahead:
                 return False
@@ -280,7 +280,7 @@ class Reads:
             future.result()
         return wait
 
-    def _window_blocks(self, entry: NamespaceEntry) -> int:
+    def _half_room_blocks(self, entry: NamespaceEntry) -> int:
         """Blocks one acquire pins at most: half the tenant's host room (one window
         pinned, the next read ahead)."""
         return max(1, self._parts.host_room(entry.group) // 2 // entry.spec.block_bytes)
