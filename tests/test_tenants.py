@@ -689,3 +689,28 @@ def test_token_less_large_calls_leave_the_daemons_memory_as_it_was(
         baseline = baseline or rss()  # after a first refusal: what the daemon holds anyway
     # (measured: +11 MiB, most of it once, at the first large calls; +400 MiB before)
     assert rss() - baseline < 32 << 20, (baseline >> 20, rss() >> 20)
+
+
+def test_token_guesses_on_the_local_socket_are_held_back_too(tenancy: Tenancy) -> None:
+    """The README's promise on the local socket as on gRPC (#56 item 13): past
+    BAD_TOKEN_FREE refusals, a process that keeps guessing tokens over one connection
+    is answered BAD_TOKEN_DELAY_S late each time (before: never held)."""
+    from kvstored.auth import BAD_TOKEN_DELAY_S, BAD_TOKEN_FREE
+
+    with tenancy.client("a") as client:
+        path = client.server_info().local_socket
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+    calls = held = 0
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(path)
+        # (a window of BAD_TOKEN_LOG_S may end between these calls on a slow machine:
+        # then the count starts again)
+        while held < 5 and calls < 4 * BAD_TOKEN_FREE:
+            started = time.monotonic()
+            status, _ = _local_call(sock, frames.AUTH_NAME, b"0" * 32)
+            assert status == unauthenticated
+            held += time.monotonic() - started >= BAD_TOKEN_DELAY_S
+            calls += 1
+    assert held == 5, f"{held} of {calls} refusals were held back"
+    with tenancy.client("a") as client:  # another process's token is taken at once
+        assert client.server_info().tenant == "a"

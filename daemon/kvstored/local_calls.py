@@ -133,16 +133,18 @@ class LocalCallServer:
         self._connections.discard(connection)
         self._service.owner_closed(connection.owner)
 
-    def authenticate(self, connection: _Connection, token: bytes) -> bytes:
-        """A connection's token frame: it makes the connection's calls that caller's."""
+    def authenticate(self, connection: _Connection, token: bytes) -> tuple[bytes, float]:
+        """A connection's token frame: it makes the connection's calls that caller's.
+        The answer, and how long to hold it: a process that keeps guessing tokens is
+        answered late (kvstored.auth.BadTokens, counted per process)."""
         try:
             connection.caller = self._service.access.tokens.caller(
                 token.decode(errors="replace")
             )
         except Unauthenticated as exc:
-            BAD_TOKENS.note("")  # logged, rate-limited (a frame of its own: never held)
-            return _error(grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", str(exc))
-        return frames.response_frame(frames.OK, b"")
+            delay = BAD_TOKENS.note(connection.owner)  # logged, rate-limited
+            return _error(grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", str(exc)), delay
+        return frames.response_frame(frames.OK, b""), 0.0
 
     async def call(
         self, name: bytes, body: bytes, owner: str = "", caller: Caller | None = None
@@ -283,7 +285,11 @@ class _Connection(asyncio.Protocol):
         body = bytes(buffer[start:end])
         del buffer[:end]
         if name == frames.AUTH_NAME:
-            self._transport.write(self._server.authenticate(self, body))
+            answer, delay = self._server.authenticate(self, body)
+            if delay:  # held: nothing more of this connection is read meanwhile
+                self._task = asyncio.get_running_loop().create_task(self._held(answer, delay))
+                return False
+            self._transport.write(answer)
             return True
         # Run the call right here: most finish without awaiting anything (the quick path
         # on the loop), and a task per call cost 20-25% of a short call's daemon CPU.
@@ -295,6 +301,14 @@ class _Connection(asyncio.Protocol):
             return True
         self._task = asyncio.get_running_loop().create_task(self._serve(call, waiting_on))
         return False
+
+    async def _held(self, frame: bytes, delay: float) -> None:
+        """Answer ``frame`` ``delay`` seconds late (a refused token past the free ones)."""
+        await asyncio.sleep(delay)
+        if self._transport is not None:
+            self._transport.write(frame)
+        self._task = None
+        self._next()
 
     async def _serve(self, call: Coroutine[Any, Any, bytes], waiting_on: Any) -> None:
         """Finish a call that awaited something, as the task running it would have."""
