@@ -1,19 +1,8 @@
 """Gather/scatter of KV blocks between an engine's KV cache and host-arena slots.
 
-One slot holds one block: every layer, K and V, of ``block_tokens`` tokens. Its bytes
-are the C-contiguous array (dtype of the namespace, native little-endian)::
-
-    [num_layers][2: K, V][num_kv_heads][block_tokens][head_dim]
-
-the same layout as the HF adapter (``kvclient.hf.blocks_from_cache``), so blocks
-stored by any path of one namespace are interchangeable. Layer-major keeps one
-layer's K and V together (a later layer-wise onboarding can start attention on layer
-0 while layer 1 is still in flight); head-major inside a layer makes each
-(layer, K/V, head) one contiguous ``block_tokens * head_dim`` run of an HF
-``[batch, heads, seq, dim]`` tensor. ``block_bytes`` is
-``2 * L * H * D * dtype_bytes * T``, exactly ``NamespaceSpec.layout_bytes()``.
-
-KV caches (:class:`~kvstore.kv_caches.KVCache`: vLLM's paged one, transformers'
+A slot holds one block in the byte layout :mod:`kvstore.kv_caches` gives (every layer,
+K and V, of ``block_tokens`` tokens), the same for every path of one namespace. KV
+caches (:class:`~kvstore.kv_caches.KVCache`: vLLM's paged one, transformers'
 per-sequence one) name blocks by integer block ids (:mod:`kvstore.kv_caches`).
 
 Batching. A cache is seen as a few strided "pieces" whose leading dims are the block

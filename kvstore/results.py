@@ -122,6 +122,9 @@ class Acquisition:
     offsets: tuple[int, ...]  # their host arena offsets
     block_bytes: int
     first_index: int = 0  # the chain position of the first pinned block (see acquire)
+    # the ready prefix's length, in any tier, when it goes on past the pinned blocks
+    # (the host room capped them, or held no more); else 0
+    ready_blocks: int = 0
 
     @property
     def slots(self) -> tuple[SlotRef, ...]:

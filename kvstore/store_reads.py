@@ -119,7 +119,7 @@ class Reads:
                 )
         pinned = self._pin_prefix(entry, keys, promote_all=False, start=start)
         assert pinned is not None  # None only for host_only
-        nodes, fresh = pinned
+        nodes, fresh, _ = pinned
         if out is None:
             out = memoryview(bytearray(max(len(nodes) - start, 0) * size))
         ok = len(nodes)
@@ -176,15 +176,17 @@ class Reads:
         # the rest); a later window at most half of it, so that the next one may be read
         # ahead meanwhile
         room = self._parts.host_room(entry.group) // entry.spec.block_bytes
-        keys = keys[: start + (self._half_room_blocks(entry) if start else room)]
-        if start < len(keys) and not self._read_ahead_done(keys[start], wait=not host_only):
+        limit = start + (self._half_room_blocks(entry) if start else room)
+        first = keys[start] if start < min(limit, len(keys)) else None
+        if first is not None and not self._read_ahead_done(first, wait=not host_only):
             return None  # (host_only: a read-ahead of this window is still reading)
         pinned = self._pin_prefix(
-            entry, keys, promote_all=True, host_only=host_only, start=start
+            entry, keys, promote_all=True, host_only=host_only, start=start, limit=limit
         )
         if pinned is None:
             return None
-        nodes, fresh = pinned
+        nodes, fresh, ready = pinned
+        keys = keys[:limit]
         try:
             ok = self._fill_promotions(nodes, fresh, nowait=host_only)
         except BlockingIOError:  # host_only: a block is not in the page cache
@@ -212,8 +214,9 @@ class Reads:
             size = entry.spec.block_bytes
             for i in [i for i in decoded if i >= ok]:
                 self._parts.arena.free(decoded.pop(i))
+            longer = ready if ready > start + len(kept) else 0  # (see Acquisition)
             if not kept:
-                return Acquisition(0, 0.0, (), (), size, start)
+                return Acquisition(0, 0.0, (), (), size, start, longer)
             lease = self._parts.leases.new(entry, kept, write=False, ttl=ttl)
             if decoded:
                 lease.decoded = list(decoded.values())
@@ -221,7 +224,9 @@ class Reads:
             offsets = tuple(
                 [decoded.get(start + i, node.host_offset) for i, node in enumerate(kept)]
             )
-            return Acquisition(lease.lease_id, lease.expires_at, keys, offsets, size, start)
+            return Acquisition(
+                lease.lease_id, lease.expires_at, keys, offsets, size, start, longer
+            )
 
     def read_ahead(self, ns_id: str, keys: Sequence[BlockKey], start: int) -> bool:
         """Start promoting the window of ``keys`` from ``start`` on (at most half the
@@ -252,7 +257,7 @@ class Reads:
         try:
             pinned = self._pin_prefix(entry, keys, promote_all=True, start=start)
             if pinned is not None:
-                nodes, fresh = pinned
+                nodes, fresh, _ = pinned
                 try:
                     ok = self._fill_promotions(nodes, fresh)
                 except Exception:  # a hint only: the acquire reads what is missing
@@ -340,12 +345,14 @@ class Reads:
         promote_all: bool,
         host_only: bool = False,
         start: int = 0,
-    ) -> tuple[list[Node], dict[int, int]] | None:
+        limit: int | None = None,
+    ) -> tuple[list[Node], dict[int, int], int] | None:
         """Pin the ready prefix and reserve host slots for its disk-only blocks, from
-        ``start`` on (the caller does not read the blocks before it).
+        ``start`` on (the caller does not read the blocks before it) up to ``limit``.
 
-        Returns the pinned nodes and {position: fresh host offset} for blocks to promote
-        and, with ``promote_all``, for blocks encoded in host to decode into.
+        Returns the pinned nodes, {position: fresh host offset} for blocks to promote
+        and, with ``promote_all``, for blocks encoded in host to decode into, and how
+        long the ready prefix is (past ``limit`` too: one walk of the chain).
         With ``promote_all`` the prefix is cut at the first block that gets no slot
         (acquire needs every block in host); otherwise that block is read from disk.
         With ``host_only``, slots come from free room only, for at most
@@ -362,6 +369,9 @@ class Reads:
                 self._parts.check_open()
                 self._parts.expire()
                 nodes = self._ready_prefix(keys)
+                ready = len(nodes)
+                if limit is not None:
+                    del nodes[limit:]
                 in_place = not any(_needs_slot(node, promote_all) for node in nodes[start:])
                 if host_only and not in_place:
                     fresh_room = self._free_room_slots(nodes, start)
@@ -369,16 +379,16 @@ class Reads:
                         return None
                     for node in nodes[start:]:
                         node.pins += 1
-                    return nodes, fresh_room
+                    return nodes, fresh_room, ready
                 # (a block before start, left unpinned, has its children indexed: it
                 # may leave the host tier meanwhile, never the index)
                 for node in nodes[start:]:
                     node.pins += 1
                 if in_place:
-                    return nodes, {}
+                    return nodes, {}, ready
                 fresh = self._promotion_slots(nodes, promote_all, deadline, start)
                 if fresh is not None:
-                    return nodes, fresh
+                    return nodes, fresh, ready
                 shared = self._parts.tiers.shared_blocked
             self._parts.wait_for_writer(nodes[0].size, deadline, shared)
 

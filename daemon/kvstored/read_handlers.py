@@ -209,11 +209,8 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
         response = convert.acquire_response(
             got, spec.block_tokens, calls.arena_name(spec), request.compact_slots
         )
+        response.ready_blocks = got.ready_blocks  # (the host tier did not hold it all)
         ended = start + len(got.offsets)
-        if ended < len(keys):  # the host tier may not hold it all
-            ready = calls.store.lookup(spec.ns_id, keys).ready_blocks
-            if ready > ended:
-                response.ready_blocks = ready
         if request.read_ahead and got.offsets and ended < len(chain):
             window = request.max_blocks or len(got.offsets)
             calls.store.read_ahead(spec.ns_id, chain[: ended + window], ended)
