@@ -243,3 +243,40 @@ def test_bad_inline_delivery_is_refused_and_changes_nothing(
         assert (look.blocks, look.pending_blocks) == (0, 8)
         assert claim.fill(np.stack([content(i) for i in range(8)])) == 8
         assert np.array_equal(ns.get(PROMPT).blocks, np.stack([content(i) for i in range(8)]))
+
+
+def test_a_put_refused_before_its_data_is_read_reports_the_refusal_to_an_async_client(
+    kvstored: Daemon,
+) -> None:
+    """The daemon refuses a put by its header (here: no such claim) while the client is
+    still sending the data. grpc.aio's client reported such a refusal as INTERNAL
+    ("Internal error from Core") whenever one of its writes lost the race with the
+    status (grpc/grpc#36066); the daemon reads the rest of a refused put before it
+    answers, so every try reads as the refusal it is."""
+    import asyncio
+
+    from kvclient import AsyncKVClient, LeaseError
+    from kvclient import wire as kvwire
+    from kvproto.v1 import kvstore_pb2 as pb
+
+    async def run() -> list[str]:
+        answers = []
+        async with AsyncKVClient(kvstored.addr, use_arena=False) as client:
+            ns = await client.namespace("refused", block_tokens=TOKENS, block_bytes=BLOCK)
+            rows = np.stack([content(i % 8) for i in range(64)])
+            conn = client._conn
+            from kvclient.effects import Io
+
+            for _ in range(20):
+                header = pb.PutHeader(ns_id=ns.ns_id, n_blocks=64, lease_id=12345)
+                messages = kvwire.put_messages(header, rows, 2 * BLOCK)
+                try:
+                    await client._drive(conn.over_grpc(Io(conn.grpc.put, (messages,))))
+                    answers.append("stored")
+                except LeaseError:
+                    answers.append("refused")
+                except Exception as exc:  # noqa: BLE001 - the answer under test
+                    answers.append(repr(exc))
+        return answers
+
+    assert asyncio.run(run()) == ["refused"] * 20

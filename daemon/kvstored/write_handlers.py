@@ -3,6 +3,7 @@ as it arrives), puts into a claim, Reserve, Commit and Abandon."""
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
@@ -21,6 +22,8 @@ from kvstored.auth import Caller
 from kvstored.config import MAX_CHUNK_BYTES
 from kvstored.dispatch import Calls, Ctx, NeedsPool
 from kvstored.errors import grpc_errors
+
+DRAIN_S = 5.0  # how long a refused Put's remaining data is read before the refusal
 
 
 def no_room(calls: Calls, reservation: Reservation, n_blocks: int) -> OutOfSpace:
@@ -44,8 +47,36 @@ async def Put(
     request_iterator: AsyncIterable[pb.PutRequest | bytes],
     context: Ctx,
 ) -> pb.PutResponse:
-    caller = calls.access.caller(context)
     messages = aiter(request_iterator)
+    try:
+        return await _put(calls, messages, context)
+    except Exception:
+        await _drain(calls, messages)
+        raise
+
+
+async def _drain(calls: Calls, messages: AsyncIterator[pb.PutRequest | bytes]) -> None:
+    """Read and drop the rest of a refused Put before the refusal is sent.
+
+    A client still writing when the status arrives may lose its status to the failed
+    write: grpc.aio's client then reports INTERNAL ("Internal error from Core",
+    grpc/grpc#36066) instead of the refusal. So a refused put is read to its end, at
+    most what one put may carry and for at most DRAIN_S; a stream that fails
+    meanwhile ends the drain (the refusal is sent all the same)."""
+    limit = calls.config.max_transfer_bytes + 2 * MAX_CHUNK_BYTES
+    read = 0
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(DRAIN_S):
+            async for msg in messages:
+                read += len(msg) if isinstance(msg, bytes) else msg.ByteSize()
+                if read > limit:
+                    return
+
+
+async def _put(
+    calls: Calls, messages: AsyncIterator[pb.PutRequest | bytes], context: Ctx
+) -> pb.PutResponse:
+    caller = calls.access.caller(context)
     first = await anext(messages, None)
     head = _put_header(calls, first)
     if head.lease_id:
