@@ -34,6 +34,10 @@ def test_bench_quick_run_writes_every_case(tmp_path: Path, capsys: pytest.Captur
     assert printed[0].startswith("kvctl bench: ") and " cases in " in printed[0]
     assert printed[1].startswith("quick run: ")
     assert not any(line.startswith(("MISSED", "  MISSED")) for line in printed)
+    # each goal says whether this run's figure met it ("missed" at these sizes is no
+    # verdict, the second line says so), never only that it ran
+    goals = [line.split()[0] for line in printed[2:] if line.startswith("  ")]
+    assert goals and set(goals) <= {"met", "missed", "-"}, printed
     assert len(printed) < 25 and not any(line.startswith("system ") for line in printed)
     if redis_missing:
         assert f"note: Redis baseline skipped: {redis_missing}." in printed

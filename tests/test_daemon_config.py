@@ -340,3 +340,22 @@ def test_unusable_token_files_stop_start_up_with_one_line(
     assert len(err) == 1 and err[0].startswith("kvstored: error: tenants: "), proc.stderr
     assert problem in err[0]
     assert not sock.exists()
+
+
+def test_the_default_host_bytes_does_not_move_with_free_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """25% of the machine's memory: restarts get one size whatever is free at the time;
+    only memory too short for it (less than twice the size available) lowers it."""
+    from kvstored import config as kvconfig
+    from kvstored import hostinfo
+
+    def auto(total_gib: float, available_gib: float) -> int:
+        monkeypatch.setattr(hostinfo, "mem_total_bytes", lambda: int(total_gib * (1 << 30)))
+        monkeypatch.setattr(hostinfo, "mem_available_bytes", lambda: int(available_gib * (1 << 30)))
+        return kvconfig._auto_host_bytes({})
+
+    assert {auto(23, free) for free in (19, 12.4, 11.2)} == {4 << 30}  # the issue's starts
+    assert {auto(8, free) for free in (7, 5, 4)} == {2 << 30}
+    assert auto(8, 1) == 512 << 20  # memory that short: half of what is available
+    assert auto(0.1, 0.1) == 64 << 20  # never below 64 MiB

@@ -109,7 +109,17 @@ def test_lookup(daemon: Daemon, ns_id: str, tmp_path: Path, capsys) -> None:
     argv = ["--addr", daemon.addr, "lookup", ns_id, *map(str, TOKENS[:13])]
     code, out, _ = run(capsys, *argv)
     assert code == 0
-    assert out.strip() == f"{ns_id}: 12 of 13 tokens cached (3 of 3 blocks: 3 host, 0 disk)"
+    assert out.strip() == (
+        f"{ns_id}: 12 of 13 tokens cached (3 of 3 blocks: 3 host, 0 disk); the last 1 "
+        "tokens are not a full block of 4 (never cached)"
+    )
+    # fewer tokens than a block: it says so, in lookup and in why
+    for command, said in (("lookup", "0 of 3 tokens cached"), ("why", "no full block to serve")):
+        code, out, _ = run(capsys, "--addr", daemon.addr, command, ns_id, "1", "2", "3")
+        assert code == 0
+        assert said in out and out.strip().endswith(
+            "3 tokens are less than one block of 4: only full blocks are cached"
+        ), out
 
     # tokens from a file, by bound name; the prompt diverges in block 4
     token_file = tmp_path / "prompt.txt"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -199,9 +200,12 @@ def check_engines_reuse_prefixes(
         hit = vllm_namespace(client).lookup(PROMPT_A)
         assert (hit.blocks, hit.host_blocks) == (7, 7)
 
-    # a fresh engine gets all 7 blocks, and computes the same tokens
-    warm, _ = run_engine(
-        model_dir,
+    # a fresh engine gets all 7 blocks, and computes the same tokens; it loads the
+    # same weights from another path (the model is named by its weights' digest)
+    same_weights = tmp_path / "same-weights"
+    shutil.copytree(model_dir, same_weights)
+    warm, log = run_engine(
+        same_weights,
         tmp_path,
         [
             {"tokens": PROMPT_A},
@@ -213,6 +217,9 @@ def check_engines_reuse_prefixes(
     )
     assert warm[0]["cached"] == 896
     assert_same_output(warm[0], reference[0])
+    # the connector said which daemon it reached, once, in vLLM's log
+    reached = f"kvstore connector: reached kvstored at {kvstored.addr} (shared arena)"
+    assert log.count(reached) == 1, log[-3000:]
     # another cache_salt shares nothing; the longer prompt reuses A's blocks only
     assert warm[1]["cached"] == 0
     assert warm[2]["cached"] == 896

@@ -5,7 +5,7 @@ After a failure the integration answers misses for ``retry_after_s`` without ask
 the daemon again, so a daemon that is down or slow does not stall every step on a
 deadline. A broken daemon is seen by every request, and the log should say so once,
 not thousands of times: each kind of warning is logged at most once per
-``WARN_EVERY_S``.
+``WARN_EVERY_S``; and when a call succeeds again after failures, one INFO line says so.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ WARN_EVERY_S = 60.0  # one warning of a kind per this many seconds
 class Outage:
     """Rate-limited warnings and the ``retry_after_s`` pause after a failed call."""
 
-    def __init__(self, log: logging.Logger, retry_after_s: float) -> None:
+    def __init__(self, log: logging.Logger, retry_after_s: float, name: str = "kvstore") -> None:
+        """``name``: what the lines call the daemon (say, ``kvstore at ADDR``)."""
         self._log = log
         self._retry_after_s = retry_after_s
+        self._name = name
         self._down_until = 0.0
+        self._failing_since: float | None = None  # the first failure since the last answer
         self._warned: dict[str, float] = {}  # kind -> when it was last logged
 
     @property
@@ -32,8 +35,20 @@ class Outage:
 
     def failed(self, kind: str, message: str, *args: object) -> None:
         """A call failed: pause for ``retry_after_s`` and warn (rate-limited)."""
-        self._down_until = time.monotonic() + self._retry_after_s
+        now = time.monotonic()
+        self._down_until = now + self._retry_after_s
+        if self._failing_since is None:
+            self._failing_since = now
         self.warn(kind, message, *args)
+
+    def answered(self) -> None:
+        """A call succeeded: after failures, one INFO line says the daemon is back."""
+        if self._failing_since is not None:
+            self._log.info(
+                "%s answers again (it failed %.0f s ago)",
+                self._name, time.monotonic() - self._failing_since,
+            )  # fmt: skip
+            self._failing_since = None
 
     def warn(self, kind: str, message: str, *args: object) -> None:
         """``log.warning(message, *args)``, unless ``kind`` was logged lately."""

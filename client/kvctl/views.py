@@ -347,6 +347,20 @@ def render_top(data: JSONDict, before: JSONDict | None, height: int) -> str:
     return "\n".join([head, "", tiers, "", counts, "", namespaces])
 
 
+def short_tokens_note(request_tokens: int, block_tokens: int) -> str:
+    """What a lookup of ``request_tokens`` cannot see: a prompt shorter than a block, or
+    the tokens after its last full block (only full blocks are cached)."""
+    if request_tokens < block_tokens:
+        return (
+            f"; {request_tokens} tokens are less than one block of {block_tokens}: only "
+            "full blocks are cached"
+        )
+    tail = request_tokens % block_tokens
+    if tail:
+        return f"; the last {tail} tokens are not a full block of {block_tokens} (never cached)"
+    return ""
+
+
 def render_lookup(data: JSONDict) -> str:
     line = (
         f"{data['ns_id']}: {data['tokens']} of {data['request_tokens']} tokens cached "
@@ -357,7 +371,7 @@ def render_lookup(data: JSONDict) -> str:
         line += f", {data['shared_blocks']} of them just pulled from the shared tier"
     if data["pending_blocks"]:
         line += f", {data['pending_blocks']} pending"
-    return line
+    return line + short_tokens_note(data["request_tokens"], data["block_tokens"])
 
 
 def render_event(event: JSONDict) -> str:

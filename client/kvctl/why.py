@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from kvclient.sync_client import KVClient
-from kvctl.views import resolve_namespace
+from kvctl.views import resolve_namespace, short_tokens_note
 
 RULES = {  # how a lost block left its last tier (kvstore.misses.RULES)
     "priority": "evicted from {tier} by leaf-first priority (lowest priority, then least "
@@ -23,11 +23,23 @@ def collect_why(client: KVClient, ns_id: str, tokens: list[int]) -> dict[str, An
     ns = client.open_namespace(resolve_namespace(client, ns_id))
     miss = ns.why(tokens)
     blocks = len(tokens) // ns.block_tokens
-    return {"ns_id": ns.ns_id, "blocks": blocks, **dataclasses.asdict(miss)}
+    return {
+        "ns_id": ns.ns_id,
+        "blocks": blocks,
+        "request_tokens": len(tokens),
+        "block_tokens": ns.block_tokens,
+        **dataclasses.asdict(miss),
+    }
 
 
 def render_why(data: dict[str, Any]) -> str:
+    return _reason(data) + short_tokens_note(data["request_tokens"], data["block_tokens"])
+
+
+def _reason(data: dict[str, Any]) -> str:
     reason, head = data["reason"], f"{data['ns_id']}: block {data['block']} of {data['blocks']}"
+    if reason == "served" and not data["blocks"]:
+        return f"{data['ns_id']}: no full block to serve"
     if reason == "served":
         return f"{data['ns_id']}: all {data['blocks']} blocks are served"
     if reason == "pending":

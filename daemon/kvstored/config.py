@@ -7,7 +7,7 @@ Every key in :data:`KEYS` is at once a TOML key (file given by ``--config`` or
     embedded defaults < TOML file < environment < command-line flags
 
 Defaults are chosen so that ``kvstored`` runs with no arguments and stays a modest
-sidecar: a unix socket in the user's runtime dir, a host arena of 25% of MemAvailable
+sidecar: a unix socket in the user's runtime dir, a host arena of 25% of the memory
 (64 MiB .. 4 GiB) in ``/dev/shm``, an LMDB disk tier under the user's data dir of
 min(25% of free disk, 64 GiB). The automatic disk size is computed once, at the first
 start on a directory, and kept in that directory (``DISK_SIZE_FILE``), so the tier's
@@ -113,8 +113,12 @@ FULL_DISK_SOURCE = "the file system is full, 25% of its size, chosen again at th
 
 
 def _auto_host_bytes(_: Mapping[str, Any]) -> int:
-    quarter = hostinfo.mem_available_bytes() // 4
-    return max(64 << 20, min(AUTO_HOST_MAX, quarter)) >> 20 << 20
+    """25% of the machine's memory (its cgroup limit in a container), 64 MiB .. 4 GiB,
+    so that restarts on one machine get one size; lowered to half of what is
+    available at start only when memory is that short."""
+    size = min(AUTO_HOST_MAX, hostinfo.mem_total_bytes() // 4)
+    size = min(size, hostinfo.mem_available_bytes() // 2)
+    return max(64 << 20, size) >> 20 << 20
 
 
 def kept_disk_bytes(disk_dir: str) -> int | None:
@@ -177,7 +181,8 @@ KEYS: tuple[Key, ...] = (
         "unix:///path or host:port (TCP only when given; port 0 picks a free one); "
         "default $XDG_RUNTIME_DIR/kvstore/kvstored.sock"),
     Key("host_bytes", "size", parse_size, _auto_host_bytes,
-        "host arena size; default 25% of MemAvailable, 64 MiB .. 4 GiB",
+        "host arena size; default 25% of the memory, 64 MiB .. 4 GiB (at most half of "
+        "MemAvailable)",
         _at_least(1 << 20, "size")),
     Key("disk_dir", "path", parse_path, lambda _: str(paths.default_data_dir()),
         "LMDB directory of the disk tier; default $XDG_DATA_HOME/kvstore"),

@@ -21,6 +21,17 @@ def mem_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def mem_total_bytes() -> int:
+    """The memory this process may use in all: MemTotal, or the cgroup's limit (a
+    container's) when that is lower. The same at every start on one machine."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
 def disk_free_bytes(path: str | os.PathLike[str]) -> int:
     """Free bytes (for unprivileged users) of the filesystem that holds or would hold ``path``."""
     st = _statvfs(path)

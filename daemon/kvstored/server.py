@@ -108,8 +108,8 @@ def chosen_defaults(config: DaemonConfig) -> str:
     parts = []
     if config.sources["host_bytes"].startswith("default"):
         parts.append(
-            f"host_bytes {human_size(config.host_bytes)} (25% of available memory, at most "
-            f"{human_size(AUTO_HOST_MAX)})"
+            f"host_bytes {human_size(config.host_bytes)} (25% of the memory, at most "
+            f"{human_size(AUTO_HOST_MAX)} and half of what is available)"
         )
     if config.disk_bytes and config.sources["disk_bytes"].startswith("default"):
         parts.append(

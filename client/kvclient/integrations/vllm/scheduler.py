@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ from kvclient.integrations.vllm.settings import (
     ConnectorSettings,
     EngineLayout,
     EngineNamespaces,
+    log,
 )
 from kvclient.outages import Outage
 from kvclient.sync_client import KVClient
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvclient.vllm")
 
 
 class SchedulerSide:
@@ -35,11 +34,11 @@ class SchedulerSide:
         self.client = KVClient(
             settings.addr, timeout=settings.lookup_timeout_s, token=settings.token()
         )
-        self.namespaces = EngineNamespaces(self.client, layout, 0, settings)
+        self.namespaces = EngineNamespaces(self.client, layout, 0, settings, announce=True)
         self.requests: dict[str, RequestState] = {}
         self.claims: dict[str, Claim] = {}
         self.final_saves: list[SaveSpec] = []  # of finished requests, for the next step
-        self.outage = Outage(log, settings.retry_after_s)
+        self.outage = Outage(log, settings.retry_after_s, f"kvstore at {self.client.addr}")
         try:  # a layout clash is a start-up error; a daemon not there yet is not
             self.namespaces.get("")
         except LayoutMismatchError:
@@ -77,6 +76,7 @@ class SchedulerSide:
         except KVStoreError as exc:
             self._failed(exc)
             return state.matched(local_tokens, 0)
+        self.outage.answered()
         if pending_elsewhere and stored < state.loadable_blocks:
             if state.waiting_since is None or stored > state.waited_blocks:
                 # the claim delivered blocks since the last look: it makes progress, so

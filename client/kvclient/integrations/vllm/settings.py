@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import vllm
 
 from kvclient.errors import InvalidArgumentError, LayoutMismatchError
+from kvclient.integrations.weights import weights_id
 from kvclient.namespace import Namespace
 from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
@@ -20,7 +21,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-log = logging.getLogger("kvclient.vllm")
+# under vLLM's own logger: the connector's lines go where vLLM's go, in its format
+log = logging.getLogger("vllm.kvstore_connector")
 
 # vLLM releases this connector is tested with: [first, end)
 SUPPORTED_VLLM = ((0, 32), (0, 33))
@@ -40,7 +42,7 @@ class ConnectorSettings:
     lookup_timeout_s: float = 0.5  # scheduler's calls (lookup, claim): deadline each
     io_timeout_s: float = 10.0  # worker's calls (loads, saves): deadline each
     retry_after_s: float = 5.0  # after a failed call, answer misses this long
-    model: str | None = None  # model id in the namespace; default: vLLM's model name
+    model: str | None = None  # model id in the namespace; default: its weights' digest
     namespace: str = ""  # a name to bind the (unsalted) namespace to, checked at start
     load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy
     # a daemon with tenants: the file holding this engine's token (default
@@ -131,7 +133,8 @@ class EngineLayout:
         dtype = str(spec.dtype).removeprefix("torch.")
         device = vllm_config.device_config.device_type
         page_layout = kv_cache_config.kv_cache_layout or "default"
-        model = settings.model or vllm_config.model_config.model
+        model_config = vllm_config.model_config
+        model = settings.model or weights_id(model_config.model, model_config.revision)
         parallel = vllm_config.parallel_config
         return cls(
             model=f"{model}:vllm-{device}-{page_layout}",
@@ -168,15 +171,25 @@ class EngineLayout:
 
 
 class EngineNamespaces:
-    """The namespaces of one connector side, by ``cache_salt``, opened on first use."""
+    """The namespaces of one connector side, by ``cache_salt``, opened on first use.
+
+    ``announce``: the first namespace opened is logged at INFO (the daemon's address and
+    how it is reached, the namespace, its block and codec): the scheduler's side does,
+    so that vLLM's log says once which kvstored the engine uses."""
 
     def __init__(
-        self, client: KVClient, layout: EngineLayout, rank: int, settings: ConnectorSettings
+        self,
+        client: KVClient,
+        layout: EngineLayout,
+        rank: int,
+        settings: ConnectorSettings,
+        announce: bool = False,
     ) -> None:
         self.client = client
         self.layout = layout
         self.rank = rank
         self.name, self.codec = settings.namespace, settings.codec
+        self._announce = announce
         self._open: dict[str, Namespace] = {}
 
     def get(self, salt: str) -> Namespace:
@@ -194,5 +207,13 @@ class EngineNamespaces:
                     f"this engine's ({self.layout.describe()}): {exc}",
                     addr=self.client.addr,
                 ) from None
+            if self._announce and not self._open:
+                log.info(
+                    "kvstore connector: reached kvstored at %s (%s); namespace %s: %d tokens "
+                    "and %d bytes a block, codec %s",
+                    self.client.addr,
+                    "shared arena" if self.client.arena_in_use else "inline over gRPC",
+                    ns.ns_id, ns.block_tokens, ns.block_bytes, self.codec or "none",
+                )  # fmt: skip
             self._open[salt] = ns
         return ns

@@ -4,7 +4,6 @@ kvstore that a step's plan asks for (the protocol: :mod:`kvclient.vllm`)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import warnings
 from collections import deque
@@ -16,13 +15,16 @@ from kvclient.claims import Claim
 from kvclient.errors import ArenaUnavailableError, KVStoreError, LeaseError
 from kvclient.integrations.vllm.blocks import PagedLayers
 from kvclient.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
-from kvclient.integrations.vllm.settings import ConnectorSettings, EngineLayout, EngineNamespaces
+from kvclient.integrations.vllm.settings import (
+    ConnectorSettings,
+    EngineLayout,
+    EngineNamespaces,
+    log,
+)
 from kvclient.namespace import Namespace
 from kvclient.outages import Outage
 from kvclient.puts_ahead import PendingPut
 from kvclient.sync_client import KVClient
-
-log = logging.getLogger("kvclient.vllm")
 
 
 class WorkerSide:
