@@ -21,8 +21,13 @@ Time to first token is vLLM's own (``RequestOutput.metrics.first_token_latency``
 report gives TTFT mean / p50 / p99 per turn, total time, the cached share of each prompt
 (``num_cached_tokens / prompt tokens``) and how many replies equal vLLM alone's.
 
-    .venv/bin/python benchmarks/multiturn.py                  # writes docs/benchmarks/multiturn.md
-    .venv/bin/python benchmarks/multiturn.py --conversations 4 --turns 2 --out /tmp/m.md
+    .venv/bin/python benchmarks/multiturn.py --rounds 2 --out docs/benchmarks/multiturn.md
+    .venv/bin/python benchmarks/multiturn.py --conversations 4 --turns 2 --cases alone,kv_host
+
+The first is the record (about 25 minutes on 2 cores); the second a look in a few
+minutes. The report goes to ``--out`` (a scratch file by default) after every case
+that ends, so a run stopped early keeps what it measured; the order of the cases turns
+from round to round, so that none always runs first.
 
 The engines are :mod:`kvbench.vllm_chat`'s (float32, 32-token blocks, one process each).
 """
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", default="exact",
                         help="the kvstore cases' namespace codec (kvstore.codecs)")
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "multiturn.md")
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "multiturn.md")
     parser.add_argument("--json", type=Path, help="every result, as JSON")
     args = parser.parse_args(argv)
     if args.model is None:
@@ -258,12 +263,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
     runs: dict[str, list[list[dict[str, Any]]]] = {case: [] for case in cases}
     blocks = {"alone": cache_blocks(args, fits=False), "fit_alone": cache_blocks(args, fits=True)}
+    text = ""
     with tempfile.TemporaryDirectory(prefix="kvstore-multiturn-") as tmp:
         for round_ in range(args.rounds):
-            for case in cases:
+            shift = round_ % len(cases)
+            for case in cases[shift:] + cases[:shift]:
                 progress(f"round {round_ + 1} of {args.rounds}: {LABELS[case]}")
                 runs[case].append(run_case(args, case, Path(tmp) / f"r{round_}"))
-    summary = summarise(runs, args.turns)
+                text = write_report(args, runs, blocks)
+    print(text)
+    return 0
+
+
+def write_report(
+    args: argparse.Namespace, runs: dict[str, list[list[dict[str, Any]]]], blocks: dict[str, int]
+) -> str:
+    """The report of the cases run so far, to ``--out`` (and ``--json``); its text."""
+    summary = summarise({case: rounds for case, rounds in runs.items() if rounds}, args.turns)
     text = report(args, summary, blocks)
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "summary": summary}))
@@ -273,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.exists() and notes_mark in args.out.read_text():
         notes = args.out.read_text().split(notes_mark, 1)[1]
     args.out.write_text(text + "\n" + notes_mark + notes)
-    print(text)
-    return 0
+    return text
 
 
 if __name__ == "__main__":

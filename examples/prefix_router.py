@@ -12,11 +12,17 @@ computed. Blocks of the shared tier (``locality`` REMOTE) are every node's to pu
 choose no node. It decodes batches without vLLM's classes, so both encodings (map and
 the older array) and both hash forms (bytes, int) work.
 
-    python examples/prefix_router.py --node a=tcp://10.0.0.1:5557 \\
-        --node b=tcp://10.0.0.2:5557 --topic MODEL --listen-s 5 < prompt.txt
+    python examples/prefix_router.py --node a=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558 \\
+        --node b=tcp://10.0.0.2:5557,tcp://10.0.0.2:5558 --topic MODEL --listen-s 5 < prompt.txt
 
 reads whitespace-separated token ids on stdin, listens for ``--listen-s`` seconds (a
 router would listen for good), and prints the chosen node and the tokens it holds.
+
+A router that starts after the blocks were stored learns them from each node's replay
+socket (``kv_events_replay_listen``, the second address of ``--node``): it subscribes
+first, then asks for every kept batch from seq 0, as README.md says (a DEALER sends
+``["", start_seq]``; the answers are ``["", topic, seq, payload]``, then
+``["", "", -1, ""]``), and skips the live batches the replay already covered.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size",
                  "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
                  "kv_cache_spec_sliding_window", "locality")  # fmt: skip
 REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message
 
 
 def fields(event: Any, names: Sequence[str]) -> tuple[str, dict[str, Any]]:
@@ -47,7 +54,11 @@ class PrefixRouter:
     """Subscribes to ``nodes`` (name -> PUB address) on ``topic``; :meth:`poll` applies
     what arrived, :meth:`route` answers a prompt."""
 
-    def __init__(self, nodes: Mapping[str, str], topic: str = "") -> None:
+    def __init__(
+        self, nodes: Mapping[str, str], topic: str = "", replays: Mapping[str, str] | None = None
+    ) -> None:
+        """``nodes``: name -> PUB address; ``replays``: name -> replay (ROUTER) address,
+        asked for what the node published before this router subscribed."""
         self.ctx = zmq.Context()
         self.sockets: dict[zmq.Socket[bytes], str] = {}
         self.poller = zmq.Poller()
@@ -63,6 +74,29 @@ class PrefixRouter:
         self.held: dict[str, dict[Any, set[str]]] = {n: {} for n in nodes}  # hash -> tiers
         self.block_size = 0
         self.heard: set[str] = set()  # nodes heard from
+        self.applied: dict[tuple[str, bytes], int] = {}  # (node, topic) -> last seq applied
+        for name, address in (replays or {}).items():
+            self.replay(name, address, topic)
+
+    def replay(self, node: str, address: str, topic: str = "", timeout_s: float = 5.0) -> int:
+        """Apply every batch ``node`` kept (of ``topic``, '' for all) from its replay
+        socket; how many. A node that does not answer in ``timeout_s`` is left to the
+        live stream."""
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.connect(address)
+        named = (topic.encode(),) if topic else ()
+        applied = 0
+        try:
+            dealer.send_multipart((b"", *named, (0).to_bytes(8, "big")))
+            while dealer.poll(int(timeout_s * 1000)):
+                _, name, seq, payload = dealer.recv_multipart()
+                if seq == END_SEQ:
+                    return applied
+                applied += self.take(node, name, seq, payload)
+            print(f"prefix_router: node {node}: no replay from {address}", file=sys.stderr)
+            return applied
+        finally:
+            dealer.close(linger=0)
 
     def poll(self, timeout_s: float = 0.0) -> int:
         """Apply the batches that arrive within ``timeout_s``; how many."""
@@ -70,10 +104,24 @@ class PrefixRouter:
         deadline = time.monotonic() + timeout_s
         while ready := dict(self.poller.poll(max(0, int((deadline - time.monotonic()) * 1000)))):
             for sock in ready:
-                _topic, _seq, payload = sock.recv_multipart()
-                self.apply(self.sockets[sock], msgspec.msgpack.decode(payload))
-                applied += 1
+                name, seq, payload = sock.recv_multipart()
+                applied += self.take(self.sockets[sock], name, seq, payload)
         return applied
+
+    def take(self, node: str, topic: bytes, seq: bytes, payload: bytes) -> int:
+        """Apply one frame unless a replay already applied its seq (per node and topic:
+        each topic counts on its own); 1 if applied. A seq lower than the last applied
+        one after a restart of the node (seqs start again at 0) follows its
+        ``AllBlocksCleared``: nothing of the old run is kept."""
+        number = int.from_bytes(seq, "big")
+        last = self.applied.get((node, topic))
+        batch = msgspec.msgpack.decode(payload)
+        restarted = number == 0 and last is not None and last > 0
+        if last is not None and number <= last and not restarted:
+            return 0
+        self.applied[(node, topic)] = number
+        self.apply(node, batch)
+        return 1
 
     def apply(self, node: str, batch: Sequence[Any]) -> None:
         self.heard.add(node)
@@ -144,14 +192,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         required=True,
         metavar="NAME=ADDRESS",
-        help="a daemon's kv_events_listen address (repeatable)",
+        help="a daemon's kv_events_listen address, and after a comma its "
+        "kv_events_replay_listen address (repeatable)",
     )
     parser.add_argument("--topic", default="", help="the model to route ('': every topic)")
     parser.add_argument("--listen-s", type=float, default=5.0, help="seconds to listen")
     args = parser.parse_args(argv)
-    nodes = dict(spec.split("=", 1) for spec in args.node)
+    addresses = dict(spec.split("=", 1) for spec in args.node)
+    nodes = {name: address.split(",")[0] for name, address in addresses.items()}
+    replays = {name: address.split(",")[1] for name, address in addresses.items()
+               if "," in address}  # fmt: skip
     tokens = [int(word) for word in sys.stdin.read().split()]
-    router = PrefixRouter(nodes, args.topic)
+    router = PrefixRouter(nodes, args.topic, replays)
     try:
         router.poll(args.listen_s)
         node, covered = router.route(tokens)

@@ -294,9 +294,12 @@ class Store:
         entry = self._parts.namespaces.get(ns_id)
         return None if entry is None else entry.spec
 
-    def namespaces(self) -> list[NamespaceSpec]:
+    def namespaces(self, tenant: str | None = None) -> list[NamespaceSpec]:
+        """Every namespace, or ``tenant``'s only."""
         with self._lock:
-            return [entry.spec for entry in self._parts.namespaces]
+            parts = self._parts.namespaces
+            entries = list(parts) if tenant is None else parts.of_tenant(tenant)
+            return [entry.spec for entry in entries]
 
     def keys_for(
         self,

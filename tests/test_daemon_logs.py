@@ -131,3 +131,25 @@ def test_log_format_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--print-config", "--log-format", "xml"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvstored: error: log_format: must be one of")
+
+
+def test_the_rate_limited_log_writes_a_kind_once_an_interval_and_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+
+    from kvstored.log_limits import RateLimitedLog
+
+    log = logging.getLogger("kvstored.test_limits")
+    limited = RateLimitedLog(every_s=0.2)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        assert limited.warning(log, "flood", "bad request from %s", "peer-1")
+        assert limited.info(log, "other", "another kind is not held back")
+        held = 0
+        while not limited.warning(log, "flood", "bad request from %s", "peer-2"):
+            held += 1  # (until the interval has passed)
+    flood = [r for r in caplog.records if r.getMessage().startswith("bad request")]
+    assert [r.getMessage().split(" (")[0] for r in flood] == [
+        "bad request from peer-1", "bad request from peer-2",
+    ]
+    assert held > 0 and f"(and {held} more like it in the last" in flood[1].getMessage()
+    assert flood[1].event == "flood"  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -392,6 +393,61 @@ def test_systemd_unit_dirs_hardening_and_stop_timeout() -> None:
     assert unit["RestartPreventExitStatus"] == ["2"]  # bad config: restarting won't help
 
 
+def systemd_flow() -> list[str]:
+    """The commands of deploy/README.md's systemd section, comments stripped."""
+    section = (DEPLOY / "README.md").read_text().split("## systemd", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    return [re.sub(r"\s+#\s.*$", "", line).strip() for line in block.splitlines() if line]
+
+
+def test_systemd_flow_installs_what_the_unit_names_and_reaches_the_daemon_as_documented() -> (
+    None
+):
+    """Each file the unit names is one the flow installs; the kvctl lines talk to the
+    unit's socket, as root naming the service user as the socket's owner (the client
+    trusts its own user's and root's sockets only), as the service user without."""
+    flow = systemd_flow()
+    unit = unit_settings()
+    installed = {line.split()[-1] for line in flow if line.startswith("install ")}
+    doc = unit["Documentation"][0].removeprefix("file://")
+    assert doc in installed, (doc, installed)
+    assert "/etc/kvstore/kvstored.toml" in installed
+    assert any("pip install kvstore-offload" in line for line in flow)
+    cfg = effective({}, "--config", str(EXAMPLE_TOML))
+    user = unit["User"][0]
+    as_root, as_user = (line for line in flow if "kvctl" in line)
+    assert as_root.split()[:2] == [f"KVSTORE_SOCKET_OWNER={user}", "/opt/kvstore/bin/kvctl"]
+    assert as_user.split()[:4] == ["runuser", "-u", user, "--"]
+    for line in (as_root, as_user):
+        assert f"--addr {cfg.listen} status" in line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a socket of another user needs root")
+def test_the_systemd_flows_root_line_reaches_a_daemon_of_the_service_user(
+    kvstored: Daemon,
+) -> None:
+    """The root line as written (the service user played by nobody): kvctl trusts the
+    socket it names, where without the variable it refuses it."""
+    nobody = 65534
+    line = next(line for line in systemd_flow() if line.startswith("KVSTORE_SOCKET_OWNER="))
+    args = line.split()
+    env = {**os.environ, "KVSTORE_SOCKET_OWNER": str(nobody)}
+    args = [tool("kvctl") or "kvctl", *args[2:]]
+    args[args.index("--addr") + 1] = kvstored.addr
+    sock = Path(kvstored.socket_path)
+    os.chown(sock.parent, nobody, nobody)
+    os.chown(sock, nobody, nobody)
+    try:
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and "platform" in proc.stdout, proc.stderr
+        del env["KVSTORE_SOCKET_OWNER"]
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and f"belongs to uid {nobody}" in proc.stderr
+    finally:
+        os.chown(sock.parent, 0, 0)
+        os.chown(sock, 0, 0)
+
+
 # --- Dockerfile ------------------------------------------------------------------------
 
 
@@ -461,6 +517,52 @@ def test_dockerfile_structure() -> None:
     cfg = effective(daemon_env)
     assert cfg.sources["listen"] == "env KVSTORED_LISTEN"
     assert dict(final)["EXPOSE"] == cfg.metrics_listen.rpartition(":")[2]
+
+
+def test_the_dockerfile_builds_the_c_extensions_from_what_it_copies() -> None:
+    """The build stage has what building the wheel needs: setup.py (the extensions),
+    pyproject.toml and README.md (the metadata), every package folder, and a compiler
+    with Python's headers; and it fails without the extensions instead of falling back
+    to numpy without a word."""
+    steps = instructions(DOCKERFILE)
+    starts = [i for i, (w, _) in enumerate(steps) if w == "FROM"]
+    build = steps[starts[0] : starts[1]]
+    copied = {source.rstrip("/") for word, rest in build if word == "COPY"
+              for source in rest.split()[:-1]}  # fmt: skip
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = set(project["tool"]["setuptools"]["package-dir"].values())
+    def inside(path: str) -> bool:
+        return any(path == c or path.startswith(f"{c}/") for c in copied)
+
+    assert {"setup.py", "pyproject.toml", "README.md"} <= copied, copied
+    assert all(inside(folder) for folder in folders), (folders, copied)
+    sources = re.findall(r'Extension\("[\w.]+", \["([^"]+)"\]', (ROOT / "setup.py").read_text())
+    assert len(sources) == 2 and all(inside(src) for src in sources), sources
+    runs = " ".join(rest for word, rest in build if word == "RUN")
+    assert "gcc" in runs and "python3-dev" in runs
+    modules = re.findall(r'Extension\("([\w.]+)"', (ROOT / "setup.py").read_text())
+    assert f'import {", ".join(modules)}' in runs
+
+
+@pytest.mark.slow
+def test_the_wheel_is_named_for_pypi_and_holds_both_c_extensions(tmp_path: Path) -> None:
+    """The distribution's name is our own (PyPI's ``kvstore`` is an unrelated 2016
+    project), and the wheel carries both compiled extensions."""
+    import zipfile
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = tmp_path.glob("*.whl")
+    assert wheel.name.startswith("kvstore_offload-"), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("_streamcopy", "_kvcodec"):
+        assert any(re.fullmatch(rf"kvstore/{module}\.[\w.-]+\.so", n) for n in names), module
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["name"] == "kvstore-offload"
 
 
 # --- the probe command -----------------------------------------------------------------

@@ -355,3 +355,61 @@ def test_a_tenants_namespaces_go_only_on_the_topic_its_operator_chose(
             assert "tenant:" not in repr(event) and tokens["acme"] not in repr(event)
     finally:
         sub.close()
+
+
+def test_a_router_started_after_the_blocks_were_stored_learns_them_by_replay(
+    events_daemon: tuple[Daemon, str, str],
+) -> None:
+    """examples/prefix_router.py as its docstring runs it, started after a put: it asks
+    the replay socket as the README says (a DEALER, ``["", start_seq]``) and routes the
+    prompt to the node, where it answered ``none 0`` when it only listened."""
+    import subprocess
+    import sys
+
+    daemon, pub, rep = events_daemon
+    tokens = prompt(7, 3)
+    with KVClient(daemon.addr) as client:
+        client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES).put(tokens, blocks_of(7, 3))
+    # the put's events are published before the router exists: wait until the replay
+    # socket keeps them
+    deadline = time.monotonic() + WAIT_S
+    while len(stored_hashes([e for _, _, b in replay(rep, "map") for e in b.events], "CPU")) < 3:
+        assert time.monotonic() < deadline, "the put's events were never kept"
+        time.sleep(0.05)
+    script = Path(__file__).resolve().parent.parent / "examples" / "prefix_router.py"
+
+    def route(node: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--node", node, "--topic", MODEL, "--listen-s", "0.2"],
+            input=" ".join(map(str, tokens + [1, 2])), capture_output=True, text=True,
+            timeout=WAIT_S,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert route(f"a={pub},{rep}") == f"a {3 * BLOCK_TOKENS}"
+    assert route(f"a={pub}") == "none 0"  # listening alone hears nothing of the past
+
+
+def test_a_flood_of_malformed_replay_requests_writes_one_log_line(
+    events_daemon: tuple[Daemon, str, str],
+) -> None:
+    """Anyone who reaches the replay socket could write a WARNING line per malformed
+    request (5,000 requests, 5,000 lines); the daemon's rate-limited logger writes one
+    line of the kind per interval, and the next says how many were held back. The
+    socket still answers a good request."""
+    daemon, _, rep = events_daemon
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(rep)
+    try:
+        for _ in range(500):
+            dealer.send_multipart((b"", b"not a seq"))
+    finally:
+        dealer.close(linger=1000)
+        ctx.term()
+    deadline = time.monotonic() + WAIT_S
+    while not replay(rep, "map"):  # answered after the flood: it was read
+        assert time.monotonic() < deadline
+    lines = [line for line in daemon.output().splitlines() if "replay request of" in line]
+    assert len(lines) == 1, lines[:5]

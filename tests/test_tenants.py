@@ -377,6 +377,7 @@ def test_a_tenant_of_another_user_maps_only_its_own_arena_region(
     import os
 
     from kvclient.arena_path import map_handed_out
+    from kvproto.v1.arena_handout import fetch_region
 
     if os.geteuid() != 0:
         pytest.skip("switching to another user needs root")
@@ -431,9 +432,31 @@ def test_a_tenant_of_another_user_maps_only_its_own_arena_region(
             handed_to_a_stranger = True
         except ValueError:
             handed_to_a_stranger = False
-        return found_a and not found_b and refused == 63 and not handed_to_a_stranger
+        # the region's fd is sealed: neither shrunk (the daemon's next touch of it
+        # would be a SIGBUS) nor grown
+        fd, _ = fetch_region(info_a.arena_socket, tokens["a"], 10, 0)
+        resized = 0
+        for size in (0, 1 << 30):
+            try:
+                os.ftruncate(fd, size)
+                resized += 1
+            except PermissionError:
+                pass
+        os.close(fd)
+        return (found_a and not found_b and refused == 63 and not handed_to_a_stranger
+                and resized == 0)  # fmt: skip
 
     assert in_forked_child(as_nobody) == 0
+    # and the daemon goes on serving every tenant, its region untouched
+    with KVClient(daemon.addr, token=tokens["a"], use_arena=True) as a, KVClient(
+        daemon.addr, token=tokens["b"], use_arena=True
+    ) as b:
+        ns_a = a.namespace("own-region", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        ns_b = b.namespace("own-region", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert np.all(ns_a.get(tokens_a).blocks == 11) and ns_a.get(tokens_a).n_blocks == 3
+        assert np.all(ns_b.get(tokens_b).blocks == 77) and ns_b.get(tokens_b).n_blocks == 3
+        assert ns_b.put(tokens_of(83, 2), blocks_of(2, 4096, 5)).stored == 2
+    assert daemon.proc.poll() is None
 
 
 def test_kvctl_status_tenants_is_for_the_admin(tenancy: Tenancy) -> None:

@@ -318,3 +318,28 @@ def test_leased_rows_in_a_downward_run_are_copied_not_viewed() -> None:
     assert rows.tolist() == downward[1:4].tolist()
     upward = SimpleNamespace(blocks=arena, copy_to=copy_to)
     assert WorkerSide._leased_rows(worker, upward, 0, 2).tolist() == arena[:2].tolist()  # type: ignore[arg-type]
+
+
+def test_connector_stats_sum_the_sides_and_reduce_to_one_log_line() -> None:
+    """What vLLM does with the connector's stats each step: take each side's counts
+    (zeroing them), add them up, reduce them for its log line."""
+    from kvclient.integrations.vllm.connector import KVStoreConnector
+    from kvclient.integrations.vllm.stats import KVStoreStats, new_counts
+
+    scheduler, worker = new_counts(), new_counts()
+    assert KVStoreStats.take(scheduler) is None  # nothing happened: no stats
+    scheduler.update(lookup_tokens=1000, hit_tokens=896)
+    worker.update(loaded_blocks=7, load_ms=12.34, saved_blocks=1, save_ms=0.5)
+    taken = KVStoreStats.take(worker)
+    assert taken is not None and not any(worker.values())  # zeroed for the next interval
+    # the scheduler rebuilds the workers' stats from their dict, then adds its own
+    total = KVStoreConnector.build_kv_connector_stats(taken.to_dict())
+    own = KVStoreStats.take(scheduler)
+    assert own is not None
+    total = total.aggregate(own)
+    assert total.reduce() == {
+        "lookup_tokens": 1000, "hit_tokens": 896, "hit_rate": 0.896, "loaded_blocks": 7,
+        "load_ms": 12.3, "saved_blocks": 1, "save_ms": 0.5,
+    }  # fmt: skip
+    total.reset()
+    assert total.is_empty()

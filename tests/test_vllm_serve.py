@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,14 @@ def test_a_new_server_continues_the_conversation_from_kvstore(
     assert text == reference[2]["text"]
     with KVClient(kvstored.addr) as client:
         assert host_hits(client) >= hits_before + hit // BLOCK_TOKENS
+    # the connector's counts are in vLLM's own metrics (its KV connector stats)
+    counted = vllm_metrics(servers[1], "vllm:kvstore_")
+    assert counted["vllm:kvstore_hit_tokens_total"] >= hit
+    assert counted["vllm:kvstore_lookup_tokens_total"] >= counted["vllm:kvstore_hit_tokens_total"]
+    assert counted["vllm:kvstore_loaded_blocks_total"] >= hit // BLOCK_TOKENS
+    assert counted["vllm:kvstore_load_seconds_total"] > 0
+    # and its log says which daemon it reached
+    assert f"kvstore connector: reached kvstored at {kvstored.addr}" in servers[1].log.read_text()
 
     # the README's client of that server prints how much of each prompt was cached
     snippet = next(s for s in readme_python_snippets() if s.startswith(VLLM_CLIENT))
@@ -116,6 +125,20 @@ def test_a_new_server_continues_the_conversation_from_kvstore(
     assert [turn for turn, _, _ in turns] == ["1", "2"], proc.stdout
     prompt_tokens, cached_tokens = int(turns[1][1]), int(turns[1][2])
     assert cached_tokens == (prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS, proc.stdout
+
+
+def vllm_metrics(server: Server, prefix: str) -> dict[str, float]:
+    """The server's /metrics series whose names start with ``prefix``, summed over
+    their labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, _, value = line.rpartition(" ")
+            series = name.split("{", 1)[0]
+            totals[series] = totals.get(series, 0.0) + float(value)
+    return totals
 
 
 def host_hits(client: KVClient) -> int:

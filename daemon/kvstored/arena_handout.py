@@ -22,6 +22,7 @@ from kvproto.v1.arena_handout import MAX_REQUEST_BYTES
 from kvstore.errors import Unauthenticated
 from kvstore.host.arena import HostArena
 from kvstored.auth import BAD_TOKENS, Tokens
+from kvstored.log_limits import LIMITED
 
 log = logging.getLogger("kvstored.arena_handout")
 
@@ -65,7 +66,8 @@ class ArenaHandout:
             try:
                 conn, _ = await loop.sock_accept(self._listener)
             except OSError as exc:  # out of fds, ...: the socket stays, try again later
-                log.warning("arena hand-out: accept failed: %s", exc)
+                LIMITED.warning(log, "arena_accept_failed", "arena hand-out: accept failed: %s",
+                                exc)
                 await asyncio.sleep(0.1)
                 continue
             task = loop.create_task(self._serve(conn))

@@ -35,6 +35,7 @@ from kvstore.errors import (
     UnknownNamespace,
 )
 from kvstored.auth import BAD_TOKENS
+from kvstored.log_limits import LIMITED
 
 log = logging.getLogger("kvstored.service")
 
@@ -68,7 +69,7 @@ async def abort_with(context: grpc.aio.ServicerContext, rpc: str, exc: Exception
         if delay:
             await asyncio.sleep(delay)
     if code is grpc.StatusCode.INTERNAL:
-        log.error("%s failed", rpc, exc_info=exc)
+        LIMITED.error(log, f"internal:{rpc}", "%s failed", rpc, exc_info=exc)
         message = f"internal error in {rpc}: {type(exc).__name__} (see the daemon log)"
     else:
         log.debug("%s -> %s: %s", rpc, code.name, exc)

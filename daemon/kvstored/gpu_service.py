@@ -59,6 +59,7 @@ from kvstored import convert
 from kvstored.auth import Access, Caller
 from kvstored.config import DaemonConfig
 from kvstored.errors import grpc_errors
+from kvstored.log_limits import LIMITED
 from kvstored.names import NamespaceNames
 
 if TYPE_CHECKING:
@@ -392,7 +393,8 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
                         break
                 time.sleep(0.01)
             reg.close()
-            log.info("KV registration %d closed", reg.registration_id)
+            LIMITED.info(log, "gpu_registration_closed", "KV registration %d closed",
+                         reg.registration_id)
 
         threading.Thread(target=close_when_idle, name="kv-gpu-close", daemon=True).start()
 
@@ -403,10 +405,10 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
             for reg in dead:
                 del self._registrations[reg.registration_id]
         for reg in dead:
-            log.info(
-                "KV registration %d: process %d is gone, dropping it",
-                reg.registration_id, reg.client_pid,
-            )
+            LIMITED.info(
+                log, "gpu_registration_gone", "KV registration %d: process %d is gone, "
+                "dropping it", reg.registration_id, reg.client_pid,
+            )  # fmt: skip
             self._close_later(reg)
         return len(dead)
 
@@ -485,7 +487,8 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
             if pid and not pid_exists(pid):
                 # another PID namespace (a sidecar without a shared process namespace):
                 # the daemon cannot watch it; the registration lives until UnregisterKV
-                log.info("pid %d is not visible here: its registration is not tracked", pid)
+                LIMITED.info(log, "gpu_pid_unseen", "pid %d is not visible here: its "
+                             "registration is not tracked", pid)
                 pid = 0
             with self._lock:
                 rid = secrets.randbits(62) + 1
@@ -493,11 +496,12 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
                     rid = secrets.randbits(62) + 1
                 reg = Registration(rid, spec, kv, pid, str(kv.device), closers)
                 self._registrations[rid] = reg
-            log.info(
+            LIMITED.info(
+                log, "gpu_registration",
                 "KV registration %d: %s %s on %s, %d blocks, namespace %s, pid %d",
                 rid, kv.kind, kv.shape.describe(), kv.device, kv.num_blocks, spec.ns_id,
                 request.client_pid,
-            )
+            )  # fmt: skip
             return gpb.RegisterKVResponse(
                 registration_id=rid,
                 ns_id=spec.ns_id,

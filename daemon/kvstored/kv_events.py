@@ -51,6 +51,7 @@ import zmq
 from kvstore.keys import NamespaceSpec
 from kvstore.tenants import tenant_of
 from kvstore.tier_events import CLEARED, DISK, HOST, SHARED, STORED, TierChange, TierFeed
+from kvstored.log_limits import LIMITED
 
 log = logging.getLogger("kvstored")
 
@@ -317,7 +318,10 @@ class Publisher:
             elif len(frames) == 4 and len(frames[3]) == 8:
                 client, topic, start = frames[0], frames[2], frames[3]
             else:
-                log.warning("KV events: a replay request of %d frames ignored", len(frames))
+                LIMITED.warning(
+                    log, "kv_events_bad_replay", "KV events: a replay request of %d frames "
+                    "ignored", len(frames),
+                )  # fmt: skip
                 continue
             first = int.from_bytes(start, "big")
             for name, seq, payload in list(self._kept):

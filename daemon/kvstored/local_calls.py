@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 from kvproto.v1 import local_calls as frames
 from kvstore.errors import Unauthenticated
 from kvstored.auth import ANYONE, BAD_TOKENS, Caller
+from kvstored.log_limits import LIMITED
 from kvstored.service import KVStoreService
 
 log = logging.getLogger("kvstored.local_calls")
@@ -172,7 +173,8 @@ class LocalCallServer:
                 code = aborted.code
                 frame = _error(code, aborted.kind, aborted.message)
             except Exception:  # grpc_errors maps every error: this is a bug
-                log.exception("local call %s failed", full_name)
+                LIMITED.error(log, f"internal:{full_name}", "local call %s failed", full_name,
+                              exc_info=True)
                 code = grpc.StatusCode.INTERNAL
                 frame = _error(code, "", f"internal error in {full_name} (see the daemon log)")
         if self._observe is not None:
@@ -262,10 +264,11 @@ class _Connection(asyncio.Protocol):
             return False
         body_len, name_len = frames.HEADER.unpack_from(buffer)
         if not 0 < name_len <= frames.MAX_NAME_BYTES or body_len > self._server.max_frame_bytes:
-            log.warning(
+            LIMITED.warning(
+                log, "local_call_bad_frame",
                 "closing a local-call connection: malformed frame (name %d bytes, body %d)",
-                name_len, body_len, extra={"event": "local_call_bad_frame"},
-            )
+                name_len, body_len,
+            )  # fmt: skip
             self._transport.close()
             return False
         if self.caller is None and body_len > UNAUTHENTICATED_FRAME_BYTES:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvstore.errors import StoreError
 from kvstore.store import Store
+from kvstored.log_limits import LIMITED
 
 log = logging.getLogger("kvstored.service")
 
@@ -68,9 +69,7 @@ class Owners:
         except StoreError:  # closed: its leases ended with it
             return
         if ended:
-            log.info(
-                "released %d leases of a client that went away (%s)",
-                ended,
-                owner,
-                extra={"event": "client_gone"},
-            )
+            LIMITED.info(
+                log, "client_gone", "released %d leases of a client that went away (%s)",
+                ended, owner,
+            )  # fmt: skip

@@ -71,9 +71,12 @@ class StartupError(RuntimeError):
 EXIT_UNPERSISTED = 3  # stopped, but blocks due on disk were never committed (disk fault)
 
 
+DISTRIBUTION = "kvstore-offload"  # the name pip knows this project by
+
+
 def daemon_version() -> str:
     try:
-        return version("kvstore")
+        return version(DISTRIBUTION)
     except PackageNotFoundError:
         return "0+unknown"
 

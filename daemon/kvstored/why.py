@@ -17,7 +17,7 @@ import numpy as np
 
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.errors import StoreError
-from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.keys import BlockKey, NamespaceSpec, chain_keys, tokens_array
 from kvstore.misses import NEVER_STORED, OTHER_NAMESPACE, MissReason
 from kvstore.store import Store
 from kvstored.auth import Caller
@@ -46,6 +46,9 @@ def explain(
     )
 
 
+WALK_BLOCKS = 4096  # at most this many blocks are hashed over the other namespaces
+
+
 def _in_another(
     store: Store,
     spec: NamespaceSpec,
@@ -55,22 +58,55 @@ def _in_another(
     caller: Caller,
 ) -> MissReason | None:
     """The caller's namespace whose chain of ``tokens`` is ready past the missing
-    block (in tokens), the one that covers most; None if none does."""
+    block (in tokens), the one that covers most; None if none does.
+
+    Its cost is bounded and the caller's own: only the caller's namespaces are
+    looked at (a tenant's; every one for the admin), each is walked only as far as
+    it holds the prompt (:func:`_ready_tokens`), and all of them together hash at
+    most ``WALK_BLOCKS`` blocks."""
     covered = found.block * spec.block_tokens
+    budget = WALK_BLOCKS
     best: tuple[int, str] | None = None
-    for other in store.namespaces():
+    for other in store.namespaces(None if caller.admin else caller.tenant):
         if other.ns_id == spec.ns_id or not caller.owns(other):
             continue
-        try:
-            chain = store.keys_for(other.ns_id, tokens, extra)
-            ready = store.lookup(other.ns_id, chain).ready_blocks * other.block_tokens
-        except StoreError:  # its tokens are out of its vocabulary, or too many
-            continue
+        ready, hashed = _ready_tokens(store, other, tokens, extra, budget)
+        budget -= hashed
         if ready > covered and (best is None or ready > best[0]):
             best = (ready, other.ns_id)
+        if budget <= 0:
+            break
     if best is None:
         return None
     return MissReason(found.block, OTHER_NAMESPACE, detail=best[1])
+
+
+def _ready_tokens(
+    store: Store, spec: NamespaceSpec, tokens: np.ndarray, extra: Sequence[bytes], budget: int
+) -> tuple[int, int]:
+    """The tokens of ``spec``'s ready prefix of ``tokens``, and the blocks hashed to
+    find it: 1, 2, 4, ... blocks, until the ready prefix stops short of what was
+    hashed (a namespace that holds none of the prompt costs one block), the prompt
+    ends or ``budget`` blocks are spent."""
+    try:
+        arr = tokens_array(tokens, spec.vocab_size)
+    except StoreError:  # its tokens are out of this namespace's vocabulary
+        return 0, 0
+    total = arr.size // spec.block_tokens
+    hashed, want = 0, 1
+    while True:
+        n = min(want, total, budget - hashed)
+        if n <= 0:
+            return 0, hashed
+        try:
+            keys = chain_keys(spec, arr, extra, max_blocks=n)
+            ready = store.lookup(spec.ns_id, keys).ready_blocks
+        except StoreError:  # too many blocks for one request
+            return 0, hashed
+        hashed += n
+        if ready < n or n == total or hashed >= budget:
+            return ready * spec.block_tokens, hashed
+        want = 2 * n
 
 
 def differing(a: NamespaceSpec, b: NamespaceSpec) -> list[str]:

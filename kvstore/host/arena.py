@@ -47,6 +47,7 @@ import bisect
 import contextlib
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import operator
@@ -221,10 +222,16 @@ def _layout(
 
 
 def _memfd(name: str, size: int) -> int:
-    """A memory file of ``size`` bytes with no path (only fds reach it), close-on-exec."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    """A memory file of ``size`` bytes with no path (only fds reach it), close-on-exec,
+    sealed against shrinking and growing: the fd is handed to tenants' processes, and
+    one that truncated it would make the daemon's next touch of the region a SIGBUS
+    (the seals hold for every holder of the fd, the daemon included, and cannot be
+    removed)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     except BaseException:
         os.close(fd)
         raise

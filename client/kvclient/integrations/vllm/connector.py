@@ -79,10 +79,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvclient.integrations.vllm.plan import StepPlan
 from kvclient.integrations.vllm.scheduler import SchedulerSide
 from kvclient.integrations.vllm.settings import ConnectorSettings, EngineLayout, check_vllm_version
+from kvclient.integrations.vllm.stats import KVStorePromMetrics, KVStoreStats
 from kvclient.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -161,6 +168,24 @@ class KVStoreConnector(KVConnectorBase_V1):
         if finished_req_ids:
             self._worker.finished(finished_req_ids)
         return self._worker.take_sent() or None, None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        return None if side is None else KVStoreStats.take(side.counts)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVStoreStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -16,6 +16,7 @@ from kvclient.integrations.vllm.settings import (
     EngineNamespaces,
     log,
 )
+from kvclient.integrations.vllm.stats import new_counts
 from kvclient.outages import Outage
 from kvclient.sync_client import KVClient
 
@@ -39,6 +40,7 @@ class SchedulerSide:
         self.claims: dict[str, Claim] = {}
         self.final_saves: list[SaveSpec] = []  # of finished requests, for the next step
         self.outage = Outage(log, settings.retry_after_s, f"kvstore at {self.client.addr}")
+        self.counts = new_counts()  # for vLLM's connector stats (stats.py)
         try:  # a layout clash is a start-up error; a daemon not there yet is not
             self.namespaces.get("")
         except LayoutMismatchError:
@@ -114,6 +116,9 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is not None:
             state.allocated(external_tokens)
+            # once per request: what was asked and what kvstore gave (vLLM's stats)
+            self.counts["lookup_tokens"] += state.full_blocks * state.block_size
+            self.counts["hit_tokens"] += external_tokens
 
     def plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
         plan = StepPlan(saves=self.final_saves)

@@ -21,6 +21,7 @@ from kvclient.integrations.vllm.settings import (
     EngineNamespaces,
     log,
 )
+from kvclient.integrations.vllm.stats import new_counts
 from kvclient.namespace import Namespace
 from kvclient.outages import Outage
 from kvclient.puts_ahead import PendingPut
@@ -37,6 +38,7 @@ class WorkerSide:
         self.namespaces = EngineNamespaces(self.client, layout, rank, settings)
         self.layers: PagedLayers | None = None
         self.outage = Outage(log, settings.retry_after_s)  # after a failed call: no saves
+        self.counts = new_counts()  # for vLLM's connector stats (stats.py)
         self.failed_blocks: set[int] = set()
         self.claims: dict[str, Claim | None] = {}  # None: the claim was lost, plain puts
         self.pending: deque[PendingPut] = deque()
@@ -83,6 +85,8 @@ class WorkerSide:
             loaded = self._load(spec)
             if loaded < len(spec.block_ids):
                 self.failed_blocks.update(spec.block_ids[loaded:])
+            self.counts["loaded_blocks"] += loaded
+            self.counts["load_ms"] += (time.perf_counter() - started) * 1e3
             log.debug(
                 "request %s: loaded %d of %d blocks in %.2f ms",
                 spec.req_id, loaded, len(spec.block_ids), (time.perf_counter() - started) * 1e3,
@@ -148,6 +152,9 @@ class WorkerSide:
             except KVStoreError as exc:
                 self._drop_claim(spec.req_id)
                 self.outage.failed("save", "kvstore did not take blocks (%s)", exc)
+            else:
+                self.counts["saved_blocks"] += len(spec.block_ids)
+            self.counts["save_ms"] += (time.perf_counter() - started) * 1e3
             log.debug(
                 "request %s: stored blocks %d..%d in %.2f ms",
                 spec.req_id, spec.start, spec.start + len(spec.block_ids),

@@ -1,0 +1,107 @@
+"""The connector's counts and times, through vLLM's KV connector stats interface.
+
+Each side of the connector counts into a plain dict (:data:`FIELDS`): the scheduler
+the prompt tokens it looked up and the tokens kvstore gave (once per request, when
+vLLM allocates its blocks), the workers the blocks they loaded and saved and the
+milliseconds that took. vLLM asks each side for :meth:`KVStoreConnector.get_kv_connector_stats`
+every step, adds the workers' and the scheduler's (:meth:`KVStoreStats.aggregate`) and
+hands the sum to its loggers: the log line ``KV Transfer metrics: ...`` every logging
+interval (:meth:`KVStoreStats.reduce`), and the Prometheus counters
+``vllm:kvstore_*_total`` of its ``/metrics`` (:class:`KVStorePromMetrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+
+# name -> what the Prometheus counter says (a time in ms is exported in seconds)
+FIELDS = {
+    "lookup_tokens": "Prompt tokens the kvstore connector looked up",
+    "hit_tokens": "Prompt tokens vLLM took from kvstore instead of computing them",
+    "loaded_blocks": "KV blocks loaded from kvstore into vLLM's cache",
+    "load_ms": "Time spent loading KV blocks from kvstore",
+    "saved_blocks": "KV blocks saved to kvstore",
+    "save_ms": "Time spent saving KV blocks to kvstore",
+}
+
+
+def new_counts() -> dict[str, float]:
+    """What a side of the connector counts into."""
+    return dict.fromkeys(FIELDS, 0)
+
+
+@dataclass
+class KVStoreStats(KVConnectorStats):
+    """The counts of one interval (``data``: :data:`FIELDS`), summed over the sides."""
+
+    def __post_init__(self) -> None:
+        for name in FIELDS:
+            self.data.setdefault(name, 0)
+
+    @classmethod
+    def take(cls, counts: dict[str, float]) -> KVStoreStats | None:
+        """The counts since the last take (None: nothing happened), and zero them."""
+        if not any(counts.values()):
+            return None
+        stats = cls(data=dict(counts))
+        counts.update(new_counts())
+        return stats
+
+    def reset(self) -> None:
+        self.data = new_counts()
+
+    def aggregate(self, other: KVConnectorStats) -> KVStoreStats:
+        for name in FIELDS:
+            self.data[name] += other.data.get(name, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        looked = d["lookup_tokens"]
+        return {
+            "lookup_tokens": int(looked),
+            "hit_tokens": int(d["hit_tokens"]),
+            "hit_rate": round(d["hit_tokens"] / looked, 3) if looked else 0.0,
+            "loaded_blocks": int(d["loaded_blocks"]),
+            "load_ms": round(d["load_ms"], 1),
+            "saved_blocks": int(d["saved_blocks"]),
+            "save_ms": round(d["save_ms"], 1),
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name, 0) for name in FIELDS)
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """One counter per field, per engine (vLLM's ``engine`` and model labels)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, Any] = {}
+        for name, text in FIELDS.items():
+            exported = name.replace("_ms", "_seconds")
+            self._counters[name] = self._counter_cls(
+                name=f"vllm:kvstore_{exported}", documentation=text, labelnames=labelnames
+            )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, counter in self._counters.items():
+            value = float(transfer_stats_data.get(name, 0))
+            if value:
+                counter.labels(*labels).inc(value / 1e3 if name.endswith("_ms") else value)
