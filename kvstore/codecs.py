@@ -123,14 +123,31 @@ class Codec:
             codes[:] = q[0::2] | (q[1::2] << 4)
         return out[: self.encoded_bytes]
 
+    @cached_property
+    def max_scale(self) -> float:
+        """The largest scale an encoding of a block of this dtype can have (its
+        largest finite value over the codes' limit, and the scale's rounding)."""
+        return float(ml_dtypes.finfo(CODED_DTYPES[self.dtype]).max) / _LIMIT[self.name] * 1.01
+
+    @cached_property
+    def _max_scale_bits(self) -> int:
+        """:attr:`max_scale` as a bfloat16's bits. Non-negative bfloat16s order as their
+        bits do, and every negative, infinite or NaN one has bits above it: one max
+        over the scales' bits finds any scale no encoding makes."""
+        return int(np.array([self.max_scale], dtype=SCALE).view(np.uint16)[0])
+
     def decode(
         self, encoded: bytes | bytearray | memoryview, out: memoryview, fast: bool = True
     ) -> None:
         """Decode one encoded block into ``out`` (``block_bytes`` of the namespace's
-        dtype): in C when built (``fast``), else numpy, with the same result."""
+        dtype): in C when built (``fast``), else numpy, with the same result. Raises
+        :class:`DamagedBlock` for scales no encoding makes (NaN, infinite, negative,
+        or past :attr:`max_scale`: a crafted record), before anything is written."""
         if self.exact:
             out[: self.block_bytes] = encoded
             return
+        if np.frombuffer(encoded, dtype=np.uint16, count=self.groups).max() > self._max_scale_bits:
+            raise DamagedBlock(f"{self.name} block with scales no encoding makes")
         if fast and _DECODE is not None:
             view = memoryview(out).cast("B")[: self.block_bytes]
             src_view = memoryview(encoded).cast("B")[: self.encoded_bytes]
@@ -155,6 +172,10 @@ class Codec:
         x *= scale
         dst = np.frombuffer(out, dtype=CODED_DTYPES[self.dtype], count=self.elements)
         dst[:] = x.ravel()
+
+
+class DamagedBlock(ValueError):
+    """An encoded block that no encoder made: a miss, counted as damage."""
 
 
 @functools.lru_cache(maxsize=1024)

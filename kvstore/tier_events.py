@@ -8,9 +8,10 @@ daemon's publisher (:mod:`kvstored.kv_events`) takes the changes in order and se
 them in vLLM's wire format. Pending blocks are never told: they are not usable.
 
 A change is one plain tuple per block, with what it carried at that moment (its key,
-its parent's key and its tokens), so a publisher reads no node. The feed is bounded:
-when the publisher falls behind by ``capacity`` changes, new ones are dropped and
-counted (``dropped``), never waited for under the lock. A part that can wait (the
+its parent's key and its tokens), so a publisher reads no node. The feed is bounded,
+in changes and in bytes (a change of a block of many tokens is large): when the
+publisher falls behind by ``capacity`` changes or ``capacity_bytes`` bytes, new ones are
+dropped and counted (``dropped``), never waited for under the lock. A part that can wait (the
 index load at start) waits for room with :meth:`wait_room` outside the lock.
 
 Off by default (``on`` False): then every method returns at once, at the cost of one
@@ -51,14 +52,24 @@ class TierChange(NamedTuple):
     tokens: bytes | None  # packed little-endian uint32; None: not known
 
 
+CHANGE_BYTES = 200  # what one change takes, besides its tokens (a tuple of six)
+
+
+def change_bytes(change: TierChange) -> int:
+    """What a change held in the feed takes, about."""
+    return CHANGE_BYTES + (len(change.tokens) if change.tokens else 0)
+
+
 class TierFeed:
     """The bounded, ordered feed of tier changes (see the module docstring)."""
 
-    def __init__(self, capacity: int, on: bool = False) -> None:
+    def __init__(self, capacity: int, on: bool = False, capacity_bytes: int = 64 << 20) -> None:
         self.on = on
         self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
         self.dropped = 0  # changes lost because the publisher was behind
         self._changes: deque[TierChange] = deque()
+        self._bytes = 0  # what the changes held take (guarded by _room's lock)
         self._room = threading.Condition(threading.Lock())
 
     def __len__(self) -> int:
@@ -94,11 +105,17 @@ class TierFeed:
             self._add([TierChange(CLEARED, spec, "", b"", None, None) for spec in targets])
 
     def _add(self, changes: list[TierChange]) -> None:
-        room = self.capacity - len(self._changes)
-        if room < len(changes):
-            self.dropped += len(changes) - max(room, 0)
-            changes = changes[: max(room, 0)]
-        self._changes.extend(changes)
+        room = max(self.capacity - len(self._changes), 0)
+        with self._room:
+            taken = 0
+            for change in changes[:room]:
+                size = change_bytes(change)
+                if self._bytes + size > self.capacity_bytes:
+                    break
+                self._bytes += size
+                taken += 1
+        self.dropped += len(changes) - taken
+        self._changes.extend(changes[:taken])
 
     def take(self, limit: int) -> list[TierChange]:
         """The oldest changes, at most ``limit``, taken off the feed (the publisher's
@@ -112,6 +129,7 @@ class TierFeed:
             pass
         if out:
             with self._room:
+                self._bytes -= sum(map(change_bytes, out))
                 self._room.notify_all()
         return out
 

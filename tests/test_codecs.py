@@ -192,6 +192,59 @@ def test_a_damaged_or_foreign_encoded_record_is_a_miss(
         store.close()
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_crafted_scales_are_a_miss_counted_as_damage(tmp_path: Path, name: str) -> None:
+    """A record whose checksum holds but whose scales no encoder makes (NaN, infinite,
+    3.4e38: past the dtype's range over the codes' limit) is a miss and counted as
+    damage, as is such a shared-tier value; the intact record next to them is served."""
+    import xxhash
+
+    from kvstore.codecs import DamagedBlock
+    from kvstore.shared import format as shared_format
+
+    store = coded_store(tmp_path)
+    try:
+        ns_id, chains, blocks = fill(store, name, 12)
+        spec = store.namespace(ns_id)
+    finally:
+        store.close()
+    crafted = {0: np.nan, 1: np.inf, 2: 3.4e38}
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=8, map_size=1 << 30)
+    meta = env.open_db(META_DB, create=False)
+    payload = env.open_db(b"payload", create=False)
+    with env.begin(write=True) as txn:
+        for i, scale in crafted.items():
+            key = bytes(chains[i][0])
+            value = bytearray(txn.get(key, db=payload))
+            value[2:4] = np.array([scale], dtype=ml_dtypes.bfloat16).tobytes()  # group 1
+            txn.put(key, bytes(value), db=payload)
+            record = unpack_record(key, txn.get(key, db=meta))
+            txn.put(key, pack_record(record.__class__(
+                record.key, record.ns_digest, record.parent, record.size,
+                xxhash.xxh3_64_intdigest(bytes(value)), record.priority, record.last_access,
+                record.offset, record.tokens, record.codec, record.codec_version,
+            )), db=meta)  # fmt: skip
+            codec = Codec(name, spec.dtype, spec.head_dim, spec.block_bytes)
+            with pytest.raises(DamagedBlock):
+                codec.decode(bytes(value), memoryview(bytearray(spec.block_bytes)))
+            # the same payload as a shared-tier value: its checksum holds, it is a miss
+            shared_value = shared_format.pack_value(
+                spec, chains[i][0], bytes(value), codec, encoded=True
+            )
+            unpacked = shared_format.unpack_value(spec, chains[i][0], bytes(shared_value), codec)
+            assert unpacked is None
+    env.close()
+    store = coded_store(tmp_path)
+    try:
+        store.wait_loaded(30)
+        for i in crafted:
+            assert read_back(store, ns_id, chains[i]) is None, i
+        assert store.stats().corrupt_reads == len(crafted)
+        assert read_back(store, ns_id, chains[3]) is not None
+    finally:
+        store.close()
+
+
 def test_a_name_bound_before_codecs_still_opens_its_namespace(tmp_path: Path) -> None:
     """A namespace-names.json written before the codec field (and before the log):
     re-opening the name with the same layout (codec exact, the default) is no layout

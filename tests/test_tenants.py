@@ -737,3 +737,54 @@ def test_token_guesses_on_the_local_socket_are_held_back_too(tenancy: Tenancy) -
     assert held == 5, f"{held} of {calls} refusals were held back"
     with tenancy.client("a") as client:  # another process's token is taken at once
         assert client.server_info().tenant == "a"
+
+
+def test_one_user_cannot_take_the_daemons_connections(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """The local-call socket: a user past max_connections_per_user has its next
+    connection closed at once, and, on a daemon with tokens, a connection that sends
+    no token is closed after PRE_AUTH_S, so idle connections cannot pile up until the
+    daemon is out of descriptors (#56, item 6). Every other client is served."""
+    from kvstored.local_calls import PRE_AUTH_S
+
+    config, tokens, _ = write_tenants(tmp_path)
+    daemon = kvstored_factory(
+        extra_args=("--config", str(config)), max_connections_per_user=4
+    )
+    with KVClient(daemon.addr, token=tokens["a"]) as client:
+        path = client.server_info().local_socket
+    assert path
+
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        return sock
+
+    def closed_by_daemon(sock: socket.socket, within: float) -> bool:
+        sock.settimeout(within)
+        try:
+            return sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+
+    held = [connect() for _ in range(4)]
+    try:
+        extra = connect()
+        assert closed_by_daemon(extra, 30)  # the fifth, at once
+        extra.close()
+        # the four idle ones sent no token: each is closed after PRE_AUTH_S
+        started = time.monotonic()
+        assert all(closed_by_daemon(sock, PRE_AUTH_S + 30) for sock in held)
+        assert time.monotonic() - started >= PRE_AUTH_S - 1
+    finally:
+        for sock in held:
+            sock.close()
+    # the user's count went down with them: a client connects and is served
+    with KVClient(daemon.addr, token=tokens["b"]) as client:
+        ns = client.namespace("after-flood", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert ns.put(tokens_of(91, 2), blocks_of(2, 4096, 3)).stored == 2
+        assert client.arena_in_use or client.server_info().local_socket
+    assert "max_connections_per_user" in daemon.output()

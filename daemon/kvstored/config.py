@@ -263,6 +263,9 @@ KEYS: tuple[Key, ...] = (
     Key("local_calls", "bool", parse_bool, True,
         "serve short calls to same-host clients on a plain unix socket beside the gRPC "
         "one (a round trip ~10x cheaper); false: gRPC only"),
+    Key("max_connections_per_user", "int", parse_int, 1024,
+        "most local-call connections one user (uid) holds at once; past it a new one "
+        "is closed at once (one line in the log, rate-limited)", _between(1, 1 << 20)),
     Key("socket_mode", "choice", _choice(SOCKET_MODES), "0600",
         "file mode of the daemon's unix sockets: 0600 (its own user only); 0660 (its "
         "group too) or 0666 (every user) let tenants that run as other users connect, "
@@ -364,6 +367,7 @@ class DaemonConfig:
     workers: int
     grace_s: float
     local_calls: bool
+    max_connections_per_user: int
     socket_mode: str
     log_level: str
     log_format: str

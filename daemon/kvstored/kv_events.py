@@ -65,6 +65,13 @@ HASH_FORMS = ("bytes", "int")
 # tier -> (medium, locality)
 _WHERE = {HOST: ("CPU", "LOCAL"), DISK: ("STORAGE", "LOCAL"), SHARED: ("STORAGE", "REMOTE")}
 DROP_LOG_EVERY_S = 60.0
+# what one peer can make the publisher hold or do (anyone who reaches its sockets)
+MAX_SUBSCRIPTION_BYTES = 64 << 10  # a message to the PUB socket (a subscription)
+MAX_REQUEST_BYTES = 4 << 10  # a replay request
+REPLAY_SNDHWM = 64  # replay messages queued for one peer that does not read (then dropped)
+REPLAYS_PER_S = 2  # replay requests answered per peer and second (the rest ignored)
+REPLAYS_PER_S_ALL = 20  # ... and of all peers together
+REQUESTS_PER_WAKE = 16  # replay requests read per wake-up (the stop is checked between)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +83,9 @@ class EventSettings:
     encoding: str = "map"
     hashes: str = "bytes"
     buffer_batches: int = 10_000  # batches kept for replay
+    buffer_bytes: int = 64 << 20  # ... and their bytes at most
     feed_changes: int = 262_144  # tier changes kept while the thread catches up
+    feed_bytes: int = 64 << 20  # ... and their bytes at most
     tenant_topics: Mapping[str, str] | None = None  # tenant -> its topic
 
 
@@ -137,7 +146,7 @@ class Publisher:
 
     def __init__(self, settings: EventSettings) -> None:
         self.settings = settings
-        self.feed = TierFeed(settings.feed_changes, on=True)
+        self.feed = TierFeed(settings.feed_changes, on=True, capacity_bytes=settings.feed_bytes)
         self._stored, self._removed, self._cleared = _event_types(settings.encoding == "array")
         self._encode = msgspec.msgpack.Encoder().encode
         self._tenant_topics = dict(settings.tenant_topics or {})
@@ -146,7 +155,11 @@ class Publisher:
         self._told: set[str] = set()  # ... of which with blocks
         self._seq: dict[str, int] = {}
         self._kept: deque[tuple[bytes, int, bytes]] = deque(maxlen=settings.buffer_batches)
+        self._kept_bytes = 0
         self.batches = 0  # batches sent
+        self.replays_ignored = 0  # replay requests past the rates, or malformed
+        self._replays: dict[bytes, list[float]] = {}  # peer -> its answered requests' times
+        self._replayed: list[float] = []  # ... of all peers
         self._dropped_logged = 0
         self._dropped_at = -DROP_LOG_EVERY_S
         self._ctx = zmq.Context()
@@ -154,9 +167,12 @@ class Publisher:
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.set_hwm(100_000)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
             self._pub.bind(settings.listen)
             if settings.replay_listen:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_SNDHWM)
                 self._replay.bind(settings.replay_listen)
         except zmq.ZMQError:
             self._close_sockets()
@@ -183,11 +199,15 @@ class Publisher:
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what the feed still holds (the store is closed: nothing comes after),
-        then close the sockets."""
+        then close the sockets: the thread does, as it ends (sockets are its own; one
+        closed under it fails its next call). A thread that does not end within
+        ``timeout`` is left to the process's exit, its sockets with it: the stop never
+        waits longer, whatever peers sent."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        self._close_sockets()
+        elif not self._thread.ident:  # never started
+            self._close_sockets()
 
     # --- the thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -206,9 +226,11 @@ class Publisher:
                     self._publish(changes)
                 self._note_dropped()
             except Exception:  # noqa: BLE001 - a publisher fault must not end the daemon
-                log.exception("publishing KV events failed; going on")
+                LIMITED.error(log, "kv_events_failed", "publishing KV events failed; going on",
+                              exc_info=True)
                 time.sleep(FLUSH_S)
             if stopping:
+                self._close_sockets()
                 return
 
     def _note_dropped(self) -> None:
@@ -305,22 +327,48 @@ class Publisher:
         payload = self._encode(_EventBatch(time.time(), events))
         frame = seq.to_bytes(8, "big")
         self._pub.send_multipart((name, frame, payload), copy=False)
-        self._kept.append((name, seq, payload))
+        self._keep(name, seq, payload)
         self._used.add(topic)
         self.batches += 1
 
+    def _keep(self, name: bytes, seq: int, payload: bytes) -> None:
+        """Keep a batch for replay: the newest ``buffer_batches``, at most
+        ``buffer_bytes`` of them."""
+        kept = self._kept
+        if len(kept) == kept.maxlen:
+            self._kept_bytes -= len(kept[0][2])
+        kept.append((name, seq, payload))
+        self._kept_bytes += len(payload)
+        while self._kept_bytes > self.settings.buffer_bytes and len(kept) > 1:
+            self._kept_bytes -= len(kept.popleft()[2])
+
     def _answer_replay(self) -> None:
+        """Answer waiting replay requests, at most ``REQUESTS_PER_WAKE`` (the stop is
+        checked between wake-ups), each peer at most ``REPLAYS_PER_S`` a second and all
+        of them ``REPLAYS_PER_S_ALL``; the rest are ignored (counted, logged within the
+        rate-limited logger's bounds)."""
         assert self._replay is not None
-        while self._replay.poll(0):
+        for _ in range(REQUESTS_PER_WAKE):
+            if not self._replay.poll(0):
+                return
             frames = self._replay.recv_multipart()
             if len(frames) == 3 and len(frames[2]) == 8:
                 client, topic, start = frames[0], None, frames[2]
             elif len(frames) == 4 and len(frames[3]) == 8:
                 client, topic, start = frames[0], frames[2], frames[3]
             else:
+                self.replays_ignored += 1
                 LIMITED.warning(
                     log, "kv_events_bad_replay", "KV events: a replay request of %d frames "
                     "ignored", len(frames),
+                )  # fmt: skip
+                continue
+            if not self._may_replay(client):
+                self.replays_ignored += 1
+                LIMITED.warning(
+                    log, "kv_events_replay_rate", "KV events: a replay request past %d a "
+                    "second from one peer (%d from all) ignored", REPLAYS_PER_S,
+                    REPLAYS_PER_S_ALL,
                 )  # fmt: skip
                 continue
             first = int.from_bytes(start, "big")
@@ -329,6 +377,19 @@ class Publisher:
                     frame = seq.to_bytes(8, "big")
                     self._replay.send_multipart((client, b"", name, frame, payload))
             self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def _may_replay(self, client: bytes) -> bool:
+        """Whether a request from ``client`` is within the replay rates (and count it)."""
+        now = time.monotonic()
+        every = self._replayed = [t for t in self._replayed if now - t < 1.0]
+        mine = [t for t in self._replays.get(client, ()) if now - t < 1.0]
+        if len(mine) >= REPLAYS_PER_S or len(every) >= REPLAYS_PER_S_ALL:
+            return False
+        if len(self._replays) > 4 * REPLAYS_PER_S_ALL:  # forget peers quiet for a second
+            self._replays = {c: ts for c, ts in self._replays.items() if now - ts[-1] < 1.0}
+        self._replays[client] = [*mine, now]
+        every.append(now)
+        return True
 
     def _hash(self, key: bytes) -> bytes | int:
         if self.settings.hashes == "int":

@@ -85,12 +85,22 @@ class _CallContext:
         raise _Aborted(code, details, kind)
 
 
+PRE_AUTH_S = 10.0  # on a daemon with tokens, a connection's time to send its token
+
+
 class LocalCallServer:
     """The local-call socket of one daemon, in front of its :class:`KVStoreService`."""
 
     def __init__(
-        self, service: KVStoreService, max_frame_bytes: int, observe: Observer | None = None
+        self,
+        service: KVStoreService,
+        max_frame_bytes: int,
+        observe: Observer | None = None,
+        max_per_user: int = 1024,
     ) -> None:
+        """``max_per_user``: connections one uid may hold at once (another user's
+        process must not take the daemon's file descriptors); on a daemon with tokens a
+        connection that sends none within ``PRE_AUTH_S`` is closed."""
         self._methods: dict[bytes, tuple[Callable[..., Any], Any, str]] = {
             name.encode(): (getattr(service, name), request_cls, SERVICE_PREFIX + name)
             for name, (request_cls, _) in frames.UNARY_METHODS.items()
@@ -101,6 +111,8 @@ class LocalCallServer:
         self.needs_token = service.access.tokens.enabled
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
+        self._max_per_user = max_per_user
+        self._per_user: dict[int, int] = {}  # uid -> its open connections
         self._stopping = False
         self.path: Path | None = None
 
@@ -125,13 +137,30 @@ class LocalCallServer:
             with contextlib.suppress(OSError):
                 self.path.unlink()
 
-    def opened(self, connection: _Connection) -> None:
+    def opened(self, connection: _Connection, uid: int) -> bool:
+        """Take a new connection of user ``uid``; False (it is to be closed) when that
+        user holds ``max_per_user`` already, or the server stops."""
+        held = self._per_user.get(uid, 0)
+        if held >= self._max_per_user or self._stopping:
+            if not self._stopping:
+                LIMITED.warning(
+                    log, "local_call_connections", "closing a local-call connection of uid "
+                    "%d: it holds %d already (max_connections_per_user)", uid, held,
+                )  # fmt: skip
+            return False
+        self._per_user[uid] = held + 1
         self._connections.add(connection)
         self._service.owner_opened(connection.owner)
+        return True
 
-    def lost(self, connection: _Connection) -> None:
+    def lost(self, connection: _Connection, uid: int) -> None:
         """A connection closed: the last one of its process ends that process's leases."""
         self._connections.discard(connection)
+        left = self._per_user.get(uid, 1) - 1
+        if left > 0:
+            self._per_user[uid] = left
+        else:
+            self._per_user.pop(uid, None)
         self._service.owner_closed(connection.owner)
 
     def authenticate(self, connection: _Connection, token: bytes) -> tuple[bytes, float]:
@@ -210,6 +239,8 @@ class _Connection(asyncio.Protocol):
         self._reading = True
         self._writable = True
         self.owner = ""
+        self._uid = -1
+        self._admitted = False
         # whose calls these are; None until the token frame on a daemon with tokens
         self.caller: Caller | None = None if server.needs_token else ANYONE
 
@@ -218,10 +249,24 @@ class _Connection(asyncio.Protocol):
         self._transport = transport
         peer = frames.peer_credentials(transport.get_extra_info("socket"))
         self.owner = f"local:{peer[0] if peer else 0}"
-        self._server.opened(self)
+        self._uid = peer[1] if peer else -1
+        self._admitted = self._server.opened(self, self._uid)
+        if not self._admitted:
+            transport.abort()
+        elif self.caller is None:  # no token yet: it has PRE_AUTH_S to send one
+            asyncio.get_running_loop().call_later(PRE_AUTH_S, self._no_token_in_time)
+
+    def _no_token_in_time(self) -> None:
+        if self.caller is None and self._transport is not None:
+            LIMITED.warning(
+                log, "local_call_no_token", "closing a local-call connection that sent no "
+                "token in %.0f s", PRE_AUTH_S,
+            )  # fmt: skip
+            self._transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._server.lost(self)
+        if self._admitted:
+            self._server.lost(self, self._uid)
         self._transport = None
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 import grpc
 import zmq
@@ -47,6 +48,7 @@ from kvstored.dispatch import Calls
 from kvstored.gpu_service import KVGpuService
 from kvstored.kv_events import Publisher
 from kvstored.local_calls import LocalCallServer
+from kvstored.log_limits import LIMITED
 from kvstored.metrics import DaemonMetrics, MetricsBindError, StoreCollector
 from kvstored.names import NamespaceNames
 from kvstored.preflight import prepare_unix_socket
@@ -131,12 +133,25 @@ def chosen_defaults(config: DaemonConfig) -> str:
     )
 
 
+def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's reports (a failed ``accept()`` out of descriptors, which it
+    retries a second later; an exception no task awaited) through the rate-limited
+    logger: a peer that keeps the daemon out of descriptors writes one line a kind."""
+    message = str(context.get("message", "event loop error"))
+    exc = context.get("exception")
+    LIMITED.error(
+        log, f"loop:{message}", "%s: %s", message, exc or "",
+        exc_info=exc if isinstance(exc, BaseException) else None,
+    )  # fmt: skip
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     """Run until SIGTERM/SIGINT (or ``stop`` is set); returns the exit code."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
+    loop.set_exception_handler(_loop_exception)
 
     sock_path = config.socket_path  # made ready by preflight.check
     gpu = await asyncio.to_thread(kv_platform.detect)  # no torch/CUDA context on cpu-only
@@ -301,7 +316,10 @@ async def start_local_calls(
     if not config.local_calls:
         return None
     path = paths.local_socket_path(config.socket_path, port)
-    local = LocalCallServer(service, config.max_message_bytes, metrics.interceptor.observe)
+    local = LocalCallServer(
+        service, config.max_message_bytes, metrics.interceptor.observe,
+        config.max_connections_per_user,
+    )  # fmt: skip
     off = ("local calls off (clients use gRPC only)", "local_calls_off")
     if not await serve_beside(path, local.start, config.socket_mode, *off):
         return None

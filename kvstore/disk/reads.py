@@ -23,7 +23,7 @@ import lmdb
 import xxhash
 
 from kvstore import codecs
-from kvstore.codecs import Codec
+from kvstore.codecs import Codec, DamagedBlock
 from kvstore.disk.format import DiskRecord, unpack_record
 from kvstore.disk.state import (
     _SCAN_CHUNK,
@@ -254,7 +254,10 @@ class DiskReads:
             return b"", -1  # fails the checksum check
         out = memoryview(bytearray(codec.block_bytes)) if dst is None else dst
         self._check_out(out, codec.block_bytes)
-        codec.decode(encoded, out)
+        try:
+            codec.decode(encoded, out)
+        except DamagedBlock:  # checksummed, yet no encoder made it: a crafted record
+            return b"", -1  # fails the checksum check: dropped, counted as damage
         return out[: codec.block_bytes], None
 
     def _decodes(self, key: bytes, record: DiskRecord, codec: Codec | None) -> bool:
