@@ -22,7 +22,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from kvbench.report import machine_line
+from kvbench.report import machine_line, write_page
 from kvstore import codecs
 from kvstore.codecs import Codec
 
@@ -91,11 +91,8 @@ def main() -> None:
         "Target: at most 1.05x. The other bounds are off the data path: the events' byte "
         "bounds are counted where a change is queued (a sum per change), the connection "
         "caps where a connection opens, the replay rates per request.",
-        "",
-        "    " + " ".join(sys.argv),
     ]
-    args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_page(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbench.report import machine_line
+from kvbench.report import machine_line, write_page
 from kvclient.integrations.weights import cache_file, weights_id
 
 CASES = ("cold", "warm", "cached")
@@ -100,11 +100,8 @@ def main() -> None:
         "after a boot); `warm`: in the page cache, digest cache empty (a first start "
         "right after a download); `cached`: every later start (the digests cached by "
         "path, size and mtime).",
-        "",
-        "    " + " ".join(sys.argv),
     ]
-    args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_page(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -386,6 +386,12 @@ def render_markdown(bench: Bench, argv: Sequence[str], elapsed: float, png: str 
     return "\n".join(lines) + "\n"
 
 
+def write_page(path: Path, lines: list[str]) -> None:
+    """Write a benchmark's page: its lines, then the command line that made it."""
+    path.write_text("\n".join([*lines, "", "    " + " ".join(sys.argv)]) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+
+
 def write_report(path: Path, body: str) -> None:
     block = f"{BEGIN_MARK}\n{body}{END_MARK}\n"
     if path.exists():
