@@ -421,6 +421,7 @@ def test_what_peers_send_the_event_sockets_is_bounded_and_never_delays_the_stop(
     (ZMQ_MAXMSGSIZE: the peer is dropped), a peer asking for replays ten times at once
     is answered twice that second, peers that flood replay requests and never read do
     not stop the publishing, and SIGTERM then stops the daemon in time (#56, item 4)."""
+    from kvbench.torture_kit import send_oversized_subscription
     from kvstored.kv_events import REPLAYS_PER_S
 
     daemon, pub, rep = events_daemon
@@ -428,17 +429,7 @@ def test_what_peers_send_the_event_sockets_is_bounded_and_never_delays_the_stop(
     ctx = zmq.Context()
     sockets: list[Any] = []
     try:
-        # an 8 MiB subscription message, from a process of its own (libzmq crashes the
-        # sender's context when it ends after the receiver dropped it)
-        oversized = (
-            "import os, time, zmq\n"
-            "sock = zmq.Context().socket(zmq.XSUB)\n"
-            f"sock.connect({pub!r})\n"
-            "sock.send(b'\\x01' + bytes(8 << 20))\n"
-            "time.sleep(1)\n"
-            "os._exit(0)\n"
-        )
-        subprocess.run([sys.executable, "-c", oversized], check=True, timeout=WAIT_S)
+        send_oversized_subscription(pub, 8 << 20, WAIT_S)  # an 8 MiB subscription
         eager = ctx.socket(zmq.DEALER)
         sockets.append(eager)
         eager.connect(rep)

@@ -746,6 +746,7 @@ def test_one_user_cannot_take_the_daemons_connections(
     connection closed at once, and, on a daemon with tokens, a connection that sends
     no token is closed after PRE_AUTH_S, so idle connections cannot pile up until the
     daemon is out of descriptors (#56, item 6). Every other client is served."""
+    from kvbench.torture_kit import closed_by_peer
     from kvstored.local_calls import PRE_AUTH_S
 
     config, tokens, _ = write_tenants(tmp_path)
@@ -761,23 +762,14 @@ def test_one_user_cannot_take_the_daemons_connections(
         sock.connect(path)
         return sock
 
-    def closed_by_daemon(sock: socket.socket, within: float) -> bool:
-        sock.settimeout(within)
-        try:
-            return sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-        except TimeoutError:
-            return False
-
     held = [connect() for _ in range(4)]
     try:
         extra = connect()
-        assert closed_by_daemon(extra, 30)  # the fifth, at once
+        assert closed_by_peer(extra, 30)  # the fifth, at once
         extra.close()
         # the four idle ones sent no token: each is closed after PRE_AUTH_S
         started = time.monotonic()
-        assert all(closed_by_daemon(sock, PRE_AUTH_S + 30) for sock in held)
+        assert all(closed_by_peer(sock, PRE_AUTH_S + 30) for sock in held)
         assert time.monotonic() - started >= PRE_AUTH_S - 1
     finally:
         for sock in held:

@@ -1,6 +1,7 @@
 """The parts of ``benchmarks/torture.py`` that its tests use too: a kvstored child it
-kills and restarts, deterministic chains, the disk-file damage it does and the fuzzed
-requests it sends (a module of the harness package, so tests import it by name)."""
+kills and restarts, deterministic chains, the disk-file damage it does, the fuzzed
+requests it sends and the floods of sockets it tries (a module of the harness
+package, so tests import it by name)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -108,6 +110,9 @@ class Kvstored:
             return " | ".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
@@ -277,3 +282,29 @@ def local_call(path: str, frame: bytes, noise: bool, timeout: float = 10) -> str
         if status == 0
         else next((c.name for c in grpc.StatusCode if c.value[0] == status), f"status {status}")
     )
+
+
+def closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """Whether the other end closes ``sock`` within ``within`` seconds (nothing sent)."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def send_oversized_subscription(pub: str, nbytes: int, timeout: float = 60) -> None:
+    """Send one subscription message of ``nbytes`` to the ZMQ PUB socket at ``pub``,
+    from a process of its own: libzmq crashes the sender's context as it ends after
+    the receiver dropped the connection for it (ZMQ_MAXMSGSIZE)."""
+    code = (
+        "import os, sys, time, zmq\n"
+        "sock = zmq.Context().socket(zmq.XSUB)\n"
+        "sock.connect(sys.argv[1])\n"
+        "sock.send(b'\\x01' + bytes(int(sys.argv[2])))\n"
+        "time.sleep(1)\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, pub, str(nbytes)], check=True, timeout=timeout)

@@ -5,7 +5,10 @@ Each attack is one row: what a tried, what came of it, and whether b (and the da
 held. a reads, clears and watches b's namespace by its id; uses a lease id of b's it
 learned; parks more waiting lookups than the daemon has threads; churns events past
 the ring; opens namespaces without end; sends large calls without a token and calls
-with guessed tokens. Every call goes over the daemon's real sockets.
+with guessed tokens; truncates the arena region it was handed; holds more local-call
+connections than its share; floods the KV event replay socket with malformed
+requests and oversized messages; asks ``why`` over a long prompt with hundreds of
+namespaces of its own. Every call goes over the daemon's real sockets.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from typing import Any
 import grpc
 
 from kvbench.servers import write_secret
-from kvbench.torture_kit import Kvstored, block_of, tokens_of
+from kvbench.torture_kit import (
+    Kvstored,
+    block_of,
+    closed_by_peer,
+    send_oversized_subscription,
+    tokens_of,
+)
 from kvclient import KVClient
 from kvclient.arena_path import map_handed_out
 from kvclient.errors import KVStoreError
@@ -30,8 +39,11 @@ from kvproto.v1.kvstore_pb2_grpc import KVStoreStub
 
 BLOCK = 4096
 EVENT_BUFFER = 64
-MAX_NAMESPACES = 8
+MAX_NAMESPACES = 400  # tenant_max_namespaces (a opens 300 of them for `why` first)
 PARKED = 70  # more than the daemon's waiting threads (kvstored.dispatch.WAIT_THREADS)
+CONNECTIONS = 16  # max_connections_per_user of the attacked daemon
+WHY_NAMESPACES = 300
+WHY_BLOCKS = 4096
 REGION = 8 << 20  # each tenant's host quota: its own arena region
 Row = tuple[str, str, bool]
 
@@ -109,8 +121,9 @@ def run_attacks(daemon: Kvstored, tokens: dict[str, str]) -> list[Row]:
         rows.append(starve(stub, as_a, ns_a, ns_b))
         rows.append(churn_events(a, b, ns_a, ns_b))
 
-        opened, refused = 1, ""
-        while not refused and opened < 10 * MAX_NAMESPACES:
+        rows.append(ask_why(a, ns_a, ns_b, mine))
+        opened, refused = len(a.namespaces()), ""
+        while not refused and opened < 2 * MAX_NAMESPACES:
             code = code_of(functools.partial(a.namespace, f"flood-{opened}", 4, BLOCK))
             opened += code == "OK"
             refused = "" if code == "OK" else code
@@ -120,9 +133,129 @@ def run_attacks(daemon: Kvstored, tokens: dict[str, str]) -> list[Row]:
             f"{refused} after {opened} (tenant_max_namespaces={MAX_NAMESPACES}); b opens {b_opens}",
             refused == "RESOURCE_EXHAUSTED" and opened == MAX_NAMESPACES and b_opens == "OK",
         ))  # fmt: skip
+        rows.append(truncate_region(daemon, tokens["a"], ns_b, mine))
+        rows.append(hold_connections(daemon, ns_b, mine))
+    rows.append(flood_events(daemon))
     rows.append(tokenless(daemon))
     rows.append(guess_tokens(daemon, stub))
     return rows
+
+
+def truncate_region(daemon: Kvstored, token: str, ns_b: Any, b_tokens: list[int]) -> Row:
+    """a shrinks (and grows) the memfd of its region that the daemon handed it: the
+    seals refuse both, where a shrink made the daemon's next touch a SIGBUS."""
+    import os
+
+    from kvproto.v1.arena_handout import fetch_region
+
+    with KVClient(daemon.addr, token=token, use_arena=True) as a:
+        info = a.server_info()
+    fd, _ = fetch_region(info.arena_socket, token, 10, info.uid)
+    refused = []
+    for size in (0, 1 << 30):
+        try:
+            os.ftruncate(fd, size)
+            refused.append("DONE")
+        except PermissionError:
+            refused.append("refused")
+    os.close(fd)
+    whole = ns_b.get(b_tokens).n_blocks == 4
+    return (
+        "a truncates (and grows) its region's memfd",
+        f"shrink {refused[0]}, grow {refused[1]}; b's blocks {'whole' if whole else 'LOST'}",
+        refused == ["refused", "refused"] and whole and daemon.alive(),
+    )
+
+
+def hold_connections(daemon: Kvstored, ns_b: Any, b_tokens: list[int]) -> Row:
+    """a opens local-call connections past max_connections_per_user and sends nothing:
+    the one past the cap is closed at once, the idle ones after PRE_AUTH_S."""
+    import socket
+
+    from kvstored.local_calls import PRE_AUTH_S
+
+    with KVClient(daemon.addr, token=daemon.token) as probe:
+        path = probe.server_info().local_socket
+    held = []
+    for _ in range(CONNECTIONS + 1):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(path)
+        held.append(sock)
+
+    # (the probe's own connection may count for this user: the last one or two closed)
+    over = closed_by_peer(held[-1], 10)
+    started = time.monotonic()
+    idle = sum(closed_by_peer(sock, PRE_AUTH_S + 20) for sock in held[:-2])
+    after = time.monotonic() - started
+    for sock in held:
+        sock.close()
+    whole = ns_b.get(b_tokens).n_blocks == 4
+    return (
+        f"a holds {CONNECTIONS + 1} idle local-call connections "
+        f"(max_connections_per_user={CONNECTIONS})",
+        f"the one past the cap {'closed at once' if over else 'KEPT'}; {idle} of "
+        f"{CONNECTIONS - 1} tokenless ones closed within {after:.0f} s; b served",
+        over and idle == CONNECTIONS - 1 and whole,
+    )
+
+
+def ask_why(a: KVClient, ns_a: Any, ns_b: Any, b_tokens: list[int]) -> Row:
+    """a asks why a long prompt misses, with hundreds of namespaces of its own: the
+    walk is a's own and bounded; b's put and get meanwhile."""
+    for i in range(WHY_NAMESPACES):
+        a.namespace(f"why-{i}", block_tokens=4, block_bytes=BLOCK)
+    prompt = tokens_of(7, WHY_BLOCKS)
+    started = time.monotonic()
+    reason = ns_a.why(prompt)
+    took = time.monotonic() - started
+    b_started = time.monotonic()
+    ns_b.put(tokens_of(8, 2), [block_of(8, i, BLOCK) for i in range(2)])
+    served = ns_b.get(tokens_of(8, 2)).n_blocks == 2
+    b_took = time.monotonic() - b_started
+    return (
+        f"a asks why a {WHY_BLOCKS}-block prompt misses, with {WHY_NAMESPACES} namespaces",
+        f"answered ({reason.reason}) in {took * 1000:.0f} ms; b's put and get after it "
+        f"{b_took * 1000:.1f} ms",
+        served and took < 5.0,
+    )
+
+
+def flood_events(daemon: Kvstored) -> Row:
+    """Anyone who reaches the KV event sockets: 500 malformed replay requests, 20
+    replay requests from each of 20 peers that never read, an 8 MiB subscription
+    message (from a process of its own: libzmq crashes the sender's context after the
+    daemon drops it). The daemon logs one line per kind and stops in time."""
+    import zmq
+
+    pub, rep = daemon.settings["kv_events_listen"], daemon.settings["kv_events_replay_listen"]
+    ctx = zmq.Context()
+    sockets = []
+    try:
+        bad = ctx.socket(zmq.DEALER)
+        sockets.append(bad)
+        bad.connect(rep)
+        for _ in range(500):
+            bad.send_multipart((b"", b"not a seq"))
+        for _ in range(20):
+            peer = ctx.socket(zmq.DEALER)
+            sockets.append(peer)
+            peer.connect(rep)
+            for _ in range(20):
+                peer.send_multipart((b"", (0).to_bytes(8, "big")))
+        send_oversized_subscription(pub, 8 << 20)
+        time.sleep(1.0)  # (the publisher reads requests every 20 ms)
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+    lines = sum("replay request" in line for line in daemon.text().splitlines())
+    rss = daemon.rss_bytes()
+    return (
+        "anyone floods the KV event sockets (500 malformed replays, 20 peers x 20 "
+        "replays unread, an 8 MiB subscription)",
+        f"{lines} log lines; the daemon's RSS {rss / 2**20:.0f} MiB; it goes on",
+        lines <= 3 and daemon.alive(),
+    )
 
 
 def map_the_arena(daemon: Kvstored, token: str, ns_a: Any, b_tokens: list[int]) -> Row:
@@ -239,7 +372,8 @@ def part_tenants(work: Path, quick: bool) -> tuple[list[str], list[tuple[str, st
     config, tokens = write_config(folder)
     daemon = Kvstored(
         folder, token=tokens["b"], config=str(config), tenant_max_namespaces=MAX_NAMESPACES,
-        event_buffer=EVENT_BUFFER,
+        event_buffer=EVENT_BUFFER, max_connections_per_user=CONNECTIONS,
+        kv_events_listen=f"ipc://{folder}/events", kv_events_replay_listen=f"ipc://{folder}/replay",
     )  # fmt: skip
     try:
         daemon.start()
