@@ -45,7 +45,7 @@ from operator import attrgetter
 from kvstore import codecs
 from kvstore.disk.format import unpack_fields
 from kvstore.index import READY, NamespaceEntry, Node
-from kvstore.keys import BlockKey, NamespaceSpec
+from kvstore.keys import BlockKey, NamespaceSpec, tokens_name_block
 from kvstore.store_parts import StoreParts
 from kvstore.tier_events import DISK
 
@@ -248,7 +248,9 @@ class IndexLoad:
             if parent is not None:
                 parent.disk_children += 1
             added.append(node)
-            added_tokens.append(tokens or None)
+            # tokens are told to routers only when they are what the key was hashed from
+            told = tokens and tokens_name_block(entry.spec, parent_key or None, key, tokens)
+            added_tokens.append(tokens if told else None)
             children = waiting.pop(key, None)
             if children:
                 todo.extend(children)

@@ -299,6 +299,23 @@ def chain_keys(
     return keys  # type: ignore[return-value]  # BlockKey is bytes at run time
 
 
+def tokens_name_block(spec: NamespaceSpec, parent: bytes | None, key: bytes, tokens: bytes) -> bool:
+    """Whether ``tokens`` (packed little-endian uint32, one block's) are what ``key``
+    was hashed from, after ``parent`` (None: the namespace's root) and no extra keys:
+    so that tokens read from a disk record are told to routers only when they are the
+    block's. (A block stored with extra keys, a LoRA id say, fails: its tokens are
+    then not told, as a record without tokens; a miss of a router, never a wrong hit.)"""
+    if len(tokens) != 4 * spec.block_tokens:
+        return False
+    new = hashlib.sha256 if spec.hash_algorithm == "sha256" else xxhash.xxh3_128
+    h = new((spec.digest if parent is None else parent) + _NO_EXTRA)
+    h.update(tokens)
+    return h.digest() == key
+
+
+_NO_EXTRA = encode_extra(())
+
+
 class KeyChain(list[BlockKey]):
     """The key chain of a prompt together with its tokens: block ``i`` covers
     ``tokens[i * block_tokens : (i + 1) * block_tokens]`` (little-endian uint32).
