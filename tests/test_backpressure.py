@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -154,3 +155,60 @@ def test_a_stop_out_of_time_exits_3_naming_what_it_lost(
     daemon.start()
     # what came back is exact prefixes of the chains: every block persisted, no other
     assert whole_chains(daemon.addr, 1, 6)[1] == 48 - lost
+
+
+def test_puts_waiting_for_the_writer_never_hold_a_thread_a_waiting_lookup_needs(
+    tmp_path: Path,
+) -> None:
+    """#56 item 7, in the daemon's dispatch with a real store: puts that wait for the
+    disk writer run on a pool of their own. With every thread of the put-wait pool
+    held (and more queued), a parked Lookup is still served, and the reverse: every thread of the
+    Lookups' waiting pool held, a put that waits is still served. Before, both shared
+    one pool, and one tenant's puts on a slow disk held another's lookups for seconds."""
+    import asyncio
+
+    from kvstore.store import Store
+    from kvstored import config as kvconfig
+    from kvstored.auth import ANYONE, Access, Tokens
+    from kvstored.dispatch import WAIT_THREADS, Calls
+    from kvstored.names import NamespaceNames
+
+    cfg = kvconfig.load_config(
+        ["--disk_bytes", "0", "--host_bytes", "8MiB", "--arena_dir", str(tmp_path)], env={}
+    )[0]
+    store = Store(cfg.store_config())
+    names = NamespaceNames(None)
+    calls = Calls(store, cfg, names, "test", Access(store, names, Tokens(())))
+    release = threading.Event()
+
+    async def run() -> None:
+        def held() -> None:
+            assert release.wait(60)
+
+        # as many waiting puts as the Lookups' waiting pool has threads (a writer that
+        # does not come back meanwhile)
+        puts = [asyncio.ensure_future(calls.run(held, wait=True)) for _ in range(WAIT_THREADS)]
+        # a parked lookup still gets a thread of its pool
+        ran, value = await asyncio.wait_for(
+            calls.run_parked(calls.wait_shares, ANYONE, lambda: "looked up"), 30
+        )
+        assert (ran, value) == (True, "looked up")
+        release.set()
+        await asyncio.gather(*puts)
+        # the reverse: the waiting pool full (its share is all of it for one caller),
+        # a put that waits still runs
+        release.clear()
+        parked = [
+            asyncio.ensure_future(calls.run_parked(calls.wait_shares, ANYONE, held))
+            for _ in range(WAIT_THREADS)
+        ]
+        assert await asyncio.wait_for(calls.run(lambda: "put", wait=True), 30) == "put"
+        release.set()
+        await asyncio.gather(*parked)
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        calls.close()
+        store.close()

@@ -5,10 +5,12 @@ and the key chains of requests.
 Store calls lock, hash and copy block bytes, so they run on a bounded thread pool
 (``workers``) via ``run_in_executor``; calls that may wait a long time use pools of their
 own so they cannot fill the first: Lookups with ``wait_pending_s`` one, event streams
-another. Each caller (a tenant, or the admin) may park at most its share of a waiting
-pool's threads (:class:`WaitShares`); past it a Lookup is answered at once, with what is
-still pending, and an event stream polls without parking a thread, so one tenant
-waiting on its own blocks never delays another's answers or events.
+another, puts waiting for the disk writer (back-pressure) a third, so that one
+tenant's puts on a slow disk never delay another tenant's lookups. Each caller (a
+tenant, or the admin) may park at most its share of a waiting pool's threads
+(:class:`WaitShares`); past it a Lookup is answered at once, with what is still
+pending, and an event stream polls without parking a thread, so one tenant waiting on
+its own blocks never delays another's answers or events.
 Short calls skip the pool (a hand-off to a pool thread and back costs about a
 millisecond on a busy two-core machine, more than the call itself): a handler offers
 its work to :meth:`Calls.run_quick`, which runs it on the event loop with
@@ -45,6 +47,7 @@ CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
 QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool
 WAIT_THREADS = 64  # Lookups with wait_pending_s parked at once, all callers together
 EVENT_THREADS = 32  # event streams parked at once (in a poll of the store's events)
+PUT_WAIT_THREADS = 32  # puts waiting for the disk writer at once (the rest queue)
 
 
 class NeedsPool(Exception):
@@ -135,6 +138,9 @@ class Calls:
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kv-store")
         self._wait_pool = ThreadPoolExecutor(WAIT_THREADS, thread_name_prefix="kv-wait")
         self._event_pool = ThreadPoolExecutor(EVENT_THREADS, thread_name_prefix="kv-events")
+        self._put_wait_pool = ThreadPoolExecutor(
+            PUT_WAIT_THREADS, thread_name_prefix="kv-put-wait"
+        )
         callers = len(config.tenants) + 1  # (the admin, or everyone without tokens)
         self.wait_shares = WaitShares(WAIT_THREADS, callers)
         self.event_shares = WaitShares(EVENT_THREADS, callers)
@@ -156,6 +162,7 @@ class Calls:
         self._pool.shutdown(wait=True)
         self._wait_pool.shutdown(wait=False, cancel_futures=True)
         self._event_pool.shutdown(wait=False, cancel_futures=True)
+        self._put_wait_pool.shutdown(wait=False, cancel_futures=True)
 
     async def run_parked(
         self, shares: WaitShares, caller: Caller, fn: Callable[..., T], *args: Any
@@ -173,15 +180,17 @@ class Calls:
             shares.give(caller)
 
     async def run(self, fn: Callable[..., T], *args: Any, wait: bool = False) -> T:
+        """``fn(*args)`` on the store pool; ``wait``: on the pool of puts waiting for
+        the disk writer (never the Lookups' waiting pool: see the module docstring)."""
         loop = asyncio.get_running_loop()
-        pool = self._wait_pool if wait else self._pool
+        pool = self._put_wait_pool if wait else self._pool
         return await loop.run_in_executor(pool, functools.partial(fn, *args))
 
     async def run_quick(self, fn: Callable[[bool], T], may_wait: bool = False) -> T:
         """``fn(quick=True)`` on the event loop; on the pool when it raises NeedsPool.
         A call that ``may_wait`` for a writer (a put under back-pressure) goes to
-        the wait pool while the writer is behind, so it never holds a thread that
-        reads and lookups need."""
+        the put-wait pool while the writer is behind, so it never holds a thread that
+        reads and lookups need, waiting ones included."""
         try:
             return fn(True)
         except NeedsPool:
