@@ -47,7 +47,7 @@ from kvstore.disk.format import unpack_fields
 from kvstore.index import READY, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec, tokens_name_block
 from kvstore.store_parts import StoreParts
-from kvstore.tier_events import DISK
+from kvstore.tier_events import DISK, tokens_change_bytes
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +161,9 @@ class IndexLoad:
         for chunk in self._disk.scan_chunks(CHUNK):
             if self._stop.is_set():
                 return
-            feed.wait_room(len(chunk), FEED_WAIT_S)  # (routers hear of every block)
             records = [decode(key, raw) for key, raw in chunk]
+            told = sum(tokens_change_bytes(rec[6]) for rec in records if rec is not None)
+            feed.wait_room(len(chunk), FEED_WAIT_S, told)  # (routers hear of every block)
             with self._parts.lock:
                 if self._parts.closed:
                     return

@@ -26,7 +26,7 @@ import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import NewType
+from typing import Any, NewType
 
 import numpy as np
 import xxhash
@@ -256,6 +256,11 @@ def tokens_array(tokens: Sequence[int] | np.ndarray, vocab_size: int = 0) -> np.
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
+def _hasher(spec: NamespaceSpec) -> Any:
+    """The hash a namespace's block keys are made with (a new hash object per call)."""
+    return hashlib.sha256 if spec.hash_algorithm == "sha256" else xxhash.xxh3_128
+
+
 def chain_keys(
     spec: NamespaceSpec,
     tokens: Sequence[int] | np.ndarray,
@@ -279,7 +284,7 @@ def chain_keys(
     stride = spec.block_tokens * 4
     common = encode_extra(extra)
     per_block = block_extra or {}
-    new = hashlib.sha256 if spec.hash_algorithm == "sha256" else xxhash.xxh3_128
+    new = _hasher(spec)
     keys: list[bytes] = []
     append = keys.append
     parent = spec.digest
@@ -307,8 +312,7 @@ def tokens_name_block(spec: NamespaceSpec, parent: bytes | None, key: bytes, tok
     then not told, as a record without tokens; a miss of a router, never a wrong hit.)"""
     if len(tokens) != 4 * spec.block_tokens:
         return False
-    new = hashlib.sha256 if spec.hash_algorithm == "sha256" else xxhash.xxh3_128
-    h = new((spec.digest if parent is None else parent) + _NO_EXTRA)
+    h = _hasher(spec)((spec.digest if parent is None else parent) + _NO_EXTRA)
     h.update(tokens)
     return h.digest() == key
 

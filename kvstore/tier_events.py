@@ -57,7 +57,12 @@ CHANGE_BYTES = 200  # what one change takes, besides its tokens (a tuple of six)
 
 def change_bytes(change: TierChange) -> int:
     """What a change held in the feed takes, about."""
-    return CHANGE_BYTES + (len(change.tokens) if change.tokens else 0)
+    return tokens_change_bytes(change.tokens)
+
+
+def tokens_change_bytes(tokens: bytes | None) -> int:
+    """What a change that carries ``tokens`` takes in the feed, about."""
+    return CHANGE_BYTES + (len(tokens) if tokens else 0)
 
 
 class TierFeed:
@@ -133,10 +138,14 @@ class TierFeed:
                 self._room.notify_all()
         return out
 
-    def wait_room(self, n: int, timeout: float) -> bool:
-        """Wait (never under the store's lock) until ``n`` more changes fit; False
-        when the time ran out first."""
+    def wait_room(self, n: int, timeout: float, nbytes: int = 0) -> bool:
+        """Wait (never under the store's lock) until ``n`` more changes of ``nbytes``
+        in all fit (both bounds); False when the time ran out first."""
         if not self.on:
             return True
         with self._room:
-            return self._room.wait_for(lambda: len(self._changes) + n <= self.capacity, timeout)
+            return self._room.wait_for(
+                lambda: len(self._changes) + n <= self.capacity
+                and self._bytes + nbytes <= self.capacity_bytes,
+                timeout,
+            )

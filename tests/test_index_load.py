@@ -189,3 +189,19 @@ def test_damage_found_by_the_background_check_costs_the_old_blocks_only(
             assert n == LENGTH
             assert bytes(data) == b"".join(payload(chain, i) for i in range(n))
         assert store.lookup(ns, store.keys_for(ns, tokens(0))).ready_blocks == 0
+
+
+def test_the_feed_of_tier_changes_waits_for_room_in_bytes_as_in_changes() -> None:
+    """The index load waits for the feed's room before it tells a chunk of blocks: the
+    room in bytes counts as the room in changes does (a wait that only counted changes
+    would let the byte bound drop what it waited to tell)."""
+    from kvstore.tier_events import CHANGE_BYTES, TierFeed
+
+    spec = NamespaceSpec("m", block_tokens=TOKENS, block_bytes=BLOCK)
+    feed = TierFeed(100, on=True, capacity_bytes=3 * CHANGE_BYTES)
+    feed.cleared([spec] * 3)  # three changes without tokens: the bytes are full
+    assert len(feed) == 3 and feed.dropped == 0
+    assert feed.wait_room(1, 0.01)  # one more change would fit in count ...
+    assert not feed.wait_room(1, 0.01, CHANGE_BYTES)  # ... not in bytes
+    feed.take(1)
+    assert feed.wait_room(1, 0.01, CHANGE_BYTES)

@@ -157,7 +157,6 @@ class Publisher:
         self._kept: deque[tuple[bytes, int, bytes]] = deque(maxlen=settings.buffer_batches)
         self._kept_bytes = 0
         self.batches = 0  # batches sent
-        self.replays_ignored = 0  # replay requests past the rates, or malformed
         self._replays: dict[bytes, list[float]] = {}  # peer -> its answered requests' times
         self._replayed: list[float] = []  # ... of all peers
         self._dropped_logged = 0
@@ -345,7 +344,7 @@ class Publisher:
     def _answer_replay(self) -> None:
         """Answer waiting replay requests, at most ``REQUESTS_PER_WAKE`` (the stop is
         checked between wake-ups), each peer at most ``REPLAYS_PER_S`` a second and all
-        of them ``REPLAYS_PER_S_ALL``; the rest are ignored (counted, logged within the
+        of them ``REPLAYS_PER_S_ALL``; the rest are ignored (logged within the
         rate-limited logger's bounds)."""
         assert self._replay is not None
         for _ in range(REQUESTS_PER_WAKE):
@@ -357,14 +356,12 @@ class Publisher:
             elif len(frames) == 4 and len(frames[3]) == 8:
                 client, topic, start = frames[0], frames[2], frames[3]
             else:
-                self.replays_ignored += 1
                 LIMITED.warning(
                     log, "kv_events_bad_replay", "KV events: a replay request of %d frames "
                     "ignored", len(frames),
                 )  # fmt: skip
                 continue
             if not self._may_replay(client):
-                self.replays_ignored += 1
                 LIMITED.warning(
                     log, "kv_events_replay_rate", "KV events: a replay request past %d a "
                     "second from one peer (%d from all) ignored", REPLAYS_PER_S,

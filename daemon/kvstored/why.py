@@ -68,7 +68,7 @@ def _in_another(
     budget = WALK_BLOCKS
     best: tuple[int, str] | None = None
     for other in store.namespaces(None if caller.admin else caller.tenant):
-        if other.ns_id == spec.ns_id or not caller.owns(other):
+        if other.ns_id == spec.ns_id:
             continue
         ready, hashed = _ready_tokens(store, other, tokens, extra, budget)
         budget -= hashed

@@ -85,11 +85,12 @@ class WorkerSide:
             loaded = self._load(spec)
             if loaded < len(spec.block_ids):
                 self.failed_blocks.update(spec.block_ids[loaded:])
+            took_ms = (time.perf_counter() - started) * 1e3
             self.counts["loaded_blocks"] += loaded
-            self.counts["load_ms"] += (time.perf_counter() - started) * 1e3
+            self.counts["load_ms"] += took_ms
             log.debug(
                 "request %s: loaded %d of %d blocks in %.2f ms",
-                spec.req_id, loaded, len(spec.block_ids), (time.perf_counter() - started) * 1e3,
+                spec.req_id, loaded, len(spec.block_ids), took_ms,
             )  # fmt: skip
 
     def _load(self, spec: LoadSpec) -> int:
@@ -154,11 +155,11 @@ class WorkerSide:
                 self.outage.failed("save", "kvstore did not take blocks (%s)", exc)
             else:
                 self.counts["saved_blocks"] += len(spec.block_ids)
-            self.counts["save_ms"] += (time.perf_counter() - started) * 1e3
+            took_ms = (time.perf_counter() - started) * 1e3
+            self.counts["save_ms"] += took_ms
             log.debug(
                 "request %s: stored blocks %d..%d in %.2f ms",
-                spec.req_id, spec.start, spec.start + len(spec.block_ids),
-                (time.perf_counter() - started) * 1e3,
+                spec.req_id, spec.start, spec.start + len(spec.block_ids), took_ms,
             )  # fmt: skip
 
     def _save(self, spec: SaveSpec) -> None:
