@@ -187,6 +187,8 @@ def test_default_socket_path_is_importable_without_grpc() -> None:
         (["--log-level", "loud"], {}, "log_level"),
         (["--shared-arena", "maybe"], {}, "shared_arena"),
         (["--local-calls", "maybe"], {}, "local_calls"),
+        (["--max-connections-per-user", "0"], {}, "max_connections_per_user"),
+        (["--max-connections-per-user", "many"], {}, "max_connections_per_user"),
         (["--socket-mode", "0644"], {}, "socket_mode"),
         (["--socket-mode", "0666"], {}, "socket_mode"),  # without tokens
         ([], {"KVSTORED_PREFAULT_ARENA": "sometimes"}, "prefault_arena"),
