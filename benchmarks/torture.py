@@ -495,11 +495,59 @@ def load_progress(addr: str) -> tuple[int, int]:
     return counters.get("index_records_loaded", 0), counters.get("index_records_total", 0)
 
 
+@dataclass
+class Churn:
+    """Filled chains put again (the same bytes) and deleted while the index loads,
+    by start (:func:`churn`): each start takes chains of its own."""
+
+    picks: Iterator[int]
+    per_start: int
+    deleted: set[int] = field(default_factory=set)  # deletes answered
+    unsure: set[int] = field(default_factory=set)  # put or deleted under a kill
+    put_again: int = 0  # puts answered
+    during: int = 0  # answers given while the load was under way
+    durable: int = 0  # blocks of those puts answered durable
+
+
+def churn(addr: str, work: Churn) -> str:
+    """Put again ``per_start`` filled chains (every other one its first half only) and
+    delete a fifth as many, as soon as the daemon answers: what the attack on the
+    background load did (#56). A call cut by a kill leaves its chain unsure. The error
+    that ended it early ("" when none did)."""
+    from kvbench.disk_fill import chain_tokens
+
+    chosen = [next(work.picks) for _ in range(work.per_start + work.per_start // 5)]
+    try:
+        with KVClient(addr, timeout=10) as client:
+            ns = client.namespace(LOAD_MODEL, block_tokens=TOKENS, block_bytes=LOAD_BLOCK)
+            for n, chain in enumerate(chosen):
+                work.unsure.add(chain)
+                tokens = chain_tokens(chain, LOAD_BLOCKS, TOKENS)
+                if n < work.per_start:
+                    length = LOAD_BLOCKS // 2 if n % 2 else LOAD_BLOCKS
+                    rows = [load_payload(chain, i) for i in range(length)]
+                    result = ns.put(tokens[: length * TOKENS], rows)
+                    work.put_again += 1
+                    work.durable += result.durable
+                else:
+                    ns.delete(tokens)
+                    work.deleted.add(chain)
+                work.unsure.discard(chain)
+                loaded, total = load_progress(addr)
+                work.during += not total or loaded < total
+    except (KVStoreError, OSError) as exc:  # killed under the call, or a fault
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
 def part_indexload(work: Path, quick: bool) -> Section:
     from kvbench.disk_fill import chain_tokens, fill_disk
 
     cycles = 1 if quick else 6
     chains = 4000 if quick else 40_000  # 64k or 640k records: a load of 8 or 80 chunks
+    picks = list(range(chains))
+    random.shuffle(picks)
+    churned = Churn(iter(picks), 10 if quick else 100)
     daemon = Kvstored(
         work / "indexload", admission="write-through", disk_bytes="8GiB", sync_index_bytes=0
     )
@@ -516,6 +564,8 @@ def part_indexload(work: Path, quick: bool) -> Section:
                 target=writer, args=(daemon.addr, "arena", written, seeds, stop)
             )
             thread.start()
+            churning = threading.Thread(target=churn, args=(daemon.addr, churned))
+            churning.start()
             kill_at = random.uniform(0.1, 0.8)  # of the records loaded
             while True:
                 loaded, total = load_progress(daemon.addr)
@@ -528,6 +578,11 @@ def part_indexload(work: Path, quick: bool) -> Section:
             daemon.kill()
             stop.set()
             thread.join(30)
+            churning.join(30)
+        daemon.start()  # and one clean stop during the load
+        churn_error = churn(daemon.addr, churned)  # (no kill here: any error is one)
+        stopped_during = load_progress(daemon.addr)
+        assert daemon.stop() == 0, daemon.tail()
         daemon.start()
         while True:  # the last start loads to the end
             loaded, total = load_progress(daemon.addr)
@@ -538,17 +593,26 @@ def part_indexload(work: Path, quick: bool) -> Section:
         lost = corrupt = 0
         with KVClient(daemon.addr, timeout=30) as client:
             ns = client.namespace(LOAD_MODEL, block_tokens=TOKENS, block_bytes=LOAD_BLOCK)
+            back = unsure_served = 0  # blocks of deleted chains served again; of unsure ones
             for chain in range(chains):
                 got = ns.get(chain_tokens(chain, LOAD_BLOCKS, TOKENS))
-                lost += LOAD_BLOCKS - got.n_blocks
                 want = b"".join(load_payload(chain, i) for i in range(got.n_blocks))
                 corrupt += got.n_blocks * (got.blocks.tobytes() != want)
+                if chain in churned.unsure:
+                    unsure_served += got.n_blocks
+                    continue
+                if chain in churned.deleted:
+                    back += got.n_blocks
+                else:
+                    lost += LOAD_BLOCKS - got.n_blocks
             indexed = sum(n.blocks for n in client.stats().namespaces if n.model == LOAD_MODEL)
         daemon.stop()
     finally:
         daemon.close()
     records = chains * LOAD_BLOCKS
-    extra = indexed - (records - lost)  # indexed but not reachable from a chain's root
+    kept = records - LOAD_BLOCKS * len(churned.deleted | churned.unsure)
+    # indexed but not reachable from a chain's root
+    extra = indexed - (kept - lost) - unsure_served - back
     body = [
         "| records filled | kill -9 cycles | killed during the load | filled blocks lost | "
         "corrupt served | indexed without their chain | written during loads, answered "
@@ -558,22 +622,37 @@ def part_indexload(work: Path, quick: bool) -> Section:
         f"{extra + final.get('orphans', 0)} | {final.get('durable', 0)} | "
         f"{final.get('durable_lost', 0)} |",
         "",
+        "| filled chains put again during loads (calls answered while a load ran) | blocks of them "
+        "answered durable | filled chains deleted during loads | their blocks served again |",
+        "|---|---|---|---|",
+        f"| {churned.put_again} ({churned.during}) | {churned.durable} | "
+        f"{len(churned.deleted)} | {back} |",
+        "",
         f"A disk tier filled straight through LMDB with {chains} chains of {LOAD_BLOCKS} "
         f"blocks of {LOAD_BLOCK} bytes, its index loaded behind the first answers "
         "(`sync_index_bytes = 0`), a write-through writer putting chains meanwhile; each "
         "cycle starts the daemon and kills it (-9) at a random point of its background "
-        "index load. After the last start has loaded the whole index, every filled chain "
-        "and every chain the writer was answered durable for is read back.",
+        "index load. Each start also puts filled chains again (the same bytes, whole or "
+        "their first half) and deletes others as soon as it answers; one more start "
+        f"does that and is stopped cleanly (at {stopped_during[0]} of "
+        f"{stopped_during[1]} records loaded). After the last start has loaded the whole "
+        "index, every filled chain and every chain the writer was answered durable for "
+        "is read back: filled chains whole but the deleted ones, which serve nothing "
+        "(a chain whose call a kill cut is left out).",
     ]
     ok = (
         during == cycles and lost == 0 and corrupt + final.get("corrupt", 0) == 0
         and extra + final.get("orphans", 0) == 0 and final.get("durable_lost", 0) == 0
+        and back == 0 and churned.during > 0 and not churn_error
     )
     return Section("Killed while the index loads", body, [(
-        f"{cycles} kill -9 during the background index load: nothing committed lost, "
-        "nothing corrupt, nothing indexed without its ancestors",
-        f"{during} kills during the load, {lost} filled blocks lost, "
-        f"{final.get('durable_lost', 0)} durable lost, {extra} extra indexed", ok,
+        f"{cycles} kill -9 during the background index load, filled chains put again "
+        "and deleted meanwhile: nothing committed lost, nothing deleted back, nothing "
+        "corrupt, nothing indexed without its ancestors",
+        f"{during} kills during the load, {lost} filled blocks lost, {back} deleted blocks "
+        f"back, {final.get('durable_lost', 0)} durable lost, {extra} extra indexed"
+        + (f"; the clean start's puts and deletes failed: {churn_error}" if churn_error else ""),
+        ok,
     )])
 
 

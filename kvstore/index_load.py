@@ -17,10 +17,21 @@ misses for the rest, and this part loads the records behind it.
   A block becomes visible only with its ancestors: a record whose parent is not
   indexed yet waits for it (in memory); records still waiting at the end lost their
   parent and are deleted, as are records of unknown namespaces or of the wrong size.
-- Writes during the load are safe: a key the store wrote or deleted since the start is
-  never taken from the scan (:meth:`DiskTier.adopt`), and a record whose block the
-  store holds in host only (put again during the load) is deleted (the host copy is
-  written again when it is evicted): no block is indexed twice, none is lost.
+- Writes during the load win over the scan, and nothing they leave is lost:
+  - a key the store wrote or deleted since the start is never taken from the scan
+    (:meth:`DiskTier.adopt`); records waiting for such a key are indexed under it once
+    the store holds it on disk;
+  - a record of a block the store holds in host only (put again during the load)
+    becomes that block's disk copy (the same key is the same bytes), and records under
+    a block held in host only wait for it as for a parent not read yet: a parent the
+    load has not reached, or the store has not written yet, is not missing. At the end
+    the waiting records whose parent is on disk by then are indexed; the rest are
+    orphans;
+  - a Delete of blocks not indexed yet removes them on disk
+    (:meth:`DiskTier.delete_unloaded`; their descendants there are orphans), and a
+    Clear voids its namespaces for the scan and removes their records not indexed
+    (:func:`clear_unloaded`: a scan of its own, in the caller's thread).
+  No block is indexed twice, none acknowledged is lost, none deleted comes back.
 - Routers (KV events: :mod:`kvstore.tier_events`) hear AllBlocksCleared for the
   namespaces on disk, then every indexed block, parents first; a chunk waits for the
   feed to have room for it (FEED_WAIT_S at most), so a large tier is told whole.
@@ -40,6 +51,7 @@ import logging
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from operator import attrgetter
 
 from kvstore import codecs
@@ -85,6 +97,31 @@ def stored_whole(entry: NamespaceEntry, size: int, codec: int, version: int) -> 
     )
 
 
+def record_digest(raw: bytes) -> bytes | None:
+    """The namespace digest of a meta record; None when it is malformed."""
+    try:
+        return unpack_fields(raw)[0]
+    except (ValueError, struct.error):
+        return None
+
+
+def clear_unloaded(parts: StoreParts, digests: set[bytes] | None) -> int:
+    """The rest of a Clear made while the index loads: remove every record of the
+    cleared namespaces (``digests``; None: all) that the store has not indexed, read in
+    chunks as the load reads them (the clear dropped what is indexed and voided the
+    namespaces, :meth:`DiskTier.void_unloaded`, in one hold of the lock before this).
+    Not under the lock: it takes it per chunk. How many records it removed."""
+    disk = parts.disk
+    assert disk is not None
+    removed = 0
+    for chunk in disk.scan_chunks(CHUNK):
+        keys = [k for k, raw in chunk if digests is None or record_digest(raw) in digests]
+        with parts.lock:
+            nodes = parts.index.nodes
+            removed += disk.delete_unloaded([k for k in keys if BlockKey(k) not in nodes])
+    return removed
+
+
 class IndexLoad:
     """The load of one store's disk tier (see the module docstring): :meth:`start` it
     once the store's parts exist, :meth:`stop` it before the store closes."""
@@ -126,12 +163,16 @@ class IndexLoad:
         """Register the namespaces on disk; routers hear that these namespaces'
         blocks are void (their blocks follow as they are indexed: the warm start)."""
         specs = []
-        for digest, spec_dict in self._disk.namespaces().items():
-            spec = NamespaceSpec.from_dict(spec_dict)
-            if spec.digest == digest:
-                self._parts.namespaces.register(spec)
-                specs.append(spec)
-        self._parts.tiers.feed.cleared(specs)
+        saved = self._disk.namespaces()
+        with self._parts.lock:
+            namespaces = self._parts.namespaces
+            for digest, spec_dict in saved.items():
+                spec = NamespaceSpec.from_dict(spec_dict)
+                if spec.digest == digest:
+                    if namespaces.get(spec.ns_id) is None:  # (a client may have opened it)
+                        namespaces.register(spec)
+                    specs.append(spec)
+            self._parts.tiers.feed.cleared(specs)
 
     def _run(self) -> None:
         try:
@@ -167,12 +208,15 @@ class IndexLoad:
             with self._parts.lock:
                 if self._parts.closed:
                     return
-                bad = [(k, 0) for (k, _), rec in zip(chunk, records, strict=True) if rec is None]
+                pairs = zip(chunk, records, strict=True)
+                bad = [(k, 0, b"") for (k, _), rec in pairs if rec is None]
                 good = [rec for rec in records if rec is not None]
-                taken = self._disk.adopt([(rec[0], rec[3]) for rec in good] + bad)
+                taken = self._disk.adopt([(rec[0], rec[3], rec[1]) for rec in good] + bad)
                 fresh = [rec for rec, take in zip(good, taken, strict=False) if take]
-                dropped += self._index(fresh, waiting, loaded)
-                for (key, _), take in zip(bad, taken[len(good) :], strict=True):
+                # (a key the store wrote since the start: children may wait for it)
+                known = [rec[0] for rec, take in zip(good, taken, strict=False) if not take]
+                dropped += self._index(fresh, waiting, loaded, self._released(known, waiting))
+                for (key, _, _), take in zip(bad, taken[len(good) :], strict=True):
                     if take:  # (not a key the store wrote since: that one is live)
                         self._disk.delete(key)
                         dropped += 1
@@ -181,10 +225,7 @@ class IndexLoad:
                 shown = time.monotonic()
                 self._log_progress(shown - started)
         with self._parts.lock:
-            for late in waiting.values():  # their parent never came: orphans
-                for rec in late:
-                    self._disk.delete(rec[0])
-                    dropped += 1
+            dropped += self._settle(waiting, loaded)
         self._order(loaded)
         self._disk.end_load()
         with self._parts.lock:
@@ -207,42 +248,56 @@ class IndexLoad:
         )  # fmt: skip
 
     def _index(
-        self, records: list[Loaded], waiting: dict[bytes, list[Loaded]], loaded: list[Node]
+        self,
+        records: list[Loaded],
+        waiting: dict[bytes, list[Loaded]],
+        loaded: list[Node],
+        released: Sequence[Loaded] = (),
     ) -> int:
         """Index a chunk's records (and the waiting children each one completes), then
         list them in the disk tier's eviction order; how many were stale and deleted.
-        Under the lock."""
+        ``released``: waiting records whose parent the store holds on disk now.
+
+        A record whose parent the store holds but not on disk (put again during the
+        load, in host only so far) waits for it as for a parent not read yet; a record
+        of a block the store holds in host only becomes that block's disk copy once its
+        parent is on disk (the same key is the same bytes). Under the lock."""
         index = self._parts.index
         tiers = self._parts.tiers
         by_digest = self._parts.namespaces.by_digest
         added: list[Node] = []
         added_tokens: list[bytes | None] = []
         stale: list[bytes] = []
-        todo = records[::-1]
+        todo = [*records[::-1], *released[::-1]]
         while todo:
             rec = todo.pop()
             key, digest, parent_key, size, priority, last, tokens, codec, version = rec
-            if key in index.nodes:  # the store holds it already: written or put again
-                if not index.nodes[BlockKey(key)].on_disk:
-                    stale.append(key)
-                continue
             entry = by_digest.get(digest)
             if entry is None or not stored_whole(entry, size, codec, version):
                 if entry is not None and codec and version != codecs.VERSION:
                     self.foreign_codec += 1
                 stale.append(key)
                 continue
+            held = index.nodes.get(BlockKey(key))  # put again during the load
+            if held is not None and held.on_disk:
+                continue  # written since the start: that copy is the live one
+            if held is not None and held.ns is not entry:
+                stale.append(key)
+                continue
             parent = None
             if parent_key:
                 parent = index.nodes.get(BlockKey(parent_key))
-                if parent is None:
+                if parent is None or not parent.on_disk:  # not read, or in host only
                     waiting.setdefault(parent_key, []).append(rec)
                     continue
-                if not parent.on_disk:  # put again during the load: not a disk prefix
-                    stale.append(key)
-                    continue
-            node = Node(BlockKey(key), entry, parent, READY, priority, last, on_disk=True)
-            index.add(node)
+            if held is not None and not held.ready:  # its put is not committed yet
+                waiting.setdefault(key, []).append(rec)  # (tried again at the end)
+                continue
+            node = held or Node(BlockKey(key), entry, parent, READY, priority, last, on_disk=True)
+            if held is None:
+                index.add(node)
+            else:
+                node.on_disk = True
             tiers.disk_blocks += 1
             entry.group.disk_bytes += entry.spec.block_bytes
             entry.coded_blocks += codec != 0
@@ -252,14 +307,48 @@ class IndexLoad:
             # tokens are told to routers only when they are what the key was hashed from
             told = tokens and tokens_name_block(entry.spec, parent_key or None, key, tokens)
             added_tokens.append(tokens if told else None)
-            children = waiting.pop(key, None)
-            if children:
-                todo.extend(children)
+            todo.extend(self._released([key], waiting))
         for key in stale:
             self._disk.delete(key)
         tiers.feed.stored(added, DISK, added_tokens)  # parents first (the warm start)
         loaded.extend(added)
         return len(stale)
+
+    def _released(self, keys: list[bytes], waiting: dict[bytes, list[Loaded]]) -> list[Loaded]:
+        """The waiting children of ``keys`` whose parent the store now holds on disk,
+        but those removed since they were read (kvstore.disk.DiskTier.delete_unloaded).
+        Under the lock."""
+        nodes = self._parts.index.nodes
+        out: list[Loaded] = []
+        for key in keys:
+            parent = nodes.get(BlockKey(key))
+            if parent is not None and parent.on_disk and key in waiting:
+                out.extend(waiting.pop(key))
+        if not out:
+            return out
+        live = self._disk.contains_all([rec[0] for rec in out])
+        return [rec for rec, alive in zip(out, live, strict=True) if alive]
+
+    def _settle(self, waiting: dict[bytes, list[Loaded]], loaded: list[Node]) -> int:
+        """At the end of the scan: index the waiting records whose parent is on disk by
+        now (written, or given its disk copy, since), for as long as that settles more;
+        delete the rest (their parent never came: orphans). How many were deleted.
+        Under the lock."""
+        dropped = 0
+        while waiting:
+            late = [rec for recs in waiting.values() for rec in recs]
+            waiting.clear()
+            live = self._disk.contains_all([rec[0] for rec in late])
+            alive = [rec for rec, ok in zip(late, live, strict=True) if ok]
+            dropped += self._index(alive, waiting, loaded)
+            if sum(len(recs) for recs in waiting.values()) >= len(late):
+                break
+        for late_recs in waiting.values():
+            for rec in late_recs:
+                self._disk.delete(rec[0])
+                dropped += 1
+        waiting.clear()
+        return dropped
 
     def _order(self, nodes: list[Node]) -> None:
         """List the loaded blocks in the disk tier's eviction order, by last use, older

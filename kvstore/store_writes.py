@@ -33,6 +33,7 @@ from kvstore.errors import (
     LeaseError,
 )
 from kvstore.index import READY, NamespaceEntry, Node
+from kvstore.index_load import clear_unloaded
 from kvstore.keys import BlockKey, run_tokens
 from kvstore.leases import Lease
 from kvstore.results import (
@@ -552,7 +553,13 @@ class Writes:
 
         def drop() -> int:
             walk = self._parts.index.walk(keys)
-            return self._parts.tiers.delete_subtree(walk[start]) if len(walk) > start else 0
+            removed = self._parts.tiers.delete_subtree(walk[start]) if len(walk) > start else 0
+            disk = self._parts.disk
+            if disk is not None and disk.loading and len(keys) > len(walk):
+                # blocks the index load has not reached: removed on disk, never loaded
+                # (their descendants there lose their parent: the load drops them)
+                removed += disk.delete_unloaded(keys[max(start, len(walk)) :])
+            return removed
 
         return self._drop_and_commit(drop)
 
@@ -560,8 +567,11 @@ class Writes:
         """Drop every block of a namespace (of all when None; busy ones stay); the number
         dropped. Returns once their deletions from disk are committed."""
         entries = [self._parts.namespaces.entry(ns_id)] if ns_id is not None else None
+        disk = self._parts.disk
+        loading = False
 
         def drop() -> int:
+            nonlocal loading
             removed = 0
             for entry in entries or list(self._parts.namespaces):
                 for key in list(entry.roots):
@@ -570,9 +580,22 @@ class Writes:
                         removed += self._parts.tiers.delete_subtree(root)
             if entries is None and not self._parts.index.nodes:
                 self._parts.tiers.feed.cleared()  # (busy blocks that stayed: not all)
+            loading = disk is not None and disk.loading
+            if disk is not None and loading:  # the load adopts none of their records now
+                voided = [None] if entries is None else [e.spec.digest for e in entries]
+                for digest in voided:
+                    disk.void_unloaded(digest)
             return removed
 
-        return self._drop_and_commit(drop)
+        removed = self._drop_and_commit(drop)
+        if loading:  # and the records it has not reached yet go now
+            assert disk is not None
+            digests = None if entries is None else {entry.spec.digest for entry in entries}
+            unloaded = clear_unloaded(self._parts, digests)
+            if unloaded:
+                self._commit_deletions()
+            removed += unloaded
+        return removed
 
     def _drop_and_commit(self, drop: Callable[[], int]) -> int:
         """Run ``drop`` (it removes blocks; returns how many) under the lock, then, once
@@ -582,15 +605,22 @@ class Writes:
             self._parts.expire()
             on_disk = self._parts.tiers.disk_blocks
             removed = drop()
-            deleted_on_disk = self._parts.tiers.disk_blocks < on_disk
-        if not deleted_on_disk:
-            return removed
+            disk = self._parts.disk
+            # (while the index loads, a drop may remove blocks it has not indexed yet)
+            fewer = self._parts.tiers.disk_blocks < on_disk
+            on_disk_too = disk is not None and (fewer or disk.loading)
+        if on_disk_too:
+            self._commit_deletions()
+        return removed
+
+    def _commit_deletions(self) -> None:
+        """Wait (DELETE_COMMIT_TIMEOUT_S at most) until the disk deletions queued so far
+        are committed."""
         assert self._parts.disk is not None
         try:
             self._parts.disk.flush(timeout=DELETE_COMMIT_TIMEOUT_S)
         except (TimeoutError, RuntimeError) as exc:  # the blocks are gone from the index
             log.warning("disk deletions not committed yet: %s", exc)
-        return removed
 
     def set_priority(
         self,

@@ -57,6 +57,11 @@ class DiskReads:
         with self._s.cond:
             return bytes(key) in self._s.sizes
 
+    def contains_all(self, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`contains` of each of ``keys``, under one hold of the lock."""
+        with self._s.cond:
+            return [bytes(key) in self._s.sizes for key in keys]
+
     def read(
         self, key: bytes, out: memoryview | None = None, codec: Codec | None = None
     ) -> bytes | memoryview | None:

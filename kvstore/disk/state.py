@@ -357,11 +357,13 @@ class DiskState:
         # a lazy open (DiskTier(lazy=True)): the writer commits nothing until the deep
         # check passed (``checked``); until the index load ends (``loading``), ``sizes``
         # holds only what was adopted or written, ``used`` is LMDB's page count, and
-        # ``touched`` names the keys written or deleted since the open
+        # ``touched`` names the keys written or deleted since the open, ``voided`` the
+        # namespaces (digests; None: all) cleared since: their records are not adopted
         self.checked = True
         self.closed_unopened = False  # a lazy open failed: see DiskTier.give_up_open
         self.loading = False
         self.touched: set[bytes] = set()
+        self.voided: set[bytes | None] = set()
 
 
     # --- the environment -------------------------------------------------------
@@ -445,13 +447,18 @@ class DiskState:
         self.ops[key] = op
         self.cond.notify_all()
 
-    def delete_locked(self, key: bytes) -> None:
+    def delete_locked(self, key: bytes, committed: bool = False) -> None:
+        """Queue the removal of ``key``: a no-op if it is not live, unless ``committed``
+        (the caller found its record in the file). While the index loads, a key not
+        adopted yet may be committed all the same: its removal is queued and the key
+        is never adopted (the load's scan does not bring it back)."""
         size = self.sizes.pop(key, None)
-        if size is None:
+        if size is None and not (committed or (self.loading and key not in self.touched)):
             return
         if self.loading:
             self.touched.add(key)
-        self.used -= self.footprint(size)
+        if size is not None:
+            self.used -= self.footprint(size)
         queued = self.unflushed.pop(key, None)
         if queued is not None:
             queued.live = False

@@ -131,6 +131,7 @@ class DiskTier:
         self._writer.start()
         # the read side's calls, served by the part that owns them
         self.contains = self._reads.contains
+        self.contains_all = self._reads.contains_all
         self.read = self._reads.read
         self.read_all = self._reads.read_all
         self.records = self._reads.records
@@ -450,23 +451,62 @@ class DiskTier:
         with self._s.resize.reading(), self._s.env.begin() as txn:
             return int(txn.stat(self._s.meta)["entries"])
 
-    def adopt(self, records: Sequence[tuple[bytes, int]]) -> list[bool]:
-        """During a lazy open's load: count committed records (key, payload size) as
-        live, except keys written or deleted since the open (their record is stale or
-        already counted); which were adopted."""
+    @property
+    def loading(self) -> bool:
+        """Whether a lazy open's index load is still under way (until :meth:`end_load`)."""
+        return self._s.loading
+
+    def adopt(self, records: Sequence[tuple[bytes, int, bytes]]) -> list[bool]:
+        """During a lazy open's load: count committed records (key, payload size,
+        namespace digest) as live, except keys written or deleted since the open (their
+        record is stale or already counted) and records of a namespace cleared since
+        (:meth:`void_unloaded`); which were adopted."""
         with self._s.cond:
-            sizes, touched = self._s.sizes, self._s.touched
-            taken = [key not in touched and key not in sizes for key, _ in records]
-            for (key, size), take in zip(records, taken, strict=True):
+            sizes, touched, voided = self._s.sizes, self._s.touched, self._s.voided
+            every = None in voided
+            taken = [
+                key not in touched and key not in sizes and not (every or digest in voided)
+                for key, _, digest in records
+            ]
+            for (key, size, _), take in zip(records, taken, strict=True):
                 if take:
                     sizes[key] = size
             return taken
+
+    def delete_unloaded(self, keys: Sequence[bytes]) -> int:
+        """Remove ``keys``, blocks the store has not indexed: while the index loads,
+        records committed and not reached by its scan yet, or read and waiting for
+        their parent (the scan never brings them back); after it, records it did not
+        adopt (of a namespace cleared during the load). How many were live or in the
+        file."""
+        with self._s.cond:
+            wanted = [bytes(key) for key in keys]
+            unknown = [key for key in wanted if key not in self._s.sizes]
+        committed: set[bytes] = set()
+        if unknown and self.opened:
+            with self._s.resize.reading(), self._s.env.begin() as txn:
+                committed = {key for key in unknown if txn.get(key, db=self._s.meta)}
+        with self._s.cond:
+            found = 0
+            for key in wanted:
+                found += key in self._s.sizes or key in committed
+                self._s.delete_locked(key, committed=key in committed)
+            return found
+
+    def void_unloaded(self, digest: bytes | None) -> None:
+        """While the index loads: the namespace ``digest`` (None: every one) was
+        cleared; none of its records is adopted from now on (the store removes those
+        already read: :func:`kvstore.index_load.clear_unloaded`)."""
+        with self._s.cond:
+            if self._s.loading:
+                self._s.voided.add(digest)
 
     def end_load(self) -> None:
         """Every live record is known now: ``used_bytes`` becomes exact."""
         with self._s.cond:
             self._s.loading = False
             self._s.touched.clear()
+            self._s.voided.clear()
             footprint = self._s.footprint
             self._s.used = sum(footprint(size) for size in self._s.sizes.values())
             if self._s.used > self._s.capacity:
