@@ -15,7 +15,15 @@ Cases, each an engine process of its own, run in turns (``--rounds`` times):
 - ``kv_disk``: vLLM + kvstore, the daemon restarted between turns (write-through
   admission, so the restart keeps every block): history from the disk tier;
 - ``fit_alone`` / ``fit_kv``: vLLM's cache holds every conversation: the connector's
-  overhead where it cannot help.
+  overhead where it cannot help; ``fit_alone`` is also the ideal (the best any offload
+  can do);
+- ``alone_aa``: vLLM alone again, the A/A control: how far two runs of one case differ;
+- ``lmcache``, ``lmcache_32``: vLLM + LMCache (the peer, :mod:`kvbench.lmcache_peer`),
+  its L1 as large as kvstore's host tier, chunks of 256 tokens (its default) or of 32
+  (kvstore's granularity: vLLM's block);
+- ``lmcache_disk``: vLLM + LMCache with an ``fs`` L2, its server restarted between
+  turns (as ``kv_disk``), and the engine with it (an engine does not survive its
+  LMCache server's restart): history from its disk.
 
 Time to first token is vLLM's own (``RequestOutput.metrics.first_token_latency``). The
 report gives TTFT mean / p50 / p99 per turn, total time, the cached share of each prompt
@@ -45,21 +53,32 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvbench.cases import chosen, in_turns
 from kvbench.chats import QUESTIONS, make_chats
 from kvbench.servers import OwnDaemon
 from kvbench.vllm_chat import BLOCK_TOKENS, Engine
 
 REPO = Path(__file__).resolve().parent.parent
 
-CASES = ("alone", "kv_host", "kv_disk", "fit_alone", "fit_kv")
+CASES = (
+    "alone", "kv_host", "kv_disk", "fit_alone", "fit_kv",
+    "alone_aa", "lmcache", "lmcache_32", "lmcache_disk",
+)  # fmt: skip
+DEFAULT_CASES = CASES[:5]  # (the peers' need `benchmarks/peers/prepare_lmcache.py`)
 LABELS = {
     "alone": "vLLM alone",
     "kv_host": "vLLM + kvstore (host tier)",
     "kv_disk": "vLLM + kvstore, daemon restarted between turns (disk tier)",
     "fit_alone": "everything fits: vLLM alone",
     "fit_kv": "everything fits: vLLM + kvstore",
+    "alone_aa": "vLLM alone, again (A/A control)",
+    "lmcache": "vLLM + LMCache (L1, 256-token chunks)",
+    "lmcache_32": "vLLM + LMCache (L1, 32-token chunks)",
+    "lmcache_disk": "vLLM + LMCache, server (and engine) restarted between turns (fs L2)",
 }
 GiB = 1 << 30
+HOST_BYTES = 2 * GiB  # kvstore's host tier, and LMCache's L1
+LMCACHE_CHUNKS = {"lmcache": 256, "lmcache_32": 32, "lmcache_disk": 256}
 
 
 # -- the program ----------------------------------------------------------------------
@@ -75,29 +94,49 @@ def cache_blocks(args: argparse.Namespace, *, fits: bool) -> int:
 def run_case(args: argparse.Namespace, case: str, workdir: Path) -> list[dict[str, Any]]:
     workdir.mkdir(parents=True, exist_ok=True)
     daemon = None
+    peer = None
     if case in ("kv_host", "kv_disk", "fit_kv"):
         extra = ["--admission", "write-through"] if case == "kv_disk" else []
         (workdir / case).mkdir()
-        daemon = OwnDaemon(workdir / case, 2 * GiB, 16 * GiB, extra_args=extra)
+        daemon = OwnDaemon(workdir / case, HOST_BYTES, 16 * GiB, extra_args=extra)
         daemon.start()
+    if case in LMCACHE_CHUNKS:
+        from kvbench.lmcache_peer import LMCacheServer
+
+        (workdir / case).mkdir()
+        l2 = workdir / case / "l2" if case == "lmcache_disk" else None
+        chunk = LMCACHE_CHUNKS[case]
+        peer = LMCacheServer(workdir / case / "lmcache.log", HOST_BYTES / GiB, chunk, l2)
+        peer.start()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.model))
     chats = make_chats(tokenizer, args.conversations, args.doc_tokens)
-    engine_proc = None
-    try:
-        engine_proc = Engine(
+    def start_engine() -> Engine:
+        return Engine(
             args.model, workdir / "engines.log", addr=daemon.addr if daemon else None,
             extra={"codec": args.codec} if args.codec != "exact" else None,
+            lmcache=peer.connector_settings() if peer else None,
             blocks=cache_blocks(args, fits=case.startswith("fit")),
             max_model_len=args.max_model_len, reply_tokens=args.reply_tokens,
             warmup=args.doc_tokens,
         )  # fmt: skip
+
+    engine_proc = None
+    try:
+        engine_proc = start_engine()
         results = []
         for turn in range(args.turns):
             if case == "kv_disk" and turn > 0:
                 daemon.stop()  # type: ignore[union-attr]
                 daemon.start()  # type: ignore[union-attr]
+            if case == "lmcache_disk" and turn > 0:
+                # an engine does not survive its LMCache server's restart (its lookups
+                # fail: "no GPU context", each after mq_timeout): a fresh one each turn
+                engine_proc.close()
+                engine_proc = None
+                peer.restart()  # type: ignore[union-attr]
+                engine_proc = start_engine()
             question = QUESTIONS[turn % len(QUESTIONS)]
             answers = engine_proc.reply([chat.ask(question) for chat in chats])
             for index, (chat, answer) in enumerate(zip(chats, answers, strict=True)):
@@ -110,6 +149,8 @@ def run_case(args: argparse.Namespace, case: str, workdir: Path) -> list[dict[st
             engine_proc.close()
         if daemon is not None:
             daemon.cleanup()
+        if peer is not None:
+            peer.stop()
 
 
 def progress(message: str) -> None:
@@ -125,7 +166,7 @@ def summarise(runs: dict[str, list[list[dict[str, Any]]]], turns: int) -> dict[s
     """Per case and turn: TTFT mean / p50 / p99 (ms) over rounds and chats, cached
     share, total seconds per round (median), replies equal to the reference's."""
     out: dict[str, Any] = {}
-    reference = {"alone": "alone", "kv_host": "alone", "kv_disk": "alone"}
+    reference = {case: "alone" for case in CASES}
     reference.update(fit_alone="fit_alone", fit_kv="fit_alone")
     for case, rounds in runs.items():
         row: dict[str, Any] = {"turns": [], "total_s": statistics.median(
@@ -152,7 +193,7 @@ def summarise(runs: dict[str, list[list[dict[str, Any]]]], turns: int) -> dict[s
                 same += got["reply"] == want["reply"]
         row["same"], row["compared"] = same, total
         # replies against the fit case's (history from vLLM's own prefix cache)
-        if case in ("alone", "kv_host", "kv_disk") and "fit_alone" in runs:
+        if not case.startswith("fit") and "fit_alone" in runs:
             fit_same = sum(
                 got["reply"] == want["reply"]
                 for results, ref in zip(rounds, runs["fit_alone"], strict=False)
@@ -169,8 +210,9 @@ def later_mean(row: dict[str, Any]) -> float:
 
 
 def report(args: argparse.Namespace, summary: dict[str, Any], blocks: dict[str, int]) -> str:
+    peers = " and LMCache" if summary.keys() & LMCACHE_CHUNKS.keys() else ""
     lines = [
-        "# Multi-turn chat on a real model: vLLM alone vs vLLM + kvstore",
+        f"# Multi-turn chat on a real model: vLLM alone vs vLLM + kvstore{peers}",
         "",
         f"Measured {time.strftime('%Y-%m-%d')} by `benchmarks/multiturn.py` on "
         f"{platform.machine()} with {os.cpu_count()} CPUs, vLLM's CPU backend (float32), "
@@ -220,6 +262,7 @@ def report(args: argparse.Namespace, summary: dict[str, Any], blocks: dict[str, 
             f"ms); turn 1 alone (a miss: the lookup and storing every block): "
             f"{fk['turns'][0]['mean'] / fa['turns'][0]['mean']:.3f}x (target at most 1.05x)."
         )
+    lines += peer_targets(summary)
     compared = [summary[c] for c in ("kv_host", "kv_disk", "fit_kv") if c in summary]
     if compared:
         same = sum(r["same"] for r in compared)
@@ -230,6 +273,46 @@ def report(args: argparse.Namespace, summary: dict[str, Any], blocks: dict[str, 
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def peer_targets(summary: dict[str, Any]) -> list[str]:
+    """The peer race's lines (#57): kvstore's later-turn mean TTFT against LMCache's
+    (target at most 0.8x) and the ideal's (vLLM holding every conversation: at most
+    1.1x), from host and from disk after restarts; and the A/A control's spread."""
+    lines = []
+    if {"alone", "alone_aa"} <= summary.keys():
+        a, b = later_mean(summary["alone"]), later_mean(summary["alone_aa"])
+        lines.append(
+            f"- A/A control: the two vLLM-alone cases' later-turn mean TTFT differ by "
+            f"{abs(a - b) / min(a, b):.0%} ({a:.0f} vs {b:.0f} ms): a smaller difference "
+            "between two cases is not an effect."
+        )
+    for ours, peers in (("kv_host", ("lmcache", "lmcache_32")), ("kv_disk", ("lmcache_disk",))):
+        if ours not in summary:
+            continue
+        mine = later_mean(summary[ours])
+        for peer in peers:
+            if peer in summary:
+                theirs = later_mean(summary[peer])
+                met = "met" if mine <= 0.8 * theirs else "missed"
+                lines.append(
+                    f"- Later turns, {LABELS[ours]} against {LABELS[peer]}: {mine:.0f} vs "
+                    f"{theirs:.0f} ms, **{mine / theirs:.2f}x** (target at most 0.8x: {met})."
+                )
+        if "fit_alone" in summary:
+            ideal = later_mean(summary["fit_alone"])
+            met = "met" if mine <= 1.1 * ideal else "missed"
+            lines.append(
+                f"- Later turns, {LABELS[ours]} against the ideal (vLLM holding every "
+                f"conversation): {mine:.0f} vs {ideal:.0f} ms, **{mine / ideal:.2f}x** "
+                f"(target at most 1.1x: {met})."
+            )
+    peer_rows = [summary[c] for c in LMCACHE_CHUNKS if c in summary]
+    if peer_rows:
+        same = sum(r["same"] for r in peer_rows)
+        total = sum(r["compared"] for r in peer_rows)
+        lines.append(f"- LMCache's greedy replies equal to vLLM alone's: {same} of {total}.")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--codec", default="exact",
                         help="the kvstore cases' namespace codec (kvstore.codecs)")
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument(
+        "--cases", default=",".join(DEFAULT_CASES), help=f"of {', '.join(CASES)}"
+    )
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "multiturn.md")
     parser.add_argument("--json", type=Path, help="every result, as JSON")
     args = parser.parse_args(argv)
@@ -257,20 +342,21 @@ def main(argv: list[str] | None = None) -> int:
         from kvclient.smollm2 import model_dir
 
         args.model = model_dir()
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = set(cases) - set(CASES)
-    if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASES)}")
+    cases = chosen(parser, args.cases, CASES)
+    if set(cases) & LMCACHE_CHUNKS.keys():
+        from kvbench.lmcache_peer import missing
+
+        problem = missing()
+        if problem:
+            parser.error(problem)
     runs: dict[str, list[list[dict[str, Any]]]] = {case: [] for case in cases}
     blocks = {"alone": cache_blocks(args, fits=False), "fit_alone": cache_blocks(args, fits=True)}
     text = ""
     with tempfile.TemporaryDirectory(prefix="kvstore-multiturn-") as tmp:
-        for round_ in range(args.rounds):
-            shift = round_ % len(cases)
-            for case in cases[shift:] + cases[:shift]:
-                progress(f"round {round_ + 1} of {args.rounds}: {LABELS[case]}")
-                runs[case].append(run_case(args, case, Path(tmp) / f"r{round_}"))
-                text = write_report(args, runs, blocks)
+        for round_, case in in_turns(cases, args.rounds):
+            progress(f"round {round_ + 1} of {args.rounds}: {LABELS[case]}")
+            runs[case].append(run_case(args, case, Path(tmp) / f"r{round_}"))
+            text = write_report(args, runs, blocks)
     print(text)
     return 0
 

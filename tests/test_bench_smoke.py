@@ -205,6 +205,8 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
     for name, args, why, timeout in (
         ("vllm_ttft.py", ["--lengths", "2k"], "--lengths must be comma-separated integers", 120),
         ("vllm_ttft.py", ["--rounds", "0"], "--rounds and --prompts must be >= 1", 120),
+        ("serve.py", ["--cases", "alone,nope"], "unknown cases ['nope']", 120),
+        ("multiturn.py", ["--cases", "nope"], "unknown cases ['nope']", 120),
     ):
         done = subprocess.run(
             [sys.executable, str(programs / name), *args],
@@ -240,3 +242,20 @@ def test_security_cost_program_measures_every_pair(tmp_path: Path) -> None:
     for row in ("arena, unix socket", "control (A/A)", "gRPC inline", "inline, TCP loopback"):
         assert text.count(f"| {row}") == 4, row
     assert "**Arena path: target (at most 5%)" in text and "measured in process" in text
+
+
+def test_cases_run_in_turns_and_a_missing_peer_is_named_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every case once a round, the order turning each round; LMCache not prepared is
+    one line that says how to prepare it."""
+    from kvbench import lmcache_peer
+    from kvbench.cases import in_turns
+
+    order = list(in_turns(["a", "b", "c"], 3))
+    assert order == [
+        (0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b")
+    ]
+    monkeypatch.setattr(lmcache_peer, "SITE", tmp_path / "none")
+    line = lmcache_peer.missing()
+    assert "\n" not in line and "benchmarks/peers/prepare_lmcache.py" in line

@@ -60,6 +60,12 @@ def transfer_config(connector: str, extra: dict[str, object]) -> dict[str, objec
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+    if connector == "lmcache":  # (its server: kvbench.lmcache_peer)
+        return {
+            "kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
     if connector == "example":
         return {
             "kv_connector": "ExampleConnector",
@@ -137,6 +143,7 @@ class Engine:
         *,
         addr: str | None = None,
         extra: dict[str, Any] | None = None,
+        lmcache: dict[str, Any] | None = None,
         blocks: int = 0,
         max_model_len: int = 2048,
         reply_tokens: int = 32,
@@ -144,7 +151,9 @@ class Engine:
         prefix_caching: bool = True,
         timeout_s: float = 600,
     ) -> None:
-        """``addr``: kvstore's connector on that daemon (None: no connector); ``blocks``:
+        """``addr``: kvstore's connector on that daemon (None: no connector);
+        ``lmcache``: LMCache's connector with these settings instead
+        (:meth:`kvbench.lmcache_peer.LMCacheServer.connector_settings`); ``blocks``:
         vLLM's KV cache in blocks (0: its default size)."""
         command = [
             sys.executable, "-m", "kvbench.vllm_chat", "--model", str(model),
@@ -154,9 +163,15 @@ class Engine:
         if addr is not None:
             settings = {"addr": addr, **(extra or {})}
             command += ["--connector", "kvstore", "--extra", json.dumps(settings)]
+        if lmcache is not None:
+            command += ["--connector", "lmcache", "--extra", json.dumps(lmcache)]
         if not prefix_caching:
             command.append("--no-prefix-caching")
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
+        if lmcache is not None:
+            from kvbench.lmcache_peer import path_env
+
+            env = path_env(env)
         self.timeout_s = timeout_s
         self.log_path = log
         self.log = open(log, "a")  # noqa: SIM115 - closed in close()
@@ -212,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=0, help="tokens of a first prompt")
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--connector", choices=("none", "kvstore"), default="none")
+    parser.add_argument("--connector", choices=("none", "kvstore", "lmcache"), default="none")
     parser.add_argument("--extra", default="{}", help="kv_connector_extra_config, as JSON")
     return engine(parser.parse_args(argv))
 

@@ -10,6 +10,7 @@ stopped with all of it (its engine core is a child).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,11 +89,22 @@ class Server:
         prefix_caching: bool = True,
         connector: bool = True,
         readme_env: bool = True,
+        kv_transfer: dict[str, Any] | None = None,
+        kv_cache_bytes: str | None = None,
+        env_of: Callable[[dict[str, str]], dict[str, str]] | None = None,
     ) -> None:
+        """``kv_transfer``: another connector's ``--kv-transfer-config`` in place of the
+        README's; ``kv_cache_bytes``: vLLM's KV cache size in place of the README's;
+        ``env_of``: makes the server's environment from the one it would have."""
         self.port = free_port()
         command, line_env = readme_server_command(model)
         if not connector:
             command = without_connector(command)
+        elif kv_transfer is not None:
+            at = command.index("--kv-transfer-config")
+            command[at + 1] = json.dumps(kv_transfer)
+        if kv_cache_bytes is not None:
+            command[command.index("--kv-cache-memory-bytes") + 1] = kv_cache_bytes
         command += [
             "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smollm2",
             "--seed", "0",
@@ -105,6 +118,8 @@ class Server:
         del env["VLLM_CPU_NUM_OF_RESERVED_CPU"]  # the README's line sets it
         if readme_env:
             env.update(line_env)
+        if env_of is not None:
+            env = env_of(env)
         self.log = log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
