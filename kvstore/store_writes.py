@@ -567,6 +567,7 @@ class Writes:
         """Drop every block of a namespace (of all when None; busy ones stay); the number
         dropped. Returns once their deletions from disk are committed."""
         entries = [self._parts.namespaces.entry(ns_id)] if ns_id is not None else None
+        digests = None if entries is None else {entry.spec.digest for entry in entries}
         disk = self._parts.disk
         loading = False
 
@@ -580,17 +581,13 @@ class Writes:
                         removed += self._parts.tiers.delete_subtree(root)
             if entries is None and not self._parts.index.nodes:
                 self._parts.tiers.feed.cleared()  # (busy blocks that stayed: not all)
-            loading = disk is not None and disk.loading
-            if disk is not None and loading:  # the load adopts none of their records now
-                voided = [None] if entries is None else [e.spec.digest for e in entries]
-                for digest in voided:
-                    disk.void_unloaded(digest)
+            if disk is not None and disk.loading:  # the load adopts none of their records now
+                loading = True
+                disk.void_unloaded(digests)
             return removed
 
         removed = self._drop_and_commit(drop)
         if loading:  # and the records it has not reached yet go now
-            assert disk is not None
-            digests = None if entries is None else {entry.spec.digest for entry in entries}
             unloaded = clear_unloaded(self._parts, digests)
             if unloaded:
                 self._commit_deletions()

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvbench.servers import terminate
+
 REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.5.6"
 LIGHT_DEPS = ("aiofiles",)  # what the parts we run import beyond the project's venv
@@ -152,13 +154,8 @@ class LMCacheServer:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, 60)
         self.proc = None
 
     def restart(self) -> None:

@@ -34,6 +34,17 @@ def write_secret(path: Path, text: str) -> Path:
     return path
 
 
+def terminate(proc: subprocess.Popen[Any], timeout_s: float) -> None:
+    """SIGTERM a child still running and wait for it; SIGKILL it after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class OwnDaemon:
     """A kvstored this program starts in a temp dir, restarts, and stops."""
 
@@ -136,13 +147,8 @@ class OwnDaemon:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(300)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(self.proc, 300)
         self.proc = None
 
     def cleanup(self) -> None:

@@ -12,7 +12,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -493,13 +493,13 @@ class DiskTier:
                 self._s.delete_locked(key, committed=key in committed)
             return found
 
-    def void_unloaded(self, digest: bytes | None) -> None:
-        """While the index loads: the namespace ``digest`` (None: every one) was
-        cleared; none of its records is adopted from now on (the store removes those
+    def void_unloaded(self, digests: Collection[bytes] | None) -> None:
+        """While the index loads: the namespaces ``digests`` (None: every one) were
+        cleared; none of their records is adopted from now on (the store removes those
         already read: :func:`kvstore.index_load.clear_unloaded`)."""
         with self._s.cond:
             if self._s.loading:
-                self._s.voided.add(digest)
+                self._s.voided.update([None] if digests is None else digests)
 
     def end_load(self) -> None:
         """Every live record is known now: ``used_bytes`` becomes exact."""
