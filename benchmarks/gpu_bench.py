@@ -289,8 +289,8 @@ def connector_rows(
     nbytes = batch * block
     cases: list[tuple[str, Callable[[], object]]] = []
     for tag, pages in variants.items():
-        cases += [(f"offload connector{tag}", lambda p=pages: p.gather(ids, host)),
-                  (f"onboard connector{tag}", lambda p=pages: p.scatter(ids, host))]
+        cases += [(f"offload connector{tag}", lambda p=pages: p.gather((ids,), host)),
+                  (f"onboard connector{tag}", lambda p=pages: p.scatter((ids,), host))]
     rows = []
     for what, seconds in timed_in_turns(cases, device, iters).items():
         speed = gb_per_s(nbytes, seconds)

@@ -1,6 +1,6 @@
 """One vLLM engine run in this process, for the connector's tests and benchmark.
 
-    python benchmarks/vllm_engine.py make-model DIR        # a tiny random Llama, offline
+    python benchmarks/vllm_engine.py make-model DIR [--hybrid]  # a tiny random Llama, offline
     python benchmarks/vllm_engine.py run --model DIR --prompts P.json --out R.json \\
         [--connector none|kvstore|example] [--extra '{"addr": ...}'] [--warmup] ...
 
@@ -31,12 +31,13 @@ from pathlib import Path
 from kvbench.vllm_chat import ENGINE_ENV, transfer_config
 
 
-def make_model(directory: Path) -> Path:
+def make_model(directory: Path, hybrid: bool = False) -> Path:
     """A tiny random Llama with a word-level tokenizer in ``directory`` (offline): 4
-    layers, 2 KV heads of 64, bfloat16, so 2 KiB of KV a token (kvclient.hf)."""
+    layers, 2 KV heads of 64, bfloat16, so 2 KiB of KV a token (kvclient.hf);
+    ``hybrid``: layers 0 and 2 attend to a sliding window of 256 tokens."""
     from kvbench.models import save_random_llama
 
-    return save_random_llama(directory, "vllm-tiny")
+    return save_random_llama(directory, "vllm-tiny-swa" if hybrid else "vllm-tiny")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     make = commands.add_parser("make-model", help="save a tiny random Llama to DIR")
     make.add_argument("directory", type=Path)
+    make.add_argument("--hybrid", action="store_true", help="with sliding-window layers")
     go = commands.add_parser("run", help="run prompts through one engine")
     go.add_argument("--model", type=Path, required=True)
     go.add_argument("--prompts", type=Path, required=True)
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--ready", help="write this file once started (before the barrier)")
     args = parser.parse_args(argv)
     if args.command == "make-model":
-        print(make_model(args.directory))
+        print(make_model(args.directory, args.hybrid))
         return 0
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)

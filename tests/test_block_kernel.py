@@ -170,7 +170,7 @@ def test_the_connector_pages_move_as_one_launch_would(emulator: ctypes.CDLL) -> 
     paged = PagedLayers(layers, NB)
     ids = [7, 2, 11]
     expected = torch.zeros(len(ids), paged.block_bytes, dtype=torch.uint8)
-    paged.gather(ids, expected)
+    paged.gather((ids,), expected)
     # the pieces the CUDA path would use, built over these CPU pages
     pieces = block_kernel.page_pieces(paged._pages)
     assert pieces is not None and pieces.block_bytes == paged.block_bytes

@@ -404,3 +404,33 @@ def test_two_engines_on_one_long_prompt_compute_it_once(
     # one engine computed the prefix; the other waited for it and loaded 63 blocks
     assert cached == [0, 63 * BLOCK]
     assert results["one"][0]["tokens"] == results["two"][0]["tokens"]
+
+
+def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_reuses_across_engines(
+    kvstored: Daemon, tmp_path: Path
+) -> None:
+    """A model with sliding-window layers (256 tokens) between its full-attention ones:
+    vLLM keeps its hybrid KV cache manager (two KV cache groups) with the connector; a
+    fresh engine loads the prefix another engine stored (the window group's pages only
+    inside its window, asynchronously) and answers as vLLM alone does with the same
+    prefix in its own cache (the same tokens computed in the same passes)."""
+    model = tmp_path / "tiny-hybrid"
+    subprocess.run(
+        [sys.executable, str(ENGINE), "make-model", "--hybrid", str(model)],
+        check=True, capture_output=True, timeout=ENGINE_TIMEOUT_S,
+    )  # fmt: skip
+    prompts = [{"tokens": PROMPT_A}, {"tokens": PROMPT_B}]
+    alone, alone_log = run_engine(model, tmp_path, prompts, name="alone")
+    assert [r["cached"] for r in alone] == [0, 7 * BLOCK]  # B reuses A in vLLM's own cache
+    (first,), first_log = run_engine(model, tmp_path, prompts[:1], addr=kvstored.addr, name="a")
+    (fresh,), fresh_log = run_engine(model, tmp_path, prompts[1:], addr=kvstored.addr, name="b")
+    for log in (alone_log, first_log, fresh_log):
+        assert "kv cache group sizes (128, 128)" in log  # two groups: the hybrid manager
+        assert "Turning off hybrid kv cache manager" not in log
+    assert first["cached"] == 0
+    assert fresh["cached"] == 7 * BLOCK  # A's blocks, from kvstore, in another engine
+    assert_same_output(first, alone[0])
+    assert_same_output(fresh, alone[1])
+    with KVClient(kvstored.addr) as client:
+        (info,) = [ns for ns in client.namespaces() if ":vllm-cpu-" in ns.model]
+        assert info.model.endswith("-hma2w256+2f")

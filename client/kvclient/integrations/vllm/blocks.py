@@ -18,6 +18,12 @@ Moving n blocks is one ``index_select`` (store) or ``index_copy_`` (load) per la
 outer part, between the paged tensor and a ``[n, block_bytes]`` uint8 view: no
 per-block Python, no temporary tensors. On a GPU the rows pass through one device
 staging buffer, or (pinned rows, :mod:`kvstore.block_kernel`) one kernel launch.
+
+Hybrid models (vLLM's hybrid KV cache manager): the layers form groups (full attention,
+sliding window), each with block ids of its own, so a copy names one id list per group
+(:data:`BlockIds`), and a row holds the groups' layers one group after another. A
+sliding-window group names vLLM's null block (:data:`NULL_BLOCK`) for the pages it
+freed or never allocated (out of its window): a load skips those, a store never has one.
 """
 
 from __future__ import annotations
@@ -29,15 +35,33 @@ import torch
 
 from kvstore import block_kernel
 
+# vLLM's null block: what a sliding-window group's block table holds for a page out of
+# its window (vllm.v1.core.block_pool: the pool's first block, never handed out)
+NULL_BLOCK = 0
+
+BlockIds = Sequence[Sequence[int]]  # one list of vLLM block ids per KV cache group
+
 
 class PagedLayers:
     """The paged KV tensors of one worker, in layer order, seen as whole blocks."""
 
     def __init__(
-        self, layers: Sequence[torch.Tensor], num_blocks: int, *, one_launch: bool = True
+        self,
+        layers: Sequence[torch.Tensor],
+        num_blocks: int,
+        *,
+        groups: Sequence[int] = (),
+        one_launch: bool = True,
     ) -> None:
+        """``groups``: how many of ``layers`` (in order) each KV cache group has (empty:
+        one group of all)."""
         if not layers:
             raise ValueError("no KV cache layers to register")
+        self.groups = tuple(groups) or (len(layers),)
+        if sum(self.groups) != len(layers) or min(self.groups) < 1:
+            raise ValueError(f"KV cache groups of {self.groups} layers, {len(layers)} given")
+        # the group of each layer
+        self._group_of = [g for g, n in enumerate(self.groups) for _ in range(n)]
         first = layers[0]
         for layer in layers:
             if layer.shape != first.shape or layer.dtype != first.dtype:
@@ -59,54 +83,75 @@ class PagedLayers:
         self.block_bytes = self.page_bytes * len(layers)
         self._device_rows: torch.Tensor | None = None  # GPU: staging of whole blocks
         # the one-launch kernel's view of the pages (None: the torch path, always)
-        on_gpu = one_launch and self.device.type == "cuda"
+        on_gpu = one_launch and self.device.type == "cuda" and len(self.groups) == 1
         self._pieces = block_kernel.page_pieces(self._pages) if on_gpu else None
 
     @property
     def num_layers(self) -> int:
         return len(self._pages)
 
-    def gather(self, block_ids: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
-        """Copy the pages of ``block_ids`` into ``rows`` (uint8 ``[>= n, block_bytes]``,
-        host memory); returns ``rows[:n]``."""
-        n = len(block_ids)
+    def gather(self, block_ids: BlockIds, rows: torch.Tensor) -> torch.Tensor:
+        """Copy the pages of ``block_ids`` (n ids per group, none the null block) into
+        ``rows`` (uint8 ``[>= n, block_bytes]``, host memory); returns ``rows[:n]``."""
+        n = self._count(block_ids)
         out = self._check_rows(rows, n)
         if n == 0:
             return out
+        if any(NULL_BLOCK in ids for ids in block_ids):
+            raise ValueError("a block to store names vLLM's null block (a page out of its window)")
         if self._one_launch(block_ids, out, True):
             return out
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         staged = self._staging(out)
         parts = self._parts(staged)
+        ids = [torch.tensor(list(g), dtype=torch.long, device=self.device) for g in block_ids]
         for layer, pages in enumerate(self._pages):
             for o in range(self.outer):
-                torch.index_select(pages[o], 0, ids, out=parts[layer][o])
+                torch.index_select(pages[o], 0, ids[self._group_of[layer]], out=parts[layer][o])
         if staged is not out:
             out.copy_(staged)
         return out
 
-    def scatter(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+    def scatter(self, block_ids: BlockIds, rows: torch.Tensor) -> None:
         """Write ``rows[i]`` (uint8 ``[n, block_bytes]``, host memory) into the pages of
-        ``block_ids[i]``."""
-        n = len(block_ids)
+        ``block_ids[g][i]`` of each group ``g``; a null block id skips that group's part."""
+        n = self._count(block_ids)
         source = self._check_rows(rows, n)
         if n == 0:
             return
-        if self._one_launch(block_ids, source, False):
+        if NULL_BLOCK not in block_ids[0] and self._one_launch(block_ids, source, False):
             return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         staged = self._staging(source)
         if staged is not source:
             staged.copy_(source)
         parts = self._parts(staged)
+        # per group: the rows to write (None: all of them) and their page ids
+        targets: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for group in block_ids:
+            kept = [i for i, block in enumerate(group) if block != NULL_BLOCK]
+            picked = None if len(kept) == n else torch.tensor(kept, device=self.device)
+            ids = torch.tensor([group[i] for i in kept], dtype=torch.long, device=self.device)
+            targets.append((picked, ids))
         for layer, pages in enumerate(self._pages):
+            picked, ids = targets[self._group_of[layer]]
+            if ids.numel() == 0:
+                continue
             for o in range(self.outer):
-                pages[o].index_copy_(0, ids, parts[layer][o])
+                part = parts[layer][o]
+                pages[o].index_copy_(0, ids, part if picked is None else part[picked])
 
-    def _one_launch(self, block_ids: Sequence[int], rows: torch.Tensor, to_rows: bool) -> bool:
+    def _count(self, block_ids: BlockIds) -> int:
+        """The blocks a copy names: as many ids in every group."""
+        if len(block_ids) != len(self.groups):
+            raise ValueError(f"{len(block_ids)} block id lists for {len(self.groups)} groups")
+        n = len(block_ids[0])
+        if any(len(ids) != n for ids in block_ids):
+            raise ValueError(f"KV cache groups name {[len(ids) for ids in block_ids]} blocks")
+        return n
+
+    def _one_launch(self, block_ids: BlockIds, rows: torch.Tensor, to_rows: bool) -> bool:
         pieces, blocks = self._pieces, self.num_blocks
         return pieces is not None and block_kernel.copy_rows(
-            pieces, block_ids, rows, to_rows, blocks, self.device
+            pieces, block_ids[0], rows, to_rows, blocks, self.device
         )
 
     def _check_rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:

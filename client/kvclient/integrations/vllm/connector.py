@@ -56,6 +56,15 @@ matched tokens) with one warning per minute, never a failed request; after a fai
 the scheduler does not ask again for ``retry_after_s``. Start-up errors (a bad
 setting, an unsupported vLLM, a namespace name bound to another layout) are raised.
 
+Hybrid models (vLLM's hybrid KV cache manager, kept on: :class:`SupportsHMA`): full
+attention and sliding-window layers form KV cache groups with block ids of their own. A
+kvstore block holds every group's page of its tokens; a load writes a sliding-window
+group's pages only inside its window, and is asynchronous (vLLM hears of a failed one
+by request, then computes it whole); a block whose window pages vLLM already freed is
+not stored (:mod:`kvclient.integrations.vllm.plan`, rule 6). A model with layers that
+cannot be stored (state-space) gets one warning at start, and the connector stands
+aside: every prompt is computed, nothing fails.
+
 Namespaces: one per (model, vLLM's KV page layout, tokens per block, layers, KV heads,
 head dim, dtype, tensor-parallel rank and size, ``cache_salt``): a request's
 ``cache_salt`` is the namespace's tenant salt, so different models, layouts or tenants
@@ -65,7 +74,6 @@ as the backend's raw page bytes (:mod:`kvclient.integrations.vllm.blocks`).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,11 +82,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvclient.integrations.vllm.plan import StepPlan
 from kvclient.integrations.vllm.scheduler import SchedulerSide
-from kvclient.integrations.vllm.settings import ConnectorSettings, EngineLayout, check_vllm_version
+from kvclient.integrations.vllm.settings import (
+    ConnectorSettings,
+    EngineLayout,
+    UnstorableModel,
+    check_vllm_version,
+    log,
+)
 from kvclient.integrations.vllm.stats import KVStorePromMetrics, KVStoreStats
 from kvclient.integrations.vllm.worker import WorkerSide
 
@@ -97,8 +113,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
@@ -107,8 +121,9 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan
 
 
-class KVStoreConnector(KVConnectorBase_V1):
-    """vLLM v1 KV connector of kvstore; see the module docstring."""
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM v1 KV connector of kvstore; see the module docstring. Without a side (a
+    model it cannot store) it answers as a connector with an empty cache."""
 
     def __init__(
         self,
@@ -120,10 +135,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
         self.settings = ConnectorSettings.from_extra(dict(transfer.kv_connector_extra_config))
-        self.layout = EngineLayout.of(vllm_config, kv_cache_config, self.settings)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        try:
+            self.layout = EngineLayout.of(vllm_config, kv_cache_config, self.settings)
+        except UnstorableModel as exc:
+            if role == KVConnectorRole.SCHEDULER:  # one line, not one per worker
+                log.warning("kvstore connector stands aside: %s; vLLM computes every prompt", exc)
+            return
         if role == KVConnectorRole.SCHEDULER:
             # a block that fails to load is recomputed, never a failed request
             transfer.kv_load_failure_policy = self.settings.load_failure_policy
@@ -138,14 +158,13 @@ class KVStoreConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches, self._num_blocks)
+        if self._worker is not None:
+            self._worker.register(kv_caches, self._num_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVStoreConnectorMetadata)
-        if metadata.plan.loads:
+        if metadata.plan.loads and self._worker is not None:
             self._worker.load(metadata.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -157,17 +176,24 @@ class KVStoreConnector(KVConnectorBase_V1):
         return  # whole blocks are stored in wait_for_save, once every layer is written
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVStoreConnectorMetadata)
-        if metadata.plan.saves:
+        if metadata.plan.saves and self._worker is not None:
             self._worker.save(metadata.plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished requests whose final save is done; with several KV cache groups, the
+        asynchronous loads done, and those that failed (vLLM computes them whole)."""
+        if self._worker is None:
+            return KVConnectorTransferResults()
         if finished_req_ids:
             self._worker.finished(finished_req_ids)
-        return self._worker.take_sent() or None, None
+        loaded, failed = self._worker.take_loaded()
+        return KVConnectorTransferResults(self._worker.take_sent(), loaded, failed)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._worker if self._worker is not None else self._scheduler
@@ -188,8 +214,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.take_failed_blocks()
+        return set() if self._worker is None else self._worker.take_failed_blocks()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -202,28 +227,41 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.matched(request, num_computed_tokens), False
+        if self._scheduler is None:
+            return 0, False
+        tokens = self._scheduler.matched(request, num_computed_tokens)
+        # several KV cache groups: an asynchronous load (see the module docstring)
+        return tokens, bool(tokens) and self._scheduler.layout.hybrid
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        assert self._scheduler is not None
-        self._scheduler.allocated(request, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.allocated(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return KVStoreConnectorMetadata(StepPlan())
         return KVStoreConnectorMetadata(self._scheduler.plan(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return
         if connector_output.invalid_block_ids:
             self._scheduler.failed(set(connector_output.invalid_block_ids))
+        if connector_output.failed_recving:
+            self._scheduler.failed_requests(set(connector_output.failed_recving))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is None:
+            return False, None
         return self._scheduler.finished(request, block_ids), None
 
 

@@ -8,7 +8,8 @@ stores after it (:class:`SaveSpec`). Everything here is plain data, picklable, s
 plan crosses to worker processes as vLLM's connector metadata.
 
 Block numbers: kvstore block ``i`` of a prompt is vLLM block ``i`` of the request
-(``block_ids[i]``): the namespace's ``block_tokens`` is vLLM's block size. Rules:
+(``block_ids[g][i]`` in each KV cache group ``g``): the namespace's ``block_tokens`` is
+vLLM's block size. Rules:
 
 1. Full blocks are stored: of the prompt and, unless the connector's
    ``store_replies`` is off, of the reply as it is generated, so that a chat's next
@@ -30,6 +31,10 @@ Block numbers: kvstore block ``i`` of a prompt is vLLM block ``i`` of the reques
    a reply under async scheduling), the next step stores them as a *final* save: vLLM
    keeps the request's blocks until the worker reports the save done
    (``request_finished`` -> True; the worker's ``get_finished`` names the request).
+6. A block is stored whole, every group's pages, or not at all: a sliding-window group
+   frees the pages behind its window, so a save stops at the first block whose pages a
+   group no longer holds (the null block, or freed since the ids were handed out), and
+   the request stores nothing after it (a chain has no holes).
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvclient.claims import ClaimTicket
+from kvclient.integrations.vllm.blocks import NULL_BLOCK
+
+GroupIds = tuple[list[int], ...]  # vLLM block ids, one list per KV cache group
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +57,7 @@ class LoadSpec:
     salt: str
     tokens: list[int]  # the prompt up to the end of the last block loaded
     start: int
-    block_ids: list[int]
+    block_ids: GroupIds
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +69,7 @@ class SaveSpec:
     salt: str
     tokens: list[int]  # the request's tokens up to the end of the last block stored
     start: int
-    block_ids: list[int]
+    block_ids: GroupIds
     claim: ClaimTicket | None = None
     final: bool = False  # the request finished: report it sent once this is done
 
@@ -85,7 +93,7 @@ class RequestState:
     saved: int = 0  # leading prompt blocks kvstore holds (or this request has stored)
     local: int = 0  # leading blocks vLLM's own cache held when the request was admitted
     load_end: int = 0  # load blocks local .. load_end in the next step that schedules it
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: GroupIds = ()
     claim: ClaimTicket | None = None
     waiting_since: float | None = None  # early reuse: "ask again later" since, without progress
     waited_blocks: int = 0  # early reuse: blocks ready at the last look
@@ -124,26 +132,35 @@ class RequestState:
         if end <= start:
             return None
         tokens = self.prompt[: end * self.block_size]
-        return LoadSpec(req_id, self.salt, tokens, start, self.block_ids[start:end])
+        ids = tuple(group[start:end] for group in self.block_ids)
+        return LoadSpec(req_id, self.salt, tokens, start, ids)
 
     def take_save(
         self,
         req_id: str,
         computed_tokens: int,
-        block_ids: list[int] | None = None,
+        block_ids: GroupIds | None = None,
         *,
+        first_held: int = 0,
         final: bool = False,
     ) -> SaveSpec | None:
         """The blocks completed once ``computed_tokens`` tokens are computed and not
-        stored yet (once each). ``final``: the request finished, and ``block_ids`` are
-        its blocks as vLLM's ``request_finished`` names them."""
+        stored yet (once each), up to the first that a group no longer holds (rule 6:
+        ``first_held`` is the first block every group still holds). ``final``: the
+        request finished, and ``block_ids`` are its blocks as vLLM's
+        ``request_finished`` names them."""
         block_ids = self.block_ids if block_ids is None else block_ids
         done = min(computed_tokens, len(self.tokens)) // self.block_size
-        done = min(done, len(block_ids))
+        done = min([done, *(len(group) for group in block_ids)])
+        if self.saved < first_held:
+            done = self.saved  # its pages are gone: nothing more of this request is stored
+        for group in block_ids:
+            if NULL_BLOCK in group[self.saved : done]:
+                done = group.index(NULL_BLOCK, self.saved, done)
         if done <= self.saved:
             return None
         tokens = list(self.tokens[: done * self.block_size])
-        ids = list(block_ids[self.saved : done])
+        ids = tuple(list(group[self.saved : done]) for group in block_ids)
         spec = SaveSpec(req_id, self.salt, tokens, self.saved, ids, self.claim, final)
         self.saved = done
         return spec

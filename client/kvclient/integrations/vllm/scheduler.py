@@ -1,5 +1,11 @@
 """The scheduler side of the vLLM connector: lookups, claims and each step's plan
-(the protocol: :mod:`kvclient.vllm`)."""
+(the protocol: :mod:`kvclient.vllm`).
+
+With several KV cache groups (a hybrid model) loads are asynchronous in vLLM's sense:
+a hit is loaded in the step after its blocks are allocated (``allocated`` plans it),
+and the request waits for it. vLLM can only hear of such a load failing by request, not
+by block (its scheduler cannot map a block id of one group back to a request); the
+request is then computed from its start, and asks kvstore no more."""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvclient.claims import Claim
 from kvclient.errors import KVStoreError, LayoutMismatchError, OutOfSpaceError
-from kvclient.integrations.vllm.plan import RequestState, SaveSpec, StepPlan
+from kvclient.integrations.vllm.plan import LoadSpec, RequestState, SaveSpec, StepPlan
 from kvclient.integrations.vllm.settings import (
     POLL_PENDING_S,
     ConnectorSettings,
@@ -21,6 +27,7 @@ from kvclient.outages import Outage
 from kvclient.sync_client import KVClient
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -39,6 +46,8 @@ class SchedulerSide:
         self.requests: dict[str, RequestState] = {}
         self.claims: dict[str, Claim] = {}
         self.final_saves: list[SaveSpec] = []  # of finished requests, for the next step
+        self.async_loads: list[LoadSpec] = []  # hybrid models: for the next step
+        self.no_reuse: set[str] = set()  # requests whose load failed: computed whole
         self.outage = Outage(log, settings.retry_after_s, f"kvstore at {self.client.addr}")
         self.counts = new_counts()  # for vLLM's connector stats (stats.py)
         try:  # a layout clash is a start-up error; a daemon not there yet is not
@@ -67,7 +76,7 @@ class SchedulerSide:
                 tokens=request.all_token_ids if self.settings.store_replies else (),
             )
             self.requests[request.request_id] = state
-        if state.full_blocks == 0 or self.outage.down:
+        if state.full_blocks == 0 or self.outage.down or request.request_id in self.no_reuse:
             return state.matched(local_tokens, 0)
         now = time.monotonic()
         if state.waiting_since is not None and now - state.last_lookup < POLL_PENDING_S:
@@ -112,24 +121,29 @@ class SchedulerSide:
         waiting = self.settings.early_reuse and req_id not in self.claims
         return hit.blocks, waiting and hit.pending_blocks > 0
 
-    def allocated(self, request: Request, external_tokens: int) -> None:
+    def allocated(self, request: Request, blocks: KVCacheBlocks, external_tokens: int) -> None:
         state = self.requests.get(request.request_id)
         if state is not None:
             state.allocated(external_tokens)
             # once per request: what was asked and what kvstore gave (vLLM's stats)
             self.counts["lookup_tokens"] += state.full_blocks * state.block_size
             self.counts["hit_tokens"] += external_tokens
+            if self.layout.hybrid and external_tokens > 0:  # an asynchronous load
+                state.block_ids = tuple(list(group) for group in blocks.get_block_ids())
+                load = state.take_load(request.request_id)
+                if load is not None:
+                    self.async_loads.append(load)
 
     def plan(self, scheduler_output: SchedulerOutput) -> StepPlan:
-        plan = StepPlan(saves=self.final_saves)
-        self.final_saves = []
+        plan = StepPlan(loads=self.async_loads, saves=self.final_saves)
+        self.final_saves, self.async_loads = [], []
         down = self.outage.down  # no saves for a daemon that just failed a call
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = tuple(list(group) for group in new.block_ids)
             computed[new.req_id] = new.num_computed_tokens
             load = state.take_load(new.req_id)
             if load is not None:
@@ -141,32 +155,46 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+                groups = new_ids or [[] for _ in self.layout.group_layers or (0,)]
+                state.block_ids = tuple(list(group) for group in groups)
                 load = state.take_load(req_id)
                 if load is not None:
                     plan.loads.append(load)
             elif new_ids is not None:
-                state.block_ids.extend(new_ids[0])
+                for ids, more in zip(state.block_ids, new_ids, strict=True):
+                    ids.extend(more)
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             state = self.requests.get(req_id)
             if state is None or req_id not in computed:
                 continue
-            save = state.take_save(req_id, computed[req_id] + scheduled)
+            done = computed[req_id] + scheduled
+            first_held = self.layout.first_held(computed[req_id])
+            save = state.take_save(req_id, done, first_held=first_held)
             if save is not None and not down:
                 plan.saves.append(save)
         return plan
 
     def failed(self, block_ids: set[int]) -> None:
-        """Blocks a worker could not load: vLLM recomputes them, and the steps that do
-        store them again (they were missing or damaged in kvstore)."""
+        """Blocks a worker could not load (one KV cache group): vLLM recomputes them,
+        and the steps that do store them again (they were missing or damaged in
+        kvstore)."""
         for state in self.requests.values():
-            for i, block_id in enumerate(state.block_ids[: state.saved]):
+            for i, block_id in enumerate(state.block_ids[0][: state.saved]):
                 if block_id in block_ids:
                     state.saved = i
                     break
 
-    def finished(self, request: Request, block_ids: list[int]) -> bool:
+    def failed_requests(self, req_ids: set[str]) -> None:
+        """Requests whose asynchronous load failed (a hybrid model): vLLM computes them
+        from their start, and they store every block again."""
+        for req_id in req_ids:
+            self.no_reuse.add(req_id)
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.saved = 0
+
+    def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
         """vLLM is done with ``request``: store what it computed and no step stored
         (the reply's last blocks under async scheduling) -> whether vLLM must keep
         its blocks until the worker reports that save done."""
@@ -176,7 +204,7 @@ class SchedulerSide:
             return False
         # tokens whose KV exists: those of steps still in flight are not counted
         computed = max(0, request.num_computed_tokens - request.num_in_flight_tokens)
-        save = state.take_save(request.request_id, computed, list(block_ids), final=True)
+        save = state.take_save(request.request_id, computed, block_ids, final=True)
         self._end(request.request_id)
         if save is None:
             return False
@@ -184,6 +212,7 @@ class SchedulerSide:
         return True
 
     def _end(self, req_id: str) -> None:
+        self.no_reuse.discard(req_id)
         state = self.requests.pop(req_id, None)
         claim = self.claims.pop(req_id, None)
         if state is not None and claim is not None and state.saved >= claim.first + claim.blocks:

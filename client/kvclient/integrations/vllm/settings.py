@@ -97,9 +97,23 @@ def check_vllm_version(version: str = vllm.__version__) -> None:
         )
 
 
+class UnstorableModel(Exception):
+    """This model's KV cache has layers kvstore cannot store (the connector stands aside:
+    vLLM computes every prompt)."""
+
+
+# the KV cache kinds whose pages hold a block's KV and nothing else (vllm.v1.kv_cache_interface)
+STORABLE_KINDS = ("FullAttentionSpec", "SlidingWindowSpec")
+
+
 @dataclass(frozen=True)
 class EngineLayout:
-    """What makes this engine's blocks interchangeable with another's (the namespace)."""
+    """What makes this engine's blocks interchangeable with another's (the namespace).
+
+    One KV cache group, or several (vLLM's hybrid KV cache manager: full attention and
+    sliding window): a block's row holds the layers of ``layer_names``, group after
+    group (``group_layers`` of them each), and ``windows`` says each group's sliding
+    window in tokens (0: full attention)."""
 
     model: str
     block_tokens: int
@@ -110,29 +124,49 @@ class EngineLayout:
     dtype: str
     world_size: int
     layer_names: tuple[str, ...]
+    group_layers: tuple[int, ...] = ()
+    windows: tuple[int, ...] = ()
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV cache groups: block ids per group, and loads that vLLM runs
+        asynchronously (a failed one is reported by request: vllm's scheduler cannot map
+        a block id of one group back to its request)."""
+        return len(self.group_layers) > 1
+
+    def first_held(self, computed_tokens: int) -> int:
+        """The first block whose pages every group still holds once ``computed_tokens``
+        are computed: a sliding-window group frees the blocks wholly before its window
+        (vLLM's ``remove_skipped_blocks``)."""
+        skipped = (max(0, computed_tokens - w + 1) for w in self.windows if w)
+        return max(skipped, default=0) // self.block_tokens
 
     @classmethod
     def of(
         cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
     ) -> EngineLayout:
+        """The layout of this engine; :class:`UnstorableModel` where a kind of its layers
+        cannot be stored, ValueError for a block size kvstore does not take."""
         groups = kv_cache_config.kv_cache_groups
-        spec = groups[0].kv_cache_spec if len(groups) == 1 else None
-        if spec is None or type(spec).__name__ != "FullAttentionSpec":
-            kinds = [type(group.kv_cache_spec).__name__ for group in groups]
-            raise ValueError(
-                f"KVStoreConnector supports models with one full-attention KV cache group; "
-                f"this model has {kinds}"
-            )
+        specs = [group.kv_cache_spec for group in groups]
+        _check_storable(specs)
+        spec = specs[0]
         block_tokens = int(spec.block_size)
         if not MIN_BLOCK_TOKENS <= block_tokens <= MAX_BLOCK_TOKENS:
             raise ValueError(
                 f"KVStoreConnector: vLLM's block_size {block_tokens} is outside kvstore's "
                 f"{MIN_BLOCK_TOKENS}..{MAX_BLOCK_TOKENS} tokens per block"
             )
-        layer_names = tuple(groups[0].layer_names)
+        layer_names = tuple(name for group in groups for name in group.layer_names)
+        group_layers = tuple(len(group.layer_names) for group in groups)
+        windows = tuple(int(getattr(s, "sliding_window", 0) or 0) for s in specs)
         dtype = str(spec.dtype).removeprefix("torch.")
         device = vllm_config.device_config.device_type
         page_layout = kv_cache_config.kv_cache_layout or "default"
+        if len(groups) > 1:  # rows hold the layers group by group: a layout of its own
+            page_layout += "-hma" + "+".join(
+                f"{n}{f'w{w}' if w else 'f'}" for n, w in zip(group_layers, windows, strict=True)
+            )
         model_config = vllm_config.model_config
         model = settings.model or weights_id(model_config.model, model_config.revision)
         parallel = vllm_config.parallel_config
@@ -146,6 +180,8 @@ class EngineLayout:
             dtype=dtype,
             world_size=parallel.tensor_parallel_size * parallel.pipeline_parallel_size,
             layer_names=layer_names,
+            group_layers=group_layers,
+            windows=windows,
         )
 
     def namespace_fields(self, rank: int, salt: str) -> dict[str, Any]:
@@ -168,6 +204,27 @@ class EngineLayout:
     def describe(self) -> str:
         shown = (f.name for f in fields(self) if f.name != "layer_names")
         return " ".join(f"{name}={getattr(self, name)}" for name in shown)
+
+
+def _check_storable(specs: list[Any]) -> None:
+    """Raise :class:`UnstorableModel` unless every KV cache group is attention whose
+    pages kvstore can store, all of one block size, page size, dtype and head shape."""
+    kinds = [type(spec).__name__ for spec in specs]
+    other = sorted({kind for kind in kinds if kind not in STORABLE_KINDS})
+    if not specs or other:
+        raise UnstorableModel(
+            f"this model's {', '.join(other) or 'missing'} KV cache layers (state-space or "
+            f"other kinds) cannot be stored; kvstore stores {' and '.join(STORABLE_KINDS)}"
+        )
+    shapes = {
+        (s.block_size, s.page_size_bytes, str(s.dtype), s.num_kv_heads, s.head_size)
+        for s in specs
+    }
+    if len(shapes) > 1:
+        raise UnstorableModel(
+            f"this model's KV cache groups {kinds} differ in block size, page size, dtype "
+            "or head shape; kvstore stores groups of one shape"
+        )
 
 
 class EngineNamespaces:

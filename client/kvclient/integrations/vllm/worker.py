@@ -13,7 +13,7 @@ import torch
 
 from kvclient.claims import Claim
 from kvclient.errors import ArenaUnavailableError, KVStoreError, LeaseError
-from kvclient.integrations.vllm.blocks import PagedLayers
+from kvclient.integrations.vllm.blocks import NULL_BLOCK, PagedLayers
 from kvclient.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
 from kvclient.integrations.vllm.settings import (
     ConnectorSettings,
@@ -39,7 +39,10 @@ class WorkerSide:
         self.layers: PagedLayers | None = None
         self.outage = Outage(log, settings.retry_after_s)  # after a failed call: no saves
         self.counts = new_counts()  # for vLLM's connector stats (stats.py)
-        self.failed_blocks: set[int] = set()
+        self.failed_blocks: set[int] = set()  # loads that failed (one KV cache group)
+        # hybrid models: asynchronous loads done this step, and those that failed
+        self.loaded: set[str] = set()
+        self.failed_loads: set[str] = set()
         self.claims: dict[str, Claim | None] = {}  # None: the claim was lost, plain puts
         self.pending: deque[PendingPut] = deque()
         self.sent: set[str] = set()  # finished requests whose final save is done
@@ -50,7 +53,7 @@ class WorkerSide:
         if missing:
             raise ValueError(f"KVStoreConnector: no KV cache for layers {missing}")
         layers = [kv_caches[name] for name in self.layout.layer_names]
-        self.layers = PagedLayers(layers, num_blocks)
+        self.layers = PagedLayers(layers, num_blocks, groups=self.layout.group_layers)
         if self.layers.block_bytes != self.layout.block_bytes:
             raise ValueError(
                 f"KVStoreConnector: the KV cache tensors hold {self.layers.block_bytes} bytes "
@@ -83,20 +86,25 @@ class WorkerSide:
         for spec in plan.loads:
             started = time.perf_counter()
             loaded = self._load(spec)
-            if loaded < len(spec.block_ids):
-                self.failed_blocks.update(spec.block_ids[loaded:])
+            wanted = len(spec.block_ids[0])
+            if self.layout.hybrid:  # an asynchronous load: done, whole or failed
+                self.loaded.add(spec.req_id)
+                if loaded < wanted:
+                    self.failed_loads.add(spec.req_id)
+            elif loaded < wanted:  # (a window's null block is no block of the request)
+                self.failed_blocks.update(set(spec.block_ids[0][loaded:]) - {NULL_BLOCK})
             took_ms = (time.perf_counter() - started) * 1e3
             self.counts["loaded_blocks"] += loaded
             self.counts["load_ms"] += took_ms
             log.debug(
                 "request %s: loaded %d of %d blocks in %.2f ms",
-                spec.req_id, loaded, len(spec.block_ids), took_ms,
+                spec.req_id, loaded, wanted, took_ms,
             )  # fmt: skip
 
     def _load(self, spec: LoadSpec) -> int:
         """Load one request's blocks -> how many of ``spec.block_ids`` were loaded."""
         assert self.layers is not None
-        end = spec.start + len(spec.block_ids)
+        end = spec.start + len(spec.block_ids[0])
         try:
             ns = self.namespaces.get(spec.salt)
             window = max(1, self.settings.window_bytes // self.layout.block_bytes)
@@ -107,7 +115,7 @@ class WorkerSide:
                     spec.tokens, start=spec.start, stop=end, window_blocks=window
                 ):
                     n = lease.n_blocks
-                    ids = spec.block_ids[got : got + n]
+                    ids = [group[got : got + n] for group in spec.block_ids]
                     self.layers.scatter(ids, self._leased_rows(lease, 0, n))
                     got += n
                 return got
@@ -116,7 +124,8 @@ class WorkerSide:
                 result = ns.get(spec.tokens, out=rows.numpy()[:end])
                 got = max(result.n_blocks - spec.start, 0)
                 if got:
-                    self.layers.scatter(spec.block_ids[:got], rows[spec.start : spec.start + got])
+                    ids = [group[:got] for group in spec.block_ids]
+                    self.layers.scatter(ids, rows[spec.start : spec.start + got])
                 return got
         except KVStoreError as exc:
             self.outage.warn("load", "kvstore load failed (%s); vLLM recomputes the blocks", exc)
@@ -138,6 +147,13 @@ class WorkerSide:
         failed, self.failed_blocks = self.failed_blocks, set()
         return failed
 
+    def take_loaded(self) -> tuple[set[str], set[str]]:
+        """The asynchronous loads done since the last call, and those of them that
+        failed (vLLM's finished_recving and failed_recving)."""
+        done, failed = self.loaded, self.failed_loads
+        self.loaded, self.failed_loads = set(), set()
+        return done, failed
+
     # -- saves ----------------------------------------------------------------------
 
     def save(self, plan: StepPlan) -> None:
@@ -154,17 +170,17 @@ class WorkerSide:
                 self._drop_claim(spec.req_id)
                 self.outage.failed("save", "kvstore did not take blocks (%s)", exc)
             else:
-                self.counts["saved_blocks"] += len(spec.block_ids)
+                self.counts["saved_blocks"] += len(spec.block_ids[0])
             took_ms = (time.perf_counter() - started) * 1e3
             self.counts["save_ms"] += took_ms
             log.debug(
                 "request %s: stored blocks %d..%d in %.2f ms",
-                spec.req_id, spec.start, spec.start + len(spec.block_ids), took_ms,
+                spec.req_id, spec.start, spec.start + len(spec.block_ids[0]), took_ms,
             )  # fmt: skip
 
     def _save(self, spec: SaveSpec) -> None:
         assert self.layers is not None
-        n = len(spec.block_ids)
+        n = len(spec.block_ids[0])
         rows = self.layers.gather(spec.block_ids, self._rows_for(n)).numpy()
         ns = self.namespaces.get(spec.salt)
         start, end = spec.start, spec.start + n
