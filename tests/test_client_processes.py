@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import Daemon, in_forked_child
+from conftest import Daemon, in_forked_child, wait_for
 
 from kvclient import KVClient, arena_path
 from kvctl.cli import main as kvctl
@@ -253,9 +253,12 @@ def test_client_survives_a_killed_and_restarted_daemon(kvstored) -> None:
         before = rng.integers(0, 256, (2, 4096), dtype=np.uint8)
         ns.put(list(range(8)), before)
         assert client.arena_in_use
+        old_arena = os.stat(client.server_info().arena_path).st_ino
         kvstored.kill()
         kvstored.start()
         ns = client.namespace("killed", block_tokens=4, block_bytes=4096)
+        # the dead daemon's arena is unmapped, behind the call that found the new one
+        assert wait_for(lambda: not mapped_inode(old_arena))
         after = rng.integers(0, 256, (3, 4096), dtype=np.uint8)
         tokens = list(range(100, 112))
         assert ns.put(tokens, after).stored == 3
@@ -264,6 +267,12 @@ def test_client_survives_a_killed_and_restarted_daemon(kvstored) -> None:
         # the daemon that came back cleaned up the dead one's arena file
         leftovers = [p for p in os.listdir(kvstored.arena_dir) if p.startswith("kvstore-")]
         assert len(leftovers) == 1
+
+
+def mapped_inode(inode: int) -> bool:
+    """Whether this process maps a file with ``inode`` (its arena mappings)."""
+    with open("/proc/self/maps") as maps:
+        return any(len(f) > 5 and f[4] == str(inode) for f in map(str.split, maps))
 
 
 def test_a_client_forked_while_a_thread_holds_its_locks_works_in_the_child(

@@ -155,6 +155,13 @@ class ClientArena:
     def close(self) -> None:
         self.mapping.close()
 
+    def close_behind(self) -> None:
+        """:meth:`close` on a thread of its own. The mapping of a daemon that is gone can
+        hold the last reference to its arena, and unmapping it then frees every page
+        the arena had: a cost in proportion to the arena, which the request that found
+        the new daemon must not pay."""
+        threading.Thread(target=self.close, name="kvclient-unmap", daemon=True).start()
+
 
 def map_handed_out(
     socket_path: str, token: str, timeout: float, daemon_uid: int | None,

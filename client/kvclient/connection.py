@@ -231,15 +231,16 @@ class Connection:
         local = None
         if arena is not None and info.local_socket:
             local = LocalCalls(info.local_socket, self._sockets, self._token, info.uid)
-        old = (self.arena, self.local)
+        old_arena, old_local = self.arena, self.local
         self.info, self.arena, self.local = info, arena, local
         self.epochs = epoch_table(arena, info) if arena is not None else None
         self.last_slots = LastSlots()
         if arena is not None:  # what a first get would pay, paid at connect
             start_copy_threads()
-        for part in old:
-            if part is not None:
-                part.close()
+        if old_local is not None:
+            old_local.close()
+        if old_arena is not None:  # a restarted daemon's old arena: freed behind
+            old_arena.close_behind()
         return info, arena
 
     def open_arena(self, info: ServerInfo) -> ClientArena | None:
