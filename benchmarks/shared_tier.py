@@ -7,7 +7,7 @@ It starts a 3-primary Valkey Cluster on loopback (``kvbench.valkey_cluster``) an
    turns (the order flips every round), for each block size and batch:
 
    - ``kvstore get``: a store that lacks the chain pulls it from the cluster
-     (``Store.pull_shared``: reads batched per cluster node, every value's header and
+     (``Store.pull``: reads batched per cluster node, every value's header and
      checksum checked, the blocks put into its host tier), then the chain is cleared
      from that store again, untimed;
    - ``raw get``: ``mget_nonatomic`` of the same keys (the same value bytes, header
@@ -130,7 +130,7 @@ class Case:
 
     def kv_get(self) -> float:
         began = time.perf_counter()
-        got = self.reader.pull_shared(self.spec.ns_id, self.keys)
+        got = self.reader.pull(self.spec.ns_id, self.keys)
         took = time.perf_counter() - began
         assert got == self.batch, f"pulled {got} of {self.batch}"
         self.reader.clear(self.spec.ns_id)

@@ -64,7 +64,7 @@ class Node:
     host_offset: int = -1
     host_coded: bool = False  # its host slot holds it encoded (kvstore.host_coding)
     on_disk: bool = False
-    shared_due: bool = False  # in the shared tier's write-behind queue (store_shared)
+    held_behind: int = 0  # write-behind queues that keep it in host (kvstore.tier_stack)
     # the block's tokens (packed uint32), kept while it is in the host tier: what KV
     # events and its disk record carry (kvstore.keys.KeyChain; None: not known)
     tokens: bytes | None = None

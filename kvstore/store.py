@@ -26,8 +26,9 @@ count) while the lock is released, so eviction cannot free a slot under a reader
 
 The store is a façade: it makes its parts (:mod:`kvstore.store_parts`) and hands each
 call to the one that serves it: :class:`kvstore.store_reads.Reads`,
-:class:`kvstore.store_writes.Writes`, :class:`kvstore.store_shared.SharedBlocks`; what
-spans them all (lifecycle, namespaces, leases' ends, stats, events) is here.
+:class:`kvstore.store_writes.Writes`, :class:`kvstore.tier_stack.TierStack` (the far
+tiers behind host and disk, made from :func:`far_tiers`); what spans them all
+(lifecycle, namespaces, leases' ends, stats, events) is here.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kvproto.v1.results import Event, NamespaceStats, SharedStats, Stats, Tenant
 from kvstore.disk import DiskTier
 from kvstore.errors import InvalidArgument, LayoutMismatch, OutOfSpace
 from kvstore.events import Counters, EventLog
+from kvstore.far_tier import FarTierEntry
 from kvstore.host.arena import HostArena, PinHook
 from kvstore.host_coding import HostCoding
 from kvstore.index import Index, NamespaceEntry
@@ -55,17 +57,30 @@ from kvstore.shared.tier import SharedTier
 from kvstore.store_config import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstore.store_parts import StoreParts
 from kvstore.store_reads import Reads, ready_prefix
-from kvstore.store_shared import SharedBlocks, SharedQueue
 from kvstore.store_writes import Writes
 from kvstore.tenants import tenant_of
-from kvstore.tier_events import TierFeed
+from kvstore.tier_events import SHARED, TierFeed
+from kvstore.tier_stack import TierStack, WriteBehind
 from kvstore.tiering import Tiers
 
 log = logging.getLogger(__name__)
 
 REAP_EVERY_S = 0.25  # the reaper thread ends leases that ran out this often
 
-__all__ = ["ADMISSION_POLICIES", "DEFAULT_PRIORITY", "Store", "StoreConfig"]
+__all__ = ["ADMISSION_POLICIES", "DEFAULT_PRIORITY", "Store", "StoreConfig", "far_tiers"]
+
+
+def far_tiers(config: StoreConfig) -> list[FarTierEntry]:
+    """The far tiers a configuration names, in the order reads fall through them
+    (kvstore.tier_stack): one entry per kind of tier."""
+    entries: list[FarTierEntry] = []
+    if (shared := config.shared) is not None:
+        coded = "shared" in config.codec_tiers
+        entries.append(FarTierEntry(
+            "shared", SHARED, lambda source: SharedTier(shared, source, coded),
+            shared.queue_bytes, shared.min_priority, shared.overflow == "wait",
+        ))  # fmt: skip
+    return entries
 
 
 class Store:
@@ -79,9 +94,11 @@ class Store:
         wall: Callable[[], float] = time.time,
         pin: PinHook | None = None,
         feed: TierFeed | None = None,
+        more_tiers: Sequence[FarTierEntry] = (),
     ) -> None:
         """``feed``: where the store tells each block that enters or leaves a tier
-        (for a KV event publisher: :mod:`kvstore.tier_events`); none by default."""
+        (for a KV event publisher: :mod:`kvstore.tier_events`); none by default.
+        ``more_tiers``: far tiers behind those the configuration names."""
         config.validate()
         self.config = config
         self._lock = threading.RLock()
@@ -115,11 +132,11 @@ class Store:
                 config, index, namespaces, self._arena, self._disk, counters, events, wall,
                 feed if feed is not None else TierFeed(0),
             )  # fmt: skip
-            queue = None if config.shared is None else SharedQueue(config.shared)
-            tiers.shared_wait = queue is not None and queue.wait
+            far = [*far_tiers(config), *more_tiers]
             self._parts = StoreParts(
                 config, clock, wall, self._lock, changed, namespaces, index, counters, events,
-                LeaseTable(clock), self._arena, self._disk, tiers, queue,
+                LeaseTable(clock), self._arena, self._disk, tiers,
+                [WriteBehind(entry) for entry in far],
             )  # fmt: skip
             self._load: IndexLoad | None = None
             if self._disk is not None:
@@ -132,7 +149,7 @@ class Store:
             raise
         self._reads = Reads(self._parts)
         self._writes = Writes(self._parts)
-        self._shared_blocks = SharedBlocks(self._parts, self._writes)
+        self._stack = TierStack(self._parts, self._writes)
         # each call of the protocol is served by the part that owns it
         self.lookup = self._reads.lookup
         self.read = self._reads.read
@@ -153,17 +170,14 @@ class Store:
         self.delete = self._writes.delete
         self.clear = self._writes.clear
         self.set_priority = self._writes.set_priority
-        self.shared_gap = self._shared_blocks.shared_gap
-        self.pull_shared = self._shared_blocks.pull_shared
-        self.lend_queued = self._shared_blocks.lend_queued
+        self.far_gap = self._stack.gap
+        self.pull = self._stack.pull
         self._reaper_stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvstore-reaper", daemon=True)
         self._reaper.start()
         if "host" in config.codec_tiers:
             self._parts.tiers.coder = HostCoding(self._parts)
-        if config.shared is not None:
-            coded = "shared" in config.codec_tiers
-            self._shared_blocks.shared = SharedTier(config.shared, self, coded)
+        self._stack.start(far)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> int:
@@ -171,9 +185,7 @@ class Store:
         for up to ``persist_timeout_s``), flush the writer, free the arena. Returns how
         many blocks due on disk were never committed (the time ran out, or a disk fault:
         see DiskTier.fault); 0 after a clean close."""
-        shared = self._shared_blocks.shared
-        if shared is not None:
-            shared.close()  # its writer reads the arena
+        self._stack.close()  # the far tiers' writers read the arena
         if self._load is not None:
             self._load.stop()
         parts = self._parts
@@ -222,12 +234,10 @@ class Store:
     @property
     def writer_behind(self) -> bool:
         """A hint that puts which must evict may wait for a writer now: the disk's
-        queue is nearly full, or the shared tier's is over its bound with
-        ``shared_overflow = wait`` (see :mod:`kvstore.store_writes`)."""
-        queue = self._parts.shared_queue
-        return (self._disk is not None and self._disk.nearly_full) or (
-            queue is not None and queue.full
-        )
+        queue is nearly full, or a far tier's is over its bound with ``overflow = wait``
+        (see :mod:`kvstore.store_writes`)."""
+        disk_behind = self._disk is not None and self._disk.nearly_full
+        return disk_behind or self._parts.behind_full
 
     @property
     def arena_path(self) -> str | None:
@@ -322,7 +332,8 @@ class Store:
         """The store's part of the daemon's Stats (platform, uptime and bound names are
         the daemon's to fill in)."""
         parts = self._parts
-        shared = self._shared_blocks.shared
+        shared = self._stack.stats("shared")
+        assert shared is None or isinstance(shared, SharedStats)
         with self._lock:
             parts.expire()
             c = parts.counters
@@ -411,7 +422,7 @@ class Store:
                 ),
                 disk_fault=fault,
                 tenants=self._tenant_usage(),
-                shared=None if shared is None else self._shared_stats(shared),
+                shared=shared,
             )
 
     def _feed_figures(self) -> dict[str, int]:
@@ -420,11 +431,6 @@ class Store:
         if not feed.on:
             return {}
         return {"kv_events_dropped": feed.dropped, "kv_events_queued": len(feed)}
-
-    def _shared_stats(self, shared: SharedTier) -> SharedStats:
-        queue = self._parts.shared_queue
-        assert queue is not None
-        return shared.stats(queue_bytes=queue.bytes, queue_dropped=queue.dropped)
 
     def _load_progress(self) -> dict[str, int]:
         """The disk index load's records, loaded of the total (none without a disk)."""
@@ -559,7 +565,10 @@ class Store:
     # ------------------------------------------------------------------ leases
     @property
     def shared(self) -> SharedTier | None:
-        return self._shared_blocks.shared
+        """The shared tier, when the configuration names one."""
+        tier = self._stack.tier("shared")
+        assert tier is None or isinstance(tier, SharedTier)
+        return tier
 
     def lease_namespace(self, lease_id: int) -> str | None:
         """The namespace lease ``lease_id`` is (or was, lately) held for; None if

@@ -8,10 +8,10 @@ A :class:`kvstore.store.Store` is a façade over these parts, behind one lock:
 - ``leases`` (:mod:`kvstore.leases`): who holds which blocks and slots, until when;
 - ``arena`` (:mod:`kvstore.host.arena`) and ``disk`` (:mod:`kvstore.disk`): the tiers' bytes;
 - ``tiers`` (:mod:`kvstore.tiering`): where each block is, and moving it;
-- ``shared_queue`` (:mod:`kvstore.store_shared`): blocks due on the shared tier.
+- ``queues`` (:mod:`kvstore.tier_stack`): the blocks due on each far tier.
 
 The store's operations (:mod:`kvstore.store_reads`, :mod:`kvstore.store_writes`,
-:mod:`kvstore.store_shared`) are classes that take these parts and call them. What no
+:mod:`kvstore.tier_stack`) are classes that take these parts and call them. What no
 single part owns is here: whether the store is open, and ending leases (their blocks'
 side in :meth:`Tiers.let_go`, the table's in :meth:`LeaseTable.forget`), on demand or
 when they run out (:meth:`StoreParts.expire`, run by every call and by the store's
@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvstore.disk import DiskTier
@@ -38,7 +38,7 @@ from kvstore.tenants import Group
 from kvstore.tiering import Tiers
 
 if TYPE_CHECKING:
-    from kvstore.store_shared import SharedQueue
+    from kvstore.tier_stack import WriteBehind
 
 
 @dataclass(eq=False)
@@ -58,7 +58,7 @@ class StoreParts:
     arena: HostArena
     disk: DiskTier | None
     tiers: Tiers
-    shared_queue: SharedQueue | None = None  # with a shared tier (kvstore.store_shared)
+    queues: list[WriteBehind] = field(default_factory=list)  # one per far tier
     closed: bool = False
 
     def host_room(self, group: Group) -> int:
@@ -77,14 +77,19 @@ class StoreParts:
         self.leases.forget(lease, why)
         self.changed.notify_all()
 
-    def wait_for_writer(self, nbytes: int, deadline: float, shared: bool) -> None:
+    @property
+    def behind_full(self) -> bool:
+        """Whether a far tier's write-behind queue holds puts back (kvstore.tier_stack)."""
+        return any(queue.full for queue in self.queues)
+
+    def wait_for_writer(self, nbytes: int, deadline: float, behind: bool) -> None:
         """Wait, not holding the lock, until ``deadline`` at most, for the writer that
-        makes host room (back-pressure: :mod:`kvstore.tiering`): the shared tier's
-        (``shared``; it notifies ``changed`` as it takes blocks, and so does every
+        makes host room (back-pressure: :mod:`kvstore.tiering`): a far tier's
+        (``behind``; it notifies ``changed`` as it takes blocks, and so does every
         commit, hence a short wait before the caller looks again) or the disk's (until
         its queue takes ``nbytes`` more)."""
         remaining = max(0.0, deadline - time.monotonic())
-        if shared:
+        if behind:
             with self.lock:
                 self.changed.wait(min(0.05, remaining))
             return

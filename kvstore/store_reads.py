@@ -389,8 +389,8 @@ class Reads:
                 fresh = self._promotion_slots(nodes, promote_all, deadline, start)
                 if fresh is not None:
                     return nodes, fresh, ready
-                shared = self._parts.tiers.shared_blocked
-            self._parts.wait_for_writer(nodes[0].size, deadline, shared)
+                behind = self._parts.tiers.behind_blocked
+            self._parts.wait_for_writer(nodes[0].size, deadline, behind)
 
     def _promotion_slots(
         self, nodes: list[Node], promote_all: bool, deadline: float, start: int = 0
@@ -399,7 +399,7 @@ class Reads:
         (see :meth:`_pin_prefix`); None, with ``nodes`` unpinned and nothing allocated,
         when the disk writer is behind and ``deadline`` has not passed. Under the lock."""
         tiers = self._parts.tiers
-        tiers.writer_blocked = tiers.shared_blocked = False
+        tiers.writer_blocked = tiers.behind_blocked = False
         fresh: dict[int, int] = {}
         for i in range(start, len(nodes)):
             node = nodes[i]

@@ -152,10 +152,9 @@ class Writes:
                 self._parts.expire()
                 staging = self._staging_lease(entry, stage_lease_id, staged_offsets)
                 last = time.monotonic() >= deadline
-                queue = self._parts.shared_queue
-                tiers.writer_blocked = tiers.shared_blocked = False
+                tiers.writer_blocked = tiers.behind_blocked = False
                 found = None
-                if last or queue is None or not queue.full:
+                if last or not self._parts.behind_full:
                     tiers.drop_dirty = last and config.overflow == "drop"
                     dropped = self._parts.counters.dirty_dropped
                     try:
@@ -170,9 +169,9 @@ class Writes:
                 if not waited:
                     waited = True
                     self._parts.counters.put_waits += 1
-                shared = queue is not None and (queue.full or tiers.shared_blocked)
+                behind = self._parts.behind_full or tiers.behind_blocked
             # only a writer can make the room: wait for it, holding nothing
-            self._parts.wait_for_writer(entry.spec.block_bytes, deadline, shared)
+            self._parts.wait_for_writer(entry.spec.block_bytes, deadline, behind)
 
     def _note_overflow(self, reservation: Reservation, dropped: int) -> None:
         """Count and log (once a minute at most) what back-pressure cost a reserve."""
@@ -456,8 +455,8 @@ class Writes:
                 self._parts.tiers.feed.stored(batch, HOST)
                 if self._parts.tiers.coder is not None:
                     self._parts.tiers.coder.offer(batch)
-                if self._parts.shared_queue is not None:
-                    self._parts.shared_queue.add(batch)
+                for queue in self._parts.queues:
+                    queue.add(batch)
                 if through or lease.persist:
                     for node in batch:
                         self._parts.tiers.write_to_disk(node, admitted=lease.persist)

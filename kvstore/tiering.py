@@ -91,10 +91,9 @@ class Tiers:
         # found nothing else (reset by whoever asks); see the module docstring
         self.writer_blocked = False
         self.drop_dirty = False  # evict dirty blocks unwritten (overflow = drop)
-        # the shared tier's queue holds its blocks in host (shared_overflow = wait):
-        # eviction passes over them and says so here (kvstore.store_shared)
-        self.shared_wait = False
-        self.shared_blocked = False
+        # a far tier's write-behind queue holds its blocks in host (overflow = wait):
+        # eviction passes over them and says so here (kvstore.tier_stack)
+        self.behind_blocked = False
         self._queue_full = False  # the last write_to_disk was refused for queue room
         # encodes coded namespaces' host blocks (codec_tiers has host; set by the store)
         self.coder: HostCoding | None = None
@@ -382,8 +381,8 @@ class Tiers:
                     continue
             elif self._subtree_busy(node):
                 continue
-            if node.shared_due and self.shared_wait:
-                self.writer_blocked = self.shared_blocked = True
+            if node.held_behind:
+                self.writer_blocked = self.behind_blocked = True
                 continue
             if node.on_disk or not self.due_on_disk(node):
                 return node
@@ -403,7 +402,7 @@ class Tiers:
         only leaf is pinned). It leaves the host tier; its children keep it on disk."""
         for node in self.host_policy.candidates(group, skip):
             movable = node.on_disk and node.ready and not node.pins and node.host_children
-            if movable and not (node.shared_due and self.shared_wait):
+            if movable and not node.held_behind:
                 return node
         return None
 

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import ml_dtypes
@@ -363,16 +364,37 @@ def test_a_block_encoded_in_host_goes_to_the_shared_tier_as_it_is(tmp_path: Path
     """The shared tier's writer is lent a block encoded in host as its encoded bytes;
     the value it packs is the one it would pack from the exact block, and decodes
     within int8's bound. (The tier's own writer is stopped: this test lends.)"""
+    from kvstore.far_tier import BlockSource, FarTierEntry
     from kvstore.shared.format import pack_value, unpack_value
     from kvstore.shared.tier import SharedConfig
+
+    sources: list[BlockSource] = []  # a second far tier's: lent what the shared tier is
+
+    class Probe:  # a far tier that only keeps its source
+        def usable(self) -> bool:
+            return False
+
+        def fetch(self, spec: Any, keys: Any) -> list[memoryview]:
+            return []
+
+        def stats(self, queue_bytes: int, queue_dropped: int) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    def probe(source: BlockSource) -> Probe:
+        sources.append(source)
+        return Probe()
 
     store = Store(
         StoreConfig(
             host_bytes=4 * MiB, disk_bytes=64 * MiB, disk_dir=str(tmp_path / "disk"),
             shared_arena=False, codec_tiers=("host", "disk", "shared"),
             shared=SharedConfig("redis://127.0.0.1:1"),
-        )  # fmt: skip
-    )
+        ),
+        more_tiers=[FarTierEntry("probe", "PROBE", probe, queue_bytes=MiB)],
+    )  # fmt: skip
     try:
         assert store.shared is not None
         store.shared.close()
@@ -381,7 +403,7 @@ def test_a_block_encoded_in_host_goes_to_the_shared_tier_as_it_is(tmp_path: Path
         chain = store.keys_for(spec.ns_id, list(range(16)))
         assert store.put(spec.ns_id, chain, [block]).stored == 1
         assert store.wait_host_coded(30)
-        lent = store.lend_queued(8, lambda key: False, 0.0, False)
+        lent = sources[0].lend_queued(8, lambda key: False, 0.0, False)
         (out,) = lent.blocks
         codec = Codec("int8", "bfloat16", HEAD_DIM, spec.block_bytes)
         assert out.encoded and out.payload.nbytes == codec.encoded_bytes

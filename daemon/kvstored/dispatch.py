@@ -237,15 +237,13 @@ class Calls:
     def read_chain(
         self, ns_id: str, tokens: Any, extra: Any, caller: Caller, quick: bool = False
     ) -> tuple[NamespaceSpec, list[BlockKey], int]:
-        """:meth:`chain` for a read, which falls through host, disk and the shared
-        tier: the blocks the shared tier has after this node's ready prefix are pulled
-        into the host tier first (a network wait: a quick call moves to the pool when
-        one could help); the third value counts them."""
+        """:meth:`chain` for a read, which falls through the store's tiers: the blocks
+        its far tiers have after this node's ready prefix are pulled into the host tier
+        first (kvstore.tier_stack: a network wait, so a quick call moves to the pool
+        when one could help); the third value counts them."""
         spec, keys = self.chain(ns_id, tokens, extra, caller, quick)
-        if self.store.shared is None:
-            return spec, keys, 0
         if quick:
-            if self.store.shared_gap(spec.ns_id, keys):
+            if self.store.far_gap(spec.ns_id, keys):
                 raise NeedsPool
             return spec, keys, 0
-        return spec, keys, self.store.pull_shared(spec.ns_id, keys)
+        return spec, keys, self.store.pull(spec.ns_id, keys)

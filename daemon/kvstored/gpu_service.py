@@ -591,7 +591,7 @@ class KVGpuService(gpb_grpc.KVGpuServicer):
             start, n = request.start_block, len(request.block_ids)
             keys = self._chain(reg, request.tokens, request.extra_keys, start, n)
             reg.kv.block_index(request.block_ids)
-            self._store.pull_shared(reg.spec.ns_id, keys)  # on a pool thread: may wait
+            self._store.pull(reg.spec.ns_id, keys)  # far tiers first: may wait (a pool thread)
             got = self._store.acquire(reg.spec.ns_id, keys)
             copy_s = 0.0
             try:

@@ -12,7 +12,7 @@ ancestors, and a bad value is a miss. The store then puts what came back into it
 host tier, where the usual admission takes it to disk.
 
 Writes happen behind the put, on this tier's own thread. The store queues each block
-stored on this node at or above ``min_priority`` (:class:`kvstore.store_shared.SharedQueue`,
+stored on this node at or above ``min_priority`` (:class:`kvstore.tier_stack.WriteBehind`,
 bounded by ``queue_bytes``); the writer takes the queue's blocks out of their host
 slots and sends them, batched and pipelined per cluster node (blocks pulled from the
 cluster are known to be there and skipped). Prefix-closed from the writer's side: a
@@ -37,14 +37,15 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvproto.v1.results import SharedStats
 from kvstore.codecs import Codec, codec_of
 from kvstore.errors import InvalidArgument
+from kvstore.far_tier import BlockSource, Lent, Outgoing
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.cluster import CHECK_S, ClusterLink
@@ -78,7 +79,7 @@ class SharedConfig:
     # values carry a MAC with this key (format.mac_key of shared_key_file): b"": none
     mac_key: bytes = field(default=b"", repr=False)
     # the write-behind queue: at most this many block bytes stored and not sent yet;
-    # past it, drop (not sent, counted) or wait (puts slow down: kvstore.store_shared)
+    # past it, drop (not sent, counted) or wait (puts slow down: kvstore.tier_stack)
     queue_bytes: int = 256 << 20
     overflow: str = "drop"
 
@@ -110,40 +111,6 @@ class SharedConfig:
         netloc = (f"{parts.username}@" if parts.username else "") + host
         netloc += f":{parts.port}" if parts.port else ""
         return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
-@dataclass(frozen=True, slots=True)
-class Outgoing:
-    """A block the store lends the writer: its bytes stay valid until released."""
-
-    spec: NamespaceSpec
-    key: BlockKey
-    parent: BlockKey | None  # None: the chain's first block
-    payload: memoryview
-    encoded: bool = False  # the payload is encoded already (kvstore.host_coding)
-
-
-class Lent(NamedTuple):
-    """What the store lends the writer: the next blocks of its write-behind queue."""
-
-    blocks: list[Outgoing]  # unsent ancestors first
-    # unpins them; call once they are sent, with the keys the cluster took
-    release: Callable[[Collection[BlockKey]], None]
-    lost: int  # queued blocks no longer in the host tier (or an unsent ancestor)
-
-
-Known = Callable[[BlockKey], bool]  # whether a block is already on the cluster
-
-
-class BlockSource(Protocol):
-    """What the shared tier needs of its store."""
-
-    def lend_queued(self, limit: int, known: Known, timeout: float, drop: bool) -> Lent:
-        """The next (up to ``limit``) blocks of the write-behind queue that are not
-        ``known`` to be on the cluster, each after its unsent ancestors, pinned in the
-        host tier until released; waits up to ``timeout`` for one. ``drop``: take
-        them off the queue, lend none (the cluster is unreachable)."""
-        ...
 
 
 def _codec(spec: NamespaceSpec) -> Codec | None:
