@@ -453,3 +453,41 @@ def test_connector_stats_sum_the_sides_and_reduce_to_one_log_line() -> None:
     }  # fmt: skip
     total.reset()
     assert total.is_empty()
+
+
+def test_a_hybrid_load_that_fails_is_reported_by_request_and_never_waited_for(
+    kvstored: Daemon,
+) -> None:
+    """With several KV cache groups a load is asynchronous: vLLM waits for the request
+    until the worker names it done. A load that fails, even by surprise, is named done
+    and failed (vLLM computes the request), never left pending."""
+    from kvclient import KVClient
+    from kvclient.integrations.vllm.plan import LoadSpec, StepPlan
+    from kvclient.integrations.vllm.settings import EngineLayout
+    from kvclient.integrations.vllm.worker import WorkerSide
+
+    layout = EngineLayout(
+        model="hybrid:vllm-cpu-LBHNC-hma1w8+1f", block_tokens=4, block_bytes=2 * 4 * 8 * 2,
+        num_layers=2, num_kv_heads=1, head_dim=4, dtype="bfloat16", world_size=1,
+        layer_names=("w0", "f0"), group_layers=(1, 1), windows=(8, 0),
+    )  # fmt: skip
+    worker = WorkerSide(ConnectorSettings(addr=kvstored.addr), layout, rank=0)
+    pages = paged((10, 1, 4, 8), layers=2)
+    worker.register({"w0": pages[0], "f0": pages[1]}, num_blocks=10)
+    tokens = list(range(100, 112))  # 3 blocks, stored
+    rows = np.random.default_rng(4).integers(0, 256, (3, layout.block_bytes), dtype=np.uint8)
+    try:
+        with KVClient(kvstored.addr) as client:
+            client.namespace(**layout.namespace_fields(0, "")).put(tokens, rows)
+        good = LoadSpec("good", "", tokens, 0, ([NULL_BLOCK, 5, 6], [1, 2, 3]))
+        broken = LoadSpec("broken", "", tokens, 0, ([5, 6, 99], [1, 2, 3]))  # no page 99
+        null_page = pages[0][NULL_BLOCK].clone()
+        worker.load(StepPlan(loads=[good, broken]))
+        assert worker.take_loaded() == ({"good", "broken"}, {"broken"})
+        assert worker.take_failed_blocks() == set()  # (by request, not by block)
+        # the good load wrote the window group's pages only where it had blocks
+        assert torch.equal(pages[0][NULL_BLOCK], null_page)
+        assert torch.equal(pages[1][3].contiguous().view(torch.uint8).reshape(-1),
+                           torch.from_numpy(rows[2, layout.block_bytes // 2 :]))  # fmt: skip
+    finally:
+        worker.close()

@@ -124,11 +124,14 @@ class RequestState:
         """vLLM allocated the request's blocks and will load ``external_tokens``."""
         if external_tokens <= 0:
             self.load_end = self.local
+        else:  # (never more than vLLM took)
+            self.load_end = min(self.load_end, self.local + external_tokens // self.block_size)
 
     def take_load(self, req_id: str) -> LoadSpec | None:
         """The load planned for the step that schedules the request (once)."""
         start, end = self.local, self.load_end
         self.load_end = start
+        end = min([end, *(len(group) for group in self.block_ids)])  # the blocks vLLM gave
         if end <= start:
             return None
         tokens = self.prompt[: end * self.block_size]

@@ -85,7 +85,12 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         for spec in plan.loads:
             started = time.perf_counter()
-            loaded = self._load(spec)
+            try:
+                loaded = self._load(spec)
+            except Exception as exc:  # noqa: BLE001 - a cache: a failed load is recomputed
+                # (an asynchronous one must be reported, or its request waits for ever)
+                self.outage.warn("load", "kvstore load failed (%r); vLLM recomputes it", exc)
+                loaded = 0
             wanted = len(spec.block_ids[0])
             if self.layout.hybrid:  # an asynchronous load: done, whole or failed
                 self.loaded.add(spec.req_id)
