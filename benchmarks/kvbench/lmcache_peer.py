@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvbench.harness import free_tcp_port
 from kvbench.servers import terminate
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,9 +61,14 @@ def path_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def installed() -> bool:
+    """Whether LMCache and its light dependencies are in their place."""
+    return all((SITE / name).is_dir() for name in ("lmcache", *LIGHT_DEPS))
+
+
 def missing() -> str:
     """One line saying what stops LMCache from running here ("" when it can run)."""
-    if not all((SITE / name).is_dir() for name in ("lmcache", *LIGHT_DEPS)):
+    if not installed():
         return (
             f"LMCache is not prepared: run `.venv/bin/python benchmarks/peers/prepare_lmcache.py` "
             f"(it installs lmcache=={VERSION} into {SITE})"
@@ -81,7 +87,7 @@ def missing() -> str:
 def prepare() -> str:
     """Install LMCache into its own place and write the numba stub; what is missing
     after that ("" when LMCache runs)."""
-    if not all((SITE / name).is_dir() for name in ("lmcache", *LIGHT_DEPS)):
+    if not installed():
         shutil.rmtree(SITE, ignore_errors=True)
         install = subprocess.run(
             [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
@@ -96,13 +102,6 @@ def prepare() -> str:
     return missing()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 class LMCacheServer:
     """One LMCache multi-process server on loopback: an L1 of ``l1_gb`` in memory
     (LRU), chunks of ``chunk_tokens`` tokens, and with ``l2_dir`` an ``fs`` L2 adapter
@@ -114,7 +113,7 @@ class LMCacheServer:
         self.l1_gb = l1_gb
         self.chunk_tokens = chunk_tokens
         self.l2_dir = l2_dir
-        self.port = free_port()
+        self.port = free_tcp_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:

@@ -32,14 +32,16 @@ LLAMA_PRESETS: dict[str, dict[str, Any]] = {
     "cpu-250m": _llama(1024, 2816, 16, 16, 4, 32000, 16384),
     # vLLM tests and benchmark (save_random_llama): 2 KiB of KV a token in bfloat16
     "vllm-tiny": _llama(256, 512, 4, 4, 2, 32000, 32768, head_dim=64),
-    # vllm-tiny with sliding-window layers between its full-attention ones (256 tokens,
-    # two of the connector tests' blocks): vLLM's hybrid KV cache manager, two groups
-    "vllm-tiny-swa": _llama(
-        256, 512, 4, 4, 2, 32000, 32768, head_dim=64, sliding_window=256,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-    ),  # fmt: skip
     # Llama-3-8B's shape (random weights): the GPU benchmark
     "llama3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 131072, rope_theta=5e5),
+}
+
+# vllm-tiny with sliding-window layers between its full-attention ones (256 tokens, two
+# of the connector tests' blocks): vLLM's hybrid KV cache manager, two groups
+LLAMA_PRESETS["vllm-tiny-swa"] = {
+    **LLAMA_PRESETS["vllm-tiny"],
+    "sliding_window": 256,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
 }
 
 

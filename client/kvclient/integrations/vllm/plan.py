@@ -48,6 +48,11 @@ from kvclient.integrations.vllm.blocks import NULL_BLOCK
 GroupIds = tuple[list[int], ...]  # vLLM block ids, one list per KV cache group
 
 
+def own_ids(groups: Sequence[Sequence[int]]) -> GroupIds:
+    """A request's own copy of vLLM's block id lists (extended as the request grows)."""
+    return tuple(list(group) for group in groups)
+
+
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     """Copy kvstore blocks ``start .. start + len(block_ids)`` of ``tokens`` into
@@ -163,7 +168,7 @@ class RequestState:
         if done <= self.saved:
             return None
         tokens = list(self.tokens[: done * self.block_size])
-        ids = tuple(list(group[self.saved : done]) for group in block_ids)
+        ids = own_ids([group[self.saved : done] for group in block_ids])
         spec = SaveSpec(req_id, self.salt, tokens, self.saved, ids, self.claim, final)
         self.saved = done
         return spec

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvclient.claims import Claim
 from kvclient.errors import KVStoreError, LayoutMismatchError, OutOfSpaceError
-from kvclient.integrations.vllm.plan import LoadSpec, RequestState, SaveSpec, StepPlan
+from kvclient.integrations.vllm.plan import LoadSpec, RequestState, SaveSpec, StepPlan, own_ids
 from kvclient.integrations.vllm.settings import (
     POLL_PENDING_S,
     ConnectorSettings,
@@ -129,7 +129,7 @@ class SchedulerSide:
             self.counts["lookup_tokens"] += state.full_blocks * state.block_size
             self.counts["hit_tokens"] += external_tokens
             if self.layout.hybrid and external_tokens > 0:  # an asynchronous load
-                state.block_ids = tuple(list(group) for group in blocks.get_block_ids())
+                state.block_ids = own_ids(blocks.get_block_ids())
                 load = state.take_load(request.request_id)
                 if load is not None:
                     self.async_loads.append(load)
@@ -143,7 +143,7 @@ class SchedulerSide:
             state = self.requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = tuple(list(group) for group in new.block_ids)
+            state.block_ids = own_ids(new.block_ids)
             computed[new.req_id] = new.num_computed_tokens
             load = state.take_load(new.req_id)
             if load is not None:
@@ -155,8 +155,7 @@ class SchedulerSide:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                groups = new_ids or [[] for _ in self.layout.group_layers or (0,)]
-                state.block_ids = tuple(list(group) for group in groups)
+                state.block_ids = own_ids(new_ids or [[]] * max(1, len(self.layout.group_layers)))
                 load = state.take_load(req_id)
                 if load is not None:
                     plan.loads.append(load)
@@ -187,12 +186,9 @@ class SchedulerSide:
 
     def failed_requests(self, req_ids: set[str]) -> None:
         """Requests whose asynchronous load failed (a hybrid model): vLLM computes them
-        from their start, and they store every block again."""
-        for req_id in req_ids:
-            self.no_reuse.add(req_id)
-            state = self.requests.get(req_id)
-            if state is not None:
-                state.saved = 0
+        from their start; when it asks again, :meth:`matched` gives them no hit, so they
+        store every block again."""
+        self.no_reuse.update(req_ids)
 
     def finished(self, request: Request, block_ids: tuple[list[int], ...]) -> bool:
         """vLLM is done with ``request``: store what it computed and no step stored

@@ -85,12 +85,7 @@ class WorkerSide:
     def load(self, plan: StepPlan) -> None:
         for spec in plan.loads:
             started = time.perf_counter()
-            try:
-                loaded = self._load(spec)
-            except Exception as exc:  # noqa: BLE001 - a cache: a failed load is recomputed
-                # (an asynchronous one must be reported, or its request waits for ever)
-                self.outage.warn("load", "kvstore load failed (%r); vLLM recomputes it", exc)
-                loaded = 0
+            loaded = self._load(spec)
             wanted = len(spec.block_ids[0])
             if self.layout.hybrid:  # an asynchronous load: done, whole or failed
                 self.loaded.add(spec.req_id)
@@ -107,7 +102,9 @@ class WorkerSide:
             )  # fmt: skip
 
     def _load(self, spec: LoadSpec) -> int:
-        """Load one request's blocks -> how many of ``spec.block_ids`` were loaded."""
+        """Load one request's blocks -> how many of ``spec.block_ids`` were loaded (0
+        after any failure: an asynchronous load must be reported, whatever failed, or
+        its request waits for ever)."""
         assert self.layers is not None
         end = spec.start + len(spec.block_ids[0])
         try:
@@ -132,7 +129,7 @@ class WorkerSide:
                     ids = [group[:got] for group in spec.block_ids]
                     self.layers.scatter(ids, rows[spec.start : spec.start + got])
                 return got
-        except KVStoreError as exc:
+        except Exception as exc:  # noqa: BLE001 - a cache: a failed load is recomputed
             self.outage.warn("load", "kvstore load failed (%s); vLLM recomputes the blocks", exc)
             return 0
 
