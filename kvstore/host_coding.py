@@ -162,11 +162,7 @@ class HostCoding:
             if _encodable(node):
                 self._held.append(node)
             return
-        self._parts.arena.free(offset)  # bumps its epoch: unpinned copies fail their check
-        node.host_offset = slot
-        node.host_coded = True
-        node.ns.host_coded_blocks += 1
-        node.ns.group.host_bytes -= node.size - node.host_bytes
+        self._parts.tiers.host.recode(node, slot)
 
 
 def _encodable(node: Node) -> bool:

@@ -14,7 +14,8 @@ lives in the disk record, which is the only place it is checked.
 
 Notes:
 1. A node is *in host* when ``host_offset >= 0`` and *on disk* when ``on_disk``; a
-   pending node always has a host slot.
+   pending node always has a host slot. Each tier's fields are written by that tier's
+   part alone (kvstore.near_tier: kvstore.host.placement, kvstore.disk.placement).
 2. ``host_children`` / ``disk_children`` count the children held in that tier, so
    "leaf in tier T" is one integer test (eviction is leaf-first per tier).
 3. ``pins`` counts leases and in-flight copies; a pinned node never leaves a tier,

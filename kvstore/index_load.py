@@ -264,6 +264,8 @@ class IndexLoad:
         parent is on disk (the same key is the same bytes). Under the lock."""
         index = self._parts.index
         tiers = self._parts.tiers
+        disk = tiers.disk
+        assert disk is not None
         by_digest = self._parts.namespaces.by_digest
         added: list[Node] = []
         added_tokens: list[bytes | None] = []
@@ -293,16 +295,10 @@ class IndexLoad:
             if held is not None and not held.ready:  # its put is not committed yet
                 waiting.setdefault(key, []).append(rec)  # (tried again at the end)
                 continue
-            node = held or Node(BlockKey(key), entry, parent, READY, priority, last, on_disk=True)
+            node = held or Node(BlockKey(key), entry, parent, READY, priority, last)
             if held is None:
                 index.add(node)
-            else:
-                node.on_disk = True
-            tiers.disk_blocks += 1
-            entry.group.disk_bytes += entry.spec.block_bytes
-            entry.coded_blocks += codec != 0
-            if parent is not None:
-                parent.disk_children += 1
+            disk.adopt(node, coded=codec != 0)
             added.append(node)
             # tokens are told to routers only when they are what the key was hashed from
             told = tokens and tokens_name_block(entry.spec, parent_key or None, key, tokens)
@@ -358,7 +354,8 @@ class IndexLoad:
         # so that every parent is newer than its children, as a touch leaves it
         nodes.reverse()
         nodes.sort(key=attrgetter("last_access"))
-        policy = self._parts.tiers.disk_policy
+        assert self._parts.tiers.disk is not None
+        policy = self._parts.tiers.disk.policy
         for end in range(len(nodes), 0, -ORDER_SLICE):
             with self._parts.lock:
                 if self._parts.closed:

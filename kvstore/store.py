@@ -40,19 +40,21 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvproto.v1.results import Event, NamespaceStats, SharedStats, Stats, TenantStats, TierStats
+from kvproto.v1.results import Event, NamespaceStats, SharedStats, Stats, TenantStats
 from kvstore.disk import DiskTier
+from kvstore.disk.placement import DiskPlacement
 from kvstore.errors import InvalidArgument, LayoutMismatch, OutOfSpace
 from kvstore.events import Counters, EventLog
 from kvstore.far_tier import FarTierEntry
 from kvstore.host.arena import HostArena, PinHook
+from kvstore.host.placement import HostPlacement
 from kvstore.host_coding import HostCoding
 from kvstore.index import Index, NamespaceEntry
 from kvstore.index_load import IndexLoad
 from kvstore.keys import BlockKey, KeyChain, NamespaceSpec, chain_keys, tokens_array
 from kvstore.leases import LeaseTable
 from kvstore.namespaces import Namespaces
-from kvstore.results import ReadyPrefix, Tier
+from kvstore.results import ReadyPrefix
 from kvstore.shared.tier import SharedTier
 from kvstore.store_config import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstore.store_parts import StoreParts
@@ -128,10 +130,15 @@ class Store:
             index = Index()
             counters = Counters()
             events = EventLog(config.event_buffer, changed, wall)
-            tiers = Tiers(
-                config, index, namespaces, self._arena, self._disk, counters, events, wall,
-                feed if feed is not None else TierFeed(0),
-            )  # fmt: skip
+            told = feed if feed is not None else TierFeed(0)
+            host = HostPlacement(self._arena, config.eviction_policy, told, counters)
+            disk = None
+            if self._disk is not None:
+                coded = "disk" in config.codec_tiers
+                disk = DiskPlacement(
+                    self._disk, config.eviction_policy, coded, told, counters, wall
+                )
+            tiers = Tiers(config, index, namespaces, host, disk, counters, events, wall, told)
             far = [*far_tiers(config), *more_tiers]
             self._parts = StoreParts(
                 config, clock, wall, self._lock, changed, namespaces, index, counters, events,
@@ -337,19 +344,7 @@ class Store:
         with self._lock:
             parts.expire()
             c = parts.counters
-            tiers = [
-                TierStats(
-                    Tier.HOST.value,
-                    self._arena.capacity_bytes,
-                    self._arena.used_bytes,
-                    parts.tiers.host_blocks,
-                    c.host_hits,
-                    c.host_misses,
-                    c.host_evictions,
-                    c.host_bytes_in,
-                    c.host_bytes_out,
-                )
-            ]
+            tiers = [tier.stats() for tier in parts.tiers.near]
             disk_queue = 0
             corrupt = 0
             disk_counters: dict[str, int] = {}
@@ -363,19 +358,6 @@ class Store:
                     "disk_refused_writes": dstats.refused_writes,
                     "disk_dropped_writes": dstats.dropped_writes,
                 }
-                tiers.append(
-                    TierStats(
-                        Tier.DISK.value,
-                        self._disk.capacity_bytes,
-                        self._disk.used_bytes,
-                        parts.tiers.disk_blocks,
-                        c.disk_hits,
-                        c.disk_misses,
-                        c.disk_evictions,
-                        c.disk_bytes_in,
-                        c.disk_bytes_out,
-                    )
-                )
             namespaces = tuple(
                 NamespaceStats(
                     e.spec.ns_id,
@@ -527,9 +509,11 @@ class Store:
                 children = list(node.children())
                 assert node.host_children == sum(c.in_host for c in children), f"{node}: host count"
                 assert node.disk_children == sum(c.on_disk for c in children), f"{node}: disk count"
-                listed = node in tiers.host_policy
+                listed = node in tiers.host.policy
                 assert listed == (node.in_host and node.ready), f"{node}: host list membership"
-                assert (node in tiers.disk_policy) == node.on_disk, f"{node}: disk list membership"
+                if tiers.disk is not None:
+                    listed = node in tiers.disk.policy
+                    assert listed == node.on_disk, f"{node}: disk list membership"
                 host += node.in_host
                 disk += node.on_disk
                 group_bytes[node.ns.group.name][0] += node.host_bytes * node.in_host
@@ -539,7 +523,7 @@ class Store:
                     assert self._arena.slot_size(node.host_offset) >= node.host_bytes
                 coded_of[node.ns.spec.ns_id] += node.host_coded
                 assert node.in_host or not node.host_coded, f"{node}: encoded in no slot"
-            assert host == tiers.host_blocks and disk == tiers.disk_blocks, "tier block counts"
+            assert [host, disk][: len(tiers.near)] == [t.blocks for t in tiers.near], "tier counts"
             staged_of = {name: 0 for name in groups}
             for lease in parts.leases:
                 slots = len(lease.staged or ())

@@ -295,7 +295,7 @@ class Writes:
         # tier (its parent may be on disk only), but not the index. Used first (so it
         # goes last); if making room dropped the parent all the same, nothing attaches.
         tiers = self._parts.tiers
-        tiers.touch(walk[-1:] if tiers.host_policy.touch_prefix else walk[start:])
+        tiers.touch(walk[-1:] if tiers.host.policy.touch_prefix else walk[start:])
         created: list[Node] = []
         run: list[int] = []
         try:
@@ -384,7 +384,7 @@ class Writes:
         tiers = self._parts.tiers
         for node in reversed(created):
             node.pins -= 1
-            tiers.host_drop(node)
+            tiers.host.drop(node)
             self._parts.index.remove(node)
         created.clear()
 
@@ -599,12 +599,12 @@ class Writes:
         restart does not bring the blocks back."""
         with self._parts.lock:
             self._parts.expire()
-            on_disk = self._parts.tiers.disk_blocks
+            placed = self._parts.tiers.disk
+            on_disk = placed.blocks if placed is not None else 0
             removed = drop()
-            disk = self._parts.disk
             # (while the index loads, a drop may remove blocks it has not indexed yet)
-            fewer = self._parts.tiers.disk_blocks < on_disk
-            on_disk_too = disk is not None and (fewer or disk.loading)
+            fewer = placed is not None and placed.blocks < on_disk
+            on_disk_too = placed is not None and (fewer or placed.storage.loading)
         if on_disk_too:
             self._commit_deletions()
         return removed

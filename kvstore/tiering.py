@@ -1,11 +1,15 @@
-"""The tiers: where each block's bytes are, and moving them.
+"""The near tiers' stack: where each block's bytes are on this node, and moving them.
 
-:class:`Tiers` owns the eviction orders of the host and the disk tier
-(:mod:`kvstore.policy`), the per-tier block counts and the blocks' timed priorities,
-and moves blocks over the index (:mod:`kvstore.index`), the host arena and the disk
-tier: a block enters and leaves a tier here and nowhere else.
+:class:`Tiers` stacks the node's own tiers, fastest first (:mod:`kvstore.near_tier`:
+host, then disk when there is one; each a part that alone keeps its blocks' places,
+eviction order and counts), keeps the blocks' timed priorities, and is the only caller
+that moves blocks between them: a block enters and leaves a tier here and nowhere else.
+The far tiers behind them are the other stack's (:mod:`kvstore.tier_stack`).
 
-- Only leaves leave a tier, lowest priority then least recently used first; a host
+- Eviction from tier i is demotion into a slower tier that holds the block; a block no
+  other tier holds is gone (remembered by rule, :mod:`kvstore.misses`).
+- Only leaves leave a tier, lowest priority then least recently used first, and a block
+  whose children are held in a faster tier stays (prefix-closed from the top); a host
   leaf is written back to disk when admitted, else dropped; a tenant at its quota
   evicts its own blocks first. When no host leaf can go, a block already on disk leaves
   the host tier, its children there keep it on disk (a long prefix has one, pinned, leaf).
@@ -32,27 +36,24 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import xxhash
-
-from kvstore import codecs
-from kvstore.codecs import Codec
-from kvstore.disk import DiskRecord, DiskTier
+from kvstore.disk import DiskTier
+from kvstore.disk.placement import DiskPlacement
 from kvstore.events import Counters, EventLog
-from kvstore.host.arena import HostArena
+from kvstore.host.placement import HostPlacement
 from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey
 from kvstore.leases import Lease
 from kvstore.misses import CORRUPT, DELETED, PRIORITY, QUOTA, TTL, Loss, RecentLosses
 from kvstore.namespaces import Namespaces
-from kvstore.policy import GroupedPolicy
+from kvstore.near_tier import NearTier
 from kvstore.results import EventKind, Tier
 from kvstore.store_config import StoreConfig
 from kvstore.tenants import Group
-from kvstore.tier_events import DISK, HOST, TierFeed
+from kvstore.tier_events import TierFeed
 
 if TYPE_CHECKING:
     from kvstore.host_coding import HostCoding
@@ -60,29 +61,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 2.0  # a stop that persists the host tier logs its progress this often
+HOST, DISK = 0, 1  # levels of the near tiers in :attr:`Tiers.near`
 
 
 @dataclass(eq=False)
 class Tiers:
-    """Block placement over the host and disk tiers (see the module docstring); the
-    parts it works on are its fields."""
+    """Block placement over the near tiers, fastest first (see the module docstring);
+    the parts it works on are its fields."""
 
     config: StoreConfig
     index: Index
     namespaces: Namespaces
-    arena: HostArena
-    disk: DiskTier | None
+    host: HostPlacement
+    disk: DiskPlacement | None
     counters: Counters
     events: EventLog
     wall: Callable[[], float]
-    feed: TierFeed = field(default_factory=lambda: TierFeed(0))  # what routers hear
+    feed: TierFeed  # what routers hear (the same feed the tiers tell)
     losses: RecentLosses = field(default_factory=RecentLosses)  # what `why` answers
 
     def __post_init__(self) -> None:
-        self.host_policy = GroupedPolicy(self.config.eviction_policy, "host")
-        self.disk_policy = GroupedPolicy(self.config.eviction_policy, "disk")
-        self.host_blocks = 0
-        self.disk_blocks = 0
+        near: list[NearTier] = [self.host] if self.disk is None else [self.host, self.disk]
+        self.near = tuple(near)  # fastest first: HOST, DISK
+        self.arena = self.host.arena
         self.pending = 0  # blocks reserved and not committed yet
         self._priority_heap: list[tuple[float, int, Node]] = []
         self._priority_until: dict[Node, float] = {}  # blocks whose priority is timed
@@ -94,70 +95,19 @@ class Tiers:
         # a far tier's write-behind queue holds its blocks in host (overflow = wait):
         # eviction passes over them and says so here (kvstore.tier_stack)
         self.behind_blocked = False
-        self._queue_full = False  # the last write_to_disk was refused for queue room
         # encodes coded namespaces' host blocks (codec_tiers has host; set by the store)
         self.coder: HostCoding | None = None
         # tenants with their own arena region: the common region's eviction skips them
         self._own_regions = frozenset(name for name in self.arena.regions if name)
 
-    # --- a tier's blocks ----------------------------------------------------------------------
-    def host_add(self, node: Node, offset: int) -> None:
-        node.host_offset = offset
-        self.host_blocks += 1
-        node.ns.group.host_bytes += node.size
-        if node.parent is not None:
-            node.parent.host_children += 1
-
-    def host_drop(self, node: Node) -> None:
-        if node in self.host_policy:
-            self.host_policy.remove(node)
-        self.arena.free(node.host_offset)
-        self.feed.removed(node, HOST)
-        node.ns.group.host_bytes -= node.host_bytes
-        if node.host_coded:
-            node.host_coded = False
-            node.ns.host_coded_blocks -= 1
-        node.host_offset = -1
-        node.tokens = None  # kept while in host only (kvstore.index)
-        self.host_blocks -= 1
-        if node.parent is not None:
-            node.parent.host_children -= 1
-
-    def disk_add(self, node: Node) -> None:
-        node.on_disk = True
-        self.disk_blocks += 1
-        node.ns.group.disk_bytes += node.size
-        if self.disk_codec(node.ns) is not None:
-            node.ns.coded_blocks += 1
-        self.disk_policy.insert(node)
-        if node.parent is not None:
-            node.parent.disk_children += 1
-        self.feed.stored((node,), DISK)
-
-    def disk_drop(self, node: Node) -> None:
-        assert self.disk is not None
-        self.disk.delete(node.key)
-        if node in self.disk_policy:  # (not yet while the index loads: kvstore.index_load)
-            self.disk_policy.remove(node)
-        self.feed.removed(node, DISK)
-        node.on_disk = False
-        self.disk_blocks -= 1
-        if node.ns.coded_blocks and self.disk_codec(node.ns) is not None:
-            node.ns.coded_blocks -= 1
-        node.ns.group.disk_bytes -= node.size
-        if node.parent is not None:
-            node.parent.disk_children -= 1
-
     def drop_node(self, node: Node, rule: str = DELETED) -> None:
         """Remove a childless, unpinned block from every tier and the index; the
         store remembers by which rule (kvstore.misses)."""
-        if node.ready:
-            tier = Tier.DISK if node.on_disk else Tier.HOST
-            self.losses.note(node.key, Loss(self.wall(), tier.value, rule))
-        if node.in_host:
-            self.host_drop(node)
-        if node.on_disk:
-            self.disk_drop(node)
+        held = [tier for tier in self.near if tier.holds(node)]
+        if node.ready:  # the slowest tier it was in
+            self.losses.note(node.key, Loss(self.wall(), held[-1].kind.value, rule))
+        for tier in held:
+            tier.drop(node)
         self.index.remove(node)
         self._priority_until.pop(node, None)
         self.counters.dropped += 1
@@ -175,12 +125,8 @@ class Tiers:
 
     def reprioritize(self, node: Node, priority: int) -> None:
         node.priority = priority
-        if node in self.host_policy:
-            self.host_policy.reprioritize(node)
-        if node in self.disk_policy:
-            self.disk_policy.reprioritize(node)
-            assert self.disk is not None
-            self.disk.touch(node.key, priority, node.last_access)
+        for tier in self.near:
+            tier.reprioritize(node)
 
     def touch(self, named: Sequence[Node]) -> None:
         """Mark a use of the blocks a request named (root-to-leaf order).
@@ -194,7 +140,7 @@ class Tiers:
         now = self.wall()
         last = named[-1]
         used: Sequence[Node]
-        if not self.host_policy.touch_prefix:
+        if not self.host.policy.touch_prefix:
             used = [node for node in named if node.ready]
         elif named[0].parent is None and last.state == READY:
             used = named[::-1]  # the whole prefix, leaf first (a ready block's parents are)
@@ -202,15 +148,14 @@ class Tiers:
             used = [node for node in itertools.chain((last,), last.ancestors()) if node.ready]
         for node in used:
             node.last_access = now
-        self.host_policy.touch_all(used)
-        if self.disk is not None:
-            self.disk_policy.touch_all(used)
+        for tier in self.near:
+            tier.policy.touch_all(used)
 
     def insert_used(self, batch: Sequence[Node]) -> None:
         """List blocks that just became ready (one run of a chain, parents first) in the
         host tier as just used, then touch their prefix: the order that inserting them
         and then ``touch(batch)`` gives, with one list operation per block, not three."""
-        policy = self.host_policy
+        policy = self.host.policy
         now = self.wall()
         for node in batch:
             node.last_access = now
@@ -230,23 +175,18 @@ class Tiers:
     ) -> list[Node]:
         """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
         the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
-        by the write lease to come: what ``Index.add`` and ``_host_add`` do per block,
+        by the write lease to come: what ``Index.add`` and ``HostPlacement.add`` do per block,
         in one pass (a put's blocks are one such run; a slot-by-slot reserve makes
         runs of one). ``tokens[i]`` are block i's tokens (kvstore.keys.run_tokens)."""
         nodes: list[Node] = []
-        for key, offset, toks in zip(keys, offsets, tokens, strict=True):
-            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, offset, tokens=toks)
+        for key, toks in zip(keys, tokens, strict=True):
+            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, tokens=toks)
             nodes.append(node)
             parent = node
         self.index.add_chain(nodes)
-        self.host_blocks += len(nodes)
-        entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
-        for holder in nodes[:-1]:
-            holder.host_children = 1
-        if nodes[0].parent is not None:
-            nodes[0].parent.host_children += 1
+        if nodes:
+            self.host.add_run(entry, nodes, offsets)
         return nodes
-
 
     # --- priorities -------------------------------------------------------------------
     def set_priority(self, node: Node, priority: int, until: float) -> None:
@@ -269,8 +209,8 @@ class Tiers:
 
     def apply_shrunk_disk(self) -> None:
         """Evict disk leaves if the disk tier lowered its effective capacity."""
-        if self.disk is not None and self.disk.drain_shrunk():
-            self._shrink_disk(self.disk)
+        if self.disk is not None and self.disk.storage.drain_shrunk():
+            self._shrink_disk(self.disk.storage)
 
     # --- leases -----------------------------------------------------------------------
     def let_go(self, lease: Lease, expired: bool = False) -> None:
@@ -285,7 +225,7 @@ class Tiers:
                 self.events.emit(EventKind.PENDING_DROPPED, node, Tier.HOST)
                 if expired:
                     self.losses.note(node.key, Loss(self.wall(), Tier.HOST.value, TTL))
-                self.host_drop(node)
+                self.host.drop(node)
                 self.index.remove(node)
             self.pending -= len(dropped)
         else:
@@ -303,7 +243,7 @@ class Tiers:
         """A host slot of ``size`` bytes for a block of ``group``, evicting host leaves
         until one fits (the group's own first, while it is at its quota); ``tail``: see
         HostArena.alloc."""
-        if not self._quota_room(group, size, host=True):
+        if not self._quota_room(group, size, HOST):
             return None
         own_region = bool(self.arena.region_of(group.name))
         while True:
@@ -315,72 +255,70 @@ class Tiers:
             victim = self._host_victim(group.name if own_region else None, self._own_regions)
             if victim is None:
                 return None
-            self._evict_from_host(victim)
+            self._evict(HOST, victim)
 
-    def _quota_room(self, group: Group, nbytes: int, host: bool) -> bool:
-        """Make ``nbytes`` more fit ``group``'s quota in one tier by evicting its own
-        least valuable blocks; False when they cannot (its blocks there are pinned,
+    def _quota_room(self, group: Group, nbytes: int, level: int) -> bool:
+        """Make ``nbytes`` more fit ``group``'s quota in tier ``level`` by evicting its
+        own least valuable blocks; False when they cannot (its blocks there are pinned,
         pending or parents of such). Other groups' blocks are never touched."""
-        limit = group.quota.host_bytes if host else group.quota.disk_bytes
-        if not limit:
-            return True
-        while (group.host_held if host else group.disk_bytes) + nbytes > limit:
-            if host:
-                victim = self._host_victim(group.name)
-            else:
-                victim = self._victim(self.disk_policy, False, group.name)
+        tier = self.near[level]
+        held, limit = tier.group_bytes(group)
+        while limit and held + nbytes > limit:
+            victim = self._victim(level, group.name)
             if victim is None:
                 return False
             group.quota_evictions += 1
-            if host:
-                self._evict_from_host(victim, QUOTA)
-            else:
-                self._evict_from_disk(victim, QUOTA)
+            self._evict(level, victim, QUOTA)
+            held, limit = tier.group_bytes(group)
         return True
 
     def quota_blocks(self, group: Group, n: int, size: int) -> int:
         """How many of ``n`` new host blocks of ``size`` bytes ``group``'s quota takes
         (evicting its own blocks to make room for as many as it can)."""
-        if self._quota_room(group, n * size, host=True):
+        if self._quota_room(group, n * size, HOST):
             return n
         # every block of the group that could go went: what is left is what fits now
         return max(0, (group.quota.host_bytes - group.host_held) // size)
 
-    def _victim(self, policy: GroupedPolicy, host: bool, group: str | None = None) -> Node | None:
-        """The tier's next block to evict (of one group when ``group`` is given)."""
-        for node in policy.candidates(group):
+    def _leaves(
+        self, level: int, group: str | None = None, skip: Collection[str] = ()
+    ) -> Iterator[Node]:
+        """Tier ``level``'s blocks that may leave it, in its eviction order (of
+        ``group``, or of any group not in ``skip``): ready and unpinned; under a
+        leaf-first policy, leaves of that tier that hold up no child in a faster tier
+        (a block whose children are in host stays on disk: the tiers stay prefix-closed
+        from the top); under plain LRU, those whose subtree is idle."""
+        tier = self.near[level]
+        faster = self.near[:level]
+        leaf_first = tier.policy.leaf_first
+        for node in tier.policy.candidates(group, skip):
             if node.pins or not node.ready:
                 continue
-            if policy.leaf_first:
-                if host and node.host_children == 0:
-                    return node
-                # a disk-only block whose children are in host holds them up
-                if not host and node.disk_children == 0 and (
-                    node.in_host or node.host_children == 0
-                ):
-                    return node
-            elif not self._subtree_busy(node):
-                return node
-        return None
-
-    def _host_victim(
-        self, group: str | None = None, skip: Collection[str] = ()
-    ) -> Node | None:
-        """The host tier's next block to evict (of ``group``, or of any group not in
-        ``skip``) (see the module docstring): the first
-        evictable candidate that is clean, or dirty and now queued for the disk; a dirty
-        one the writer has no queue room for is passed over (and dropped only under
-        :attr:`drop_dirty`). Once the queue refused one, the scan tries no more writes."""
-        policy = self.host_policy
-        queue_full = False
-        for node in policy.candidates(group, skip):
-            if node.pins or not node.ready:
-                continue
-            if policy.leaf_first:
-                if node.host_children:
+            if leaf_first:
+                if tier.held_children(node):
+                    continue
+                if any(up.held_children(node) and not up.holds(node) for up in faster):
                     continue
             elif self._subtree_busy(node):
                 continue
+            yield node
+
+    def _victim(
+        self, level: int, group: str | None = None, skip: Collection[str] = ()
+    ) -> Node | None:
+        """Tier ``level``'s next block to evict (see :meth:`_leaves`; the host tier's
+        passes over blocks not written where they are due: :meth:`_host_victim`)."""
+        if level == HOST:
+            return self._host_victim(group, skip)
+        return next(self._leaves(level, group, skip), None)
+
+    def _host_victim(self, group: str | None, skip: Collection[str]) -> Node | None:
+        """The host tier's next block to evict (see the module docstring): the first
+        evictable candidate that is clean, or dirty and now queued for the disk; a dirty
+        one the writer has no queue room for is passed over (and dropped only under
+        :attr:`drop_dirty`). Once the queue refused one, the scan tries no more writes."""
+        queue_full = False
+        for node in self._leaves(HOST, group, skip):
             if node.held_behind:
                 self.writer_blocked = self.behind_blocked = True
                 continue
@@ -394,13 +332,13 @@ class Tiers:
                 self.counters.dirty_dropped += 1
                 return node
             self.writer_blocked = True
-        return self._clean_inner_victim(group, skip) if policy.leaf_first else None
+        return self._clean_inner_victim(group, skip) if self.host.policy.leaf_first else None
 
     def _clean_inner_victim(self, group: str | None, skip: Collection[str]) -> Node | None:
         """When no host leaf can go: the first evictable block already on disk with
         children in host (a long prefix read window by window is one chain in host whose
         only leaf is pinned). It leaves the host tier; its children keep it on disk."""
-        for node in self.host_policy.candidates(group, skip):
+        for node in self.host.policy.candidates(group, skip):
             movable = node.on_disk and node.ready and not node.pins and node.host_children
             if movable and not node.held_behind:
                 return node
@@ -418,17 +356,27 @@ class Tiers:
     def _subtree_busy(self, node: Node) -> bool:
         return any(n.pins or not n.ready for n in self.index.subtree_postorder(node))
 
-    def _evict_from_host(self, node: Node, rule: str = PRIORITY) -> None:
-        self.counters.host_evictions += 1
-        if not self.host_policy.leaf_first:  # plain LRU: descendants become unusable
+    def _evict(self, level: int, node: Node, rule: str = PRIORITY) -> None:
+        """``node`` leaves tier ``level``: demoted where a slower tier holds it (the
+        host victim was written there first when due), kept where a faster one does,
+        else gone (remembered by ``rule``)."""
+        tier = self.near[level]
+        tier.evicted()
+        if not tier.policy.leaf_first:  # plain LRU: descendants become unusable
             for late in self.index.subtree_postorder(node)[:-1]:
                 self.drop_node(late, rule)
-        if node.on_disk:  # _host_victim queued it when it was due there
-            self.host_drop(node)
-            self.counters.demotions += 1
-            self.events.emit(EventKind.DEMOTED, node, Tier.DISK)
-            return
-        self.drop_node(node, rule)  # a host leaf that is not on disk has no disk children
+        if not any(other.holds(node) for other in self.near if other is not tier):
+            self.drop_node(node, rule)
+        elif any(slower.holds(node) for slower in self.near[level + 1 :]):
+            self._demote(level, node)
+        else:
+            tier.drop(node)
+
+    def _demote(self, level: int, node: Node) -> None:
+        """``node`` leaves tier ``level`` for the slower tier that holds it."""
+        self.near[level].drop(node)
+        self.counters.demotions += 1
+        self.events.emit(EventKind.DEMOTED, node, self.near[level + 1].kind)
 
     def admit(self, node: Node) -> bool:
         if node.priority < self.config.disk_min_priority:
@@ -448,10 +396,10 @@ class Tiers:
         free room (used at close, so persisting the host tier never pushes out blocks
         that were already committed to disk).
         """
-        disk = self.disk
         self._queue_full = False
-        if disk is None or node.on_disk or not (admitted or self.admit(node)):
+        if self.disk is None or node.on_disk or not (admitted or self.admit(node)):
             return False
+        disk = self.disk.storage
         if disk.fault:  # refused now, before making room for it
             disk.refuse()
             return False
@@ -469,9 +417,9 @@ class Tiers:
         try:
             group = node.ns.group
             for block in reversed(chain):  # parents first
-                footprint = disk.footprint(self.disk_size(block.ns))
+                footprint = disk.footprint(self.disk.size(block.ns))
                 if evict:
-                    if not self._quota_room(group, block.size, host=False):
+                    if not self._quota_room(group, block.size, DISK):
                         return False
                     if not self._make_disk_room(footprint):
                         return False
@@ -480,39 +428,14 @@ class Tiers:
                     and group.disk_bytes + block.size > group.quota.disk_bytes
                 ):
                     return False
-                if not self._queue_disk_write(disk, block):
+                payload = self.arena.view(block.host_offset, block.host_bytes)
+                if not self.disk.write(block, payload, block.host_coded):
+                    self._queue_full = self.disk.queue_full
                     return False
             return True
         finally:
             for pinned in held:
                 pinned.pins -= 1
-
-    def _queue_disk_write(self, disk: DiskTier, node: Node) -> bool:
-        """Hand a host block to the disk writer; False when the tier refuses it (a disk
-        fault, or its queue is full: never waited for under the lock)."""
-        payload = self.arena.view(node.host_offset, node.host_bytes)
-        parent = node.parent.key if node.parent is not None else b""
-        record = DiskRecord(
-            node.key,
-            node.ns.spec.digest,
-            parent,
-            node.host_bytes,
-            xxhash.xxh3_64_intdigest(payload),
-            node.priority,
-            node.last_access or self.wall(),
-            tokens=node.tokens or b"",
-        )
-        codec = self.disk_codec(node.ns)
-        if node.host_coded:  # encoded in host already: stored as it is (kvstore.host_coding)
-            assert codec is not None  # codec_tiers with host has disk
-            record = replace(record, codec=codec.code_id, codec_version=codecs.VERSION)
-            codec = None
-        if not disk.write(record, payload, codec=codec):
-            self._queue_full = not disk.fault
-            return False
-        self.disk_add(node)
-        self.counters.disk_bytes_in += node.size
-        return True
 
     def spill(self, nodes: Sequence[Node]) -> int:
         """Let the blocks of a window of a chain too long for the host tier leave it
@@ -522,54 +445,33 @@ class Tiers:
         for node in reversed(nodes):
             movable = node.in_host and node.on_disk and node.ready and not node.pins
             if movable and node.host_children == 0 and self.index.get(node.key) is node:
-                self.host_drop(node)
-                self.counters.demotions += 1
-                self.events.emit(EventKind.DEMOTED, node, Tier.DISK)
+                self._demote(HOST, node)
                 left += 1
         return left
 
-    def disk_codec(self, entry: NamespaceEntry) -> Codec | None:
-        """The codec a namespace's blocks are kept on disk with (None: as they are)."""
-        return entry.codec if "disk" in self.config.codec_tiers else None
-
-    def disk_size(self, entry: NamespaceEntry) -> int:
-        """Bytes one block of ``entry`` takes on disk."""
-        codec = self.disk_codec(entry)
-        return entry.spec.block_bytes if codec is None else codec.encoded_bytes
-
     def _make_disk_room(self, nbytes: int) -> bool:
-        disk = self.disk
-        assert disk is not None
+        assert self.disk is not None
+        disk = self.disk.storage
         if disk.drain_shrunk():
             self._shrink_disk(disk)
         capacity = disk.capacity_bytes
         if nbytes > capacity:
             return False
         while disk.used_bytes + nbytes > capacity:
-            victim = self._victim(self.disk_policy, host=False)
+            victim = self._victim(DISK)
             if victim is None:
                 return False
-            self._evict_from_disk(victim)
+            self._evict(DISK, victim)
         return True
 
     def _shrink_disk(self, disk: DiskTier) -> None:
         """LMDB ran out of map space and lowered the tier's effective capacity: evict
         disk leaves until the blocks fit it again."""
         while disk.used_bytes > disk.capacity_bytes:
-            victim = self._victim(self.disk_policy, host=False)
+            victim = self._victim(DISK)
             if victim is None:
                 return
-            self._evict_from_disk(victim)
-
-    def _evict_from_disk(self, node: Node, rule: str = PRIORITY) -> None:
-        self.counters.disk_evictions += 1
-        if not self.disk_policy.leaf_first:
-            for late in self.index.subtree_postorder(node)[:-1]:
-                self.drop_node(late, rule)
-        if node.in_host:
-            self.disk_drop(node)
-        else:
-            self.drop_node(node, rule)
+            self._evict(DISK, victim)
 
     def persist_host_blocks(self, deadline: float) -> int:
         """At close: write the host blocks due on disk, parents first, into the disk
@@ -577,8 +479,8 @@ class Tiers:
         writer's queue until ``deadline`` (monotonic) and logging progress. Returns how
         many due blocks were not queued for want of time or because the disk failed;
         blocks that do not fit its capacity are logged, as an eviction would be."""
-        disk = self.disk
-        assert disk is not None
+        assert self.disk is not None
+        disk = self.disk.storage
         due = self._due_blocks()
         total, total_bytes = len(due), sum(node.size for node in due)
         if not due:
@@ -661,16 +563,13 @@ class Tiers:
         """A disk block's bytes are verified in host slot ``offset``: it is in host now
         (with its ``tokens``, from the chain of the read that promoted it)."""
         self.arena.epochs.bump((offset,))  # the slot's bytes are final from here on
-        self.host_add(node, offset)
-        node.tokens = tokens
-        self.host_policy.insert(node)
+        self.host.promoted(node, offset, tokens)
         if self.coder is not None:
             self.coder.offer((node,))
         self.counters.promotions += 1
         self.counters.host_bytes_in += node.size
         self.counters.disk_bytes_out += node.size
         self.events.emit(EventKind.PROMOTED, node, Tier.HOST)
-        self.feed.stored((node,), HOST)
 
     def lost_on_disk(self, node: Node) -> None:
         """A block the index had on disk could not be read back (checksum or gone).
@@ -694,6 +593,7 @@ class Tiers:
         for late in subtree:
             if late in kept:
                 if late.on_disk:
-                    self.disk_drop(late)
+                    assert self.disk is not None
+                    self.disk.drop(late)
             else:
                 self.drop_node(late, CORRUPT)

@@ -252,3 +252,51 @@ def test_the_subclass_check_finds_one(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.syspath_prepend(str(tmp_path))
     top = importlib.import_module("stack_top")
     assert concrete_bases_elsewhere(top) == ["stack_top.Reads(stack_base.State)"]
+
+
+# -- each near tier keeps its own places -------------------------------------------------
+
+# a node's fields that say where a block is in one of the node's own tiers, and the one
+# module that writes them (kvstore.near_tier)
+PLACE_FIELDS = {
+    "kvstore.host.placement": ("host_offset", "host_coded", "host_children"),
+    "kvstore.disk.placement": ("on_disk", "disk_children"),
+}
+
+
+def place_writes(path: Path) -> Iterator[str]:
+    """Each field of PLACE_FIELDS that a file assigns (``x.field = ...``, ``+=``) or
+    passes by name (``Node(..., field=...)``)."""
+    fields = {name for names in PLACE_FIELDS.values() for name in names}
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call):
+            yield from (kw.arg for kw in node.keywords if kw.arg in fields)
+        for target in targets:
+            if isinstance(target, ast.Attribute) and target.attr in fields:
+                yield target.attr
+
+
+def test_each_near_tier_alone_writes_its_places_in_the_index() -> None:
+    """Host and disk are parts: where a block is in one of them is written by that
+    tier's part and nowhere else (the stack moves blocks by calling them)."""
+    owner = {field: name for name, fields in PLACE_FIELDS.items() for field in fields}
+    found = [
+        f"{name} writes {field}"
+        for package in ("kvstore", "kvstored")
+        for name, path in modules(package)
+        for field in place_writes(path)
+        if owner[field] != name
+    ]
+    assert found == []
+
+
+def test_the_place_check_finds_one(tmp_path: Path) -> None:
+    """The check above is not blind: an assignment, an increment and a keyword."""
+    path = tmp_path / "mod.py"
+    path.write_text("n.on_disk = True\nn.host_children += 1\nNode(k, host_offset=3)\n")
+    assert list(place_writes(path)) == ["on_disk", "host_children", "host_offset"]

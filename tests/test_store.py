@@ -381,6 +381,6 @@ def test_commit_lists_new_blocks_leaf_first_and_touches_their_prefix() -> None:
         s.put(ns, other, [payload(5)])
         longer = s.keys_for(ns, seq(0, 2) + seq(100, 3))
         s.put(ns, longer, [payload(i) for i in range(2, 5)], start=2)
-        order = [node.key for node in s._parts.tiers.host_policy.candidates()]
+        order = [node.key for node in s._parts.tiers.host.policy.candidates()]
         assert order == [other[0], longer[4], longer[3], longer[2], prompt[1], prompt[0]]
         s.verify_invariants()

@@ -1,0 +1,109 @@
+"""The host tier as a part of the store: which blocks hold arena slots.
+
+A block is in host when its node has a slot (``Node.host_offset >= 0``); this part alone
+writes the node's host fields (slot, encoded flag, children held in host, tokens) and
+keeps the tier's eviction order and counts. What moves blocks in and out (eviction,
+write-back, promotion) is the tier stack's (:mod:`kvstore.tiering`). Under the store's
+lock, as every near tier (:mod:`kvstore.near_tier`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvproto.v1.results import TierStats
+from kvstore.events import Counters
+from kvstore.host.arena import HostArena
+from kvstore.index import NamespaceEntry, Node
+from kvstore.policy import GroupedPolicy
+from kvstore.results import Tier
+from kvstore.tenants import Group
+from kvstore.tier_events import HOST, TierFeed
+
+
+class HostPlacement:
+    """The blocks held in the host arena (see the module docstring)."""
+
+    kind = Tier.HOST
+
+    def __init__(self, arena: HostArena, policy: str, feed: TierFeed, counters: Counters) -> None:
+        self.arena = arena
+        self.policy = GroupedPolicy(policy, "host")
+        self.blocks = 0
+        self._feed = feed
+        self._counters = counters
+
+    def holds(self, node: Node) -> bool:
+        return node.host_offset >= 0
+
+    def held_children(self, node: Node) -> int:
+        return node.host_children
+
+    def group_bytes(self, group: Group) -> tuple[int, int]:
+        return group.host_held, group.quota.host_bytes
+
+    def add(self, node: Node, offset: int) -> None:
+        """The block's bytes are in slot ``offset`` (listed by the caller when ready)."""
+        node.host_offset = offset
+        self.blocks += 1
+        node.ns.group.host_bytes += node.size
+        if node.parent is not None:
+            node.parent.host_children += 1
+
+    def promoted(self, node: Node, offset: int, tokens: bytes | None) -> None:
+        """A ready block came up from a slower tier into slot ``offset`` (with its
+        ``tokens``, from the chain of the read that promoted it)."""
+        self.add(node, offset)
+        node.tokens = tokens
+        self.policy.insert(node)
+        self._feed.stored((node,), HOST)
+
+    def add_run(self, entry: NamespaceEntry, nodes: Sequence[Node], offsets: Sequence[int]) -> None:
+        """New nodes of a run of a chain (each the parent of the next) in their slots
+        ``offsets``: what :meth:`add` does per block, in one pass."""
+        for node, offset in zip(nodes, offsets, strict=True):
+            node.host_offset = offset
+        self.blocks += len(nodes)
+        entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
+        for holder in nodes[:-1]:
+            holder.host_children = 1
+        if nodes[0].parent is not None:
+            nodes[0].parent.host_children += 1
+
+    def drop(self, node: Node) -> None:
+        if node in self.policy:
+            self.policy.remove(node)
+        self.arena.free(node.host_offset)
+        self._feed.removed(node, HOST)
+        node.ns.group.host_bytes -= node.host_bytes
+        if node.host_coded:
+            node.host_coded = False
+            node.ns.host_coded_blocks -= 1
+        node.host_offset = -1
+        node.tokens = None  # kept while in host only (kvstore.index)
+        self.blocks -= 1
+        if node.parent is not None:
+            node.parent.host_children -= 1
+
+    def recode(self, node: Node, slot: int) -> None:
+        """The block moved, encoded, into ``slot`` (kvstore.host_coding); its old slot
+        is freed, which bumps that slot's epoch so unpinned copies fail their check."""
+        self.arena.free(node.host_offset)
+        node.host_offset = slot
+        node.host_coded = True
+        node.ns.host_coded_blocks += 1
+        node.ns.group.host_bytes -= node.size - node.host_bytes
+
+    def evicted(self) -> None:
+        self._counters.host_evictions += 1
+
+    def reprioritize(self, node: Node) -> None:
+        if node in self.policy:
+            self.policy.reprioritize(node)
+
+    def stats(self) -> TierStats:
+        c = self._counters
+        return TierStats(
+            Tier.HOST.value, self.arena.capacity_bytes, self.arena.used_bytes, self.blocks,
+            c.host_hits, c.host_misses, c.host_evictions, c.host_bytes_in, c.host_bytes_out,
+        )  # fmt: skip
