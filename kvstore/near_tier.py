@@ -17,6 +17,7 @@ Protocol: every method runs under the store's lock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvproto.v1.results import TierStats
@@ -32,17 +33,21 @@ class NearTier(Protocol):
     kind: Tier  # its name in results, events and losses
     policy: GroupedPolicy  # its eviction order; it lists the ready blocks it holds
     blocks: int  # how many blocks it holds
+    # how many of a block's children it holds (0: a leaf here); an attribute getter,
+    # not a method: eviction scans call it once per candidate
+    held_children: Callable[[Node], int]
 
     def holds(self, node: Node) -> bool:
         """Whether the block's bytes are in this tier."""
         ...
 
-    def held_children(self, node: Node) -> int:
-        """How many of the block's children this tier holds (0: a leaf here)."""
+
+    def quota(self, group: Group) -> int:
+        """A tenant's quota of bytes in this tier (0: none)."""
         ...
 
-    def group_bytes(self, group: Group) -> tuple[int, int]:
-        """What a tenant's blocks take in this tier, and its quota there (0: none)."""
+    def group_bytes(self, group: Group) -> int:
+        """What a tenant's blocks take in this tier."""
         ...
 
     def drop(self, node: Node) -> None:

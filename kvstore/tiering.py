@@ -44,7 +44,7 @@ from kvstore.disk import DiskTier
 from kvstore.disk.placement import DiskPlacement
 from kvstore.events import Counters, EventLog
 from kvstore.host.placement import HostPlacement
-from kvstore.index import PENDING, READY, Index, NamespaceEntry, Node
+from kvstore.index import READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey
 from kvstore.leases import Lease
 from kvstore.misses import CORRUPT, DELETED, PRIORITY, QUOTA, TTL, Loss, RecentLosses
@@ -83,6 +83,9 @@ class Tiers:
     def __post_init__(self) -> None:
         near: list[NearTier] = [self.host] if self.disk is None else [self.host, self.disk]
         self.near = tuple(near)  # fastest first: HOST, DISK
+        # per level, the tiers before and after it (eviction asks them for every victim)
+        self._faster = [self.near[:level] for level in range(len(near))]
+        self._slower = [self.near[level + 1 :] for level in range(len(near))]
         self.arena = self.host.arena
         self.pending = 0  # blocks reserved and not committed yet
         self._priority_heap: list[tuple[float, int, Node]] = []
@@ -103,11 +106,13 @@ class Tiers:
     def drop_node(self, node: Node, rule: str = DELETED) -> None:
         """Remove a childless, unpinned block from every tier and the index; the
         store remembers by which rule (kvstore.misses)."""
-        held = [tier for tier in self.near if tier.holds(node)]
-        if node.ready:  # the slowest tier it was in
-            self.losses.note(node.key, Loss(self.wall(), held[-1].kind.value, rule))
-        for tier in held:
-            tier.drop(node)
+        slowest = Tier.HOST
+        for tier in self.near:
+            if tier.holds(node):
+                tier.drop(node)
+                slowest = tier.kind
+        if node.ready:  # remembered by the slowest tier it was in
+            self.losses.note(node.key, Loss(self.wall(), slowest.value, rule))
         self.index.remove(node)
         self._priority_until.pop(node, None)
         self.counters.dropped += 1
@@ -173,19 +178,11 @@ class Tiers:
         offsets: Sequence[int],
         tokens: Sequence[bytes | None],
     ) -> list[Node]:
-        """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
-        the first under ``parent``), each in its host slot ``offsets[i]`` and pinned
-        by the write lease to come: what ``Index.add`` and ``HostPlacement.add`` do per block,
-        in one pass (a put's blocks are one such run; a slot-by-slot reserve makes
-        runs of one). ``tokens[i]`` are block i's tokens (kvstore.keys.run_tokens)."""
-        nodes: list[Node] = []
-        for key, toks in zip(keys, tokens, strict=True):
-            node = Node(key, entry, parent, PENDING, prio, 0.0, 0, 1, tokens=toks)
-            nodes.append(node)
-            parent = node
+        """New pending nodes for a run of a chain, made by the host tier in their slots
+        ``offsets`` (:meth:`HostPlacement.new_run`), then indexed: a put's blocks are one
+        such run; a slot-by-slot reserve makes runs of one."""
+        nodes = self.host.new_run(entry, keys, parent, prio, offsets, tokens)
         self.index.add_chain(nodes)
-        if nodes:
-            self.host.add_run(entry, nodes, offsets)
         return nodes
 
     # --- priorities -------------------------------------------------------------------
@@ -262,14 +259,13 @@ class Tiers:
         own least valuable blocks; False when they cannot (its blocks there are pinned,
         pending or parents of such). Other groups' blocks are never touched."""
         tier = self.near[level]
-        held, limit = tier.group_bytes(group)
-        while limit and held + nbytes > limit:
+        limit = tier.quota(group)
+        while limit and tier.group_bytes(group) + nbytes > limit:
             victim = self._victim(level, group.name)
             if victim is None:
                 return False
             group.quota_evictions += 1
             self._evict(level, victim, QUOTA)
-            held, limit = tier.group_bytes(group)
         return True
 
     def quota_blocks(self, group: Group, n: int, size: int) -> int:
@@ -289,15 +285,16 @@ class Tiers:
         (a block whose children are in host stays on disk: the tiers stay prefix-closed
         from the top); under plain LRU, those whose subtree is idle."""
         tier = self.near[level]
-        faster = self.near[:level]
+        faster = self._faster[level]
         leaf_first = tier.policy.leaf_first
+        held_children = tier.held_children
         for node in tier.policy.candidates(group, skip):
             if node.pins or not node.ready:
                 continue
             if leaf_first:
-                if tier.held_children(node):
+                if held_children(node):
                     continue
-                if any(up.held_children(node) and not up.holds(node) for up in faster):
+                if faster and any(up.held_children(node) and not up.holds(node) for up in faster):
                     continue
             elif self._subtree_busy(node):
                 continue
@@ -365,18 +362,21 @@ class Tiers:
         if not tier.policy.leaf_first:  # plain LRU: descendants become unusable
             for late in self.index.subtree_postorder(node)[:-1]:
                 self.drop_node(late, rule)
-        if not any(other.holds(node) for other in self.near if other is not tier):
-            self.drop_node(node, rule)
-        elif any(slower.holds(node) for slower in self.near[level + 1 :]):
-            self._demote(level, node)
-        else:
-            tier.drop(node)
+        for slower in self._slower[level]:
+            if slower.holds(node):
+                self._demote(tier, node, slower)
+                return
+        for faster in self._faster[level]:
+            if faster.holds(node):
+                tier.drop(node)
+                return
+        self.drop_node(node, rule)
 
-    def _demote(self, level: int, node: Node) -> None:
-        """``node`` leaves tier ``level`` for the slower tier that holds it."""
-        self.near[level].drop(node)
+    def _demote(self, tier: NearTier, node: Node, into: NearTier) -> None:
+        """``node`` leaves ``tier`` for the slower tier ``into``, which holds it."""
+        tier.drop(node)
         self.counters.demotions += 1
-        self.events.emit(EventKind.DEMOTED, node, self.near[level + 1].kind)
+        self.events.emit(EventKind.DEMOTED, node, into.kind)
 
     def admit(self, node: Node) -> bool:
         if node.priority < self.config.disk_min_priority:
@@ -441,11 +441,14 @@ class Tiers:
         """Let the blocks of a window of a chain too long for the host tier leave it
         (kvstore.store_writes): those on disk, unpinned, without children in host, leaf
         first. How many left."""
+        disk = self.disk
+        if disk is None:
+            return 0
         left = 0
         for node in reversed(nodes):
             movable = node.in_host and node.on_disk and node.ready and not node.pins
             if movable and node.host_children == 0 and self.index.get(node.key) is node:
-                self._demote(HOST, node)
+                self._demote(self.host, node, disk)
                 left += 1
         return left
 

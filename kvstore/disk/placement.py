@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from operator import attrgetter
 
 import xxhash
 
@@ -32,6 +33,7 @@ class DiskPlacement:
     namespaces with a codec keep their disk blocks encoded (``codec_tiers`` has disk)."""
 
     kind = Tier.DISK
+    held_children: Callable[[Node], int] = attrgetter("disk_children")
 
     def __init__(
         self,
@@ -54,11 +56,11 @@ class DiskPlacement:
     def holds(self, node: Node) -> bool:
         return node.on_disk
 
-    def held_children(self, node: Node) -> int:
-        return node.disk_children
+    def quota(self, group: Group) -> int:
+        return group.quota.disk_bytes
 
-    def group_bytes(self, group: Group) -> tuple[int, int]:
-        return group.disk_bytes, group.quota.disk_bytes
+    def group_bytes(self, group: Group) -> int:
+        return group.disk_bytes
 
     def codec(self, entry: NamespaceEntry) -> Codec | None:
         """The codec a namespace's blocks are kept on disk with (None: as they are)."""

@@ -9,12 +9,14 @@ lock, as every near tier (:mod:`kvstore.near_tier`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from kvproto.v1.results import TierStats
 from kvstore.events import Counters
 from kvstore.host.arena import HostArena
-from kvstore.index import NamespaceEntry, Node
+from kvstore.index import PENDING, NamespaceEntry, Node
+from kvstore.keys import BlockKey
 from kvstore.policy import GroupedPolicy
 from kvstore.results import Tier
 from kvstore.tenants import Group
@@ -25,6 +27,7 @@ class HostPlacement:
     """The blocks held in the host arena (see the module docstring)."""
 
     kind = Tier.HOST
+    held_children: Callable[[Node], int] = attrgetter("host_children")
 
     def __init__(self, arena: HostArena, policy: str, feed: TierFeed, counters: Counters) -> None:
         self.arena = arena
@@ -36,11 +39,11 @@ class HostPlacement:
     def holds(self, node: Node) -> bool:
         return node.host_offset >= 0
 
-    def held_children(self, node: Node) -> int:
-        return node.host_children
+    def quota(self, group: Group) -> int:
+        return group.quota.host_bytes
 
-    def group_bytes(self, group: Group) -> tuple[int, int]:
-        return group.host_held, group.quota.host_bytes
+    def group_bytes(self, group: Group) -> int:
+        return group.host_held
 
     def add(self, node: Node, offset: int) -> None:
         """The block's bytes are in slot ``offset`` (listed by the caller when ready)."""
@@ -58,17 +61,33 @@ class HostPlacement:
         self.policy.insert(node)
         self._feed.stored((node,), HOST)
 
-    def add_run(self, entry: NamespaceEntry, nodes: Sequence[Node], offsets: Sequence[int]) -> None:
-        """New nodes of a run of a chain (each the parent of the next) in their slots
-        ``offsets``: what :meth:`add` does per block, in one pass."""
-        for node, offset in zip(nodes, offsets, strict=True):
-            node.host_offset = offset
+    def new_run(
+        self,
+        entry: NamespaceEntry,
+        keys: Sequence[BlockKey],
+        parent: Node | None,
+        priority: int,
+        offsets: Sequence[int],
+        tokens: Sequence[bytes | None],
+    ) -> list[Node]:
+        """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
+        the first under ``parent``), each in its slot ``offsets[i]`` with its tokens,
+        pinned once (by the write lease to come): what :meth:`add` does per block, in
+        one pass. The caller indexes them (a pending block always has a host slot)."""
+        nodes: list[Node] = []
+        for key, offset, toks in zip(keys, offsets, tokens, strict=True):
+            node = Node(key, entry, parent, PENDING, priority, 0.0, 0, 1, offset, tokens=toks)
+            nodes.append(node)
+            parent = node
+        if not nodes:
+            return nodes
         self.blocks += len(nodes)
         entry.group.host_bytes += len(nodes) * entry.spec.block_bytes
         for holder in nodes[:-1]:
             holder.host_children = 1
         if nodes[0].parent is not None:
             nodes[0].parent.host_children += 1
+        return nodes
 
     def drop(self, node: Node) -> None:
         if node in self.policy:
