@@ -7,7 +7,8 @@ A :class:`kvstore.store.Store` is a façade over these parts, behind one lock:
 - ``counters`` and ``events`` (:mod:`kvstore.events`): what the store tells about itself;
 - ``leases`` (:mod:`kvstore.leases`): who holds which blocks and slots, until when;
 - ``arena`` (:mod:`kvstore.host.arena`) and ``disk`` (:mod:`kvstore.disk`): the tiers' bytes;
-- ``tiers`` (:mod:`kvstore.tiering`): where each block is, and moving it;
+- ``tiers`` (:mod:`kvstore.tiering`): the near tiers' stack, host then disk, each a part
+  that keeps its blocks' places (:mod:`kvstore.near_tier`), and moving blocks between them;
 - ``queues`` (:mod:`kvstore.tier_stack`): the blocks due on each far tier.
 
 The store's operations (:mod:`kvstore.store_reads`, :mod:`kvstore.store_writes`,

@@ -45,18 +45,14 @@ class HostPlacement:
     def group_bytes(self, group: Group) -> int:
         return group.host_held
 
-    def add(self, node: Node, offset: int) -> None:
-        """The block's bytes are in slot ``offset`` (listed by the caller when ready)."""
+    def promoted(self, node: Node, offset: int, tokens: bytes | None) -> None:
+        """A ready block came up from a slower tier into slot ``offset`` (with its
+        ``tokens``, from the chain of the read that promoted it)."""
         node.host_offset = offset
         self.blocks += 1
         node.ns.group.host_bytes += node.size
         if node.parent is not None:
             node.parent.host_children += 1
-
-    def promoted(self, node: Node, offset: int, tokens: bytes | None) -> None:
-        """A ready block came up from a slower tier into slot ``offset`` (with its
-        ``tokens``, from the chain of the read that promoted it)."""
-        self.add(node, offset)
         node.tokens = tokens
         self.policy.insert(node)
         self._feed.stored((node,), HOST)
@@ -72,8 +68,8 @@ class HostPlacement:
     ) -> list[Node]:
         """New pending nodes for a run of a chain (``keys[i]`` under ``keys[i - 1]``,
         the first under ``parent``), each in its slot ``offsets[i]`` with its tokens,
-        pinned once (by the write lease to come): what :meth:`add` does per block, in
-        one pass. The caller indexes them (a pending block always has a host slot)."""
+        pinned once (by the write lease to come): what :meth:`promoted` counts per block,
+        in one pass. The caller indexes them (a pending block always has a host slot)."""
         nodes: list[Node] = []
         for key, offset, toks in zip(keys, offsets, tokens, strict=True):
             node = Node(key, entry, parent, PENDING, priority, 0.0, 0, 1, offset, tokens=toks)
