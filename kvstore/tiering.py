@@ -98,6 +98,7 @@ class Tiers:
         # a far tier's write-behind queue holds its blocks in host (overflow = wait):
         # eviction passes over them and says so here (kvstore.tier_stack)
         self.behind_blocked = False
+        self._queue_full = False  # the last write_to_disk was refused for queue room
         # encodes coded namespaces' host blocks (codec_tiers has host; set by the store)
         self.coder: HostCoding | None = None
         # tenants with their own arena region: the common region's eviction skips them
