@@ -92,13 +92,6 @@ def _timed(call: Callable[[], object], calls: int) -> tuple[float, float]:
     )
 
 
-def run_worker(tree: Path, calls: int) -> dict[str, Any]:
-    result: dict[str, Any] = checkouts.run_worker(
-        Path(__file__).resolve(), tree, ["--calls", str(calls)]
-    )
-    return result
-
-
 def render(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> str:
     lines = [
         "# Per-call cost of the client: two checkouts in turns",
@@ -142,11 +135,9 @@ def main() -> int:
         return 0
     if args.before is None:
         parser.error("--before is required")
-    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    for r, _, side in checkouts.in_turns(args.rounds):
-        print(f"round {r + 1}: {side}", flush=True)
-        runs[side].append(run_worker(trees[side], args.calls))
+    runs = checkouts.workers_in_turns(
+        Path(__file__).resolve(), args, ["--calls", str(args.calls)]
+    )
     text = render(runs, args)
     Path(args.out).write_text(text)
     print(text)

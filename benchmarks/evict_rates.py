@@ -130,11 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.before is None:
         parser.error("--before is required")
-    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-    for r, _, side in checkouts.in_turns(args.rounds):
-        print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
-        runs[side].append(checkouts.run_worker(Path(__file__).resolve(), trees[side], []))
+    runs = checkouts.workers_in_turns(Path(__file__).resolve(), args, [])
     text = render(runs, args)
     args.out.write_text(text)
     print(text)

@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -89,13 +88,6 @@ def worker(chains: int) -> dict[str, float]:
     return {m: statistics.median(v) * 1e3 for m, v in ms.items()}
 
 
-def run_worker(tree: Path, chains: int) -> dict[str, float]:
-    result: dict[str, float] = checkouts.run_worker(
-        Path(__file__).resolve(), tree, ["--chains", str(chains)]
-    )
-    return result
-
-
 def render(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> str:
     lines = [
         "# The first read of a disk block: two checkouts in turns",
@@ -133,11 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.before is None:
         parser.error("--before is required")
-    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
-    for r, _, side in checkouts.in_turns(args.rounds):
-        print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
-        runs[side].append(run_worker(trees[side], args.chains))
+    runs = checkouts.workers_in_turns(
+        Path(__file__).resolve(), args, ["--chains", str(args.chains)]
+    )
     text = render(runs, args)
     args.out.write_text(text)
     print(text)

@@ -46,6 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser, repo: Path) -> None:
     parser.add_argument("--after-label", default="after")
 
 
+def workers_in_turns(
+    script: Path, args: argparse.Namespace, worker_args: list[str]
+) -> dict[str, list[Any]]:
+    """Run ``script --worker *worker_args`` (:func:`run_worker`) on the checkouts of
+    ``args`` (:func:`add_arguments`), ``args.rounds`` rounds in turns -> per side, the
+    workers' answers in the order they ran."""
+    trees = {"before": args.before.resolve(), "after": args.after.resolve()}
+    runs: dict[str, list[Any]] = {"before": [], "after": []}
+    for r, _, side in in_turns(args.rounds):
+        print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
+        runs[side].append(run_worker(script, trees[side], worker_args))
+    return runs
+
+
 def in_turns(rounds: int) -> Iterator[tuple[int, int, str]]:
     """(round, position in it, side) in the order the runs go: before then after,
     reversed every other round, so that the host's drift hits both checkouts alike."""
