@@ -523,7 +523,8 @@ class Store:
                     assert self._arena.slot_size(node.host_offset) >= node.host_bytes
                 coded_of[node.ns.spec.ns_id] += node.host_coded
                 assert node.in_host or not node.host_coded, f"{node}: encoded in no slot"
-            assert [host, disk][: len(tiers.near)] == [t.blocks for t in tiers.near], "tier counts"
+            counted = [tier.blocks for tier in tiers.near] + [0] * (2 - len(tiers.near))
+            assert [host, disk] == counted, "tier block counts"
             staged_of = {name: 0 for name in groups}
             for lease in parts.leases:
                 slots = len(lease.staged or ())

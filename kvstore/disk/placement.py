@@ -72,8 +72,10 @@ class DiskPlacement:
         return entry.spec.block_bytes if codec is None else codec.encoded_bytes
 
     def adopt(self, node: Node, coded: bool) -> None:
-        """A record found at start-up is the block's disk copy (kvstore.index_load): it
-        is counted here, and listed in the eviction order later, oldest first."""
+        """The block has a disk record (``coded``: kept encoded), written by
+        :meth:`write` or found at start-up (kvstore.index_load): it counts as on disk.
+        Listing it in the eviction order is the caller's (a load lists its blocks
+        later, oldest first)."""
         node.on_disk = True
         self.blocks += 1
         node.ns.group.disk_bytes += node.size
@@ -97,7 +99,7 @@ class DiskPlacement:
             node.last_access or self._wall(),
             tokens=node.tokens or b"",
         )
-        codec = self.codec(node.ns)
+        codec = kept = self.codec(node.ns)
         if host_coded:  # encoded in host already: stored as it is (kvstore.host_coding)
             assert codec is not None  # codec_tiers with host has disk
             record = replace(record, codec=codec.code_id, codec_version=codecs.VERSION)
@@ -105,14 +107,8 @@ class DiskPlacement:
         if not self.storage.write(record, payload, codec=codec):
             self.queue_full = not self.storage.fault
             return False
-        node.on_disk = True
-        self.blocks += 1
-        node.ns.group.disk_bytes += node.size
-        if self.codec(node.ns) is not None:
-            node.ns.coded_blocks += 1
+        self.adopt(node, coded=kept is not None)
         self.policy.insert(node)
-        if node.parent is not None:
-            node.parent.disk_children += 1
         self._feed.stored((node,), DISK)
         self._counters.disk_bytes_in += node.size
         return True
