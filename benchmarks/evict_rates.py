@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.before is None:
         parser.error("--before is required")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     runs = checkouts.workers_in_turns(Path(__file__).resolve(), args, [])
     text = render(runs, args)
     args.out.write_text(text)

@@ -207,6 +207,7 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
         ("vllm_ttft.py", ["--rounds", "0"], "--rounds and --prompts must be >= 1", 120),
         ("serve.py", ["--cases", "alone,nope"], "unknown cases ['nope']", 120),
         ("multiturn.py", ["--cases", "nope"], "unknown cases ['nope']", 120),
+        ("evict_rates.py", ["--before", ".", "--rounds", "0"], "--rounds must be >= 1", 120),
     ):
         done = subprocess.run(
             [sys.executable, str(programs / name), *args],
