@@ -1,6 +1,7 @@
 """A model is named by its weights (kvclient.integrations.weights): the same weights
-under two paths get one id, different weights (a fine-tune) another; each file's
-digest is cached by path, size and modification time."""
+under two paths get one id, different weights (a fine-tune) another, and so does a
+config that changes the KV; each file's digest is cached by path and its stat (size,
+modification and change times, inode), never for a file that may still change unseen."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def test_the_same_weights_under_two_paths_have_one_id_and_a_fine_tune_another(
     base = make_model(tmp_path / "base", 0)
     copy = tmp_path / "elsewhere" / "base-copy"
     shutil.copytree(base, copy)
-    (copy / "config.json").write_text('{"model_type": "llama", "note": "configs differ"}')
+    # what names a copy, not what it computes, may differ
+    (copy / "config.json").write_text(
+        '{"model_type": "llama", "_name_or_path": "elsewhere", "transformers_version": "9"}'
+    )
     tuned = make_model(tmp_path / "tuned", 0)
     shard = tuned / "model-00002-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
@@ -49,21 +53,78 @@ def test_the_same_weights_under_two_paths_have_one_id_and_a_fine_tune_another(
     assert weights_id(str(copy)) != weights_id(str(base))
 
 
-def test_digests_are_cached_by_path_size_and_mtime(tmp_path: Path) -> None:
+def test_a_config_that_changes_the_kv_is_another_model(tmp_path: Path) -> None:
+    base = make_model(tmp_path / "base", 3)
+    base_id = weights_id(str(base))
+    for name, config in [
+        ("rope", '{"model_type": "llama", "rope_theta": 500000.0}'),
+        ("scaling", '{"model_type": "llama", "rope_scaling": {"type": "yarn", "factor": 4}}'),
+        ("window", '{"model_type": "llama", "sliding_window": 4096}'),
+        ("heads", '{"model_type": "llama", "num_key_value_heads": 2}'),
+        ("dtype", '{"model_type": "llama", "torch_dtype": "float16"}'),
+        ("unknown", '{"model_type": "llama", "some_new_knob": 1}'),
+    ]:
+        other = tmp_path / name
+        shutil.copytree(base, other)
+        (other / "config.json").write_text(config)
+        assert weights_id(str(other)) != base_id, name
+    # overrides given to the engine change the config it runs (vLLM's hf_overrides)
+    assert weights_id(str(base), overrides={"rope_theta": 1e6}) != base_id
+    assert weights_id(str(base), overrides={}) == base_id
+
+
+def test_weights_in_sub_folders_get_a_digest_not_the_path(tmp_path: Path) -> None:
+    model = tmp_path / "nested"
+    (model / "transformer").mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "transformer" / "model.safetensors").write_bytes(b"w" * 4096)
+    copy = tmp_path / "copy"
+    shutil.copytree(model, copy)
+    assert weights_id(str(model)).startswith("weights-")
+    assert weights_id(str(model)) == weights_id(str(copy))
+    (copy / "transformer" / "model.safetensors").write_bytes(b"v" * 4096)
+    assert weights_id(str(model)) != weights_id(str(copy))
+
+
+def test_weights_replaced_with_the_same_size_and_mtime_are_another_model(tmp_path: Path) -> None:
     model = make_model(tmp_path / "m", 1)
     first = weights_id(str(model))
-    cached = json.loads(cache_file().read_text())
-    assert len(cached) == 2 and all(str(model.resolve()) in key for key in cached)
-    # the bytes change but size and mtime do not: the cached digest answers
+    # the bytes change in place, size and mtime put back (cp -p, rsync -t, an image
+    # with normalised mtimes): a digest is never reused for a file that changed
     shard = model / "model-00001-of-00002.safetensors"
     stat = shard.stat()
     shard.write_bytes(bytes(stat.st_size))
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert weights_id(str(model)) == first
-    # a new mtime: read again, and the stale entry is replaced
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert weights_id(str(model)) != first
-    assert len(json.loads(cache_file().read_text())) == 2
+
+
+def test_digests_are_cached_by_stat_and_a_replaced_file_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvclient.integrations import weights
+
+    model = make_model(tmp_path / "m", 1)
+    # files changed in the last seconds are not cached (their times may not show the
+    # next change): this test's files are fresh, so it takes them as settled
+    monkeypatch.setattr(weights, "SETTLED_NS", 0)
+    read: list[Path] = []
+    digest = weights.file_digest
+    monkeypatch.setattr(weights, "file_digest", lambda path: read.append(path) or digest(path))
+    first = weights_id(str(model))
+    assert len(read) == 2
+    cached = json.loads(cache_file().read_text())
+    assert sorted(cached) == sorted(str(p.resolve()) for p in model.glob("*.safetensors"))
+    assert weights_id(str(model)) == first and len(read) == 2  # from the cache
+    # a file replaced by another of the same size and mtime (a new inode): read again
+    shard = model / "model-00001-of-00002.safetensors"
+    stat = shard.stat()
+    replacement = model / "replacement.tmp"
+    replacement.write_bytes(bytes(stat.st_size))
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    replacement.replace(shard)
+    assert weights_id(str(model)) != first
+    assert read[2:] == [shard.resolve()]
+    assert len(json.loads(cache_file().read_text())) == 2  # the stale entry replaced
 
 
 def test_a_cache_that_cannot_be_written_or_read_costs_only_a_reread(tmp_path: Path) -> None:
