@@ -10,7 +10,9 @@ accounting) and writes the client's plumbing as ops (:mod:`kvclient.effects`):
   :class:`kvclient.errors.KVStoreError`. A local call that certainly did not leave
   (the socket was gone) goes over gRPC instead, and the local socket is dropped until
   the next :meth:`refresh`. ``during`` is CPU work to run while the call is in
-  flight (locally), or before it (gRPC).
+  flight (locally), or before it (gRPC); but a Reserve whose ``during`` copies into
+  staged slots is not sent over gRPC after its local call failed (the socket gone: a
+  daemon that restarted may never have given those slots): :class:`StagedSlotsLost`.
 - :meth:`send`: a call whose answer nothing waits for (local socket), else a call.
 - :meth:`refresh`: the daemon's ServerInfo (over gRPC: it names the local socket) and
   what follows from it: the arena mapping when the daemon is on this host and its
@@ -63,6 +65,13 @@ from kvproto.v1.results import Event, NamespaceInfo, PutResult, ServerInfo, Stat
 from kvstore.host.slot_epochs import SlotEpochs
 
 log = logging.getLogger(__name__)
+
+
+class StagedSlotsLost(Exception):
+    """A Reserve whose blocks go into staged slots found the local-call socket gone
+    before it left: the daemon may have restarted, and those slots, and the staging
+    lease, may no longer be this client's. Nothing was copied; the put starts again
+    without them (:meth:`kvclient.writes.Put.send`)."""
 
 
 class Connection:
@@ -139,6 +148,8 @@ class Connection:
                 raise self.checked(exc.error(self.addr)) from None
             except LocalCallFailed as exc:
                 self._local_failed(local, exc)  # raises unless gRPC may take the call
+                if name == "Reserve" and during is not None:
+                    raise StagedSlotsLost(str(exc)) from None
         if during is not None:
             yield Work(during)
         return (yield from self.over_grpc(Io(self.grpc.call, (name, request))))

@@ -32,9 +32,9 @@ from typing import Any, Protocol
 
 from kvclient import wire
 from kvclient.arena_path import ClientArena, SlotTable, write_slots
-from kvclient.connection import Connection
+from kvclient.connection import Connection, StagedSlotsLost
 from kvclient.effects import Io, Op, Work
-from kvclient.errors import ArenaUnavailableError, KVStoreError
+from kvclient.errors import ArenaUnavailableError, KVStoreError, LeaseError
 from kvclient.payloads import (
     BlockRows,
     as_blocks,
@@ -104,17 +104,33 @@ class Put:
         self.extra = wire.extra_bytes(extra_keys)
         self.start = start
         self.priority = priority
+        self.named_staging = False  # the last Reserve named a staging lease
 
     def send(self, wait: bool = False) -> Op[PendingPut]:
         """The put, sent: its outcome pending where the arena carries it. ``wait``:
-        the caller waits for the outcome (see :meth:`into_arena`)."""
+        the caller waits for the outcome (see :meth:`into_arena`).
+
+        A Reserve that named a staging lease the daemon does not know (LeaseError: the
+        daemon was restarted, kill -9 included, and its leases went with it) or that
+        found the local socket gone first (StagedSlotsLost) makes the put start again,
+        once, from a fresh look at the daemon and without staged slots: the lease is
+        made anew, and no error of the dead daemon's reaches the caller."""
         conn = self.conn
         if self.n == 0:
             return conn.resolved(PutResult(stored=0, existing=0, refused=0))
-        info, arena = yield from conn.arena_for_data()
-        if arena is not None:
-            return (yield from self.into_arena(arena, wait))
-        return conn.resolved((yield from self.inline(info)))
+        for again in (False, True):
+            info, arena = yield from conn.arena_for_data()
+            if arena is None:
+                return conn.resolved((yield from self.inline(info)))
+            try:
+                return (yield from self.into_arena(arena, wait))
+            except (LeaseError, StagedSlotsLost) as exc:
+                if again or not isinstance(exc, StagedSlotsLost) and not self.named_staging:
+                    raise
+                log.info("a put named staged slots of a daemon that is gone (%s): "
+                         "putting again", exc)  # fmt: skip
+                conn.forget_arena()
+        raise AssertionError("unreachable")
 
     def into_arena(self, arena: ClientArena, wait: bool) -> Op[PendingPut]:
         """Sent ahead (``wait`` False) with enough staged slots: copy, then one Reserve
@@ -132,6 +148,7 @@ class Put:
             stash, arena, self.ns.ns_id, self.tokens, self.extra, self.start, self.n,
             self.priority, ahead=not wait,
         )  # fmt: skip
+        self.named_staging = bool(request.stage_lease_id)
         sent_at = time.monotonic()
         release = conn.accounting.release_later
         if staged is not None and not wait:  # copy into the staged slots, then commit
