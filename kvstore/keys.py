@@ -11,7 +11,12 @@ Block keys form a chain::
     key[i] = H(key[i-1]         || extra || tokens[i*T : (i+1)*T])
 
 where T is tokens per block, tokens are encoded as little-endian uint32 and ``extra``
-is a length-prefixed blob of extra keys (LoRA id, multimodal hashes) for that block.
+is a length-prefixed blob of extra keys for that block: those of the whole request (a
+LoRA adapter's id), then the block's own (the multimodal items it overlaps, its
+prompt embeddings). On the wire a request carries one list of extra keys; a block's
+own travel in it as :func:`block_extra_key` entries, which :func:`chain_keys` takes
+out of the list and mixes into their block only (a daemon that did not know them
+would mix them into every block: fewer matches, never a wrong one).
 Only full blocks get keys. H is SHA-256 (default, 32-byte keys) or xxh3-128 (16-byte
 keys). Nothing here depends on Python's ``hash()``, PYTHONHASHSEED or any random seed:
 the same tokens give the same keys in every process, on every host, after restarts.
@@ -208,6 +213,66 @@ def encode_extra(parts: Sequence[bytes | str | int]) -> bytes:
     return bytes(out)
 
 
+# the start of a wire extra key that belongs to one block (block_extra_key)
+BLOCK_EXTRA_TAG = b"\x00kvstore.block-extra.v1\x00"
+
+
+def block_extra_key(block: int, parts: Sequence[bytes | str | int]) -> bytes:
+    """The extra key, for the wire's one list of them, that gives block ``block`` of a
+    chain the extra keys ``parts`` (what ``chain_keys``'s ``block_extra`` does)."""
+    if not 0 <= block < 2**32:
+        raise InvalidArgument(f"a block extra key's block must be in [0, 2**32), got {block}")
+    return BLOCK_EXTRA_TAG + struct.pack("<I", block) + encode_extra(parts)
+
+
+def split_extra(
+    extra: Sequence[bytes | str | int],
+) -> tuple[list[bytes | str | int], dict[int, list[bytes]]]:
+    """Extra keys of a request -> (those of every block, those of one block each):
+    :func:`block_extra_key` entries are the latter. InvalidArgument for a malformed
+    one, or two for one block."""
+    common: list[bytes | str | int] = []
+    per_block: dict[int, list[bytes]] = {}
+    for part in extra:
+        if not isinstance(part, (bytes, bytearray, memoryview)):
+            common.append(part)
+            continue
+        raw = bytes(part)
+        if not raw.startswith(BLOCK_EXTRA_TAG):
+            common.append(raw)
+            continue
+        body = raw[len(BLOCK_EXTRA_TAG) :]
+        if len(body) < 4:
+            raise InvalidArgument("a block extra key is cut short before its block number")
+        (block,) = struct.unpack_from("<I", body)
+        if block in per_block:
+            raise InvalidArgument(f"two block extra keys for block {block}")
+        per_block[block] = _decode_extra(body[4:])
+    return common, per_block
+
+
+def _decode_extra(raw: bytes) -> list[bytes]:
+    """The parts :func:`encode_extra` encoded (as bytes); InvalidArgument when ``raw``
+    is not exactly one such encoding."""
+    if len(raw) < 4:
+        raise InvalidArgument("a block extra key's parts are cut short")
+    (count,) = struct.unpack_from("<I", raw)
+    parts: list[bytes] = []
+    offset = 4
+    for _ in range(count):
+        if offset + 4 > len(raw):
+            raise InvalidArgument("a block extra key's parts are cut short")
+        (size,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + size > len(raw):
+            raise InvalidArgument("a block extra key's parts are cut short")
+        parts.append(raw[offset : offset + size])
+        offset += size
+    if offset != len(raw):
+        raise InvalidArgument("a block extra key has bytes after its parts")
+    return parts
+
+
 _U32_FAST = array.array("I").itemsize == 4 and sys.byteorder == "little"
 
 
@@ -272,8 +337,19 @@ def chain_keys(
 
     ``extra`` is mixed into every block (e.g. a LoRA adapter id); ``block_extra``
     maps a block index to extra keys for that block only (e.g. the hash of an image
-    whose placeholder tokens fall inside it). A trailing partial block gets no key.
+    whose placeholder tokens fall inside it), as do :func:`block_extra_key` entries of
+    ``extra`` (the wire's form; a block named by both is InvalidArgument). A trailing
+    partial block gets no key.
     """
+    if extra and any(
+        isinstance(part, (bytes, bytearray, memoryview))
+        and bytes(part[: len(BLOCK_EXTRA_TAG)]) == BLOCK_EXTRA_TAG
+        for part in extra
+    ):
+        extra, wired = split_extra(extra)
+        if block_extra and wired.keys() & block_extra.keys():
+            raise InvalidArgument("a block has extra keys both on the wire and by argument")
+        block_extra = {**(block_extra or {}), **wired}
     arr = tokens_array(tokens, spec.vocab_size)
     n_blocks = arr.size // spec.block_tokens
     if max_blocks is not None:

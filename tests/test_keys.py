@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import NamespaceSpec, chain_keys, encode_extra
+from kvstore.keys import (
+    BLOCK_EXTRA_TAG,
+    NamespaceSpec,
+    block_extra_key,
+    chain_keys,
+    encode_extra,
+)
 
 LLAMA = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 
@@ -84,6 +90,30 @@ def test_extra_keys_separate_chains() -> None:
     assert image[0] == plain[0] and image[1] != plain[1]
     # the encoding is unambiguous: [ab] differs from [a, b]
     assert encode_extra(["ab"]) != encode_extra(["a", "b"])
+
+
+def test_block_extra_keys_travel_in_the_one_wire_list() -> None:
+    """A request carries one list of extra keys; a block's own travel in it as tagged
+    entries, and key the chain exactly as ``block_extra`` does."""
+    spec = NamespaceSpec("m", block_tokens=4, block_bytes=64)
+    tokens = list(range(12))
+    by_argument = chain_keys(spec, tokens, extra=["lora"], block_extra={1: [b"img", 4]})
+    wired = [block_extra_key(1, [b"img", 4]), "lora"]  # any order
+    assert chain_keys(spec, tokens, extra=wired) == by_argument
+    assert chain_keys(spec, tokens, extra=["lora"])[0] == by_argument[0]
+    assert chain_keys(spec, tokens, extra=["lora"])[1] != by_argument[1]
+    # what a daemon without them did: the entry mixed into every block (no match)
+    assert chain_keys(spec, tokens, extra=["lora", b"img"])[0] != by_argument[0]
+    good = block_extra_key(2, ["x"])
+    for bad, message in [
+        (good[:-1], "cut short"),
+        (good + b"!", "bytes after"),
+        (BLOCK_EXTRA_TAG + b"\x01", "before its block number"),
+    ]:
+        with pytest.raises(InvalidArgument, match=message):
+            chain_keys(spec, tokens, extra=[bad])
+    with pytest.raises(InvalidArgument, match="two block extra keys for block 2"):
+        chain_keys(spec, tokens, extra=[good, block_extra_key(2, ["y"])])
 
 
 def test_tenant_salt_isolates() -> None:

@@ -357,9 +357,12 @@ def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks
     pages = paged((10, 1, 4, 8), layers=2)
     worker.register({"l0": pages[0], "l1": pages[1]}, num_blocks=10)
     tokens = list(range(100, 110))  # a 10-token prompt: 2 full blocks
+    text_only = dict(  # what vLLM's block hashes read (kvclient...vllm.request_keys)
+        mm_features=[], lora_request=None, prompt_embeds=None, prompt_is_token_ids=None
+    )
     request = SimpleNamespace(
         request_id="r", cache_salt=None, prompt_token_ids=list(tokens), all_token_ids=tokens,
-        num_computed_tokens=0, num_in_flight_tokens=0,
+        num_prompt_tokens=10, num_computed_tokens=0, num_in_flight_tokens=0, **text_only,
     )  # fmt: skip
     no_cached = SimpleNamespace(
         req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
@@ -399,7 +402,8 @@ def test_a_finished_requests_unsaved_tail_is_stored_before_vllm_frees_its_blocks
         # full blocks loaded, the last token computed), finished after one token
         again = SimpleNamespace(
             request_id="s", cache_salt=None, prompt_token_ids=tokens[:10],
-            all_token_ids=[*tokens[:10], 300], num_computed_tokens=10, num_in_flight_tokens=0,
+            all_token_ids=[*tokens[:10], 300], num_prompt_tokens=10, num_computed_tokens=10,
+            num_in_flight_tokens=0, **text_only,
         )  # fmt: skip
         assert scheduler.matched(again, 0) == 8
         assert scheduler.finished(again, ([1, 2, 3],)) is False
@@ -449,7 +453,8 @@ def test_connector_stats_sum_the_sides_and_reduce_to_one_log_line() -> None:
     total = total.aggregate(own)
     assert total.reduce() == {
         "lookup_tokens": 1000, "hit_tokens": 896, "hit_rate": 0.896, "loaded_blocks": 7,
-        "load_ms": 12.3, "saved_blocks": 1, "save_ms": 0.5,
+        "load_ms": 12.3, "saved_blocks": 1, "save_ms": 0.5, "unkeyed_lora_requests": 0,
+        "unkeyed_input_requests": 0,
     }  # fmt: skip
     total.reset()
     assert total.is_empty()

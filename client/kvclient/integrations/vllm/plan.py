@@ -35,6 +35,9 @@ vLLM's block size. Rules:
    frees the pages behind its window, so a save stops at the first block whose pages a
    group no longer holds (the null block, or freed since the ids were handed out), and
    the request stores nothing after it (a chain has no holes).
+7. Every kvstore call on a request's blocks carries its extra keys (its multimodal
+   items, LoRA adapter and prompt embeddings: :mod:`kvclient.integrations.vllm.request_keys`);
+   a request the connector cannot key (``keys`` None) is neither loaded nor stored.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 
 from kvclient.claims import ClaimTicket
 from kvclient.integrations.vllm.blocks import NULL_BLOCK
+from kvstore.keys import block_extra_key
 
 GroupIds = tuple[list[int], ...]  # vLLM block ids, one list per KV cache group
 
@@ -51,6 +55,23 @@ GroupIds = tuple[list[int], ...]  # vLLM block ids, one list per KV cache group
 def own_ids(groups: Sequence[Sequence[int]]) -> GroupIds:
     """A request's own copy of vLLM's block id lists (extended as the request grows)."""
     return tuple(list(group) for group in groups)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKeys:
+    """A request's extra keys: ``common`` mixed into every block, ``per_block`` into
+    the prompt blocks they name."""
+
+    common: tuple[bytes, ...] = ()
+    per_block: dict[int, tuple[bytes, ...]] = field(default_factory=dict)
+
+    def wire(self, n_blocks: int) -> tuple[bytes, ...]:
+        """The extra keys of a kvstore call on the first ``n_blocks`` blocks."""
+        own = (block_extra_key(i, parts) for i, parts in self.per_block.items() if i < n_blocks)
+        return (*self.common, *own)
+
+
+TEXT = RequestKeys()  # a request of token ids alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +84,7 @@ class LoadSpec:
     tokens: list[int]  # the prompt up to the end of the last block loaded
     start: int
     block_ids: GroupIds
+    extra_keys: tuple[bytes, ...] = ()  # of the request's blocks (rule 7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +99,7 @@ class SaveSpec:
     block_ids: GroupIds
     claim: ClaimTicket | None = None
     final: bool = False  # the request finished: report it sent once this is done
+    extra_keys: tuple[bytes, ...] = ()  # of the request's blocks (rule 7)
 
 
 @dataclass(slots=True)
@@ -99,6 +122,7 @@ class RequestState:
     local: int = 0  # leading blocks vLLM's own cache held when the request was admitted
     load_end: int = 0  # load blocks local .. load_end in the next step that schedules it
     block_ids: GroupIds = ()
+    keys: RequestKeys | None = TEXT  # its extra keys; None: not keyable (rule 7)
     claim: ClaimTicket | None = None
     waiting_since: float | None = None  # early reuse: "ask again later" since, without progress
     waited_blocks: int = 0  # early reuse: blocks ready at the last look
@@ -137,11 +161,11 @@ class RequestState:
         start, end = self.local, self.load_end
         self.load_end = start
         end = min([end, *(len(group) for group in self.block_ids)])  # the blocks vLLM gave
-        if end <= start:
+        if end <= start or self.keys is None:
             return None
         tokens = self.prompt[: end * self.block_size]
         ids = tuple(group[start:end] for group in self.block_ids)
-        return LoadSpec(req_id, self.salt, tokens, start, ids)
+        return LoadSpec(req_id, self.salt, tokens, start, ids, self.keys.wire(end))
 
     def take_save(
         self,
@@ -157,6 +181,8 @@ class RequestState:
         ``first_held`` is the first block every group still holds). ``final``: the
         request finished, and ``block_ids`` are its blocks as vLLM's
         ``request_finished`` names them."""
+        if self.keys is None:
+            return None
         block_ids = self.block_ids if block_ids is None else block_ids
         done = min(computed_tokens, len(self.tokens)) // self.block_size
         done = min([done, *(len(group) for group in block_ids)])
@@ -169,6 +195,7 @@ class RequestState:
             return None
         tokens = list(self.tokens[: done * self.block_size])
         ids = own_ids([group[self.saved : done] for group in block_ids])
-        spec = SaveSpec(req_id, self.salt, tokens, self.saved, ids, self.claim, final)
+        extra = self.keys.wire(done)
+        spec = SaveSpec(req_id, self.salt, tokens, self.saved, ids, self.claim, final, extra)
         self.saved = done
         return spec

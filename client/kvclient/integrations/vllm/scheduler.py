@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 
 from kvclient.claims import Claim
 from kvclient.errors import KVStoreError, LayoutMismatchError, OutOfSpaceError
-from kvclient.integrations.vllm.plan import LoadSpec, RequestState, SaveSpec, StepPlan, own_ids
+from kvclient.integrations.vllm.plan import (
+    LoadSpec,
+    RequestKeys,
+    RequestState,
+    SaveSpec,
+    StepPlan,
+    own_ids,
+)
+from kvclient.integrations.vllm.request_keys import Unkeyable, request_keys
 from kvclient.integrations.vllm.settings import (
     POLL_PENDING_S,
     ConnectorSettings,
@@ -50,6 +58,7 @@ class SchedulerSide:
         self.no_reuse: set[str] = set()  # requests whose load failed: computed whole
         self.outage = Outage(log, settings.retry_after_s, f"kvstore at {self.client.addr}")
         self.counts = new_counts()  # for vLLM's connector stats (stats.py)
+        self._told: set[str] = set()  # the reasons of unkeyed requests logged already
         try:  # a layout clash is a start-up error; a daemon not there yet is not
             self.namespaces.get("")
         except LayoutMismatchError:
@@ -66,17 +75,37 @@ class SchedulerSide:
             exc,
         )
 
+    def _keys(self, request: Request) -> RequestKeys | None:
+        """The request's extra keys; None (counted, logged once a reason) where it
+        cannot be keyed: vLLM computes it and kvstore never stores it."""
+        try:
+            return request_keys(request, self.layout.block_tokens)
+        except Unkeyable as exc:
+            self.counts[f"unkeyed_{exc.reason}_requests"] += 1
+            if exc.reason not in self._told:
+                self._told.add(exc.reason)
+                log.warning(
+                    "kvstore connector leaves request %s to vLLM (no reuse, nothing stored): "
+                    "%s; such requests are counted as unkeyed_%s_requests in vLLM's KV "
+                    "connector stats, not logged again",
+                    request.request_id, exc, exc.reason,
+                )  # fmt: skip
+            return None
+
     def matched(self, request: Request, local_tokens: int) -> int | None:
         state = self.requests.get(request.request_id)
         if state is None:
             state = RequestState(
                 salt=request.cache_salt or "",
-                prompt=list(request.prompt_token_ids or ()),
+                # the ids vLLM hashes: embedded positions are 0s (their embeddings key them)
+                prompt=list(request.all_token_ids[: request.num_prompt_tokens]),
                 block_size=self.layout.block_tokens,
                 tokens=request.all_token_ids if self.settings.store_replies else (),
+                keys=self._keys(request),
             )
             self.requests[request.request_id] = state
-        if state.full_blocks == 0 or self.outage.down or request.request_id in self.no_reuse:
+        no_reuse = state.keys is None or request.request_id in self.no_reuse
+        if state.full_blocks == 0 or no_reuse or self.outage.down:
             return state.matched(local_tokens, 0)
         now = time.monotonic()
         if state.waiting_since is not None and now - state.last_lookup < POLL_PENDING_S:
@@ -105,9 +134,11 @@ class SchedulerSide:
         asking at once never both compute them."""
         ns = self.namespaces.get(state.salt)
         prefix = state.prompt[: state.full_blocks * state.block_size]
+        assert state.keys is not None
+        extra = state.keys.wire(state.full_blocks)
         if self.settings.early_reuse and req_id not in self.claims:
             try:
-                claim = ns.claim(prefix, 0, priority=self.settings.priority)
+                claim = ns.claim(prefix, 0, priority=self.settings.priority, extra_keys=extra)
             except OutOfSpaceError:  # no room to claim in: a plain lookup
                 pass
             else:
@@ -115,7 +146,7 @@ class SchedulerSide:
                     self.claims[req_id] = claim
                     state.claim = claim.ticket()
                 return claim.existing, claim.pending_elsewhere and not claim.blocks
-        hit = ns.lookup(prefix)
+        hit = ns.lookup(prefix, extra_keys=extra)
         # blocks pending under this request's own claim (resumed after a preemption)
         # are not worth waiting for: nobody else computes them
         waiting = self.settings.early_reuse and req_id not in self.claims

@@ -2,7 +2,8 @@
 
 Each side of the connector counts into a plain dict (:data:`FIELDS`): the scheduler
 the prompt tokens it looked up and the tokens kvstore gave (once per request, when
-vLLM allocates its blocks), the workers the blocks they loaded and saved and the
+vLLM allocates its blocks) and the requests it left to vLLM because it cannot key
+them (by reason), the workers the blocks they loaded and saved and the
 milliseconds that took. vLLM asks each side for :meth:`KVStoreConnector.get_kv_connector_stats`
 every step, adds the workers' and the scheduler's (:meth:`KVStoreStats.aggregate`) and
 hands the sum to its loggers: the log line ``KV Transfer metrics: ...`` every logging
@@ -31,6 +32,9 @@ FIELDS = {
     "load_ms": "Time spent loading KV blocks from kvstore",
     "saved_blocks": "KV blocks saved to kvstore",
     "save_ms": "Time spent saving KV blocks to kvstore",
+    # requests left to vLLM, neither loaded nor stored (request_keys.py), by reason
+    "unkeyed_lora_requests": "Requests left to vLLM: their LoRA adapter's weights unreadable",
+    "unkeyed_input_requests": "Requests left to vLLM: an input kvstore cannot key",
 }
 
 
@@ -75,6 +79,8 @@ class KVStoreStats(KVConnectorStats):
             "load_ms": round(d["load_ms"], 1),
             "saved_blocks": int(d["saved_blocks"]),
             "save_ms": round(d["save_ms"], 1),
+            "unkeyed_lora_requests": int(d["unkeyed_lora_requests"]),
+            "unkeyed_input_requests": int(d["unkeyed_input_requests"]),
         }
 
     def is_empty(self) -> bool:

@@ -114,8 +114,9 @@ class WorkerSide:
             try:
                 # window by window: a prefix longer than the daemon's host tier too
                 for lease in ns.windows(
-                    spec.tokens, start=spec.start, stop=end, window_blocks=window
-                ):
+                    spec.tokens, extra_keys=spec.extra_keys, start=spec.start, stop=end,
+                    window_blocks=window,
+                ):  # fmt: skip
                     n = lease.n_blocks
                     ids = [group[got : got + n] for group in spec.block_ids]
                     self.layers.scatter(ids, self._leased_rows(lease, 0, n))
@@ -123,7 +124,7 @@ class WorkerSide:
                 return got
             except ArenaUnavailableError:  # another host: the bytes come inline
                 rows = self._rows_for(end)
-                result = ns.get(spec.tokens, out=rows.numpy()[:end])
+                result = ns.get(spec.tokens, extra_keys=spec.extra_keys, out=rows.numpy()[:end])
                 got = max(result.n_blocks - spec.start, 0)
                 if got:
                     ids = [group[:got] for group in spec.block_ids]
@@ -205,7 +206,9 @@ class WorkerSide:
                 rows, start = rows[upto - start :], upto
             else:
                 return  # delivered already, or ready before the claim was made
-        pending = ns.put_nowait(spec.tokens, rows, start, priority=self.settings.priority)
+        pending = ns.put_nowait(
+            spec.tokens, rows, start, priority=self.settings.priority, extra_keys=spec.extra_keys
+        )
         self.pending.append(pending)
 
     def _claim(self, spec: SaveSpec, ns: Namespace) -> Claim | None:
