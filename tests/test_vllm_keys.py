@@ -246,3 +246,36 @@ def test_cache_salt_still_separates_tenants(engine: Engine) -> None:
     assert engine.serve(vllm_request(PROMPT, salt="a")) == 0
     assert engine.serve(vllm_request(PROMPT, salt="b")) == 0
     assert engine.serve(vllm_request(PROMPT, salt="a")) == 4 * BLOCK
+
+
+# -- the model id -----------------------------------------------------------------------
+
+
+def test_the_model_id_changes_with_the_config_and_the_engines_overrides(tmp_path: Path) -> None:
+    """The same weights with another rope (in config.json, or in vLLM's hf_overrides)
+    compute other KV: another namespace."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"model_type": "llama", "rope_theta": 10000.0}')
+    (base / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    longer = tmp_path / "long-context"
+    shutil.copytree(base, longer)
+    (longer / "config.json").write_text('{"model_type": "llama", "rope_theta": 500000.0}')
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    kv_config = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
+    )
+
+    def model_id(path: Path, overrides: dict[str, Any]) -> str:
+        engine = SimpleNamespace(
+            device_config=SimpleNamespace(device_type="cpu"),
+            model_config=SimpleNamespace(model=str(path), revision=None, hf_overrides=overrides),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        )
+        return EngineLayout.of(engine, kv_config, ConnectorSettings()).model  # type: ignore[arg-type]
+
+    assert model_id(base, {}) != model_id(longer, {})
+    assert model_id(base, {"rope_theta": 500000.0}) != model_id(base, {})
+    assert model_id(base, {}) == model_id(base, {})

@@ -168,7 +168,9 @@ class EngineLayout:
                 f"{n}{f'w{w}' if w else 'f'}" for n, w in zip(group_layers, windows, strict=True)
             )
         model_config = vllm_config.model_config
-        model = settings.model or weights_id(model_config.model, model_config.revision)
+        model = settings.model or weights_id(
+            model_config.model, model_config.revision, _config_overrides(model_config)
+        )
         parallel = vllm_config.parallel_config
         return cls(
             model=f"{model}:vllm-{device}-{page_layout}",
@@ -204,6 +206,16 @@ class EngineLayout:
     def describe(self) -> str:
         shown = (f.name for f in fields(self) if f.name != "layer_names")
         return " ".join(f"{name}={getattr(self, name)}" for name in shown)
+
+
+def _config_overrides(model_config: Any) -> dict[str, Any]:
+    """What the engine changes in the model's config (vLLM's ``hf_overrides``): part of
+    the model id, as the config is. A function is named by its qualified name: the id
+    cannot see what it does, but an engine started with another sees another id."""
+    overrides = model_config.hf_overrides
+    if callable(overrides):
+        return {"hf_overrides_fn": f"{overrides.__module__}.{overrides.__qualname__}"}
+    return dict(overrides or {})
 
 
 def _check_storable(specs: list[Any]) -> None:
