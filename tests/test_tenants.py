@@ -8,13 +8,17 @@ One daemon for the module, configured with tenants ``a`` (host and disk quotas) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import secrets
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +36,7 @@ from kvclient import (
 )
 from kvclient.errors import KVStoreError
 from kvclient.namespace import Namespace
-from kvproto.v1 import gpu_pb2
+from kvproto.v1 import challenge, gpu_pb2
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1 import local_calls as frames
 
@@ -156,16 +160,37 @@ def test_local_calls_need_the_token_frame_first(tenancy: Tenancy) -> None:
             assert status == unauthenticated, name
     with socket.socket(socket.AF_UNIX) as sock:
         sock.connect(path)
-        status, body = _local_call(sock, frames.AUTH_NAME, b"not-the-token-at-all")
+        # a token in clear, as clients sent it before #66: refused, and it says why
+        status, body = _local_call(sock, frames.AUTH_NAME, tenancy.tokens["b"].encode())
+        assert status == unauthenticated
+        assert "send @hello first" in frames.parse_error(body)[1]
+        status, body = _prove(sock, "not-the-token-at-all")
         assert status == unauthenticated
         assert "not valid" in frames.parse_error(body)[1]
         status, _ = _local_call(sock, b"ServerInfo", b"")  # still nobody
         assert status == unauthenticated
-        status, _ = _local_call(sock, frames.AUTH_NAME, tenancy.tokens["b"].encode())
-        assert status == frames.OK
+        status, _ = _prove(sock, tenancy.tokens["b"])
+        assert status == frames.OK  # (and the daemon proved it back: _prove checks)
         status, body = _local_call(sock, b"ServerInfo", b"")
         assert status == frames.OK
         assert pb.ServerInfoResponse.FromString(body).tenant == "b"
+
+
+def _prove(sock: socket.socket, token: str) -> tuple[int, bytes]:
+    """The client's side of the local-call challenge (kvproto.v1.challenge) -> the
+    answer to its @auth; an OK answer must carry the daemon's proof."""
+    nonce = challenge.new_nonce()
+    status, daemon_nonce = _local_call(sock, frames.HELLO_NAME, nonce)
+    assert status == frames.OK
+    peer = frames.peer_credentials(sock)
+    transcript = challenge.Transcript.of_client(
+        challenge.LOCAL_CALLS, nonce, daemon_nonce, peer[1] if peer else None
+    )
+    key = challenge.token_key(token)
+    status, body = _local_call(sock, frames.AUTH_NAME, transcript.client_proof(key))
+    if status == frames.OK:
+        assert transcript.daemon_proved(key, body)
+    return status, body
 
 
 def test_clients_without_or_with_a_wrong_token_get_authentication_errors(
@@ -812,3 +837,167 @@ def test_a_tenants_first_put_after_a_kill_9_restart_succeeds(
                 chain = tokens_of(310 + 10 * restart + tag, 3)
                 assert ns.put(chain, blocks_of(3, 4096, 40 + tag)).stored == 3, who
                 assert np.all(ns.get(chain).blocks == (40 + tag)), who
+
+
+class _FakeListener:
+    """A listener that took a daemon socket's path (the daemon's own socket moved
+    aside, as team A did in #66): it records what each connection sends and answers
+    as ``respond(conn, captured)`` says, on a thread of its own."""
+
+    def __init__(self, path: str, respond: Callable[[socket.socket, bytearray], None]) -> None:
+        self.captured: list[bytearray] = []
+        self._listener = socket.socket(socket.AF_UNIX)
+        self._listener.bind(path)
+        self._listener.listen(8)
+        self._respond = respond
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            captured = bytearray()
+            self.captured.append(captured)
+            with conn:
+                conn.settimeout(10)
+                with contextlib.suppress(OSError, ValueError, struct.error):
+                    self._respond(conn, captured)
+
+    def close(self) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(10)
+
+
+@contextlib.contextmanager
+def _taken_over(path: str, respond: Callable[[socket.socket, bytearray], None]) -> Iterator[
+    tuple[_FakeListener, str]
+]:
+    """The daemon's socket at ``path`` renamed to ``path.real`` and a fake listener at
+    ``path``; put back as it was after."""
+    real = path + ".real"
+    os.rename(path, real)
+    fake = None
+    try:
+        fake = _FakeListener(path, respond)
+        yield fake, real
+    finally:
+        if fake is not None:
+            fake.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.rename(real, path)
+
+
+def _fake_local_calls(conn: socket.socket, captured: bytearray) -> None:
+    """Answers as a daemon would, but with a forged proof (it knows no token)."""
+    while True:
+        header = conn.recv(frames.HEADER.size, socket.MSG_WAITALL)
+        if len(header) < frames.HEADER.size:
+            return
+        size, name_len = frames.HEADER.unpack(header)
+        rest = conn.recv(name_len + size, socket.MSG_WAITALL) if name_len + size else b""
+        captured += header + rest
+        name = rest[:name_len]
+        body = secrets.token_bytes(32) if name in (frames.HELLO_NAME, frames.AUTH_NAME) else b""
+        conn.sendall(frames.response_frame(frames.OK, body))
+
+
+def _fake_handout(conn: socket.socket, captured: bytearray) -> None:
+    """Answers as the hand-out would, with a memory file of its own and a forged proof."""
+    import json
+
+    for answer in ({"nonce": secrets.token_hex(32)}, {"arena": "x", "offset": 0,
+                                                      "length": 4096, "proof": "00" * 32}):
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                return
+            line += chunk
+        captured += line
+        data = json.dumps(answer).encode() + b"\n"
+        if "proof" in answer:
+            fd = os.memfd_create("fake-region")
+            os.ftruncate(fd, 4096)
+            socket.send_fds(conn, [data], [fd])
+            os.close(fd)
+        else:
+            conn.sendall(data)
+
+
+def test_a_listener_that_took_a_local_socket_learns_nothing_it_can_use(
+    tenancy: Tenancy,
+) -> None:
+    """#66 item 4: team A replaced ``kvstored.local.sock`` with its own listener and
+    received team B's token, sent in clear in the first frame. Now the client proves
+    its token over the peer's nonce and wants the daemon's proof back: the listener
+    captures no token, its capture replayed to the real daemon authenticates nothing,
+    and the client, finding no proof, gives it no call and stays on gRPC. The same for
+    the arena hand-out socket (and the client maps no memory the listener hands it)."""
+    from kvclient.arena_path import map_handed_out
+
+    token_b = tenancy.tokens["b"]
+    with tenancy.client("a") as client:
+        info = client.server_info()
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+
+    with _taken_over(info.local_socket, _fake_local_calls) as (fake, real):
+        with tenancy.client("b", use_arena=True) as b:  # a new client: it connects anew
+            ns = b.namespace("taken-over", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+            chain = tokens_of(400, 3)
+            stored = ns.put(chain, blocks_of(3, 4096, 21)).stored
+            got = ns.get(chain)
+        assert fake.captured, "the client never came to the fake listener"
+        everything = b"".join(fake.captured)
+        assert token_b.encode() not in everything
+        assert token_b.encode().hex().encode() not in everything
+        # it saw only the challenge, no call
+        for captured in fake.captured:
+            names, at = [], 0
+            while at < len(captured):
+                size, name_len = frames.HEADER.unpack_from(captured, at)
+                names.append(bytes(captured[at + 5 : at + 5 + name_len]))
+                at += frames.HEADER.size + name_len + size
+            assert set(names) <= {frames.HELLO_NAME, frames.AUTH_NAME}, names
+        # the capture, replayed to the real daemon, authenticates nothing
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(20)
+            sock.connect(real)
+            sock.sendall(bytes(fake.captured[0]))
+            answers = [_local_answer(sock) for _ in range(2)]
+            assert answers[-1][0] == unauthenticated, answers
+            status, _ = _local_call(sock, b"ServerInfo", b"")
+            assert status == unauthenticated
+        # and B was served all the same, over gRPC
+        assert stored == 3 and got.n_blocks == 3 and np.all(got.blocks == 21)
+
+    token_a = tenancy.tokens["a"]
+    with _taken_over(info.arena_socket, _fake_handout) as (fake, real):
+        with pytest.raises(ValueError, match="did not prove"):
+            map_handed_out(info.arena_socket, token_a, 10, info.uid)
+        everything = b"".join(fake.captured)
+        assert everything and token_a.encode() not in everything
+        lines = bytes(fake.captured[0]).splitlines(keepends=True)
+        with socket.socket(socket.AF_UNIX) as sock:  # replayed: no region, an error
+            sock.settimeout(20)
+            sock.connect(real)
+            for line in lines:
+                sock.sendall(line)
+                data, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+                assert not fds
+            assert b"not valid" in data or b"challenge" in data, data
+    # the daemon's own sockets serve on: a's client maps its region
+    with tenancy.client("a", use_arena=True) as a:
+        ns = a.namespace("taken-over", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+        assert ns.put(tokens_of(401, 2), blocks_of(2, 4096, 22)).stored == 2
+        assert a.arena_in_use
+
+
+def _local_answer(sock: socket.socket) -> tuple[int, bytes]:
+    header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
+    size, status = frames.HEADER.unpack(header)
+    return status, sock.recv(size, socket.MSG_WAITALL) if size else b""

@@ -52,6 +52,7 @@ from kvclient.errors import (
 )
 from kvclient.fork_safety import renew_in_child
 from kvproto.v1 import local_calls as frames
+from kvproto.v1.challenge import LOCAL_CALLS, Transcript, new_nonce, token_key
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 T = TypeVar("T")
@@ -157,18 +158,21 @@ class _Owed:
 class _Hello:
     """What a new local-call connection does first: make sure the process serving the
     socket runs as the daemon's user (another user's server could have taken the
-    path), then send the token when there is one (kvproto.v1.local_calls)."""
+    path), then, with a token, prove it and have the daemon prove it back, never
+    sending it (kvproto.v1.challenge): a listener that took the path learns nothing
+    it can use, and gets no call."""
 
     def __init__(self, path: str, token: str, daemon_uid: int | None) -> None:
         self.path = path
         self.daemon_uid = daemon_uid
-        self.frame = frames.request_frame(frames.AUTH_NAME, token.encode()) if token else b""
+        self.key = token_key(token) if token else b""
 
-    def check_peer(self, sock: socket.socket) -> None:
-        if self.daemon_uid is None:
-            return
+    def check_peer(self, sock: socket.socket) -> int | None:
+        """The peer's uid (None: unknown); LocalCallFailed unless the daemon's or root."""
         peer = frames.peer_credentials(sock)
         uid = peer[1] if peer else None
+        if self.daemon_uid is None:
+            return uid
         if uid is not None and uid not in (self.daemon_uid, 0):
             log.warning(
                 "not using %s: it is served by uid %d, not by the daemon's uid %d",
@@ -179,12 +183,37 @@ class _Hello:
             raise LocalCallFailed(
                 f"{self.path} is served by uid {uid}, not the daemon's", sent=False
             )
+        return uid
 
-    def answered(self, status: int, body: bytes) -> None:
-        """The answer to the token frame: nothing when accepted."""
-        if status != frames.OK:
-            kind, message = frames.parse_error(body)
-            raise LocalCallStatus(_CODES.get(status), message, kind)
+    def prove(self, conn: _Connection, peer_uid: int | None, timeout: float) -> Op[None]:
+        """The challenge: LocalCallStatus when the daemon refuses the token, and
+        LocalCallFailed (sent=False: the client stays on gRPC) when the peer cannot
+        prove it knows the token, so is not the daemon."""
+        nonce = new_nonce()
+        hello = frames.request_frame(frames.HELLO_NAME, nonce)
+        yield Io(conn.sockets.sendall, (conn.sock, hello, timeout))
+        daemon_nonce = _answer((yield from conn.receive(timeout)))
+        try:
+            transcript = Transcript.of_client(LOCAL_CALLS, nonce, daemon_nonce, peer_uid)
+        except ValueError:
+            raise self._impostor("its nonce is not one") from None
+        proof = frames.request_frame(frames.AUTH_NAME, transcript.client_proof(self.key))
+        yield Io(conn.sockets.sendall, (conn.sock, proof, timeout))
+        if not transcript.daemon_proved(self.key, _answer((yield from conn.receive(timeout)))):
+            raise self._impostor("it did not prove that it knows the token")
+
+    def _impostor(self, why: str) -> LocalCallFailed:
+        log.warning("not using %s: %s, so it is not the daemon's socket", self.path, why)
+        return LocalCallFailed(f"{self.path} is not the daemon's: {why}", sent=False)
+
+
+def _answer(frame: tuple[int, bytes]) -> bytes:
+    """The body of an OK answer to a challenge frame; LocalCallStatus otherwise."""
+    status, body = frame
+    if status != frames.OK:
+        kind, message = frames.parse_error(body)
+        raise LocalCallStatus(_CODES.get(status), message, kind)
+    return body
 
 
 class BlockingSockets:
@@ -427,17 +456,16 @@ class LocalCalls:
             return self._idle.pop() if self._idle else None
 
     def _connect(self, timeout: float) -> Op[_Connection]:
-        """A new connection, its peer checked and its token sent."""
+        """A new connection, its peer checked and its token proved (both ways)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn = _Connection(sock, self._sockets)
         failed = f"cannot connect to {self.path}"
         try:
             yield Io(self._sockets.connect, (sock, self.path, timeout))
             failed = f"local-call connection to {self.path} lost"
-            self._hello.check_peer(sock)
-            if self._hello.frame:
-                yield Io(self._sockets.sendall, (sock, self._hello.frame, timeout))
-                self._hello.answered(*(yield from conn.receive(timeout)))
+            peer_uid = self._hello.check_peer(sock)
+            if self._hello.key:
+                yield from self._hello.prove(conn, peer_uid, timeout)
         except OSError as exc:
             sock.close()
             raise LocalCallFailed(f"{failed}: {exc.strerror or exc}", sent=False) from None

@@ -12,8 +12,9 @@ and optional quotas (kvstore.tenants.Quota)::
 With no tenant and no admin token the daemon serves anyone who can reach its socket
 as before: one tenant, every namespace visible (:data:`ANYONE`). With either, every
 call needs a token: gRPC calls carry ``authorization: Bearer <token>`` in their
-metadata, local-call connections send it in their first frame
-(kvproto.v1.local_calls). A missing or unknown token is UNAUTHENTICATED.
+metadata; local-call connections and the arena hand-out never carry it, they prove
+it over fresh nonces and the daemon proves it back (kvproto.v1.challenge). A missing
+or unknown token is UNAUTHENTICATED.
 
 Tokens are compared as SHA-256 digests with ``hmac.compare_digest``, against every
 known token each time, so how long a check takes says nothing about which token (or
@@ -24,7 +25,6 @@ no two principals share one.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import hmac
 import logging
 import os
@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvproto.v1.challenge import Transcript, token_key
 from kvstore.errors import InvalidArgument, LeaseError, Unauthenticated, UnknownNamespace
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store
@@ -193,7 +194,7 @@ BAD_TOKENS = BadTokens()  # the daemon's (one per process, like its log)
 
 
 def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+    return token_key(token)  # SHA-256: also the key of the local sockets' challenge
 
 
 class Tokens:
@@ -237,6 +238,22 @@ class Tokens:
         if found is None:
             raise Unauthenticated("the token is not valid for this daemon")
         return found
+
+    def answer_challenge(self, transcript: Transcript, proof: bytes) -> tuple[Caller, bytes]:
+        """The caller whose token made ``proof`` over ``transcript``, and the daemon's
+        proof in return (kvproto.v1.challenge: how the local sockets check a token that
+        is never sent); Unauthenticated when no token did. Every token is tried and
+        compared in constant time, as in :meth:`caller`. On a daemon without tokens:
+        ANYONE, and no proof (there is no token to know)."""
+        if not self._known:
+            return ANYONE, b""
+        found: tuple[bytes, Caller] | None = None
+        for known, caller in self._known:  # every one compared: no timing oracle
+            if hmac.compare_digest(transcript.client_proof(known), proof):
+                found = (known, caller)
+        if found is None:
+            raise Unauthenticated("the token is not valid for this daemon")
+        return found[1], transcript.daemon_proof(found[0])
 
     def caller_of(self, metadata: Iterable[tuple[str, Any]] | None) -> Caller:
         """The caller of a gRPC call, from its ``authorization`` metadata."""

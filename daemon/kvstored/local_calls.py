@@ -12,8 +12,9 @@ peer's pid from SO_PEERCRED): when the last connection of that process closes (t
 client closed, or its process died), :meth:`KVStoreService.owner_closed` ends them,
 so a killed client holds no slots for its leases' TTL.
 
-On a daemon with tokens (kvstored.auth) a connection's first frame carries its token
-(``AUTH_NAME``); its calls are then that caller's. Until then every call on it is
+On a daemon with tokens (kvstored.auth) a connection first proves its token without
+sending it (``HELLO_NAME``, then ``AUTH_NAME``: kvproto.v1.challenge), and the daemon
+proves it back; its calls are then that caller's. Until then every call on it is
 UNAUTHENTICATED, as a gRPC call without a token is.
 
 Life: :meth:`LocalCallServer.start` binds the socket (born 0600 under a umask, then
@@ -38,9 +39,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvproto.v1 import local_calls as frames
+from kvproto.v1.challenge import LOCAL_CALLS, NONCE_BYTES, Transcript, new_nonce
 from kvstore.errors import Unauthenticated
 from kvstored.auth import ANYONE, BAD_TOKENS, Caller
 from kvstored.log_limits import LIMITED
+from kvstored.peer_limits import ConnectionsPerUser
 from kvstored.service import KVStoreService
 
 log = logging.getLogger("kvstored.local_calls")
@@ -85,7 +88,7 @@ class _CallContext:
         raise _Aborted(code, details, kind)
 
 
-PRE_AUTH_S = 10.0  # on a daemon with tokens, a connection's time to send its token
+PRE_AUTH_S = 10.0  # on a daemon with tokens, a connection's time to prove its token
 
 
 class LocalCallServer:
@@ -99,8 +102,9 @@ class LocalCallServer:
         max_per_user: int = 1024,
     ) -> None:
         """``max_per_user``: connections one uid may hold at once (another user's
-        process must not take the daemon's file descriptors); on a daemon with tokens a
-        connection that sends none within ``PRE_AUTH_S`` is closed."""
+        process must not take the daemon's file descriptors: kvstored.peer_limits); on
+        a daemon with tokens a connection that proves none within ``PRE_AUTH_S`` is
+        closed."""
         self._methods: dict[bytes, tuple[Callable[..., Any], Any, str]] = {
             name.encode(): (getattr(service, name), request_cls, SERVICE_PREFIX + name)
             for name, (request_cls, _) in frames.UNARY_METHODS.items()
@@ -111,8 +115,7 @@ class LocalCallServer:
         self.needs_token = service.access.tokens.enabled
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
-        self._max_per_user = max_per_user
-        self._per_user: dict[int, int] = {}  # uid -> its open connections
+        self._per_user = ConnectionsPerUser(max_per_user, "local-call")
         self._stopping = False
         self.path: Path | None = None
 
@@ -140,15 +143,8 @@ class LocalCallServer:
     def opened(self, connection: _Connection, uid: int) -> bool:
         """Take a new connection of user ``uid``; False (it is to be closed) when that
         user holds ``max_per_user`` already, or the server stops."""
-        held = self._per_user.get(uid, 0)
-        if held >= self._max_per_user or self._stopping:
-            if not self._stopping:
-                LIMITED.warning(
-                    log, "local_call_connections", "closing a local-call connection of uid "
-                    "%d: it holds %d already (max_connections_per_user)", uid, held,
-                )  # fmt: skip
+        if self._stopping or not self._per_user.admit(uid):
             return False
-        self._per_user[uid] = held + 1
         self._connections.add(connection)
         self._service.owner_opened(connection.owner)
         return True
@@ -156,25 +152,44 @@ class LocalCallServer:
     def lost(self, connection: _Connection, uid: int) -> None:
         """A connection closed: the last one of its process ends that process's leases."""
         self._connections.discard(connection)
-        left = self._per_user.get(uid, 1) - 1
-        if left > 0:
-            self._per_user[uid] = left
-        else:
-            self._per_user.pop(uid, None)
+        self._per_user.release(uid)
         self._service.owner_closed(connection.owner)
 
-    def authenticate(self, connection: _Connection, token: bytes) -> tuple[bytes, float]:
-        """A connection's token frame: it makes the connection's calls that caller's.
-        The answer, and how long to hold it: a process that keeps guessing tokens is
-        answered late (kvstored.auth.BadTokens, counted per process)."""
+    def hello(self, connection: _Connection, client_nonce: bytes) -> bytes:
+        """A connection's ``@hello``: the daemon's fresh nonce, kept with the client's
+        for the one ``@auth`` that may follow (kvproto.v1.challenge)."""
+        if len(client_nonce) != NONCE_BYTES:
+            connection.nonces = None
+            return _error(grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated",
+                          f"a @hello carries a nonce of {NONCE_BYTES} bytes, not "
+                          f"{len(client_nonce)}")  # fmt: skip
+        daemon_nonce = new_nonce()
+        connection.nonces = (client_nonce, daemon_nonce)
+        return frames.response_frame(frames.OK, daemon_nonce)
+
+    def authenticate(self, connection: _Connection, proof: bytes) -> tuple[bytes, float]:
+        """A connection's ``@auth``: a proof of a token over the nonces of its last
+        ``@hello`` (used up by it) makes the connection's calls that caller's, and is
+        answered with the daemon's proof. The answer, and how long to hold it: a
+        process that keeps guessing is answered late (kvstored.auth.BadTokens, counted
+        per process)."""
+        nonces, connection.nonces = connection.nonces, None
         try:
-            connection.caller = self._service.access.tokens.caller(
-                token.decode(errors="replace")
+            if nonces is None:
+                raise Unauthenticated(
+                    "send @hello first: this daemon takes no token, only a proof of one "
+                    "over its nonce (kvproto.v1.challenge)"
+                )
+            uid = connection.peer_uid
+            transcript = Transcript.of_daemon(LOCAL_CALLS, *nonces, uid if uid >= 0 else None)
+            caller, daemon_proof = self._service.access.tokens.answer_challenge(
+                transcript, proof
             )
         except Unauthenticated as exc:
             delay = BAD_TOKENS.note(connection.owner)  # logged, rate-limited
             return _error(grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated", str(exc)), delay
-        return frames.response_frame(frames.OK, b""), 0.0
+        connection.caller = caller
+        return frames.response_frame(frames.OK, daemon_proof), 0.0
 
     async def call(
         self, name: bytes, body: bytes, owner: str = "", caller: Caller | None = None
@@ -239,8 +254,9 @@ class _Connection(asyncio.Protocol):
         self._reading = True
         self._writable = True
         self.owner = ""
-        self._uid = -1
+        self.peer_uid = -1
         self._admitted = False
+        self.nonces: tuple[bytes, bytes] | None = None  # of the last @hello
         # whose calls these are; None until the token frame on a daemon with tokens
         self.caller: Caller | None = None if server.needs_token else ANYONE
 
@@ -249,8 +265,8 @@ class _Connection(asyncio.Protocol):
         self._transport = transport
         peer = frames.peer_credentials(transport.get_extra_info("socket"))
         self.owner = f"local:{peer[0] if peer else 0}"
-        self._uid = peer[1] if peer else -1
-        self._admitted = self._server.opened(self, self._uid)
+        self.peer_uid = peer[1] if peer else -1
+        self._admitted = self._server.opened(self, self.peer_uid)
         if not self._admitted:
             transport.abort()
         elif self.caller is None:  # no token yet: it has PRE_AUTH_S to send one
@@ -259,14 +275,14 @@ class _Connection(asyncio.Protocol):
     def _no_token_in_time(self) -> None:
         if self.caller is None and self._transport is not None:
             LIMITED.warning(
-                log, "local_call_no_token", "closing a local-call connection that sent no "
+                log, "local_call_no_token", "closing a local-call connection that proved no "
                 "token in %.0f s", PRE_AUTH_S,
             )  # fmt: skip
             self._transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._admitted:
-            self._server.lost(self, self._uid)
+            self._server.lost(self, self.peer_uid)
         self._transport = None
 
     def close(self) -> None:
@@ -320,7 +336,8 @@ class _Connection(asyncio.Protocol):
             BAD_TOKENS.note("")
             self._transport.write(_error(
                 grpc.StatusCode.UNAUTHENTICATED, "Unauthenticated",
-                f"a frame of {body_len} bytes before the token frame: send the token first",
+                f"a frame of {body_len} bytes before the token frames (@hello, @auth): "
+                "prove the token first",
             ))  # fmt: skip
             self._transport.close()
             buffer.clear()
@@ -332,6 +349,9 @@ class _Connection(asyncio.Protocol):
         name = bytes(buffer[frames.HEADER.size : start])
         body = bytes(buffer[start:end])
         del buffer[:end]
+        if name == frames.HELLO_NAME:
+            self._transport.write(self._server.hello(self, body))
+            return True
         if name == frames.AUTH_NAME:
             answer, delay = self._server.authenticate(self, body)
             if delay:  # held: nothing more of this connection is read meanwhile

@@ -336,7 +336,7 @@ async def start_arena_handout(
     if not store.arena.fds:
         return None
     path = handout_socket_path(paths.local_socket_path(config.socket_path, port))
-    handout = ArenaHandout(store.arena, tokens)
+    handout = ArenaHandout(store.arena, tokens, config.max_connections_per_user)
     off = ("arena hand-out off (tenants with their own region use inline bytes)",
            "arena_handout_off")  # fmt: skip
     if not await serve_beside(path, handout.start, config.socket_mode, *off):

@@ -24,11 +24,21 @@ message; any other ``status`` is the number of a gRPC status code and ``body`` i
 ``kvstore-error`` trailing metadata (the class of the daemon's error, may be empty).
 A malformed or oversized frame closes the connection.
 
-Tokens: on a daemon with tenants, a connection's first frame is an authentication
-frame, ``name`` :data:`AUTH_NAME` and ``body`` the token (UTF-8). The answer is OK
-with an empty body, or UNAUTHENTICATED; every later call on the connection is that
-tenant's. A call on a connection that did not authenticate is UNAUTHENTICATED. On a
-daemon without tenants the frame is accepted and changes nothing.
+Tokens: no frame ever carries one; a client proves it knows its token and the daemon
+proves it back (the challenge of :mod:`kvproto.v1.challenge`, ``purpose``
+``LOCAL_CALLS``). On a daemon with tenants a connection's first frames are:
+
+- ``name`` :data:`HELLO_NAME`, ``body`` the client's nonce; answered OK with the
+  daemon's nonce (each a fresh one, ``NONCE_BYTES``);
+- ``name`` :data:`AUTH_NAME`, ``body`` the client's proof; answered OK with the
+  daemon's proof, or UNAUTHENTICATED (the token is not valid; or no ``@hello`` came
+  first: each ``@hello`` answers one ``@auth``).
+
+The client checks the daemon's proof before any call: a listener that cannot give it
+is not the daemon, and gets nothing more. Every later call on the connection is that
+tenant's; a call on a connection that did not authenticate is UNAUTHENTICATED. On a
+daemon without tenants the exchange is answered with an empty proof and changes
+nothing (a client with a token takes no such socket: it stays on gRPC).
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from kvproto.v1 import kvstore_pb2 as pb
 HEADER = struct.Struct("<IB")
 OK = 0
 MAX_NAME_BYTES = 64
-AUTH_NAME = b"@auth"  # not a method name: the connection's token (see above)
+HELLO_NAME = b"@hello"  # not method names: the token challenge (see above)
+AUTH_NAME = b"@auth"
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"]
