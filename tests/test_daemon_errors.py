@@ -137,6 +137,29 @@ def test_token_ids_out_of_range_are_invalid(loaded: tuple[Any, Any, bytes], bad:
         assert str(bad) in details, f"{rpc}: {details}"
 
 
+def test_malformed_block_extra_keys_are_invalid(loaded: tuple[Any, Any, bytes]) -> None:
+    """A block's own extra keys travel as tagged entries of extra_keys
+    (kvstore.keys.block_extra_key): one cut short, or two for one block, is refused."""
+    from kvstore.keys import block_extra_key
+
+    stub, info, _ = loaded
+    good = block_extra_key(1, [b"image"])
+    for extra, words in [
+        ([good[:-1]], ("cut short",)),
+        ([good, block_extra_key(1, [b"other"])], ("two block extra keys for block 1",)),
+    ]:
+        for rpc, call in {
+            "Lookup": lambda e=extra: stub.Lookup(
+                pb.LookupRequest(ns_id=info.ns_id, tokens=TOKENS, extra_keys=e), timeout=5
+            ),
+            "Reserve": lambda e=extra: stub.Reserve(
+                pb.ReserveRequest(ns_id=info.ns_id, tokens=TOKENS, extra_keys=e), timeout=5
+            ),
+        }.items():
+            details = expect(grpc.StatusCode.INVALID_ARGUMENT, call, *words)
+            assert details, rpc
+
+
 def test_out_of_range_fields_are_invalid(loaded: tuple[Any, Any, bytes]) -> None:
     stub, info, _ = loaded
     other = list(range(700, 716))
