@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from conftest import Daemon, damage_in_disk_file, write_secret
 
 from kvclient import KVClient, Namespace
+from kvclient.errors import OutOfSpaceError
 from kvctl.cli import main as kvctl
 
 BLOCK = 1 << 20
@@ -189,3 +191,49 @@ def test_evicted_by_its_tenants_quota(daemon: tuple[Daemon, dict[str, Path]], ca
             f"{ns.ns_id}: block 0 of 1: evicted from disk: its tenant was at its disk quota, "
             f"at {stamp(data)}"
         )
+
+
+def test_explains_past_a_callers_share_are_refused(
+    daemon: tuple[Daemon, dict[str, Path]],
+) -> None:
+    """Eight connections of tenant b ask why a prompt of 8,192 blocks misses, again and
+    again, while tenant a puts and gets: explains run one at a time on a thread of their
+    own, and a caller past its share of the queue (8 slots over 3 callers: 2) is refused
+    with RESOURCE_EXHAUSTED at once, instead of taking the threads a's calls need."""
+    d, files = daemon
+    prompt = list(range(500_000, 500_000 + 8192 * BLOCK_TOKENS))
+    refused: list[str] = []
+    answered: list[str] = []
+    stop = threading.Event()
+
+    def ask() -> None:
+        with client_of(d, files["b"]) as client:
+            ns = namespace(client)
+            while not stop.is_set():
+                try:
+                    answered.append(ns.why(prompt).reason)
+                except OutOfSpaceError as exc:
+                    refused.append(str(exc))
+                    stop.set()
+
+    askers = [threading.Thread(target=ask) for _ in range(8)]
+    for asker in askers:
+        asker.start()
+    try:
+        with client_of(d, files["a"]) as client:
+            ns = namespace(client)
+            seed = 10_000
+            # a's calls go on while b's explains are under way, until one is refused
+            while not stop.wait(0.01) and seed < 10_000 + 1000:
+                ns.put(tokens(seed), [block(seed)])
+                assert ns.get(tokens(seed)).n_blocks == 1
+                seed += 1
+    finally:
+        stop.set()
+        for asker in askers:
+            asker.join(WAIT_S)
+    assert refused, f"no explain was refused ({len(answered)} answered)"
+    assert "too many explains at once: at most 2 per caller" in refused[0]
+    assert set(answered) <= {"never_stored"}
+    with client_of(d, files["b"]) as client:  # and once they are done, b asks again
+        assert namespace(client).why(prompt).reason == "never_stored"

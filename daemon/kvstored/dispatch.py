@@ -6,7 +6,9 @@ Store calls lock, hash and copy block bytes, so they run on a bounded thread poo
 (``workers``) via ``run_in_executor``; calls that may wait a long time use pools of their
 own so they cannot fill the first: Lookups with ``wait_pending_s`` one, event streams
 another, puts waiting for the disk writer (back-pressure) a third, so that one
-tenant's puts on a slow disk never delay another tenant's lookups. Each caller (a
+tenant's puts on a slow disk never delay another tenant's lookups; explains (``kvctl
+why``) run one at a time on a paced thread of their own, a bounded queue before it
+(:meth:`Calls.run_explain`). Each caller (a
 tenant, or the admin) may park at most its share of a waiting pool's threads
 (:class:`WaitShares`); past it a Lookup is answered at once, with what is still
 pending, and an event stream polls without parking a thread, so one tenant waiting on
@@ -31,6 +33,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore.errors import OutOfSpace
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstore.store import Store
 from kvstore.tenants import tenant_of
@@ -48,6 +51,7 @@ QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use
 WAIT_THREADS = 64  # Lookups with wait_pending_s parked at once, all callers together
 EVENT_THREADS = 32  # event streams parked at once (in a poll of the store's events)
 PUT_WAIT_THREADS = 32  # puts waiting for the disk writer at once (the rest queue)
+EXPLAIN_SLOTS = 8  # Lookups with explain running or queued at once, all callers together
 
 
 class NeedsPool(Exception):
@@ -144,6 +148,10 @@ class Calls:
         callers = len(config.tenants) + 1  # (the admin, or everyone without tokens)
         self.wait_shares = WaitShares(WAIT_THREADS, callers)
         self.event_shares = WaitShares(EVENT_THREADS, callers)
+        # explains (``kvctl why``) run one at a time on a thread of their own, each
+        # caller queueing at most its share of EXPLAIN_SLOTS (see run_explain)
+        self._explain_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-why")
+        self.explain_shares = WaitShares(EXPLAIN_SLOTS, callers)
         self.stopping = asyncio.Event()  # set at a graceful stop: streams end
         self._chains = ChainCache(CHAIN_CACHE_KEYS)
         # True once add_to_server registered Get and Put with identity (de)serializers:
@@ -163,6 +171,7 @@ class Calls:
         self._wait_pool.shutdown(wait=False, cancel_futures=True)
         self._event_pool.shutdown(wait=False, cancel_futures=True)
         self._put_wait_pool.shutdown(wait=False, cancel_futures=True)
+        self._explain_pool.shutdown(wait=False, cancel_futures=True)
 
     async def run_parked(
         self, shares: WaitShares, caller: Caller, fn: Callable[..., T], *args: Any
@@ -178,6 +187,23 @@ class Calls:
             return True, await loop.run_in_executor(pool, functools.partial(fn, *args))
         finally:
             shares.give(caller)
+
+    async def run_explain(self, caller: Caller, fn: Callable[[], T]) -> T:
+        """``fn()`` (a Lookup with ``explain``) on the explain thread, queued behind the
+        explains before it. A caller past its share of EXPLAIN_SLOTS is refused at once
+        (OutOfSpace: RESOURCE_EXHAUSTED), so explains, which hash a prompt over every
+        namespace the caller sees, take at most one thread and never the store pool
+        that other tenants' calls need (kvstored.why paces that thread)."""
+        if not self.explain_shares.take(caller):
+            raise OutOfSpace(
+                f"too many explains at once: at most {self.explain_shares.share} per "
+                "caller run or wait; ask again when one has answered"
+            )
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._explain_pool, fn)
+        finally:
+            self.explain_shares.give(caller)
 
     async def run(self, fn: Callable[..., T], *args: Any, wait: bool = False) -> T:
         """``fn(*args)`` on the store pool; ``wait``: on the pool of puts waiting for

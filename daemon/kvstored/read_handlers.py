@@ -34,9 +34,12 @@ async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.Lo
         )
 
     def lookup(quick: bool = False, parked: bool = True) -> pb.LookupResponse:
+        pacer = why.Pacer()  # (an explain's: the chain and its lookup are its first step)
         spec, keys, pulled = calls.read_chain(
             request.ns_id, request.tokens, request.extra_keys, caller, quick
         )
+        if request.explain:
+            pacer.pace()
         if wait and parked:
             result = calls.store.wait_ready(spec.ns_id, keys, wait)
         else:
@@ -45,7 +48,8 @@ async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.Lo
         response = convert.lookup_response(result, spec.block_tokens, len(keys))
         if request.explain:
             tokens, extra = convert.tokens(request.tokens), convert.extra_keys(request.extra_keys)
-            response.miss.CopyFrom(why.explain(calls.store, spec, keys, tokens, extra, caller))
+            miss = why.explain(calls.store, spec, keys, tokens, extra, caller, pacer)
+            response.miss.CopyFrom(miss)
         return response
 
     if wait is not None:  # parked within the caller's share, else answered at once
@@ -54,8 +58,8 @@ async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.Lo
             assert answer is not None
             return answer
         return await calls.run_quick(lambda quick: lookup(quick, parked=False))
-    if request.explain:  # (explain looks in every namespace)
-        return await calls.run(lookup)
+    if request.explain:  # (explain looks in every namespace: its own paced thread)
+        return await calls.run_explain(caller, lookup)
     return await calls.run_quick(lookup)
 
 
@@ -200,9 +204,11 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
                     located, spec.block_tokens, calls.arena_name(spec)
                 )
             # a block is on disk only: acquire promotes it (from the page cache, when quick)
+        # wait_room: an empty answer would read as the prefix's end (Namespace.windows)
         got = calls.store.acquire(
-            spec.ns_id, keys, ttl, host_only=quick, count=not request.counted, start=start
-        )
+            spec.ns_id, keys, ttl, host_only=quick, count=not request.counted, start=start,
+            wait_room=True,
+        )  # fmt: skip
         if got is None:  # a block is on disk only: promoting it waits on the disk
             raise NeedsPool
         calls.owners.own(owner, (got.lease_id,))
