@@ -70,6 +70,12 @@ head dim, dtype, tensor-parallel rank and size, ``cache_salt``): a request's
 ``cache_salt`` is the namespace's tenant salt, so different models, layouts or tenants
 never share a block. The page layout is part of the model id because a block is stored
 as the backend's raw page bytes (:mod:`kvclient.integrations.vllm.blocks`).
+
+Keys: within a namespace a block is keyed by its tokens and whatever else vLLM's own
+block hashes fold in: the multimodal items it overlaps, the LoRA adapter (by its
+weights), its prompt embeddings (:mod:`kvclient.integrations.vllm.request_keys`). A
+request the connector cannot key is left to vLLM: neither loaded nor stored, logged
+once per reason and counted in the stats (``unkeyed_*_requests``).
 """
 
 from __future__ import annotations
