@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import signal
 import socket
 import struct
 import subprocess
@@ -25,7 +26,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import Daemon, in_forked_child, write_secret
+from conftest import Daemon, in_forked_child, wait_for, write_secret
 
 from kvbench.harness import free_tcp_port
 from kvclient import (
@@ -1001,3 +1002,80 @@ def _local_answer(sock: socket.socket) -> tuple[int, bytes]:
     header = sock.recv(frames.HEADER.size, socket.MSG_WAITALL)
     size, status = frames.HEADER.unpack(header)
     return status, sock.recv(size, socket.MSG_WAITALL) if size else b""
+
+
+def _flood_handout(path: str, cap: int, report: int, release: int) -> None:
+    """As uid 65534: hold ``cap`` hand-out connections (each answered a nonce), then
+    open one more and write to ``report`` whether it was closed unanswered; hold the
+    others until ``release`` is closed. Runs in a forked child (ends in os._exit)."""
+    code = 1
+    try:
+        os.setgid(65534)
+        os.setuid(65534)
+
+        def hello(sock: socket.socket) -> bytes:
+            try:
+                sock.sendall(b"hello " + secrets.token_hex(32).encode() + b"\n")
+                return sock.recv(4096)
+            except (BrokenPipeError, ConnectionResetError):
+                return b""
+
+        held = []
+        for _ in range(cap):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.settimeout(30)
+            sock.connect(path)
+            assert hello(sock)  # answered (a nonce): admitted
+            held.append(sock)
+        extra = socket.socket(socket.AF_UNIX)
+        extra.settimeout(30)
+        extra.connect(path)
+        os.write(report, b"closed\n" if hello(extra) == b"" else b"answered\n")
+        os.read(release, 1)  # b"" when the test closes its end
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def test_one_user_cannot_take_the_arena_handouts_connections(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """#66 item 5: one unauthenticated user filled the daemon's fds through the arena
+    hand-out socket (20,000 of 20,000; a new tenant's client took 4.1 s). It is capped
+    per user as the local-call socket is (max_connections_per_user): the connection
+    past the cap of a user (here nobody, uid 65534) is closed at once, unanswered, and
+    meanwhile a tenant of another user still gets its arena region."""
+    if os.geteuid() != 0:
+        pytest.skip("a connecting process of another user needs root")
+    config, tokens, _ = write_tenants(tmp_path)
+    config.write_text('socket_mode = "0666"\n' + config.read_text())
+    daemon = kvstored_factory(
+        extra_args=("--config", str(config)), max_connections_per_user=4
+    )
+    os.chmod(os.path.dirname(daemon.socket_path), 0o711)  # other users may reach it
+    with KVClient(daemon.addr, token=tokens["a"]) as client:
+        path = client.server_info().arena_socket
+    assert path
+    report_r, report_w = os.pipe()
+    release_r, release_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(report_r)
+        os.close(release_w)
+        _flood_handout(path, 4, report_w, release_r)
+    os.close(report_w)
+    os.close(release_r)
+    try:
+        with os.fdopen(report_r) as report:
+            assert report.readline().strip() == "closed"
+        # while nobody holds its four, tenant a (another user) maps its region
+        with KVClient(daemon.addr, token=tokens["a"], use_arena=True) as a:
+            ns = a.namespace("past-the-cap", block_tokens=BLOCK_TOKENS, block_bytes=4096)
+            assert ns.put(tokens_of(500, 2), blocks_of(2, 4096, 9)).stored == 2
+            assert a.arena_in_use and a.server_info().arena_path.startswith("fd:")
+    finally:
+        os.close(release_w)
+        if not wait_for(lambda: os.waitpid(pid, os.WNOHANG)[0] != 0, 30):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert "max_connections_per_user" in daemon.output()
