@@ -155,7 +155,8 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     assert lines(FOLDERS["kvctl"]) <= 900  # (+50 `kvctl why`, issue 43; +50 short prompts, 58)
     # (+20: the one-launch page copy, issue 59; +10: loads window by window, issue 55;
     # +170: the connector reports itself in vLLM's log and stats, issue 58)
-    assert lines(wings / "vllm") <= 1550  # (+200: hybrid models, issue 58)
+    # (+150: keys that carry what vLLM's block hashes fold in, issue 66)
+    assert lines(wings / "vllm") <= 1700  # (+200: hybrid models, issue 58)
     # (+50: copies straight to CUDA, issue 45; +170: layer-wise loads into cache layers
     # with room, issue 59; +10: the rest of a long prefix in windows, issue 55)
     assert lines(wings / "hf") <= 1130
