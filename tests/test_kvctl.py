@@ -350,3 +350,44 @@ def test_usage_errors(capsys) -> None:
     assert main(["--addr", "/x", "top", "--interval", "0"]) == 2
     assert main(["--help"]) == 0
     capsys.readouterr()
+
+
+FORGED = "\x1b]0;x\x07\x1b[2J\nforged"  # a window title, a clear screen and a new row
+FORGED_SHOWN = "\\x1b]0;x\\x07\\x1b[2J\\nforged"
+
+
+def test_client_chosen_strings_are_printed_escaped(
+    kvstored_module_factory: Callable[..., Daemon], capsys
+) -> None:
+    """A client names its model with terminal escapes and a newline: every command that
+    prints it (ls, events, lookup, why, top, and the one line of a usage error) shows
+    them escaped, never a raw control byte or a forged row; --json escapes as JSON."""
+    daemon = kvstored_module_factory()  # a daemon of its own: the others list namespaces
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace(FORGED, BLOCK_TOKENS, BLOCK_BYTES)
+        ns.put(TOKENS[:8], np.ones((2, BLOCK_BYTES), np.uint8))
+        c1 = client.namespace("c1\x9b31m\u202ered", BLOCK_TOKENS, BLOCK_BYTES)  # C1 CSI, bidi
+        c1.put(TOKENS[:4], np.ones((1, BLOCK_BYTES), np.uint8))
+    tokens = [str(t) for t in TOKENS[:8]]
+    for argv in (
+        ["ls"],
+        ["events", "--count", "2"],
+        ["lookup", ns.ns_id, *tokens],
+        ["why", ns.ns_id, *tokens, "9", "9", "9", "9"],
+        ["top", "--once"],
+    ):
+        code, out, err = run(capsys, "--addr", daemon.addr, *argv)
+        assert (code, err) == (0, ""), argv
+        assert FORGED_SHOWN in out, (argv, out)
+        printed = out.replace("\n", "")  # (the rows' own line ends)
+        assert not [c for c in printed if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F], (argv, out)
+        assert not any(line.startswith("forged") for line in out.splitlines()), argv
+    code, out, _ = run(capsys, "--addr", daemon.addr, "ls")
+    assert "c1\\x9b31m\\u202ered" in out and "\u202e" not in out
+    code, out, _ = run(capsys, "--addr", daemon.addr, "ls", "--json")
+    assert {ns["model"] for ns in json.loads(out)["namespaces"]} == {FORGED, "c1\x9b31m\u202ered"}
+    assert "\x1b" not in out and "\x9b" not in out
+    # a usage error lists the namespaces there are: one line, escaped
+    code, out, err = run(capsys, "--addr", daemon.addr, "lookup", "no-such-model", "1")
+    assert code == 2 and len(err.splitlines()) == 1 and FORGED_SHOWN in err
+    assert "\x1b" not in err and "\x07" not in err

@@ -21,8 +21,10 @@ then exit (``--follow``: keep printing new ones).
 
 Each command is two steps kept apart: *collect* asks the daemon and returns plain
 JSON-ready dicts (exactly what ``--json`` prints), *render* turns those dicts into
-text. ``top`` is the status view redrawn in place on a TTY (alternate screen, cursor
-hidden, both restored on exit or Ctrl-C by :class:`LiveScreen`); when stdout is not a
+text, every string in them escaped first (:func:`kvctl.views.shown`: a client chooses
+its model id, and a terminal must not take it for commands). ``top`` is the status
+view redrawn in place on a TTY (alternate screen, cursor hidden, both restored on exit
+or Ctrl-C by :class:`LiveScreen`); when stdout is not a
 TTY, or with ``--once``, it prints one frame. ``bench`` (:mod:`kvbench`, the harness
 beside the benchmark programs) measures the data path against ``--addr``, or against
 a daemon it starts itself when no ``--addr`` is given.
@@ -70,6 +72,7 @@ from kvctl.views import (
     render_tenants,
     render_top,
     resolve_namespace,
+    shown,
 )
 from kvctl.why import collect_why, render_why
 
@@ -92,9 +95,9 @@ def cmd_status(client: KVClient, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(data)
     elif args.tenants:
-        print(render_tenants(data["tenants"]))
+        print(render_tenants(shown(data["tenants"])))
     else:
-        print(render_status(data))
+        print(render_status(shown(data)))
     return EXIT_OK
 
 
@@ -106,12 +109,12 @@ def cmd_top(client: KVClient, args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(data))
         else:
-            print(render_top(data, None, shutil.get_terminal_size().lines))
+            print(render_top(shown(data), None, shutil.get_terminal_size().lines))
         return EXIT_OK
     before: JSONDict | None = None
     try:
         with LiveScreen(sys.stdout) as screen:
-            frame = render_top(data, None, shutil.get_terminal_size().lines)
+            frame = render_top(shown(data), None, shutil.get_terminal_size().lines)
             while True:
                 screen.draw(frame)
                 time.sleep(args.interval)
@@ -120,7 +123,7 @@ def cmd_top(client: KVClient, args: argparse.Namespace) -> int:
                 except KVStoreError as exc:  # keep watching: the daemon may come back
                     frame = f"{one_line(str(exc))}\nretrying every {args.interval:g} s ..."
                     continue
-                frame = render_top(data, before, shutil.get_terminal_size().lines)
+                frame = render_top(shown(data), before, shutil.get_terminal_size().lines)
     except KeyboardInterrupt:
         return EXIT_OK
 
@@ -130,7 +133,7 @@ def cmd_ls(client: KVClient, args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"namespaces": namespaces})
     else:
-        print(render_namespaces(namespaces))
+        print(render_namespaces(shown(namespaces)))
     return EXIT_OK
 
 
@@ -164,7 +167,7 @@ def cmd_lookup(client: KVClient, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(data)
     else:
-        print(render(data))
+        print(render(shown(data)))
     return EXIT_OK
 
 
@@ -182,7 +185,7 @@ def _wanted(data: JSONDict, ns_id: str, kinds: Sequence[str]) -> bool:
 
 
 def _print_event(data: JSONDict, as_json: bool) -> None:
-    print(json.dumps(data) if as_json else render_event(data), flush=True)
+    print(json.dumps(data) if as_json else render_event(shown(data)), flush=True)
 
 
 def tail_events(
@@ -386,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with KVClient(addr, timeout=args.timeout, use_arena=False, token=token) as client:
             return handler(client, args)
     except UsageError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KVStoreError as exc:
         print(f"{PROG}: {one_line(str(exc))}", file=sys.stderr)

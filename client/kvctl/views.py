@@ -5,6 +5,7 @@ No I/O but the client calls of the ``collect_*`` functions and the screen's writ
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import time
 from collections.abc import Iterable, Sequence
@@ -70,8 +71,41 @@ def format_table(headers: Sequence[str], rows: Iterable[Sequence[str]], left: in
     return "\n".join([line(headers), *(line(row) for row in body)])
 
 
+# C0 controls, DEL, C1 controls, and the format characters that move or hide text
+# (line and paragraph separators, zero-width marks, bidirectional overrides)
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    return _NAMED.get(match[0]) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to write to a terminal: every control character (C0, DEL, C1) and
+    every character that moves or hides text is shown as its escape (``\\x1b``,
+    ``\\n``, ``\\u202e``), so a string a client chose (a model id, a name) can neither
+    drive the terminal nor forge a row. The one place kvctl escapes what it prints."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def shown(data: Any) -> Any:
+    """A collected answer with every string in it :func:`printable` (for the text
+    views; ``--json`` prints the answer itself, and JSON escapes control characters)."""
+    if isinstance(data, str):
+        return printable(data)
+    if isinstance(data, dict):
+        return {key: shown(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [shown(value) for value in data]
+    return data
+
+
 def one_line(text: str) -> str:
-    return " ".join(text.split())
+    """A message (an error a daemon sent, which may quote a client's strings) as one
+    printable line: its line ends escaped too, so a quoted string cannot forge one."""
+    return " ".join(printable(text).split())
 
 
 # -- collect: daemon -> JSON-ready dicts -----------------------------------------------
