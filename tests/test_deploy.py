@@ -206,23 +206,36 @@ def test_sidecar_shares_the_arena_and_socket_and_accounts_for_them() -> None:
 
     assert_probes_use_the_healthcheck(kvstored)
     assert spec["terminationGracePeriodSeconds"] > cfg.grace_s + cfg.persist_timeout_s
-    metrics_port = int(cfg.metrics_listen.rpartition(":")[2])
-    assert kvstored["ports"][0]["containerPort"] == metrics_port
 
 
-def secret_ref(c: dict[str, Any], name: str) -> tuple[str, str]:
-    ref = next(e for e in c["env"] if e["name"] == name)["valueFrom"]["secretKeyRef"]
-    return ref["name"], ref["key"]
+def of_kind(path: Path, kind: str) -> list[dict[str, Any]]:
+    """Every document of ``kind`` in ``path`` (``kinds`` keeps only the last one)."""
+    return [doc for doc in documents(path) if doc["kind"] == kind]
+
+
+def token_file_of(pod: dict[str, Any], c: dict[str, Any]) -> tuple[str, str]:
+    """(Secret, key) of the file ``$KVSTORE_TOKEN_FILE`` names in container ``c``:
+    a key of a Secret volume the container mounts read-only, readable by the pod's
+    own group only (the client reads it as the daemon reads its tokens)."""
+    path = Path(env_of(c)["KVSTORE_TOKEN_FILE"])
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent))
+    assert mount.get("readOnly") is True
+    secret = volumes(pod)[mount["name"]]["secret"]
+    item = next(i for i in secret["items"] if i["path"] == path.name)
+    assert secret["defaultMode"] & 0o037 == 0
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    return secret["secretName"], item["key"]
 
 
 def assert_tokens_come_from_the_secret(
     found: dict[str, dict[str, Any]], cfg: config.DaemonConfig, daemon: dict[str, Any],
-    spec: dict[str, Any],
+    spec: dict[str, Any], secrets: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Every token file the config names is a key of the Secret mounted there."""
-    secret = found["Secret"]
+    """Every token file the config names is a key of the Secret mounted there (one of
+    ``secrets``, the manifest's Secrets; default: its only one)."""
     mount = mounts(daemon)["tokens"]
-    assert volumes(spec)["tokens"]["secret"]["secretName"] == secret["metadata"]["name"]
+    name = volumes(spec)["tokens"]["secret"]["secretName"]
+    secret = next(s for s in secrets or [found["Secret"]] if s["metadata"]["name"] == name)
     files = [cfg.admin_token_file, *(t.token_file for t in cfg.tenants)]
     assert cfg.tenants and all(Path(f).parent == Path(mount) for f in files)
     assert {Path(f).name for f in files} == set(secret["stringData"])
@@ -254,7 +267,9 @@ def test_tcp_tls_manifest_serves_tls_with_tokens(tmp_path: Path) -> None:
     engine = found["Pod"]["spec"]["containers"][0]
     port = found["Service"]["spec"]["ports"][0]["port"]
     assert env_of(engine)["KVSTORE_ADDR"] == f"{found['Service']['metadata']['name']}:{port}"
-    assert secret_ref(engine, "KVSTORE_TOKEN")[0] == found["Secret"]["metadata"]["name"]
+    assert token_file_of(found["Pod"]["spec"], engine) == (
+        found["Secret"]["metadata"]["name"], "team-a.token"
+    )
 
 
 def test_daemonset_shares_the_socket_and_keeps_lmdb_on_the_node(tmp_path: Path) -> None:
@@ -287,18 +302,20 @@ def test_daemonset_shares_the_socket_and_keeps_lmdb_on_the_node(tmp_path: Path) 
     prepare = container(spec, "prepare-dirs")
     assert f"{uid}:{uid}" in " ".join(prepare["command"])
 
-    # an engine pod: the same socket directory from the host, the daemon's uid
-    pod = found["Pod"]["spec"]
-    assert pod["securityContext"]["runAsUser"] == uid
-    assert volumes(pod)["kvstore-run"]["hostPath"]["path"] == sock_dir
-    engine = pod["containers"][0]
-    assert mounts(engine)["kvstore-run"] == sock_dir
-    assert env_of(engine)["KVSTORE_ADDR"] == cfg.listen
+    # engine pods: the same socket directory from the host (see also
+    # test_daemonset_keeps_each_teams_token_its_own)
+    for engine_pod in of_kind(DEPLOY / "kubernetes" / "daemonset.yaml", "Pod"):
+        pod = engine_pod["spec"]
+        assert volumes(pod)["kvstore-run"]["hostPath"]["path"] == sock_dir
+        engine = pod["containers"][0]
+        assert mounts(engine)["kvstore-run"] == sock_dir
+        assert env_of(engine)["KVSTORE_ADDR"] == cfg.listen
 
     assert_probes_use_the_healthcheck(kvstored)
     assert spec["terminationGracePeriodSeconds"] > cfg.grace_s + cfg.persist_timeout_s
-    assert_tokens_come_from_the_secret(found, cfg, kvstored, spec)
-    assert secret_ref(engine, "KVSTORE_TOKEN") == ("kvstored-tokens", "team-a.token")
+    assert_tokens_come_from_the_secret(
+        found, cfg, kvstored, spec, of_kind(DEPLOY / "kubernetes" / "daemonset.yaml", "Secret")
+    )
 
 
 def test_daemonset_points_at_the_valkey_cluster_as_its_restricted_user(tmp_path: Path) -> None:
@@ -337,6 +354,112 @@ def test_daemonset_points_at_the_valkey_cluster_as_its_restricted_user(tmp_path:
     user = args[args.index("--user") + 1 :]
     assert user[:3] == ["kvstore", "on", ">$(KVSTORE_PASSWORD)"]
     assert tuple(user[3:]) == KVSTORE_ACL
+
+
+def daemon_configs(path: Path, tmp_path: Path) -> Iterator[tuple[config.DaemonConfig, Any]]:
+    """The config of every kvstored container of a manifest (its ConfigMap's file when
+    it loads one, its KVSTORED_* environment) and the pod spec it runs in."""
+    found = kinds(path)
+    for doc in documents(path):
+        template = doc.get("spec", {}).get("template", {})
+        if doc["kind"] not in ("Deployment", "DaemonSet", "StatefulSet") or not template:
+            continue
+        spec = template["spec"]
+        for c in containers(spec):
+            if "kvstored" not in c["image"] or c.get("command"):
+                continue  # not the daemon (an engine, valkey, an init script)
+            args = list(c.get("args", []))
+            if args[:1] == ["--config"]:
+                toml = tmp_path / f"{path.stem}.toml"
+                toml.write_text(found["ConfigMap"]["data"]["kvstored.toml"])
+                args[1] = str(toml)
+            yield effective(env_of(c), *args), spec
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_no_manifest_opens_metrics_or_tokens_to_others(path: Path, tmp_path: Path) -> None:
+    """#66 item 4: the DaemonSet's metrics listened on every address without auth,
+    and engines got their token in an environment variable. /metrics has no
+    authentication of its own: it listens on the pod's loopback (or not at all), and
+    nothing points the pod network's scrapers at it; every token is a file."""
+    for cfg, spec in daemon_configs(path, tmp_path):
+        host = cfg.metrics_listen.rpartition(":")[0].strip("[]")
+        assert cfg.metrics_listen == "off" or host in ("127.0.0.1", "::1", "localhost"), (
+            path.name, cfg.metrics_listen
+        )
+        for c in containers(spec):
+            ports = [p.get("containerPort") for p in c.get("ports", [])]
+            assert cfg.metrics_listen.rpartition(":")[2] not in map(str, ports), c["name"]
+    for doc in documents(path):
+        annotations = doc.get("spec", {}).get("template", {}).get("metadata", {}).get(
+            "annotations", {}
+        )
+        assert "prometheus.io/scrape" not in annotations, doc["metadata"]["name"]
+        pod = doc["spec"] if doc["kind"] == "Pod" else doc.get("spec", {}).get(
+            "template", {}
+        ).get("spec")
+        for c in containers(pod) if pod else ():
+            names = {e["name"] for e in c.get("env", [])}
+            assert "KVSTORE_TOKEN" not in names, (path.name, c["name"])
+            if "KVSTORE_TOKEN_FILE" in names:
+                token_file_of(pod, c)
+
+
+def test_daemonset_keeps_each_teams_token_its_own(tmp_path: Path) -> None:
+    """#66 item 4: every engine pod ran as the daemon's uid with the socket directory
+    mounted writable, so team A replaced ``kvstored.local.sock`` with its own listener
+    and read team B's token. Now each team's engine pods run as a uid of their own
+    (never the daemon's, never root, never another team's), mount the socket
+    directory read-only, trust only sockets of the daemon's uid, and read only their
+    own team's token; the directory is the daemon's alone to write (mode 0711) while
+    the sockets let other users connect (every call needs a token)."""
+    path = DEPLOY / "kubernetes" / "daemonset.yaml"
+    found = kinds(path)
+    spec = found["DaemonSet"]["spec"]["template"]["spec"]
+    kvstored = container(spec, "kvstored")
+    ((cfg, _),) = daemon_configs(path, tmp_path)
+    daemon_uid = kvstored["securityContext"]["runAsUser"]
+    sock_dir = str(Path(cfg.listen.removeprefix("unix://")).parent)
+    assert cfg.needs_tokens and int(cfg.socket_mode, 8) & 0o006 == 0o006
+    prepare = " ".join(container(spec, "prepare-dirs")["command"])
+    modes = dict((d, m) for m, d in re.findall(r"chmod (0[0-7]{3}) (\S+)", prepare))
+    assert int(modes[sock_dir], 8) & 0o022 == 0  # only the daemon writes the directory
+    assert f"{daemon_uid}:{daemon_uid} {sock_dir}" in prepare
+
+    teams: dict[str, int] = {}
+    for engine_pod in of_kind(path, "Pod"):
+        pod = engine_pod["spec"]
+        engine = pod["containers"][0]
+        uid = pod["securityContext"]["runAsUser"]
+        _, key = token_file_of(pod, engine)
+        team = key.removesuffix(".token")
+        assert uid not in (0, daemon_uid) and uid not in teams.values(), (team, uid)
+        teams[team] = uid
+        run = next(m for m in engine["volumeMounts"] if m["name"] == "kvstore-run")
+        assert run["mountPath"] == sock_dir and run.get("readOnly") is True
+        assert env_of(engine)["KVSTORE_SOCKET_OWNER"] == str(daemon_uid)
+    assert set(teams) == {t.name for t in cfg.tenants}  # an example pod per team
+
+
+def test_daemonset_ships_the_shared_tier_with_its_mac_key(tmp_path: Path) -> None:
+    """#66 item 4: the DaemonSet's shared tier had no shared_key_file, so anyone who
+    may write the cluster could plant a block every node served. It ships with one:
+    a file of its own Secret (the same on every node), mounted read-only, readable by
+    the daemon's group only."""
+    path = DEPLOY / "kubernetes" / "daemonset.yaml"
+    spec = kinds(path)["DaemonSet"]["spec"]["template"]["spec"]
+    kvstored = container(spec, "kvstored")
+    ((cfg, _),) = daemon_configs(path, tmp_path)
+    assert cfg.shared_url and cfg.shared_key_file
+    key = Path(cfg.shared_key_file)
+    mount = next(m for m in kvstored["volumeMounts"] if m["mountPath"] == str(key.parent))
+    assert mount.get("readOnly") is True
+    secret = volumes(spec)[mount["name"]]["secret"]
+    assert secret["defaultMode"] & 0o037 == 0
+    shipped = next(
+        s for s in of_kind(path, "Secret") if s["metadata"]["name"] == secret["secretName"]
+    )
+    assert key.name in shipped["stringData"]
 
 
 # --- systemd ---------------------------------------------------------------------------
