@@ -48,6 +48,8 @@ class Counters:
     put_waits: int = 0  # puts that waited for the writer to make room
     writer_refused: int = 0  # blocks refused after put_wait_ms (overflow = wait)
     dirty_dropped: int = 0  # blocks evicted before written to disk (overflow = drop)
+    # acquires refused: no host slot for their window within put_wait_ms (store_reads)
+    room_refused: int = 0
 
 
 Row = tuple[int, EventKind, str, BlockKey, str, float]  # Event's fields, in order

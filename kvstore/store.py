@@ -392,6 +392,7 @@ class Store:
                     "put_waits": c.put_waits,
                     "writer_refused": c.writer_refused,
                     "dirty_dropped": c.dirty_dropped,
+                    "room_refused": c.room_refused,
                     "event_seq": parts.events.seq(),  # the newest event's (kvctl events --count)
                     **self._feed_figures(),
                     **self._load_progress(),

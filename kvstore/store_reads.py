@@ -8,21 +8,41 @@ into the slots without it (the blocks of one share in one LMDB read transaction)
 publishes the promotions under the lock again. A block kept encoded in host
 (:mod:`kvstore.host_coding`) is decoded: by a read into its buffer, by an acquire into a
 slot of its own that the read lease holds.
+
+Threads, and who waits on whom (no thread ever waits on work queued behind itself):
+
+- a reading thread (a daemon worker) reads a big promotion in shares: it offers every
+  share but the first to the promotion pool, reads the first itself, then takes back
+  each share no promotion thread has started yet and reads it too. It waits only on
+  shares a promotion thread is reading (disk reads, which end), never on queued ones;
+- promotion threads read shares and wait on nothing;
+- read-ahead runs on a pool of its own (a read-ahead reads its window's shares as a
+  reading thread does); a read-ahead that would wait in its queue is skipped. An
+  acquire of a window takes over a read-ahead of it that has not started, and waits
+  for one that has at most ``put_wait_ms``, then reads the window itself (a block read
+  twice is published once);
+- a long read that finds no host room for a single block of its window waits for room
+  (``put_wait_ms``) as a put waits for the writer, then is refused with the reason
+  (OutOfSpace), never answered with an empty window that would read as the prefix's
+  end (``wait_room``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import overload
+from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar, overload
 
 import numpy as np
 
 from kvstore.errors import (
     InvalidArgument,
+    OutOfSpace,
     StoreError,
 )
 from kvstore.index import READY, Index, NamespaceEntry, Node
@@ -42,6 +62,55 @@ from kvstore.store_config import (
 from kvstore.store_parts import StoreParts
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# read-aheads at once (each mostly waits on its shares' disk reads); one more is skipped
+READ_AHEAD_THREADS = PROMOTE_THREADS
+
+
+@dataclass(slots=True, eq=False)
+class _ReadAhead:
+    """A read-ahead of one window: queued until a read-ahead thread ``started`` it;
+    ``done`` once it ended (or found its window taken over by an acquire)."""
+
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True)
+class _Pinned:
+    """What :meth:`Reads._pin_prefix` pinned: the nodes, {position: fresh host slot}
+    for blocks to read from disk or decode, the positions among those of blocks encoded
+    in host (decoded, not promoted; fixed at pin time: a block another reader promotes
+    meanwhile is still read here, and its slot freed), and the ready prefix's length."""
+
+    nodes: list[Node]
+    fresh: dict[int, int]
+    decode: frozenset[int]
+    ready: int
+
+
+def run_shares(pool: ThreadPoolExecutor, work: Callable[[T], R], shares: Sequence[T]) -> list[R]:
+    """``work(share)`` for each of ``shares``, in order: the first on this thread, the
+    others offered to ``pool``; each share no pool thread has started by the time this
+    thread comes to it is taken back and run here. This thread so waits only on shares
+    that are running, never on work queued behind others (behind itself, when it is a
+    thread of ``pool``): no pool can wait on its own queue."""
+    futures: list[Future[R] | None] = []
+    for share in shares[1:]:
+        try:
+            futures.append(pool.submit(work, share))
+        except RuntimeError:  # the pool shut down (the store closes): run it here
+            futures.append(None)
+    results = [work(shares[0])]
+    for share, future in zip(shares[1:], futures, strict=True):
+        if future is None or future.cancel():
+            results.append(work(share))
+        else:
+            results.append(future.result())  # running: a disk read, which ends
+    return results
 
 
 def ready_prefix(index: Index, keys: Sequence[BlockKey]) -> ReadyPrefix:
@@ -66,14 +135,19 @@ class Reads:
 
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
-        self._promoters: ThreadPoolExecutor | None = None  # made on the first big promotion
-        # read-ahead in flight, by the first key of its window (see read_ahead)
-        self._ahead: dict[BlockKey, Future[None]] = {}
+        # made on first use: shares of big promotions (they wait on nothing), and
+        # read-aheads (they wait on their shares only): see the module docstring
+        self._promoters: ThreadPoolExecutor | None = None
+        self._readers_ahead: ThreadPoolExecutor | None = None
+        # read-ahead queued or in flight, by the first key of its window (see read_ahead)
+        self._ahead: dict[BlockKey, _ReadAhead] = {}
 
     def close(self) -> None:
-        """Stop the promotion threads (after the store closed)."""
-        if self._promoters is not None:
-            self._promoters.shutdown(wait=True)
+        """Stop the promotion and read-ahead threads (after the store closed: what they
+        still do ends at its first look at the store)."""
+        for pool in (self._readers_ahead, self._promoters):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ read side
     def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> ReadyPrefix:
@@ -119,7 +193,7 @@ class Reads:
                 )
         pinned = self._pin_prefix(entry, keys, promote_all=False, start=start)
         assert pinned is not None  # None only for host_only
-        nodes, fresh, _ = pinned
+        nodes, fresh = pinned.nodes, pinned.fresh
         if out is None:
             out = memoryview(bytearray(max(len(nodes) - start, 0) * size))
         ok = len(nodes)
@@ -144,6 +218,7 @@ class Reads:
         host_only: bool,
         count: bool = True,
         start: int = 0,
+        wait_room: bool = False,
     ) -> Acquisition | None: ...
 
     def acquire(
@@ -154,6 +229,7 @@ class Reads:
         host_only: bool = False,
         count: bool = True,
         start: int = 0,
+        wait_room: bool = False,
     ) -> Acquisition | None:
         """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
         its disk-only blocks. With ``start`` only its blocks from ``start`` on are
@@ -165,7 +241,13 @@ class Reads:
         in the page cache; otherwise None, having changed nothing.
 
         ``count=False`` for a read counted already (the same get acquiring again): no
-        hits or misses are counted, the blocks are touched as by any read."""
+        hits or misses are counted, the blocks are touched as by any read.
+
+        ``wait_room`` (a client that would take an empty answer for the end of the
+        prefix: the daemon's Acquire): when not one block of the window gets a host
+        slot (the room is pinned by other reads or pending puts) while the prefix goes
+        on, wait for room up to ``put_wait_ms``, then raise OutOfSpace with the reason,
+        having changed nothing."""
         entry = self._parts.namespaces.entry(ns_id)
         self._parts.namespaces.check_keys(entry, keys)
         ttl = check_ttl(self._parts.config, ttl_s)
@@ -178,17 +260,20 @@ class Reads:
         room = self._parts.host_room(entry.group) // entry.spec.block_bytes
         limit = start + (self._half_room_blocks(entry) if start else room)
         first = keys[start] if start < min(limit, len(keys)) else None
-        if first is not None and not self._read_ahead_done(first, wait=not host_only):
+        if first is not None and not self._take_read_ahead(first, wait=not host_only):
             return None  # (host_only: a read-ahead of this window is still reading)
         pinned = self._pin_prefix(
-            entry, keys, promote_all=True, host_only=host_only, start=start, limit=limit
-        )
+            entry, keys, promote_all=True, host_only=host_only, start=start, limit=limit,
+            wait_room=wait_room,
+        )  # fmt: skip
         if pinned is None:
             return None
-        nodes, fresh, ready = pinned
+        nodes, fresh, ready = pinned.nodes, pinned.fresh, pinned.ready
+        if wait_room and len(nodes) <= start < min(ready, limit):
+            self._refuse_for_room(entry, start, ready)
         keys = keys[:limit]
         try:
-            ok = self._fill_promotions(nodes, fresh, nowait=host_only)
+            ok = self._fill_promotions(nodes, fresh, pinned.decode, nowait=host_only)
         except BlockingIOError:  # host_only: a block is not in the page cache
             with self._parts.lock:
                 for offset in fresh.values():
@@ -205,7 +290,7 @@ class Reads:
             with self._parts.lock:
                 self._parts.counters.repeated_gets += 1
         # decoded copies of blocks encoded in host: the lease's, not promotions
-        decoded = {i: fresh.pop(i) for i in [i for i in fresh if nodes[i].in_host]}
+        decoded = {i: fresh.pop(i) for i in pinned.decode}
         self._finish_pinned(
             entry, keys, nodes, fresh, ok, keep_pins=True, start=start, count=count
         )
@@ -235,31 +320,46 @@ class Reads:
         of its next window overlap its copy of the last one. An acquire of that window
         waits for the read-ahead first. Nothing is leased, nothing is counted: the
         blocks are ordinary host blocks once read (evictable as any). False when there
-        is nothing to read ahead (no disk tier, ``start`` past the chain, or a read-ahead
-        of that window in flight already)."""
+        is nothing to read ahead (no disk tier, ``start`` past the chain, a read-ahead
+        of that window in flight already, or every read-ahead thread busy: a hint that
+        would wait in a queue is skipped)."""
         entry = self._parts.namespaces.entry(ns_id)
         self._parts.namespaces.check_keys(entry, keys)
         if self._parts.disk is None or not 0 <= start < len(keys):
             return False
         window = list(keys[: start + self._half_room_blocks(entry)])
         with self._parts.lock:
-            if keys[start] in self._ahead:
+            if keys[start] in self._ahead or len(self._ahead) >= READ_AHEAD_THREADS:
                 return False
-            future: Future[None] = Future()
-            self._ahead[keys[start]] = future
-        self._promote_pool().submit(self._read_ahead, entry, window, start, future)
+            ahead = self._ahead[keys[start]] = _ReadAhead()
+            if self._readers_ahead is None:
+                self._readers_ahead = ThreadPoolExecutor(
+                    READ_AHEAD_THREADS, thread_name_prefix="kvstore-ahead"
+                )
+            pool = self._readers_ahead
+        try:
+            pool.submit(self._read_ahead, entry, window, start, ahead)
+        except RuntimeError:  # the pool shut down: the store closes
+            self._end_read_ahead(window[start], ahead)
+            return False
         return True
 
     def _read_ahead(
-        self, entry: NamespaceEntry, keys: list[BlockKey], start: int, future: Future[None]
+        self, entry: NamespaceEntry, keys: list[BlockKey], start: int, ahead: _ReadAhead
     ) -> None:
-        """:meth:`read_ahead`'s work, on a promotion thread."""
+        """:meth:`read_ahead`'s work, on a read-ahead thread; nothing when an acquire of
+        the window took it over before it started."""
+        with self._parts.lock:
+            if self._ahead.get(keys[start]) is not ahead:
+                ahead.done.set()
+                return
+            ahead.started = True
         try:
             pinned = self._pin_prefix(entry, keys, promote_all=True, start=start)
             if pinned is not None:
-                nodes, fresh, _ = pinned
+                nodes, fresh = pinned.nodes, pinned.fresh
                 try:
-                    ok = self._fill_promotions(nodes, fresh)
+                    ok = self._fill_promotions(nodes, fresh, pinned.decode)
                 except Exception:  # a hint only: the acquire reads what is missing
                     log.debug("read-ahead of a window failed", exc_info=True)
                     ok = start
@@ -269,21 +369,45 @@ class Reads:
         except StoreError:  # closed meanwhile
             pass
         finally:
-            with self._parts.lock:
-                if self._ahead.get(keys[start]) is future:
-                    del self._ahead[keys[start]]
-            future.set_result(None)
+            self._end_read_ahead(keys[start], ahead)
 
-    def _read_ahead_done(self, first: BlockKey, wait: bool) -> bool:
-        """Whether no read-ahead of the window that starts with ``first`` is in flight
-        (its blocks would else be read twice), after waiting for it with ``wait``."""
+    def _end_read_ahead(self, first: BlockKey, ahead: _ReadAhead) -> None:
         with self._parts.lock:
-            future = self._ahead.get(first)
-        if future is None:
-            return True
-        if wait:
-            future.result()
-        return wait
+            if self._ahead.get(first) is ahead:
+                del self._ahead[first]
+        ahead.done.set()
+
+    def _take_read_ahead(self, first: BlockKey, wait: bool) -> bool:
+        """Whether the acquire of the window that starts with ``first`` may read it: no
+        read-ahead of it is in flight (its blocks would else be read twice). One still
+        queued is taken over (it will do nothing); one running is waited for with
+        ``wait``, up to ``put_wait_ms``, after which the acquire reads the window itself
+        (a block both read is published once). False: one is running, and not ``wait``."""
+        with self._parts.lock:
+            ahead = self._ahead.get(first)
+            if ahead is None:
+                return True
+            if not ahead.started:
+                del self._ahead[first]
+                return True
+        if not wait:
+            return False
+        if not ahead.done.wait(self._parts.config.put_wait_ms / 1000):
+            log.debug("a read-ahead still reads after put_wait_ms: the acquire reads too")
+        return True
+
+    def _refuse_for_room(self, entry: NamespaceEntry, start: int, ready: int) -> NoReturn:
+        """Refuse an acquire whose window got no host slot within ``put_wait_ms`` (see
+        :meth:`acquire`): counted, and raised with the reason. Nothing is pinned."""
+        with self._parts.lock:
+            self._parts.counters.room_refused += 1
+        wait_ms = self._parts.config.put_wait_ms
+        raise OutOfSpace(
+            f"no host room for a window of this prefix: block {start} (of {ready} ready) "
+            f"needs a host slot, and all {self._parts.host_room(entry.group)} bytes of "
+            f"the host room stayed held by other reads' leases or pending puts for "
+            f"put_wait_ms ({wait_ms} ms); read it again later, or inline (Get)"
+        )
 
     def _half_room_blocks(self, entry: NamespaceEntry) -> int:
         """Blocks one acquire pins at most: half the tenant's host room (one window
@@ -346,13 +470,14 @@ class Reads:
         host_only: bool = False,
         start: int = 0,
         limit: int | None = None,
-    ) -> tuple[list[Node], dict[int, int], int] | None:
+        wait_room: bool = False,
+    ) -> _Pinned | None:
         """Pin the ready prefix and reserve host slots for its disk-only blocks, from
         ``start`` on (the caller does not read the blocks before it) up to ``limit``.
 
         Returns the pinned nodes, {position: fresh host offset} for blocks to promote
         and, with ``promote_all``, for blocks encoded in host to decode into, and how
-        long the ready prefix is (past ``limit`` too: one walk of the chain).
+        long the ready prefix is (past ``limit`` too: one walk of the chain): _Pinned.
         With ``promote_all`` the prefix is cut at the first block that gets no slot
         (acquire needs every block in host); otherwise that block is read from disk.
         With ``host_only``, slots come from free room only, for at most
@@ -361,7 +486,9 @@ class Reads:
 
         Room that only a writer can make (see :mod:`kvstore.tiering`) is waited for as
         a put waits (:meth:`StoreParts.wait_for_writer`, up to ``put_wait_ms``): the
-        blocks are on disk, and a read that gave up on them would be a miss.
+        blocks are on disk, and a read that gave up on them would be a miss. So is room
+        that only other reads' leases hold, with ``wait_room`` (see :meth:`acquire`):
+        until ``put_wait_ms``, a window that would get no block is not cut to nothing.
         """
         deadline = time.monotonic() + self._parts.config.put_wait_ms / 1000
         while True:
@@ -379,25 +506,35 @@ class Reads:
                         return None
                     for node in nodes[start:]:
                         node.pins += 1
-                    return nodes, fresh_room, ready
+                    return _pinned(nodes, fresh_room, ready)
                 # (a block before start, left unpinned, has its children indexed: it
                 # may leave the host tier meanwhile, never the index)
                 for node in nodes[start:]:
                     node.pins += 1
                 if in_place:
-                    return nodes, {}, ready
-                fresh = self._promotion_slots(nodes, promote_all, deadline, start)
+                    return _pinned(nodes, {}, ready)
+                fresh = self._promotion_slots(nodes, promote_all, deadline, start, wait_room)
                 if fresh is not None:
-                    return nodes, fresh, ready
-                behind = self._parts.tiers.behind_blocked
+                    return _pinned(nodes, fresh, ready)
+                tiers = self._parts.tiers
+                if not tiers.writer_blocked:  # pinned room: ends with a lease (changed)
+                    self._parts.changed.wait(max(0.0, min(0.05, deadline - time.monotonic())))
+                    continue
+                behind = tiers.behind_blocked
             self._parts.wait_for_writer(nodes[0].size, deadline, behind)
 
     def _promotion_slots(
-        self, nodes: list[Node], promote_all: bool, deadline: float, start: int = 0
+        self,
+        nodes: list[Node],
+        promote_all: bool,
+        deadline: float,
+        start: int = 0,
+        wait_room: bool = False,
     ) -> dict[int, int] | None:
         """Host slots for the disk-only blocks of the pinned ``nodes`` from ``start`` on
         (see :meth:`_pin_prefix`); None, with ``nodes`` unpinned and nothing allocated,
-        when the disk writer is behind and ``deadline`` has not passed. Under the lock."""
+        when the disk writer is behind, or (``wait_room``) when not one block from
+        ``start`` gets a slot, and ``deadline`` has not passed. Under the lock."""
         tiers = self._parts.tiers
         tiers.writer_blocked = tiers.behind_blocked = False
         fresh: dict[int, int] = {}
@@ -409,7 +546,8 @@ class Reads:
             if offset is not None:
                 fresh[i] = offset
                 continue
-            if tiers.writer_blocked and time.monotonic() < deadline:
+            no_room = wait_room and promote_all and i == start
+            if (tiers.writer_blocked or no_room) and time.monotonic() < deadline:
                 for taken in fresh.values():
                     self._parts.arena.free(taken)
                 for late in nodes[start:]:
@@ -475,21 +613,26 @@ class Reads:
         return len(nodes)
 
     def _fill_promotions(
-        self, nodes: list[Node], fresh: dict[int, int], nowait: bool = False
+        self,
+        nodes: list[Node],
+        fresh: dict[int, int],
+        decode: frozenset[int],
+        nowait: bool = False,
     ) -> int:
-        """Read disk-only blocks into their fresh host slots (no lock held); the number
-        of leading ``nodes`` that are good.
+        """Read disk-only blocks into their fresh host slots, and decode the blocks
+        encoded in host at ``decode`` into theirs (no lock held); the number of leading
+        ``nodes`` that are good.
 
         The blocks of one share are read in one LMDB read transaction. A disk read is
         a pread and a checksum pass, both without the GIL: promotions of
-        ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once.
+        ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once
+        (:func:`run_shares`: this thread never waits on a share still queued).
         ``nowait``: on this thread, BlockingIOError when a block is not in the page
         cache (see :meth:`acquire`)."""
         disk = self._parts.disk
-        for i in fresh:
-            if nodes[i].in_host:  # encoded in host: decoded into a slot of the reader's
-                self._decode(nodes[i], self._parts.arena.view(fresh[i], nodes[i].size))
-        todo = sorted(i for i in fresh if not nodes[i].in_host)
+        for i in decode:  # encoded in host: decoded into a slot of the reader's
+            self._decode(nodes[i], self._parts.arena.view(fresh[i], nodes[i].size))
+        todo = sorted(i for i in fresh if i not in decode)
         if not todo:
             return len(nodes)
 
@@ -506,9 +649,7 @@ class Reads:
             # one share per thread (a hand-off per block would cost more than it saves)
             share = -(-len(todo) // PROMOTE_THREADS)
             parts = [todo[k : k + share] for k in range(0, len(todo), share)]
-            pool = self._promote_pool()
-            futures = [pool.submit(fill_all, part) for part in parts[1:]]
-            failed = [fill_all(parts[0])] + [f.result() for f in futures]
+            failed = run_shares(self._promote_pool(), fill_all, parts)
             bad = [i for i in failed if i is not None]
             return min(bad) if bad else len(nodes)
         first_bad = fill_all(todo)
@@ -620,6 +761,13 @@ class Reads:
         for node in nodes:
             node.hits += reads
         self._parts.tiers.touch(nodes)
+
+
+def _pinned(nodes: list[Node], fresh: dict[int, int], ready: int) -> _Pinned:
+    """What :meth:`Reads._pin_prefix` pinned, under the lock it pinned in: the slots
+    of blocks encoded in host are known now (they stay in host while pinned)."""
+    decode = frozenset(i for i in fresh if nodes[i].in_host)
+    return _Pinned(nodes, fresh, decode, ready)
 
 
 def _needs_slot(node: Node, decode: bool) -> bool:

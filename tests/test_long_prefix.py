@@ -10,15 +10,28 @@ streamed from disk) and inline.
 from __future__ import annotations
 
 import asyncio
+import functools
+import secrets
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from conftest import Daemon, block_bytes_for, damage_in_disk_file, kv_stub, store_snapshot
+from conftest import (
+    Daemon,
+    block_bytes_for,
+    damage_in_disk_file,
+    kv_stub,
+    store_snapshot,
+    wait_for,
+    write_secret,
+)
 
-from kvclient import AsyncKVClient, InvalidArgumentError, KVClient
+from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, Namespace
+from kvclient.errors import KVStoreError, OutOfSpaceError
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
@@ -171,3 +184,140 @@ def test_the_connectors_window_must_be_positive() -> None:
 
     with pytest.raises(ValueError, match="window_bytes must be > 0"):
         ConnectorSettings.from_extra({"window_bytes": 0})
+
+
+# --- reads never wait on themselves (#66) ------------------------------------------------
+
+TENANT_QUOTA = 16 << 20  # each tenant's host room: windows of 8 MiB are read ahead in shares
+TENANT_BLOCKS = 4 * TENANT_QUOTA // BLOCK  # each prefix 4x its tenant's room
+READERS = 6  # more readers than the daemon's promotion threads and its store workers
+
+
+def tenants_config(folder: Path, n: int) -> tuple[Path, list[str]]:
+    """A config of ``n`` tenants with a host quota of TENANT_QUOTA each, and their tokens."""
+    tokens = [secrets.token_hex(16) for _ in range(n)]
+    lines = []
+    for i, token in enumerate(tokens):
+        file = write_secret(folder / f"t{i}.token", token + "\n")
+        lines += [f"[tenants.t{i}]", f'token_file = "{file}"', f'host_bytes = "{TENANT_QUOTA}"']
+    config = folder / "tenants.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return config, tokens
+
+
+def read_windows(addr: str, token: str, seed: int, first: threading.Event | None) -> int | str:
+    """Blocks of tenant ``seed``'s prefix read window by window (each checked), or the
+    error that ended the read; sets ``first`` once a window came back."""
+    tokens, rows = chain_of(seed, TENANT_BLOCKS)
+    try:
+        with KVClient(addr, token=token, timeout=30) as client:
+            ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+            got = 0
+            for lease in ns.windows(tokens):
+                at = lease.first_block
+                if not np.array_equal(np.stack(lease.views), rows[at : at + lease.n_blocks]):
+                    return f"window at {at}: wrong bytes"
+                got += lease.n_blocks
+                if first is not None:
+                    first.set()
+            return got
+    except KVStoreError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def wait_indexed(addr: str, tokens: list[str]) -> None:
+    """Wait until the restarted daemon's index (loaded behind its start) holds each
+    tenant's whole prefix again: the reads after it all go to the disk tier at once."""
+    for i, token in enumerate(tokens):
+        assert wait_for(functools.partial(indexed, addr, token, i), timeout=60)
+
+
+def indexed(addr: str, token: str, seed: int) -> bool:
+    with KVClient(addr, token=token) as client:
+        ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+        return ns.lookup(prefix_of(seed, TENANT_BLOCKS)).blocks == TENANT_BLOCKS
+
+
+def prefix_of(seed: int, blocks: int) -> list[int]:
+    return list(range(seed * 100_000, seed * 100_000 + blocks * TOKENS))
+
+
+def chain_of(seed: int, blocks: int) -> tuple[list[int], np.ndarray]:
+    tokens = prefix_of(seed, blocks)
+    rows = np.frombuffer(
+        b"".join(block_bytes_for(seed, i, BLOCK) for i in range(blocks)), np.uint8
+    ).reshape(blocks, BLOCK)
+    return tokens, rows
+
+
+@pytest.mark.timeout(240)
+def test_many_tenants_read_long_prefixes_at_once_after_a_restart(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Six tenants (16 MiB host quota each) read 64 MiB prefixes with windows() at once,
+    right after a restart: every disk read ahead is in flight at the same time. Each
+    gets its whole prefix (before #66 the promotion threads waited on work queued to
+    their own pool: every read hung for good). Then a SIGTERM while such reads are in
+    flight stops the daemon (exit 0)."""
+    config, tokens = tenants_config(tmp_path, READERS)
+    daemon = kvstored_factory(
+        host_bytes=f"{READERS * (TENANT_QUOTA >> 20) + 16}MiB",
+        disk_bytes=f"{READERS * 4 * (TENANT_QUOTA >> 20) + 64}MiB",
+        extra_args=("--config", str(config)),
+    )
+    for i, token in enumerate(tokens):
+        with KVClient(daemon.addr, token=token) as client:
+            ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+            put_tokens, rows = chain_of(i, TENANT_BLOCKS)
+            assert ns.put(put_tokens, rows).stored == TENANT_BLOCKS
+    daemon.restart()  # the blocks are on disk only
+    wait_indexed(daemon.addr, tokens)
+    with ThreadPoolExecutor(READERS) as pool:
+        reads = [pool.submit(read_windows, daemon.addr, t, i, None) for i, t in enumerate(tokens)]
+        done, late = wait(reads, timeout=120)
+        assert not late, "reads still waiting after 120 s (a wedged read path)"
+        assert [r.result() for r in reads] == [TENANT_BLOCKS] * READERS
+    # SIGTERM with reads in flight: the daemon stops, and each read ends (whole or refused)
+    daemon.restart()
+    wait_indexed(daemon.addr, tokens)
+    first = threading.Event()
+    with ThreadPoolExecutor(READERS) as pool:
+        reads = [pool.submit(read_windows, daemon.addr, t, i, first) for i, t in enumerate(tokens)]
+        assert first.wait(60), "no window came back in 60 s"
+        assert daemon.stop() == 0
+        done, late = wait(reads, timeout=60)
+        assert not late
+
+
+def test_a_long_read_that_finds_the_room_pinned_waits_for_it_or_says_why(
+    kvstored_factory: Callable[..., Daemon],
+) -> None:
+    """Two readers share one host room (no quotas). A holds a window of the whole room;
+    B's windows() waits for room (up to put_wait_ms), then refuses with the reason
+    (RESOURCE_EXHAUSTED) instead of yielding nothing as if the prefix were empty
+    (before #66: 0 blocks, no error). Once A lets go while B waits, B reads it all."""
+    daemon = kvstored_factory(host_bytes=HOST, disk_bytes="256MiB", put_wait_ms=500)
+    tokens_a, rows_a = chain(6)
+    tokens_b, rows_b = chain(7)
+    with KVClient(daemon.addr, timeout=30) as client:
+        ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
+        assert ns.put(tokens_a, rows_a).stored == BLOCKS
+        assert ns.put(tokens_b, rows_b).stored == BLOCKS
+        # A: a window of all the host room there is (the rest holds this client's
+        # staging slots), kept
+        held = ns.acquire(tokens_a)
+        assert 0 < held.n_blocks < BLOCKS and held.ready_blocks == BLOCKS
+        with pytest.raises(OutOfSpaceError, match="host room"):
+            for _ in ns.windows(tokens_b):
+                pass
+        with ThreadPoolExecutor(1) as pool:  # B again; A lets go meanwhile
+            reading = pool.submit(read_all_windows, ns, tokens_b)
+            held.release()
+            got = reading.result(timeout=60)
+        assert np.array_equal(got, rows_b)
+        assert client.stats().leases == 0
+
+
+def read_all_windows(ns: Namespace, tokens: list[int]) -> np.ndarray:
+    rows = [np.stack(lease.views) for lease in ns.windows(tokens)]
+    return np.concatenate(rows) if rows else np.empty((0, BLOCK), np.uint8)

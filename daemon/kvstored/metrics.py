@@ -80,6 +80,12 @@ STORE_COUNTERS = {
         "Blocks due on disk evicted from the host tier before they were written, because "
         "the disk writer stayed behind for put_wait_ms (overflow = drop): lost from the cache.",
     ),
+    "room_refused": (
+        "kvstore_reads_refused_for_room",
+        "Acquires refused (RESOURCE_EXHAUSTED) because not one block of their window got "
+        "a host slot within put_wait_ms: the room was held by other reads' leases or "
+        "pending puts.",
+    ),
     "dropped": (
         "kvstore_blocks_removed",
         "Blocks removed from the store entirely (evicted from the last tier, deleted, "
