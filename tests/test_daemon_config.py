@@ -361,3 +361,124 @@ def test_the_default_host_bytes_does_not_move_with_free_memory(
     assert {auto(8, free) for free in (7, 5, 4)} == {2 << 30}
     assert auto(8, 1) == 512 << 20  # memory that short: half of what is available
     assert auto(0.1, 0.1) == 64 << 20  # never below 64 MiB
+
+
+HUGE = str(1 << 63)  # 8 EiB, 2^63
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("host_bytes", "9" * 400),
+        ("host_bytes", "9" * 400 + ".5 TiB"),  # a float past the largest double
+        ("disk_bytes", HUGE),
+        ("max_staged_bytes", HUGE),
+        ("disk_queue_bytes", HUGE),
+        ("window_bytes", HUGE),
+        ("max_transfer_bytes", HUGE),
+        ("sync_index_bytes", HUGE),
+        ("shared_queue_bytes", HUGE),
+        ("selective_hits", HUGE),
+        ("put_wait_ms", "100000000000000000000"),  # 1e20
+        ("event_buffer", HUGE),
+        ("tenant_max_namespaces", HUGE),
+        ("shared_ttl_s", HUGE),
+        ("max_lease_ttl_s", "1e300"),
+        ("write_through_wait_s", "1e300"),
+        ("persist_timeout_s", "1e300"),
+        ("grace_s", "1e300"),
+    ],
+)
+def test_absurd_values_exit_2_with_one_line_naming_the_key(
+    key: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every number has an upper bound in its row of the key table, however it is given."""
+    flag = config.KEYS_BY_NAME[key].flag
+    proc = run_main(monkeypatch, capsys, flag, value, "--print-config")
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvstored: error: {key}: "), proc.stderr
+    assert "must be" in lines[0] or "invalid size" in lines[0], lines[0]
+
+
+def test_every_number_has_an_upper_bound() -> None:
+    """A value past each key's bound is refused by the row's own check."""
+    numeric = [k for k in config.KEYS if k.type in ("size", "int", "float")]
+    assert {k.name for k in numeric} >= {"host_bytes", "grace_s", "put_wait_ms"}
+    for key in numeric:
+        assert key.check is not None and key.check(1 << 63), key.name
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("host_bytes = " + "9" * 400 + "\n", "host_bytes: "),
+        ("a = " + "[" * 5000 + "]" * 5000 + "\n", "is nested too deeply"),
+        ("host_bytes = " + "9" * 5000 + "\n", "is not valid TOML"),
+        (b'host_bytes = "64 MiB"\n# caf\xe9\n', "is not UTF-8 text"),
+    ],
+)
+def test_unparsable_config_files_exit_2_with_one_line(
+    text: str | bytes, problem: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    toml = tmp_path / "kvstored.toml"
+    toml.write_bytes(text if isinstance(text, bytes) else text.encode())
+    proc = run_main(monkeypatch, capsys, "--config", str(toml), "--print-config")
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and problem in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ('disk_bytes = "1 GiB"\n[tenants.a]\ndisk_bytes = "2 GiB"\n',
+         "tenants.a: disk_bytes 2.0 GiB is more than the disk tier holds"),
+        ("disk_bytes = 0\n[tenants.a]\ndisk_bytes = " + "9" * 400 + "\n",
+         "tenants.a: disk_bytes must be in [0, 1024 TiB], got 999999999999... (400 digits)"),
+        ("[tenants.a]\nhost_bytes = " + "9" * 400 + "\n",
+         "tenants.a: host_bytes must be in [0, 1024 TiB]"),
+    ],
+)  # fmt: skip
+def test_tenant_quotas_past_the_disk_or_absurd_exit_2(
+    table: str, problem: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    toml = tmp_path / "tenants.toml"
+    toml.write_text(table.replace("[tenants.a]\n", '[tenants.a]\ntoken_file = "/t"\n'))
+    proc = run_main(monkeypatch, capsys, "--config", str(toml), "--print-config")
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"kvstored: error: tenants: {problem}"), lines
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo", "large", "directory"])
+def test_token_and_config_files_are_read_only_when_regular_and_small(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An admin token file that is /dev/zero (read without end), a FIFO (a read that
+    blocks), a file of megabytes or a directory: one line, exit 2, at once."""
+    path = tmp_path / "admin.token"
+    if kind == "device":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path, 0o600)
+    elif kind == "large":
+        write_secret(path, "x" * (2 << 20))
+    else:
+        path.mkdir(mode=0o700)
+    sock = tmp_path / "run" / "kvstored.sock"
+    proc = run_main(
+        monkeypatch, capsys, "--admin-token-file", str(path), "--listen", f"unix://{sock}",
+        "--disk-bytes", "0", "--host-bytes", "64MiB", "--metrics-listen", "off",
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstored: error: admin_token_file: "), lines
+    assert "not a regular file" in lines[0] or "more than 4096 bytes" in lines[0], lines[0]
+    if kind in ("device", "large"):  # a config file is bounded too
+        proc = run_main(monkeypatch, capsys, "--config", str(path), "--print-config")
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+        assert "config: " in proc.stderr and "more than" in proc.stderr, proc.stderr

@@ -34,7 +34,7 @@ import grpc
 
 from kvclient.errors import InvalidArgumentError, UntrustedSocketError
 from kvproto.v1.addresses import is_loopback, socket_path_of
-from kvproto.v1.tls import TLS, TLS_CA_ENV, read_file
+from kvproto.v1.tls import MAX_SECRET_FILE_BYTES, TLS, TLS_CA_ENV, read_file
 
 TOKEN_ENV = "KVSTORE_TOKEN"
 TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"
@@ -170,8 +170,8 @@ def _uid(owner: int | str) -> int:
 
 
 def _read(path: str, what: str) -> bytes:
-    try:
-        return read_file(path, what)
+    try:  # a regular file of a few KiB: /dev/zero is refused, not read without end
+        return read_file(path, what, MAX_SECRET_FILE_BYTES)
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
 

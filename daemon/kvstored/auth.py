@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvproto.v1.challenge import Transcript, token_key
+from kvproto.v1.tls import MAX_SECRET_FILE_BYTES, read_file_stat
 from kvstore.errors import InvalidArgument, LeaseError, Unauthenticated, UnknownNamespace
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store
@@ -125,17 +126,17 @@ MIN_SECRET_CHARS = 32  # the shared tier's MAC key
 
 def read_secret(path: str, what: str, min_chars: int = MIN_SECRET_CHARS) -> str:
     """The secret in ``path`` (surrounding whitespace dropped); ValueError saying why
-    not: unreadable, shorter than ``min_chars``, or open to others. Refused as ssh
+    not: unreadable, not a regular file of at most MAX_SECRET_FILE_BYTES (a device
+    such as /dev/zero would be read without end), shorter than ``min_chars``, or open
+    to others. Refused as ssh
     refuses a private key others may read: a file other users may read or write, or
     its group write; its group may read it only when that is this process's own group
     (Kubernetes mounts a Secret so, for the pod's ``fsGroup``)."""
+    data, info = read_file_stat(path, what, MAX_SECRET_FILE_BYTES)  # regular, small
     try:
-        with open(path, encoding="utf-8") as f:
-            info = os.fstat(f.fileno())
-            secret = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ValueError(f"cannot read {what} from {path}: {reason}") from None
+        secret = data.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot read {what} from {path}: not UTF-8 text") from None
     mode = info.st_mode
     if mode & 0o027 or (mode & 0o040 and info.st_gid != os.getegid()):
         raise ValueError(

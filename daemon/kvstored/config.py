@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvproto.v1.addresses import is_loopback
+from kvproto.v1.tls import MAX_SETTINGS_FILE_BYTES, read_file
 from kvstore.host.arena import common_bytes
 from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.format import mac_key
@@ -164,16 +165,30 @@ def _auto_disk(disk_dir: str) -> tuple[int, str]:
     return free_quarter, "default (auto)"
 
 
-def _at_least(low: float, unit: str = "") -> Callable[[Any], str | None]:
-    return lambda v: None if v >= low else f"must be >= {format_size(int(low)) if unit else low}"
+# Every number has an upper bound in its row: a value past it is a typo or an attack
+# on the daemon's arithmetic (a 400-digit size, a wait of 1e300 s), never a setting.
+MAX_BYTES = 1 << 50  # 1 PiB: no tier, queue or window of one node is larger
+MAX_WAIT_S = 3600.0  # the longest a call or a shutdown step may be told to wait
+MAX_LEASE_S = 86400.0  # a lease of a day
 
 
-def _between(low: int, high: int) -> Callable[[Any], str | None]:
-    return lambda v: None if low <= v <= high else f"must be in [{low}, {high}], got {v}"
+def _number(v: float) -> str:
+    """A value for an error line: a number of hundreds of digits shortened."""
+    text = str(v)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
 
 
-def _positive(v: float) -> str | None:
-    return None if v > 0 else f"must be > 0, got {v}"
+def _between(low: float, high: float) -> Callable[[Any], str | None]:
+    return lambda v: None if low <= v <= high else f"must be in [{low}, {high}], got {_number(v)}"
+
+
+def _size_between(low: int, high: int) -> Callable[[Any], str | None]:
+    span = f"[{format_size(low) if low else 0}, {format_size(high)}]"
+    return lambda v: None if low <= v <= high else f"must be in {span}, got {_number(v)} bytes"
+
+
+def _positive_up_to(high: float) -> Callable[[Any], str | None]:
+    return lambda v: None if 0 < v <= high else f"must be in (0, {high}], got {_number(v)}"
 
 
 KEYS: tuple[Key, ...] = (
@@ -183,55 +198,56 @@ KEYS: tuple[Key, ...] = (
     Key("host_bytes", "size", parse_size, _auto_host_bytes,
         "host arena size; default 25% of the memory, 64 MiB .. 4 GiB (at most half of "
         "MemAvailable)",
-        _at_least(1 << 20, "size")),
+        _size_between(1 << 20, MAX_BYTES)),
     Key("disk_dir", "path", parse_path, lambda _: str(paths.default_data_dir()),
         "LMDB directory of the disk tier; default $XDG_DATA_HOME/kvstore"),
     Key("disk_bytes", "size", parse_size, _auto_disk_bytes,
         "disk tier capacity, 0 disables it; default min(25% of free disk, 64 GiB), "
         f"chosen at the first start and kept in disk_dir/{DISK_SIZE_FILE} (a full file "
-        "system: 25% of its size, not kept; the tier waits for room)"),
+        "system: 25% of its size, not kept; the tier waits for room)",
+        _size_between(0, MAX_BYTES)),
     Key("admission", "choice", _choice(ADMISSION_POLICIES), "write-back",
         "disk admission: " + " | ".join(ADMISSION_POLICIES)),
     Key("selective_hits", "int", parse_int, 2,
-        "selective admission: hits before a block goes to disk", _at_least(1)),
+        "selective admission: hits before a block goes to disk", _between(1, 1_000_000)),
     Key("disk_min_priority", "int", parse_int, 0,
         "blocks below this priority are dropped, not demoted", _between(0, 100)),
     Key("default_priority", "int", parse_int, DEFAULT_PRIORITY,
         "priority (0..100) of blocks put without one", _between(0, 100)),
     Key("lease_ttl_s", "float", parse_float, 30.0, "default lease duration (seconds)",
-        _positive),
+        _positive_up_to(MAX_LEASE_S)),
     Key("max_lease_ttl_s", "float", parse_float, 600.0,
-        "longest lease a client may ask for (seconds)", _positive),
+        "longest lease a client may ask for (seconds)", _positive_up_to(MAX_LEASE_S)),
     Key("max_blocks_per_request", "int", parse_int, 8192, "most blocks one request may name",
         _between(1, 1 << 20)),
     Key("max_staged_bytes", "size", parse_size, 0,
         "host arena bytes one writer may hold set aside (staged) for its next puts; "
-        "0: a quarter of host_bytes", _at_least(0, "size")),
+        "0: a quarter of host_bytes", _size_between(0, MAX_BYTES)),
     Key("disk_queue_bytes", "size", parse_size, 256 << 20,
         "block bytes waiting for the disk writer, at most; when full, puts that need "
         "room wait for it (put_wait_ms, overflow); with write-back also the most a "
-        "crash loses beyond the host tier", _at_least(1 << 20, "size")),
+        "crash loses beyond the host tier", _size_between(1 << 20, MAX_BYTES)),
     Key("window_bytes", "size", parse_size, 64 << 20,
         "a prefix longer than the host tier passes through it in windows of at most "
         "this many bytes (and a quarter of the host tier): puts go to disk window by "
-        "window, so a prefix of any length is stored whole", _at_least(1 << 20, "size")),
+        "window, so a prefix of any length is stored whole", _size_between(1 << 20, MAX_BYTES)),
     Key("put_wait_ms", "int", parse_int, 5000,
         "a put whose room only the disk writer can make (every block it could evict is "
         "due on disk and disk_queue_bytes is full) waits this long for it, then "
-        "overflow decides; 0: decide at once", _at_least(0)),
+        "overflow decides; 0: decide at once", _between(0, int(MAX_WAIT_S * 1000))),
     Key("overflow", "choice", _choice(OVERFLOW_POLICIES), "wait",
         "past put_wait_ms: wait (refuse the put's blocks that do not fit: nothing it "
         "was told is stored is lost) | drop (evict blocks due on disk unwritten)"),
     Key("write_through_wait_s", "float", parse_float, 30.0,
         "write-through: how long a commit waits for its disk commit before answering "
         "(the blocks it did not see committed are not counted durable)",
-        lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
+        _between(0, MAX_WAIT_S)),
     Key("max_message_bytes", "size", parse_size, 64 << 20,
         "largest gRPC message received or sent; bigger ones get RESOURCE_EXHAUSTED",
         _between(MAX_CHUNK_BYTES + MESSAGE_OVERHEAD, (1 << 31) - 1)),
     Key("max_transfer_bytes", "size", parse_size, 1 << 30,
         "most block bytes one Put or Get moves (bounds daemon memory per call)",
-        _at_least(1 << 20, "size")),
+        _size_between(1 << 20, MAX_BYTES)),
     Key("arena_dir", "path", parse_path, "/dev/shm",
         "directory of the shared arena file (a tmpfs: its pages are the host tier)"),
     Key("shared_arena", "bool", parse_bool, True,
@@ -304,13 +320,13 @@ KEYS: tuple[Key, ...] = (
         _between(1, 60_000)),
     Key("shared_ttl_s", "int", parse_int, 0,
         "shared tier: values expire after this long; 0: never (the cluster's "
-        "maxmemory-policy evicts)", _at_least(0)),
+        "maxmemory-policy evicts)", _between(0, 366 * 86400)),
     Key("shared_min_priority", "int", parse_int, 0,
         "shared tier: blocks below this priority are not written to the cluster",
         _between(0, 100)),
     Key("shared_queue_bytes", "size", parse_size, 256 << 20,
         "shared tier: block bytes stored and not yet sent to the cluster, at most",
-        _at_least(1 << 20, "size")),
+        _size_between(1 << 20, MAX_BYTES)),
     Key("shared_overflow", "choice", _choice(OVERFLOW_POLICIES), "drop",
         "shared tier, past shared_queue_bytes: drop (new blocks are not sent, counted) "
         "| wait (puts wait for the writer, up to put_wait_ms, as for the disk's)"),
@@ -539,12 +555,21 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def _read_toml(path: str) -> dict[str, Any]:
+    """The config file's table; ConfigError in one line when it cannot be read (at
+    most MAX_SETTINGS_FILE_BYTES, from a file or a pipe), is not UTF-8, is not TOML
+    (an integer of thousands of digits included) or nests deeper than the parser's
+    recursion can follow."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+        raw = read_file(path, "the config file", MAX_SETTINGS_FILE_BYTES, regular=False)
+    except ValueError as exc:
+        raise ConfigError("config", str(exc)) from None
+    try:
+        data = tomllib.loads(raw.decode())
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{path} is not UTF-8 text (byte {exc.start})") from None
+    except RecursionError:
+        raise ConfigError("config", f"{path} is nested too deeply to be read") from None
+    except ValueError as exc:  # TOMLDecodeError, or an integer too long to convert
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
     for name in data:
         if name not in KEYS_BY_NAME and name != TENANTS_TABLE:
@@ -618,6 +643,18 @@ def load_config(
     for name in ("shared_password_file", "shared_key_file"):
         if values[name] and not values["shared_url"]:
             raise ConfigError(name, "is set but shared_url is not", sources[name])
+    for tenant in tenants:  # quotas: bounded, and a disk quota within the disk tier
+        quota, file = tenant.quota, f"file {config_file}"
+        for name, size in (("host_bytes", quota.host_bytes), ("disk_bytes", quota.disk_bytes)):
+            if problem := _size_between(0, MAX_BYTES)(size):
+                raise ConfigError(TENANTS_TABLE, f"tenants.{tenant.name}: {name} {problem}", file)
+        if values["disk_bytes"] and quota.disk_bytes > values["disk_bytes"]:
+            raise ConfigError(
+                TENANTS_TABLE,
+                f"tenants.{tenant.name}: disk_bytes {human_size(quota.disk_bytes)} is more "
+                f"than the disk tier holds (disk_bytes = {human_size(values['disk_bytes'])})",
+                file,
+            )
     regions = [t.quota.host_bytes for t in tenants if t.quota.host_bytes]
     if regions and common_bytes(values["host_bytes"], regions) < MIN_COMMON_REGION_BYTES:
         raise ConfigError(

@@ -49,6 +49,9 @@ def parse_size(raw: object) -> int:
                 f"invalid size {raw!r}: use bytes or a number with KiB, MiB, GiB or TiB"
             )
         number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number):  # (past the largest double: int() would raise)
+            raise ValueError(f"invalid size {raw[:24] if isinstance(raw, str) else raw!r}...: "
+                             "too large")
         if number != int(number):
             raise ValueError(f"invalid size {raw!r}: not a whole number of bytes")
         value = int(number)

@@ -37,6 +37,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from kvproto.v1.tls import read_file
 from kvstored import hostinfo, paths
 from kvstored.auth import MIN_SECRET_CHARS, Tokens, read_secret
 from kvstored.config import DISK_SIZE_FILE, MIN_AUTO_DISK_BYTES, DaemonConfig, keep_disk_bytes
@@ -126,9 +127,9 @@ def check_security(config: DaemonConfig) -> None:
         if not path:
             continue
         try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise _fail(config, key, f"cannot read {path}: {_reason(exc)}") from None
+            data = read_file(path, "a PEM file")  # a regular file, at most 1 MiB
+        except ValueError as exc:
+            raise _fail(config, key, str(exc)) from None
         if b"-----BEGIN " not in data:
             raise _fail(config, key, f"{path} holds no PEM block")
     secrets = (

@@ -8,9 +8,10 @@ be used raises ValueError with one line that names it.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
@@ -55,9 +56,54 @@ class TLS:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-def read_file(path: str, what: str) -> bytes:
-    """A settings file's bytes; ValueError naming ``what`` and the path otherwise."""
+MAX_SETTINGS_FILE_BYTES = 1 << 20  # a PEM bundle of a few hundred CAs, a config file
+MAX_SECRET_FILE_BYTES = 4096  # a token, a password, a key
+
+
+def read_file(
+    path: str, what: str, max_bytes: int = MAX_SETTINGS_FILE_BYTES, regular: bool = True
+) -> bytes:
+    """A settings file's bytes (:func:`read_file_stat`)."""
+    return read_file_stat(path, what, max_bytes, regular)[0]
+
+
+def read_file_stat(
+    path: str, what: str, max_bytes: int = MAX_SETTINGS_FILE_BYTES, regular: bool = True
+) -> tuple[bytes, os.stat_result]:
+    """A settings file's bytes and its fstat (its mode and owner as read); ValueError
+    naming ``what`` and the path otherwise.
+
+    Only a file of at most ``max_bytes`` is read, and with ``regular`` only a regular
+    file: a device (``/dev/zero``) would be read without end and a FIFO would block,
+    so the file is opened without blocking and checked with fstat before any byte is
+    read; without ``regular`` (a config given as ``<(...)``) the read stops one byte
+    past ``max_bytes``."""
+
+    def fail(reason: str) -> ValueError:
+        return ValueError(f"cannot read {what} from {path}: {reason}")
+
     try:
-        return Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NONBLOCK if regular else 0))
     except OSError as exc:
-        raise ValueError(f"cannot read {what} from {path}: {exc.strerror}") from None
+        raise fail(str(exc.strerror)) from None
+    try:
+        info = os.fstat(fd)
+        if regular and not stat.S_ISREG(info.st_mode):
+            raise fail("not a regular file")
+        if stat.S_ISREG(info.st_mode) and info.st_size > max_bytes:
+            raise fail(f"{info.st_size} bytes, more than {max_bytes} bytes")
+        pieces: list[bytes] = []
+        held = 0
+        while held <= max_bytes:  # (to one byte past the bound: a file that grew since)
+            piece = os.read(fd, max_bytes + 1 - held)
+            if not piece:
+                break
+            pieces.append(piece)
+            held += len(piece)
+    except OSError as exc:
+        raise fail(str(exc.strerror)) from None
+    finally:
+        os.close(fd)
+    if held > max_bytes:
+        raise fail(f"more than {max_bytes} bytes")
+    return b"".join(pieces), info
