@@ -261,21 +261,22 @@ KEYS: tuple[Key, ...] = (
         "a disk tier whose data file is at most this size is indexed before the daemon "
         "answers (with KV blocks of 64 KiB or more, a few thousand records); a larger "
         "one loads behind the first answers (hits for what is loaded); 0: always behind",
-        _at_least(0, "size")),
+        _size_between(0, MAX_BYTES)),
     Key("persist_timeout_s", "float", parse_float, 90.0,
         "on shutdown, how long writing the host tier to disk may wait for the disk "
         "writer; blocks due on disk left unwritten then make the exit code 3",
-        lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
+        _between(0, MAX_WAIT_S)),
     Key("event_buffer", "int", parse_int, 65536,
-        "events kept for WatchEvents (for the admin; as many again per tenant)", _at_least(16)),
+        "events kept for WatchEvents (for the admin; as many again per tenant)",
+        _between(16, 1 << 22)),
     Key("tenant_max_namespaces", "int", parse_int, 1024,
         "most namespaces, and most namespace names, one tenant may open and bind "
-        "(RESOURCE_EXHAUSTED past it); 0: no limit", _at_least(0)),
+        "(RESOURCE_EXHAUSTED past it); 0: no limit", _between(0, 1 << 20)),
     Key("workers", "int", parse_int, 8, "threads that run store calls (copies, disk reads)",
         _between(1, 256)),
     Key("grace_s", "float", parse_float, 10.0,
         "on SIGTERM, how long in-flight calls may finish",
-        lambda v: None if v >= 0 else f"must be >= 0, got {v}"),
+        _between(0, MAX_WAIT_S)),
     Key("local_calls", "bool", parse_bool, True,
         "serve short calls to same-host clients on a plain unix socket beside the gRPC "
         "one (a round trip ~10x cheaper); false: gRPC only"),
