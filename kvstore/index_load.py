@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from kvstore import codecs
+from kvstore.codecs import Codec
 from kvstore.disk.format import unpack_fields
 from kvstore.index import READY, NamespaceEntry, Node
 from kvstore.keys import BlockKey, NamespaceSpec, tokens_name_block
@@ -83,18 +84,20 @@ def decode(key: bytes, raw: bytes) -> Loaded | None:
     return key, digest, parent, size, priority, last, tokens, codec, version
 
 
-def stored_whole(entry: NamespaceEntry, size: int, codec: int, version: int) -> bool:
-    """Whether a record's payload is one block of ``entry``: as it is, or encoded by
-    the namespace's codec at the version this daemon decodes."""
-    if not codec:
-        return size == entry.spec.block_bytes
-    own = entry.codec
-    return (
-        own is not None
-        and codec == own.code_id
-        and version == codecs.VERSION
-        and size == own.encoded_bytes
-    )
+def stored_whole(kept: Codec | None, entry: NamespaceEntry, size: int) -> bool:
+    """Whether a record of the right codec (:func:`codec_matches`) holds one block of
+    ``entry``: its size, as it is or encoded."""
+    return size == (entry.spec.block_bytes if kept is None else kept.encoded_bytes)
+
+
+def codec_matches(kept: Codec | None, codec: int, version: int) -> bool:
+    """Whether a record of ``codec`` at ``version`` (0, 0: raw) is how its namespace
+    keeps its disk blocks (``kept``, the disk placement's codec for it; None: as they
+    are). A raw record where they are kept encoded, or the reverse, or another codec or
+    version, is not the namespace's block: dropped, counted, a miss."""
+    if kept is None:
+        return not codec
+    return codec == kept.code_id and version == codecs.VERSION
 
 
 def record_digest(raw: bytes) -> bytes | None:
@@ -132,7 +135,7 @@ class IndexLoad:
         self._disk = parts.disk
         self.total = 0  # records in the environment, once it is open
         self.loaded = 0  # records read so far (indexed, waiting for a parent, or dropped)
-        self.foreign_codec = 0  # records of an unknown codec version (dropped)
+        self.foreign_codec = 0  # records not of their namespace's disk codec (dropped)
         self.done = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -231,10 +234,12 @@ class IndexLoad:
         with self._parts.lock:
             self._parts.tiers.apply_shrunk_disk()
         if self.foreign_codec:
+            self._disk.count_codec_mismatches(self.foreign_codec)
             log.warning(
-                "%d disk records were encoded by a codec version this daemon does not "
-                "decode (it knows version %d): dropped as misses", self.foreign_codec,
-                codecs.VERSION,
+                "%d disk records were not of the codec their namespace keeps on disk "
+                "(raw where it keeps them encoded, or the reverse, or a codec version "
+                "this daemon does not decode: it knows version %d): dropped as misses",
+                self.foreign_codec, codecs.VERSION,
             )  # fmt: skip
         if dropped:
             log.warning(
@@ -275,9 +280,12 @@ class IndexLoad:
             rec = todo.pop()
             key, digest, parent_key, size, priority, last, tokens, codec, version = rec
             entry = by_digest.get(digest)
-            if entry is None or not stored_whole(entry, size, codec, version):
-                if entry is not None and codec and version != codecs.VERSION:
-                    self.foreign_codec += 1
+            kept = disk.codec(entry) if entry is not None else None
+            if entry is not None and not codec_matches(kept, codec, version):
+                self.foreign_codec += 1
+                stale.append(key)
+                continue
+            if entry is None or not stored_whole(kept, entry, size):
                 stale.append(key)
                 continue
             held = index.nodes.get(BlockKey(key))  # put again during the load

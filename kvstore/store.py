@@ -357,6 +357,7 @@ class Store:
                 disk_counters = {
                     "disk_refused_writes": dstats.refused_writes,
                     "disk_dropped_writes": dstats.dropped_writes,
+                    "disk_codec_mismatches": dstats.codec_mismatches,
                 }
             namespaces = tuple(
                 NamespaceStats(

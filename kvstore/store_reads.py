@@ -598,8 +598,9 @@ class Reads:
                 elif target is not None:
                     target[:] = array[node.host_offset : node.host_offset + size]
                 continue
-            assert self._parts.disk is not None
-            codec = node.ns.codec  # (a record says whether it was encoded)
+            placement = self._parts.tiers.disk
+            assert self._parts.disk is not None and placement is not None
+            codec = placement.codec(node.ns)  # how it keeps them (a record of another: a miss)
             if i in fresh:
                 slot = self._parts.arena.view(fresh[i], size)
                 if self._parts.disk.read(node.key, out=slot, codec=codec) is None:
@@ -638,9 +639,10 @@ class Reads:
 
         def fill_all(part: list[int]) -> int | None:
             """The first block of ``part`` that failed, or None."""
-            assert disk is not None
+            placement = self._parts.tiers.disk
+            assert disk is not None and placement is not None
             slots = [self._parts.arena.view(fresh[i], nodes[i].size) for i in part]
-            codec = nodes[part[0]].ns.codec  # (one namespace)
+            codec = placement.codec(nodes[part[0]].ns)  # (one namespace)
             good = disk.read_all([nodes[i].key for i in part], slots, nowait, codec)
             return None if good == len(part) else part[good]
 

@@ -450,3 +450,68 @@ def test_a_block_queued_for_disk_encoded_reads_back_decoded(tmp_path: Path) -> N
         committed = tier.read(key, codec=codec)
     assert queued is not None and committed is not None
     assert bytes(queued) == bytes(committed) and within_bound(bytes(queued), raw, "int8")
+
+
+def test_a_raw_record_in_a_coded_namespace_is_a_miss_after_a_restart(tmp_path: Path) -> None:
+    """int8 keeps its disk blocks encoded: a record rewritten as raw (codec 0, one
+    block's size, a checksum that holds) is not of its namespace's codec. After a
+    restart it is a miss, counted, never served as the block; its neighbours are."""
+    import xxhash
+
+    store = coded_store(tmp_path)
+    try:
+        ns_id, chains, blocks = fill(store, "int8", 12)
+    finally:
+        store.close()
+    forged = b"\x3c" * len(blocks[0])  # reads as bfloat16 0.0114..., whole
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=8, map_size=1 << 30)
+    meta = env.open_db(META_DB, create=False)
+    payload = env.open_db(b"payload", create=False)
+    key = bytes(chains[0][0])
+    with env.begin(write=True) as txn:
+        record = unpack_record(key, txn.get(key, db=meta))
+        assert record.codec  # stored encoded
+        txn.put(key, forged, db=payload)
+        txn.put(key, pack_record(record.__class__(
+            record.key, record.ns_digest, record.parent, len(forged),
+            xxhash.xxh3_64_intdigest(forged), record.priority, record.last_access,
+            record.offset, record.tokens, 0, 0,
+        )), db=meta)  # fmt: skip
+    env.close()
+    store = coded_store(tmp_path)
+    try:
+        store.wait_loaded(30)
+        assert read_back(store, ns_id, chains[0]) is None
+        assert store.stats().counters["disk_codec_mismatches"] == 1
+        got = read_back(store, ns_id, chains[1])
+        assert got is not None and within_bound(got, blocks[1], "int8")
+    finally:
+        store.close()
+
+
+def test_a_record_of_another_codec_than_asked_is_a_miss_when_read(tmp_path: Path) -> None:
+    """The disk storage's own read: a raw record asked for with a codec (the namespace
+    keeps its blocks encoded there), or an encoded one asked for as it is, is a miss
+    and counted; asked for as it was written, it is served."""
+    import xxhash
+
+    from kvstore.disk import DiskRecord, DiskTier
+
+    raw = kv_block("bfloat16", 64 * HEAD_DIM, 4).tobytes()
+    codec = Codec("int8", "bfloat16", HEAD_DIM, len(raw))
+    encoded = bytes(codec.encode(raw, memoryview(bytearray(codec.encoded_bytes))))
+    plain = DiskRecord(b"r" * 32, b"d" * 32, b"", len(raw), xxhash.xxh3_64_intdigest(raw), 35, 0.0)
+    coded = DiskRecord(
+        b"e" * 32, b"d" * 32, b"", len(encoded), xxhash.xxh3_64_intdigest(encoded), 35, 0.0,
+        codec=codec.code_id, codec_version=VERSION,
+    )  # fmt: skip
+    with DiskTier(str(tmp_path / "lmdb"), 64 * MiB) as tier:
+        assert tier.write(plain, raw) and tier.write(coded, encoded)
+        tier.flush(30)
+        assert tier.read(plain.key, codec=codec) is None
+        assert tier.read(coded.key) is None
+        out = [memoryview(bytearray(len(raw)))]
+        assert tier.read_all([plain.key], out, codec=codec) == 0
+        assert tier.stats().codec_mismatches == 3
+        assert bytes(tier.read(plain.key) or b"") == raw
+        assert within_bound(bytes(tier.read(coded.key, codec=codec) or b""), raw, "int8")

@@ -70,8 +70,10 @@ class DiskReads:
         With ``out`` the bytes are copied into it and ``out[:size]`` is returned
         (``out`` must be writable, C-contiguous and large enough). Every read verifies
         the xxh3-64 checksum; a mismatch deletes the record and counts a corrupt read.
-        A payload stored encoded is checked, then decoded with ``codec`` (its
-        namespace's); one encoded by another codec or version is a miss (logged once).
+        ``codec`` is the one the block's namespace keeps its disk blocks with (None:
+        as they are). A payload stored encoded is checked, then decoded with it; a
+        record of another codec or version, or raw where ``codec`` is given, is a miss
+        (counted, logged once per kind): its bytes are not the namespace's block.
         """
         key = bytes(key)
         dst = None if out is None else _byte_view(out)
@@ -222,6 +224,9 @@ class DiskReads:
             return b"", -1  # fails the checksum check
         if record.codec:
             return self._decoded(key, record, view, dst, nowait, codec)
+        if codec is not None:  # raw, where the namespace keeps its blocks encoded
+            self._note_foreign_codec(key, record)
+            return None
         if dst is not None:
             self._check_out(dst, record.size)
             self._copy_value(view, dst[: record.size], nowait)
@@ -279,17 +284,18 @@ class DiskReads:
         return False
 
     def _note_foreign_codec(self, key: bytes, record: DiskRecord) -> None:
-        """A payload encoded by a codec or version this namespace does not decode: a
-        miss, logged once per kind."""
+        """A payload not of the codec its namespace keeps on disk (encoded by another
+        codec or version, or raw): a miss, counted, logged once per kind."""
         kind = (record.codec, record.codec_version)
         with self._s.cond:
+            self._s.codec_mismatches += 1
             if kind in self._foreign_codecs:
                 return
             self._foreign_codecs.add(kind)
         log.warning(
-            "disk record %s is encoded by codec %d version %d, which this daemon does "
-            "not decode for its namespace (it knows version %d): served as a miss",
-            key.hex(), record.codec, record.codec_version, codecs.VERSION,
+            "disk record %s is of codec %d version %d (0: raw), which is not how its "
+            "namespace keeps its disk blocks (this daemon decodes version %d): served "
+            "as a miss", key.hex(), record.codec, record.codec_version, codecs.VERSION,
         )  # fmt: skip
 
     def _copy_value(self, view: memoryview, dst: memoryview, nowait: bool = False) -> None:

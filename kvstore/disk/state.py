@@ -85,6 +85,9 @@ class DiskStats:
     fault: str = ""  # why the tier takes no writes now (disk full, I/O errors); "" if it does
     refused_writes: int = 0  # writes refused: not writable, or no room in the queue
     lost_writes: int = 0  # queued writes given up at close (never committed)
+    # records not of the codec their namespace keeps on disk (another codec, another
+    # version, or raw where it keeps them encoded, and the reverse): misses, never served
+    codec_mismatches: int = 0
 
     @property
     def writable(self) -> bool:
@@ -354,6 +357,7 @@ class DiskState:
         self.corrupt_reads = self.map_full_events = self.dropped_writes = 0
         self.fault = ""  # see DiskTier.fault
         self.refused_writes = self.lost_writes = 0
+        self.codec_mismatches = 0
         # a lazy open (DiskTier(lazy=True)): the writer commits nothing until the deep
         # check passed (``checked``); until the index load ends (``loading``), ``sizes``
         # holds only what was adopted or written, ``used`` is LMDB's page count, and
@@ -430,6 +434,7 @@ class DiskState:
                 fault=self.fault,
                 refused_writes=self.refused_writes,
                 lost_writes=self.lost_writes,
+                codec_mismatches=self.codec_mismatches,
             )
 
     # --- internals: queue --------------------------------------------------------

@@ -501,6 +501,12 @@ class DiskTier:
             if self._s.loading:
                 self._s.voided.update([None] if digests is None else digests)
 
+    def count_codec_mismatches(self, records: int) -> None:
+        """``records`` the index load dropped for their codec (kvstore.index_load),
+        counted with the reads that found one (``DiskStats.codec_mismatches``)."""
+        with self._s.cond:
+            self._s.codec_mismatches += records
+
     def end_load(self) -> None:
         """Every live record is known now: ``used_bytes`` becomes exact."""
         with self._s.cond:
