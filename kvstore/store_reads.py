@@ -9,34 +9,23 @@ publishes the promotions under the lock again. A block kept encoded in host
 (:mod:`kvstore.host_coding`) is decoded: by a read into its buffer, by an acquire into a
 slot of its own that the read lease holds.
 
-Threads, and who waits on whom (no thread ever waits on work queued behind itself):
-
-- a reading thread (a daemon worker) reads a big promotion in shares: it offers every
-  share but the first to the promotion pool, reads the first itself, then takes back
-  each share no promotion thread has started yet and reads it too. It waits only on
-  shares a promotion thread is reading (disk reads, which end), never on queued ones;
-- promotion threads read shares and wait on nothing;
-- read-ahead runs on a pool of its own (a read-ahead reads its window's shares as a
-  reading thread does); a read-ahead that would wait in its queue is skipped. An
-  acquire of a window takes over a read-ahead of it that has not started, and waits
-  for one that has at most ``put_wait_ms``, then reads the window itself (a block read
-  twice is published once);
-- a long read that finds no host room for a single block of its window waits for room
-  (``put_wait_ms``) as a put waits for the writer, then is refused with the reason
-  (OutOfSpace), never answered with an empty window that would read as the prefix's
-  end (``wait_room``).
+Big promotions are read in shares and the next window of a long prefix is read ahead
+on threads arranged so that none waits on work queued behind itself
+(:mod:`kvstore.read_threads`). A long read that finds no host room for a single block
+of its window waits for room (``put_wait_ms``) as a put waits for the writer, then is
+refused with the reason (OutOfSpace), never answered with an empty window that would
+read as the prefix's end (``wait_room``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar, overload
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn, overload
 
 import numpy as np
 
@@ -48,6 +37,7 @@ from kvstore.errors import (
 from kvstore.index import READY, Index, NamespaceEntry, Node
 from kvstore.keys import BlockKey, run_tokens
 from kvstore.misses import MissReason, explain
+from kvstore.read_threads import ReadThreads
 from kvstore.results import (
     Acquisition,
     Located,
@@ -63,21 +53,6 @@ from kvstore.store_parts import StoreParts
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-R = TypeVar("R")
-
-# read-aheads at once (each mostly waits on its shares' disk reads); one more is skipped
-READ_AHEAD_THREADS = PROMOTE_THREADS
-
-
-@dataclass(slots=True, eq=False)
-class _ReadAhead:
-    """A read-ahead of one window: queued until a read-ahead thread ``started`` it;
-    ``done`` once it ended (or found its window taken over by an acquire)."""
-
-    started: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-
 
 @dataclass(slots=True)
 class _Pinned:
@@ -90,27 +65,6 @@ class _Pinned:
     fresh: dict[int, int]
     decode: frozenset[int]
     ready: int
-
-
-def run_shares(pool: ThreadPoolExecutor, work: Callable[[T], R], shares: Sequence[T]) -> list[R]:
-    """``work(share)`` for each of ``shares``, in order: the first on this thread, the
-    others offered to ``pool``; each share no pool thread has started by the time this
-    thread comes to it is taken back and run here. This thread so waits only on shares
-    that are running, never on work queued behind others (behind itself, when it is a
-    thread of ``pool``): no pool can wait on its own queue."""
-    futures: list[Future[R] | None] = []
-    for share in shares[1:]:
-        try:
-            futures.append(pool.submit(work, share))
-        except RuntimeError:  # the pool shut down (the store closes): run it here
-            futures.append(None)
-    results = [work(shares[0])]
-    for share, future in zip(shares[1:], futures, strict=True):
-        if future is None or future.cancel():
-            results.append(work(share))
-        else:
-            results.append(future.result())  # running: a disk read, which ends
-    return results
 
 
 def ready_prefix(index: Index, keys: Sequence[BlockKey]) -> ReadyPrefix:
@@ -135,19 +89,11 @@ class Reads:
 
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
-        # made on first use: shares of big promotions (they wait on nothing), and
-        # read-aheads (they wait on their shares only): see the module docstring
-        self._promoters: ThreadPoolExecutor | None = None
-        self._readers_ahead: ThreadPoolExecutor | None = None
-        # read-ahead queued or in flight, by the first key of its window (see read_ahead)
-        self._ahead: dict[BlockKey, _ReadAhead] = {}
+        self._threads = ReadThreads(parts.config.put_wait_ms / 1000)
 
     def close(self) -> None:
-        """Stop the promotion and read-ahead threads (after the store closed: what they
-        still do ends at its first look at the store)."""
-        for pool in (self._readers_ahead, self._promoters):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the promotion and read-ahead threads (after the store closed)."""
+        self._threads.close()
 
     # ------------------------------------------------------------------ read side
     def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> ReadyPrefix:
@@ -260,7 +206,7 @@ class Reads:
         room = self._parts.host_room(entry.group) // entry.spec.block_bytes
         limit = start + (self._half_room_blocks(entry) if start else room)
         first = keys[start] if start < min(limit, len(keys)) else None
-        if first is not None and not self._take_read_ahead(first, wait=not host_only):
+        if first is not None and not self._threads.take(first, wait=not host_only):
             return None  # (host_only: a read-ahead of this window is still reading)
         pinned = self._pin_prefix(
             entry, keys, promote_all=True, host_only=host_only, start=start, limit=limit,
@@ -328,32 +274,11 @@ class Reads:
         if self._parts.disk is None or not 0 <= start < len(keys):
             return False
         window = list(keys[: start + self._half_room_blocks(entry)])
-        with self._parts.lock:
-            if keys[start] in self._ahead or len(self._ahead) >= READ_AHEAD_THREADS:
-                return False
-            ahead = self._ahead[keys[start]] = _ReadAhead()
-            if self._readers_ahead is None:
-                self._readers_ahead = ThreadPoolExecutor(
-                    READ_AHEAD_THREADS, thread_name_prefix="kvstore-ahead"
-                )
-            pool = self._readers_ahead
-        try:
-            pool.submit(self._read_ahead, entry, window, start, ahead)
-        except RuntimeError:  # the pool shut down: the store closes
-            self._end_read_ahead(window[start], ahead)
-            return False
-        return True
+        work = functools.partial(self._read_ahead, entry, window, start)
+        return self._threads.read_ahead(keys[start], work)
 
-    def _read_ahead(
-        self, entry: NamespaceEntry, keys: list[BlockKey], start: int, ahead: _ReadAhead
-    ) -> None:
-        """:meth:`read_ahead`'s work, on a read-ahead thread; nothing when an acquire of
-        the window took it over before it started."""
-        with self._parts.lock:
-            if self._ahead.get(keys[start]) is not ahead:
-                ahead.done.set()
-                return
-            ahead.started = True
+    def _read_ahead(self, entry: NamespaceEntry, keys: list[BlockKey], start: int) -> None:
+        """:meth:`read_ahead`'s work, on a read-ahead thread."""
         try:
             pinned = self._pin_prefix(entry, keys, promote_all=True, start=start)
             if pinned is not None:
@@ -368,33 +293,6 @@ class Reads:
                 )
         except StoreError:  # closed meanwhile
             pass
-        finally:
-            self._end_read_ahead(keys[start], ahead)
-
-    def _end_read_ahead(self, first: BlockKey, ahead: _ReadAhead) -> None:
-        with self._parts.lock:
-            if self._ahead.get(first) is ahead:
-                del self._ahead[first]
-        ahead.done.set()
-
-    def _take_read_ahead(self, first: BlockKey, wait: bool) -> bool:
-        """Whether the acquire of the window that starts with ``first`` may read it: no
-        read-ahead of it is in flight (its blocks would else be read twice). One still
-        queued is taken over (it will do nothing); one running is waited for with
-        ``wait``, up to ``put_wait_ms``, after which the acquire reads the window itself
-        (a block both read is published once). False: one is running, and not ``wait``."""
-        with self._parts.lock:
-            ahead = self._ahead.get(first)
-            if ahead is None:
-                return True
-            if not ahead.started:
-                del self._ahead[first]
-                return True
-        if not wait:
-            return False
-        if not ahead.done.wait(self._parts.config.put_wait_ms / 1000):
-            log.debug("a read-ahead still reads after put_wait_ms: the acquire reads too")
-        return True
 
     def _refuse_for_room(self, entry: NamespaceEntry, start: int, ready: int) -> NoReturn:
         """Refuse an acquire whose window got no host slot within ``put_wait_ms`` (see
@@ -627,7 +525,7 @@ class Reads:
         The blocks of one share are read in one LMDB read transaction. A disk read is
         a pread and a checksum pass, both without the GIL: promotions of
         ``PARALLEL_PROMOTE_BYTES`` or more run on PROMOTE_THREADS threads at once
-        (:func:`run_shares`: this thread never waits on a share still queued).
+        (:meth:`ReadThreads.shares`: this thread never waits on a share still queued).
         ``nowait``: on this thread, BlockingIOError when a block is not in the page
         cache (see :meth:`acquire`)."""
         disk = self._parts.disk
@@ -651,7 +549,7 @@ class Reads:
             # one share per thread (a hand-off per block would cost more than it saves)
             share = -(-len(todo) // PROMOTE_THREADS)
             parts = [todo[k : k + share] for k in range(0, len(todo), share)]
-            failed = run_shares(self._promote_pool(), fill_all, parts)
+            failed = self._threads.shares(fill_all, parts)
             bad = [i for i in failed if i is not None]
             return min(bad) if bad else len(nodes)
         first_bad = fill_all(todo)
@@ -662,14 +560,6 @@ class Reads:
         codec = node.ns.codec
         assert codec is not None and node.host_coded
         codec.decode(self._parts.arena.view(node.host_offset, codec.encoded_bytes), out)
-
-    def _promote_pool(self) -> ThreadPoolExecutor:
-        with self._parts.lock:
-            if self._promoters is None:
-                self._promoters = ThreadPoolExecutor(
-                    PROMOTE_THREADS, thread_name_prefix="kvstore-promote"
-                )
-            return self._promoters
 
     def _finish_pinned(
         self,
