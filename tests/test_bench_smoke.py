@@ -208,6 +208,7 @@ def test_benchmark_programs_refuse_bad_arguments_with_one_clear_line() -> None:
         ("serve.py", ["--cases", "alone,nope"], "unknown cases ['nope']", 120),
         ("multiturn.py", ["--cases", "nope"], "unknown cases ['nope']", 120),
         ("evict_rates.py", ["--before", ".", "--rounds", "0"], "--rounds must be >= 1", 120),
+        ("why_cost.py", ["--before", ".", "--namespaces", "1"], "--namespaces >= 2", 120),
     ):
         done = subprocess.run(
             [sys.executable, str(programs / name), *args],
