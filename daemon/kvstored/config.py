@@ -41,9 +41,15 @@ from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
 from kvstored import hostinfo, paths
 from kvstored.auth import TenantConfig, parse_tenants, read_secret
 from kvstored.config_values import (
+    MAX_BYTES,
+    MAX_LEASE_S,
+    MAX_WAIT_S,
     SOCKET_MODES,
     ConfigError,
+    _between,
     _choice,
+    _positive_up_to,
+    _size_between,
     format_size,
     human_size,
     parse_address,
@@ -163,32 +169,6 @@ def _auto_disk(disk_dir: str) -> tuple[int, str]:
         if size_quarter >= MIN_AUTO_DISK_BYTES:
             return size_quarter, f"default (auto: {FULL_DISK_SOURCE})"
     return free_quarter, "default (auto)"
-
-
-# Every number has an upper bound in its row: a value past it is a typo or an attack
-# on the daemon's arithmetic (a 400-digit size, a wait of 1e300 s), never a setting.
-MAX_BYTES = 1 << 50  # 1 PiB: no tier, queue or window of one node is larger
-MAX_WAIT_S = 3600.0  # the longest a call or a shutdown step may be told to wait
-MAX_LEASE_S = 86400.0  # a lease of a day
-
-
-def _number(v: float) -> str:
-    """A value for an error line: a number of hundreds of digits shortened."""
-    text = str(v)
-    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
-
-
-def _between(low: float, high: float) -> Callable[[Any], str | None]:
-    return lambda v: None if low <= v <= high else f"must be in [{low}, {high}], got {_number(v)}"
-
-
-def _size_between(low: int, high: int) -> Callable[[Any], str | None]:
-    span = f"[{format_size(low) if low else 0}, {format_size(high)}]"
-    return lambda v: None if low <= v <= high else f"must be in {span}, got {_number(v)} bytes"
-
-
-def _positive_up_to(high: float) -> Callable[[Any], str | None]:
-    return lambda v: None if 0 < v <= high else f"must be in (0, {high}], got {_number(v)}"
 
 
 KEYS: tuple[Key, ...] = (
