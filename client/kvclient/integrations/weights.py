@@ -126,6 +126,8 @@ def adapter_id(path: str) -> str:
     """The id of the LoRA adapter in directory ``path`` (its weights and
     ``adapter_config.json``); :class:`WeightsUnreadable` where it has no weights to
     read."""
+    if not path:  # ("" would be the working directory)
+        raise WeightsUnreadable("a LoRA adapter without a path")
     directory = Path(path).expanduser()
     try:
         files = weight_files(directory) if directory.is_dir() else []

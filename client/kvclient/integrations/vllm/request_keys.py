@@ -11,8 +11,8 @@ embeddings have other KV, so kvstore must tell their blocks apart just as well.
 connector keys whatever vLLM keys, and translates each kind:
 
 - ``mm``: kept (the item's identifier is the hash of its content, or the request's
-  own ``multi_modal_uuids``, which vLLM trusts as well), with its offset, for its
-  block only;
+  own ``multi_modal_uuids``, which vLLM trusts as well; with a LoRA adapter, prefixed
+  by its name), with its offset, for its block only;
 - ``lora``: vLLM names the adapter by name and path; kvstore by its weights and
   ``adapter_config.json`` (:func:`kvclient.integrations.weights.adapter_id`), as
   models are named, mixed into every block, the reply's too. The same weights under
@@ -43,13 +43,10 @@ from kvstore.keys import encode_extra
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-# the reasons a request is left to vLLM, as the connector's stats count them
-UNKEYED_REASONS = ("lora", "input")
-
-
 class Unkeyable(Exception):
     """A request whose KV the connector cannot tell apart from another's: ``reason``
-    is one of :data:`UNKEYED_REASONS`, the message says what."""
+    is ``"lora"`` or ``"input"`` (the stats count ``unkeyed_<reason>_requests``), the
+    message says what."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
