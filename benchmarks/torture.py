@@ -21,6 +21,10 @@ Parts (each against a real kvstored on a unix socket in a temp dir):
   parked past the daemon's threads, event churn, a namespace flood, large calls
   without a token, guessed tokens.
 - ``fuzz``: random and mutated requests over both sockets (gRPC and local calls).
+- ``readers``: many tenants reading long prefixes at once, right after a restart
+  (:mod:`kvbench.torture_readers`): how long until every read is whole, another
+  tenant's calls meanwhile, a SIGTERM with the reads in flight, readers sharing one
+  host room.
 - ``load``: N processes of mixed traffic for a while: latency percentiles per call,
   errors, the daemon's memory.
 
@@ -69,6 +73,7 @@ from kvbench.torture_kit import (
     tokens_of,
     valid_requests,
 )
+from kvbench.torture_readers import part_readers as long_readers
 from kvbench.torture_tenants import part_tenants as tenant_attacks
 from kvclient import KVClient
 from kvclient.errors import KVStoreError
@@ -76,7 +81,9 @@ from kvproto.v1 import local_calls as frames
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PARTS = ("crash", "client", "diskfull", "damage", "indexload", "tenants", "fuzz", "load")
+PARTS = (
+    "crash", "client", "diskfull", "damage", "indexload", "tenants", "fuzz", "load", "readers",
+)  # fmt: skip
 MODEL = "torture"
 BAD_CODES = ("UNKNOWN", "INTERNAL")
 
@@ -812,10 +819,15 @@ def part_tenants(work: Path, quick: bool) -> Section:
     return Section("A hostile tenant", body, checks)
 
 
+def part_readers(work: Path, quick: bool) -> Section:
+    body, checks = long_readers(work, quick)
+    return Section("Many readers of long prefixes", body, checks)
+
+
 RUNNERS: dict[str, Callable[[Path, bool], Section]] = {
     "crash": part_crash, "client": part_client, "diskfull": part_diskfull,
     "damage": part_damage, "indexload": part_indexload, "tenants": part_tenants,
-    "fuzz": part_fuzz, "load": part_load,
+    "fuzz": part_fuzz, "load": part_load, "readers": part_readers,
 }
 
 
