@@ -50,6 +50,9 @@ class Counters:
     dirty_dropped: int = 0  # blocks evicted before written to disk (overflow = drop)
     # acquires refused: no host slot for their window within put_wait_ms (store_reads)
     room_refused: int = 0
+    # blocks that entered the host tier without their tokens: index_tokens_bytes was
+    # reached (kvstore.host.placement)
+    tokens_not_kept: int = 0
 
 
 Row = tuple[int, EventKind, str, BlockKey, str, float]  # Event's fields, in order

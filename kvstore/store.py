@@ -131,7 +131,9 @@ class Store:
             counters = Counters()
             events = EventLog(config.event_buffer, changed, wall)
             told = feed if feed is not None else TierFeed(0)
-            host = HostPlacement(self._arena, config.eviction_policy, told, counters)
+            host = HostPlacement(
+                self._arena, config.eviction_policy, told, counters, config.index_tokens_bytes
+            )
             disk = None
             if self._disk is not None:
                 coded = "disk" in config.codec_tiers
@@ -394,6 +396,8 @@ class Store:
                     "writer_refused": c.writer_refused,
                     "dirty_dropped": c.dirty_dropped,
                     "room_refused": c.room_refused,
+                    "tokens_not_kept": c.tokens_not_kept,
+                    "index_tokens_bytes": parts.tiers.host.tokens_bytes,
                     "event_seq": parts.events.seq(),  # the newest event's (kvctl events --count)
                     **self._feed_figures(),
                     **self._load_progress(),
@@ -414,7 +418,11 @@ class Store:
         feed = self._parts.tiers.feed
         if not feed.on:
             return {}
-        return {"kv_events_dropped": feed.dropped, "kv_events_queued": len(feed)}
+        return {
+            "kv_events_dropped": feed.dropped,
+            "kv_events_queued": len(feed),
+            "kv_events_queued_bytes": feed.queued_bytes,
+        }
 
     def _load_progress(self) -> dict[str, int]:
         """The disk index load's records, loaded of the total (none without a disk)."""

@@ -82,6 +82,9 @@ class StoreConfig:
     # a chain too long for the host tier passes through it in windows of at most this
     # many bytes (and a quarter of the tenant's host room): kvstore.store_writes
     window_bytes: int = 64 << 20
+    # token ids (packed) the index keeps for host blocks, for KV events and disk
+    # records, at most; past it a block keeps none (kvstore.host.placement)
+    index_tokens_bytes: int = 64 << 20
 
     @property
     def staged_bytes_limit(self) -> int:

@@ -122,19 +122,28 @@ class TierFeed:
         self.dropped += len(changes) - taken
         self._changes.extend(changes[:taken])
 
-    def take(self, limit: int) -> list[TierChange]:
-        """The oldest changes, at most ``limit``, taken off the feed (the publisher's
-        thread; deque ends are thread-safe, so it takes no store lock)."""
+    @property
+    def queued_bytes(self) -> int:
+        """What the changes held take (at most ``capacity_bytes``)."""
+        return self._bytes
+
+    def take(self, limit: int, max_bytes: int | None = None) -> list[TierChange]:
+        """The oldest changes, at most ``limit`` and, past the first, at most
+        ``max_bytes`` of them, taken off the feed (the publisher's thread; deque ends
+        are thread-safe, so it takes no store lock). ``max_bytes`` bounds what the
+        taker makes of them at once (token lists as Python ints: 9x their bytes)."""
         out: list[TierChange] = []
-        pop = self._changes.popleft
-        try:
-            for _ in range(limit):
-                out.append(pop())
-        except IndexError:
-            pass
+        taken = 0
+        changes = self._changes
+        while changes and len(out) < limit:
+            size = change_bytes(changes[0])
+            if out and max_bytes is not None and taken + size > max_bytes:
+                break
+            out.append(changes.popleft())
+            taken += size
         if out:
             with self._room:
-                self._bytes -= sum(map(change_bytes, out))
+                self._bytes -= taken
                 self._room.notify_all()
         return out
 

@@ -221,6 +221,9 @@ async def Stats(calls: Calls, request: pb.StatsRequest, context: Ctx) -> pb.Stat
         seq = await calls.run(calls.store.last_event_seq, caller.tenant)
         counters = {**stats.counters, "event_seq": seq}
         stats = dataclasses.replace(stats, namespaces=own, tenants=(), counters=counters)
+    # the bytes Get streams hold copied (kvstored.get_buffers): all, or the tenant's
+    copied = calls.get_buffers.held if caller.admin else calls.get_buffers.held_by(caller)
+    stats = dataclasses.replace(stats, counters={**stats.counters, "get_buffer_bytes": copied})
     names = calls.names.names_by_ns_id()
     named = tuple(dataclasses.replace(n, name=names.get(n.ns_id, "")) for n in stats.namespaces)
     return result_messages.stats_response(

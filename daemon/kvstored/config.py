@@ -228,6 +228,13 @@ KEYS: tuple[Key, ...] = (
     Key("max_transfer_bytes", "size", parse_size, 1 << 30,
         "most block bytes one Put or Get moves (bounds daemon memory per call)",
         _size_between(1 << 20, MAX_BYTES)),
+    Key("get_buffer_bytes", "size", parse_size, 256 << 20,
+        "block bytes Get streams hold copied out of the store at once, all callers "
+        "together; each tenant (and the admin) at most its share (this / (tenants + 1)). "
+        "A get the host tier cannot pin whole copies one window per call (at most "
+        "window_bytes and a quarter of the share; the client calls again); past the "
+        "share it waits put_wait_ms for bytes to be freed, then RESOURCE_EXHAUSTED",
+        _size_between(1 << 20, MAX_BYTES)),
     Key("arena_dir", "path", parse_path, "/dev/shm",
         "directory of the shared arena file (a tmpfs: its pages are the host tier)"),
     Key("shared_arena", "bool", parse_bool, True,
@@ -249,6 +256,11 @@ KEYS: tuple[Key, ...] = (
     Key("event_buffer", "int", parse_int, 65536,
         "events kept for WatchEvents (for the admin; as many again per tenant)",
         _between(16, 1 << 22)),
+    Key("index_tokens_bytes", "size", parse_size, 64 << 20,
+        "token ids the index keeps for blocks in the host tier (4 bytes a token: what "
+        "KV events and disk records carry), at most; past it a block keeps none, and "
+        "its events carry no token_ids (counted: tokens_not_kept)",
+        _size_between(0, MAX_BYTES)),
     Key("tenant_max_namespaces", "int", parse_int, 1024,
         "most namespaces, and most namespace names, one tenant may open and bind "
         "(RESOURCE_EXHAUSTED past it); 0: no limit", _between(0, 1 << 20)),
@@ -326,6 +338,11 @@ KEYS: tuple[Key, ...] = (
     Key("kv_events_hashes", "choice", _choice(EVENT_HASH_FORMS), "bytes",
         "KV events: block hashes as bytes (kvstore's chain keys) | int (their low 64 "
         "bits, as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)"),
+    Key("kv_events_buffer_bytes", "size", parse_size, 64 << 20,
+        "KV events: the tier changes waiting for the publisher, at most this many bytes "
+        "(token ids included); as much again of batches kept for replay and queued for "
+        "subscribers that read slowly (past it the oldest go)",
+        _size_between(1 << 20, MAX_BYTES)),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}
 
@@ -353,6 +370,7 @@ class DaemonConfig:
     write_through_wait_s: float
     max_message_bytes: int
     max_transfer_bytes: int
+    get_buffer_bytes: int
     arena_dir: str
     shared_arena: bool
     prefault_arena: bool
@@ -360,6 +378,7 @@ class DaemonConfig:
     sync_index_bytes: int
     persist_timeout_s: float
     event_buffer: int
+    index_tokens_bytes: int
     tenant_max_namespaces: int
     workers: int
     grace_s: float
@@ -388,6 +407,7 @@ class DaemonConfig:
     kv_events_replay_listen: str
     kv_events_encoding: str
     kv_events_hashes: str
+    kv_events_buffer_bytes: int
     sources: Mapping[str, str]
     config_file: str = ""
     tenants: tuple[TenantConfig, ...] = ()  # the config file's [tenants.<name>] tables
@@ -422,6 +442,7 @@ class DaemonConfig:
             persist_timeout_s=self.persist_timeout_s,
             sync_index_bytes=self.sync_index_bytes,
             event_buffer=self.event_buffer,
+            index_tokens_bytes=self.index_tokens_bytes,
             tenant_max_namespaces=self.tenant_max_namespaces,
             quotas={t.name: t.quota for t in self.tenants},
             shared=self.shared_config(),
@@ -462,6 +483,8 @@ class DaemonConfig:
             self.kv_events_replay_listen,
             self.kv_events_encoding,
             self.kv_events_hashes,
+            buffer_bytes=self.kv_events_buffer_bytes,
+            feed_bytes=self.kv_events_buffer_bytes,
             tenant_topics={t.name: t.events_topic for t in self.tenants if t.events_topic},
         )
 

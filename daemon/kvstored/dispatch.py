@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -40,13 +41,17 @@ from kvstore.tenants import tenant_of
 from kvstored import convert, hostinfo
 from kvstored.auth import Access, Caller
 from kvstored.config import DaemonConfig
+from kvstored.get_buffers import GetBuffers
 from kvstored.names import NamespaceNames
 from kvstored.owners import Owners
 
 T = TypeVar("T")
 Ctx = grpc.aio.ServicerContext  # a call's gRPC context, as every handler takes it
 
-CHAIN_CACHE_KEYS = 1 << 16  # block keys kept by the chain cache (about 6 MiB)
+# what the chain cache holds at most: its entries' token bytes (8 a token: 1 KiB a
+# block of 128 tokens, 32x its key) and keys, as the Python objects take them
+CHAIN_CACHE_BYTES = 16 << 20
+BYTES_OBJECT = sys.getsizeof(b"")  # a bytes object's size besides its bytes
 QUICK_BLOCKS = 1024  # larger requests (hashing ~1 ms per 400 blocks) always use the pool
 WAIT_THREADS = 64  # Lookups with wait_pending_s parked at once, all callers together
 EVENT_THREADS = 32  # event streams parked at once (in a poll of the store's events)
@@ -87,12 +92,23 @@ class WaitShares:
                 del self._held[who]
 
 
+Memo = tuple[str, bytes, tuple[bytes, ...]]
+
+
+def memo_bytes(memo: Memo, keys: list[BlockKey]) -> int:
+    """What an entry of the chain cache takes: its token bytes, extra keys and keys (a
+    32-byte bytes object and a list slot each), about."""
+    extras = sum(BYTES_OBJECT + len(extra) for extra in memo[2])
+    return 2 * BYTES_OBJECT + len(memo[1]) + extras + len(keys) * (BYTES_OBJECT + 40)
+
+
 class ChainCache:
     """Key chains computed recently, by (ns_id, token bytes, extra keys); LRU, bounded by
-    the number of keys held. Keys are a pure function of those, so a hit is exact."""
+    the bytes its entries take (:func:`memo_bytes`: a request's tokens take more than
+    its keys). Keys are a pure function of those, so a hit is exact."""
 
-    def __init__(self, max_keys: int) -> None:
-        self._max_keys = max_keys
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
         self._entries: OrderedDict[tuple[str, bytes, tuple[bytes, ...]], list[BlockKey]] = (
             OrderedDict()
         )
@@ -106,17 +122,18 @@ class ChainCache:
                 self._entries.move_to_end(memo)
             return keys
 
-    def put(self, memo: tuple[str, bytes, tuple[bytes, ...]], keys: list[BlockKey]) -> None:
-        if not keys or len(keys) > self._max_keys:
+    def put(self, memo: Memo, keys: list[BlockKey]) -> None:
+        size = memo_bytes(memo, keys)
+        if not keys or size > self._max_bytes:
             return
         with self._lock:
             if memo in self._entries:
                 return
             self._entries[memo] = keys
-            self._held += len(keys)
-            while self._held > self._max_keys:
-                _, old = self._entries.popitem(last=False)
-                self._held -= len(old)
+            self._held += size
+            while self._held > self._max_bytes:
+                old_memo, old = self._entries.popitem(last=False)
+                self._held -= memo_bytes(old_memo, old)
 
 
 class Calls:
@@ -153,7 +170,9 @@ class Calls:
         self._explain_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-why")
         self.explain_shares = WaitShares(EXPLAIN_SLOTS, callers)
         self.stopping = asyncio.Event()  # set at a graceful stop: streams end
-        self._chains = ChainCache(CHAIN_CACHE_KEYS)
+        # the bytes Get streams hold copied, each caller within its share
+        self.get_buffers = GetBuffers(config.get_buffer_bytes, callers)
+        self._chains = ChainCache(CHAIN_CACHE_BYTES)
         # True once add_to_server registered Get and Put with identity (de)serializers:
         # Get then yields framed bytes and Put receives them (see kvproto.v1.data_frames).
         self.framed = False

@@ -31,6 +31,13 @@ kvstore's chain keys: bytes, or their low 64 bits as an integer (``kv_events_has
 
 The publisher's thread takes the store's tier changes (:mod:`kvstore.tier_events`)
 every FLUSH_S, encodes and sends them; nothing of this runs under the store's lock.
+
+Memory (``kv_events_buffer_bytes``, B): the feed holds at most B of changes, token ids
+included; the thread takes at most TAKE_BYTES of them at a time (it makes Python int
+lists of their tokens, 9x their packed bytes); a batch's payload is at most
+BATCH_BYTES (runs are cut to fit); at most B of batches are kept for replay, and the
+PUB socket queues at most B // BATCH_BYTES messages (B) for a subscriber that does
+not read (its ``SNDHWM``: past it ZMQ drops that subscriber's new messages).
 """
 
 from __future__ import annotations
@@ -57,7 +64,11 @@ log = logging.getLogger("kvstored")
 
 FLUSH_S = 0.02  # how often the thread takes changes and answers replay requests
 TAKE = 8192  # changes taken per wake-up
+TAKE_BYTES = 1 << 20  # ... and their bytes (kvstore.tier_events.change_bytes) at most
 BATCH_EVENTS = 1024  # events per EventBatch at most
+BATCH_BYTES = 64 << 10  # ... and its payload's bytes at most (an upper estimate)
+# an event's encoded bytes at most: its fields and names, each hash, each token id
+EVENT_BYTES, HASH_BYTES, TOKEN_BYTES = 256, 34, 5
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 OWNERSHIP = "kvstore"
 ENCODINGS = ("map", "array")
@@ -140,6 +151,12 @@ def token_list(packed: bytes) -> list[int]:
     return ids.tolist()
 
 
+def event_bytes(event: Any) -> int:
+    """An upper estimate of an event's encoded bytes (EVENT_BYTES and the rest)."""
+    hashes, tokens = getattr(event, "block_hashes", ()), getattr(event, "token_ids", ())
+    return EVENT_BYTES + HASH_BYTES * len(hashes) + TOKEN_BYTES * len(tokens)
+
+
 class Publisher:
     """Binds the sockets at construction (a bad address fails the start), then
     publishes on its own thread from :meth:`start` to :meth:`close`."""
@@ -165,7 +182,7 @@ class Publisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket[bytes] | None = None
         try:
-            self._pub.set_hwm(100_000)
+            self._pub.set_hwm(max(REPLAY_SNDHWM, settings.buffer_bytes // BATCH_BYTES))
             self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
             self._pub.bind(settings.listen)
             if settings.replay_listen:
@@ -221,7 +238,7 @@ class Publisher:
                         self._answer_replay()
                 else:
                     self._stop.wait(FLUSH_S)
-                while changes := self.feed.take(TAKE):
+                while changes := self.feed.take(TAKE, TAKE_BYTES):
                     self._publish(changes)
                 self._note_dropped()
             except Exception:  # noqa: BLE001 - a publisher fault must not end the daemon
@@ -292,6 +309,7 @@ class Publisher:
                 and events[-1] is run
                 and (run_topic, run_tier, run_last) == (topic, change.tier, change.parent)
                 and len(run.block_hashes) < BATCH_EVENTS
+                and event_bytes(run) + HASH_BYTES + TOKEN_BYTES * len(token_ids) <= BATCH_BYTES
             ):
                 run.block_hashes.append(key)
                 run.token_ids.extend(token_ids)
@@ -308,9 +326,18 @@ class Publisher:
         self._flush(out)
 
     def _flush(self, out: dict[str, list[Any]]) -> None:
+        """Send each topic's events in batches of at most BATCH_EVENTS and BATCH_BYTES."""
         for topic, events in out.items():
-            for begin in range(0, len(events), BATCH_EVENTS):
-                self._send(topic, events[begin : begin + BATCH_EVENTS])
+            batch: list[Any] = []
+            size = 0
+            for event in events:
+                more = event_bytes(event)
+                if batch and (len(batch) == BATCH_EVENTS or size + more > BATCH_BYTES):
+                    self._send(topic, batch)
+                    batch, size = [], 0
+                batch.append(event)
+                size += more
+            self._send(topic, batch)
         out.clear()
 
     def _send_clears(self, topics: list[str]) -> None:

@@ -1,11 +1,13 @@
 """The read side of the KVStore servicer: Lookup, Get (a stream cut out of the arena
-slots), Acquire, Release and the batched read reports."""
+slots, or of one window copied: kvstored.get_buffers), Acquire, Release and the batched
+read reports."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -69,6 +71,11 @@ async def Get(
 ) -> AsyncIterator[pb.GetResponse | bytes]:
     caller = calls.access.caller(context)
     plan = await calls.run_quick(functools.partial(_open_read, calls, request, caller))
+    if plan.copy is not None:  # one window, copied: its bytes held until the call is done
+        held = plan.copy.n_bytes
+        await calls.get_buffers.take(caller, held, calls.config.put_wait_ms / 1000)
+        context.add_done_callback(_giver(calls, caller, held))
+        plan = await calls.run(_copy_window, calls, plan.copy)
     finished = False
     try:
         yield _message(calls, pb.GetResponse(header=plan.header))
@@ -82,19 +89,32 @@ async def Get(
         if plan.lease_id:
             released = _release_quietly(calls, plan.lease_id)
             if finished and not released:
-                # the slots may have been reused while we read them: the client must
-                # not keep what it got, so the call ends with an error status
+                # the slots may have been reused while we read them: the client
+                # must not keep what it got, so the call ends with an error status
                 ttl = calls.config.max_lease_ttl_s
                 raise LeaseError(
-                    f"the read lease of this Get ran out after {ttl} s while the bytes "
-                    "were being sent; call again"
+                    f"the read lease of this Get ran out after {ttl} s while the "
+                    "bytes were being sent; call again"
                 )
+
+
+def _giver(calls: Calls, caller: Caller, nbytes: int) -> Callable[[Any], None]:
+    """A Get call's done callback that gives back the ``nbytes`` it held, on the loop."""
+    loop = asyncio.get_running_loop()
+
+    def give(_: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing waits
+            loop.call_soon_threadsafe(calls.get_buffers.give, caller, nbytes)
+
+    return give
 
 
 def _open_read(
     calls: Calls, request: pb.GetRequest, caller: Caller, quick: bool = False
 ) -> _ReadPlan:
-    """Find what a Get sends and pin it: the header and the bytes."""
+    """Find what a Get sends: the header and the bytes pinned in the arena, or the
+    window to copy when they cannot all be pinned (``copy``: not copied yet, its bytes
+    are held first: kvstored.get_buffers)."""
     spec, keys, _ = calls.read_chain(
         request.ns_id, request.tokens, request.extra_keys, caller, quick
     )
@@ -123,9 +143,25 @@ def _open_read(
         )
         return _ReadPlan(header, [])
     plan = _pin_for_read(calls, spec, keys[:end], start) if start == 0 else None
-    if plan is None:
-        n, view = calls.store.read(spec.ns_id, keys[:end], start=start)
-        plan = _ReadPlan(pb.GetHeader(), [view] if n else [], n_blocks=n)
+    if plan is None:  # copied: one window per call (the client calls again)
+        window = max(1, calls.get_buffers.window_bytes(calls.config.window_bytes) // bb)
+        end = min(end, start + window)
+        return _ReadPlan(pb.GetHeader(), [], copy=_Copy(spec, keys[:end], start, ready))
+    return _with_header(plan, spec, start, ready, end)
+
+
+def _copy_window(calls: Calls, copy: _Copy) -> _ReadPlan:
+    """Copy the window a Get could not pin (on the pool, its bytes held already)."""
+    n, view = calls.store.read(copy.spec.ns_id, copy.keys, start=copy.start)
+    plan = _ReadPlan(pb.GetHeader(), [view] if n else [], n_blocks=n)
+    return _with_header(plan, copy.spec, copy.start, copy.ready, len(copy.keys))
+
+
+def _with_header(
+    plan: _ReadPlan, spec: NamespaceSpec, start: int, ready: int, end: int
+) -> _ReadPlan:
+    """``plan`` with its header: the blocks it sends (from ``start``, meant to ``end``)
+    and the ready prefix (``ready``, or shorter when a block went meanwhile)."""
     n = plan.n_blocks
     if start + n < end:  # evicted between lookup and read: the prefix is shorter
         ready = start + n
@@ -134,7 +170,7 @@ def _open_read(
         ready_tokens=ready * spec.block_tokens,
         start_block=start,
         n_blocks=n,
-        block_bytes=bb,
+        block_bytes=spec.block_bytes,
         truncated=ready > end,
     )
     return plan
@@ -280,15 +316,31 @@ def _release_done(calls: Calls, lease_ids: Sequence[int], caller: Caller) -> Non
         with contextlib.suppress(LeaseError):
             calls.store.release(calls.access.lease(lease, caller))
 
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    """A window of a Get to copy (Store.read): ``keys[start:]``, of a ``ready`` prefix."""
+
+    spec: NamespaceSpec
+    keys: list[BlockKey]
+    start: int
+    ready: int
+
+    @property
+    def n_bytes(self) -> int:
+        return (len(self.keys) - self.start) * self.spec.block_bytes
+
+
 @dataclass(slots=True)
 class _ReadPlan:
     """What one Get sends: its header and the bytes, as segments (arena views under
-    ``lease_id``, or one buffer read by Store.read)."""
+    ``lease_id``, or one buffer read by Store.read); or, before that, the window to
+    copy (``copy``)."""
 
     header: pb.GetHeader
     segments: list[memoryview]
     lease_id: int = 0
     n_blocks: int = 0
+    copy: _Copy | None = None
 
     def chunks(self, limit: int) -> Iterator[tuple[list[memoryview], int]]:
         """The segments cut into messages of at most ``limit`` bytes -> (pieces, bytes)."""

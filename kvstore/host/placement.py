@@ -2,13 +2,22 @@
 
 A block is in host when its node has a slot (``Node.host_offset >= 0``); this part alone
 writes the node's host fields (slot, encoded flag, children held in host, tokens) and
-keeps the tier's eviction order and counts. What moves blocks in and out (eviction,
+keeps the tier's eviction order and counts.
+
+A block keeps its tokens (packed uint32: 4 bytes a token) while it is in host, for
+its KV events and its disk record. Those bytes are memory the arena does not hold: a
+namespace of tiny blocks of many tokens (64 bytes of KV, 1 KiB of tokens) would make
+the index many times the tier. So the tokens kept are counted (``tokens_bytes``, as
+the bytes objects take them) and capped (``tokens_cap``: ``index_tokens_bytes``); a
+block that would pass the cap keeps none (``Counters.tokens_not_kept``): its events
+carry no token_ids, its disk record none. What moves blocks in and out (eviction,
 write-back, promotion) is the tier stack's (:mod:`kvstore.tiering`). Under the store's
 lock, as every near tier (:mod:`kvstore.near_tier`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 
@@ -22,6 +31,13 @@ from kvstore.results import Tier
 from kvstore.tenants import Group
 from kvstore.tier_events import HOST, TierFeed
 
+BYTES_OBJECT = sys.getsizeof(b"")  # what a bytes object takes besides its bytes
+
+
+def kept_bytes(tokens: bytes | None) -> int:
+    """What a node's ``tokens`` take in memory (0: none kept)."""
+    return 0 if tokens is None else BYTES_OBJECT + len(tokens)
+
 
 class HostPlacement:
     """The blocks held in the host arena (see the module docstring)."""
@@ -29,10 +45,19 @@ class HostPlacement:
     kind = Tier.HOST
     held_children: Callable[[Node], int] = attrgetter("host_children")
 
-    def __init__(self, arena: HostArena, policy: str, feed: TierFeed, counters: Counters) -> None:
+    def __init__(
+        self,
+        arena: HostArena,
+        policy: str,
+        feed: TierFeed,
+        counters: Counters,
+        tokens_cap: int = 64 << 20,
+    ) -> None:
         self.arena = arena
         self.policy = GroupedPolicy(policy, "host")
         self.blocks = 0
+        self.tokens_cap = tokens_cap
+        self.tokens_bytes = 0  # what the tokens host blocks keep take (see the docstring)
         self._feed = feed
         self._counters = counters
 
@@ -53,7 +78,7 @@ class HostPlacement:
         node.ns.group.host_bytes += node.size
         if node.parent is not None:
             node.parent.host_children += 1
-        node.tokens = tokens
+        node.tokens = self._keep(tokens)
         self.policy.insert(node)
         self._feed.stored((node,), HOST)
 
@@ -72,6 +97,7 @@ class HostPlacement:
         in one pass. The caller indexes them (a pending block always has a host slot)."""
         nodes: list[Node] = []
         for key, offset, toks in zip(keys, offsets, tokens, strict=True):
+            toks = self._keep(toks)
             node = Node(key, entry, parent, PENDING, priority, 0.0, 0, 1, offset, tokens=toks)
             nodes.append(node)
             parent = node
@@ -95,10 +121,20 @@ class HostPlacement:
             node.host_coded = False
             node.ns.host_coded_blocks -= 1
         node.host_offset = -1
+        self.tokens_bytes -= kept_bytes(node.tokens)
         node.tokens = None  # kept while in host only (kvstore.index)
         self.blocks -= 1
         if node.parent is not None:
             node.parent.host_children -= 1
+
+    def _keep(self, tokens: bytes | None) -> bytes | None:
+        """``tokens`` to keep for a block entering the tier, or None past the cap."""
+        size = kept_bytes(tokens)
+        if self.tokens_bytes + size > self.tokens_cap:
+            self._counters.tokens_not_kept += 1
+            return None
+        self.tokens_bytes += size
+        return tokens
 
     def recode(self, node: Node, slot: int) -> None:
         """The block moved, encoded, into ``slot`` (kvstore.host_coding); its old slot
