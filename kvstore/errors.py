@@ -35,6 +35,11 @@ class OutOfSpace(StoreError):
     """No room can be made: every candidate is leased or pending (RESOURCE_EXHAUSTED)."""
 
 
+class NoRoom(OutOfSpace):
+    """A read's window got not one host slot: the host room is held by other reads'
+    leases or pending puts (RESOURCE_EXHAUSTED, as OutOfSpace)."""
+
+
 class StoreClosed(StoreError):
     """The store is shutting down and takes no new work (UNAVAILABLE)."""
 

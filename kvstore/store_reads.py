@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstore.errors import (
     InvalidArgument,
-    OutOfSpace,
+    NoRoom,
     StoreError,
 )
 from kvstore.index import READY, Index, NamespaceEntry, Node
@@ -164,7 +164,7 @@ class Reads:
         host_only: bool,
         count: bool = True,
         start: int = 0,
-        wait_room: bool = False,
+        wait_room: float | None = None,
     ) -> Acquisition | None: ...
 
     def acquire(
@@ -175,7 +175,7 @@ class Reads:
         host_only: bool = False,
         count: bool = True,
         start: int = 0,
-        wait_room: bool = False,
+        wait_room: float | None = None,
     ) -> Acquisition | None:
         """Pin the ready prefix of ``keys`` in host slots under a read lease, promoting
         its disk-only blocks. With ``start`` only its blocks from ``start`` on are
@@ -189,11 +189,11 @@ class Reads:
         ``count=False`` for a read counted already (the same get acquiring again): no
         hits or misses are counted, the blocks are touched as by any read.
 
-        ``wait_room`` (a client that would take an empty answer for the end of the
-        prefix: the daemon's Acquire): when not one block of the window gets a host
-        slot (the room is pinned by other reads or pending puts) while the prefix goes
-        on, wait for room up to ``put_wait_ms``, then raise OutOfSpace with the reason,
-        having changed nothing."""
+        ``wait_room`` (seconds, for a client that would take an empty answer for the
+        end of the prefix: the daemon's Acquire): when not one block of the window gets
+        a host slot (the room is held by other reads' leases or pending puts) while the
+        prefix goes on, wait that long for room, then raise NoRoom with the reason,
+        having changed nothing. None: answer the blocks that got slots, none at all."""
         entry = self._parts.namespaces.entry(ns_id)
         self._parts.namespaces.check_keys(entry, keys)
         ttl = check_ttl(self._parts.config, ttl_s)
@@ -215,8 +215,8 @@ class Reads:
         if pinned is None:
             return None
         nodes, fresh, ready = pinned.nodes, pinned.fresh, pinned.ready
-        if wait_room and len(nodes) <= start < min(ready, limit):
-            self._refuse_for_room(entry, start, ready)
+        if wait_room is not None and len(nodes) <= start < min(ready, limit):
+            self._refuse_for_room(entry, start, ready, wait_room)
         keys = keys[:limit]
         try:
             ok = self._fill_promotions(nodes, fresh, pinned.decode, nowait=host_only)
@@ -294,17 +294,20 @@ class Reads:
         except StoreError:  # closed meanwhile
             pass
 
-    def _refuse_for_room(self, entry: NamespaceEntry, start: int, ready: int) -> NoReturn:
-        """Refuse an acquire whose window got no host slot within ``put_wait_ms`` (see
-        :meth:`acquire`): counted, and raised with the reason. Nothing is pinned."""
-        with self._parts.lock:
-            self._parts.counters.room_refused += 1
-        wait_ms = self._parts.config.put_wait_ms
-        raise OutOfSpace(
+    def _refuse_for_room(
+        self, entry: NamespaceEntry, start: int, ready: int, waited_s: float
+    ) -> NoReturn:
+        """Refuse an acquire whose window got no host slot within ``waited_s`` (see
+        :meth:`acquire`): raised with the reason, counted when it waited (a caller that
+        did not wait asks again, waiting). Nothing is pinned."""
+        if waited_s > 0:
+            with self._parts.lock:
+                self._parts.counters.room_refused += 1
+        raise NoRoom(
             f"no host room for a window of this prefix: block {start} (of {ready} ready) "
             f"needs a host slot, and all {self._parts.host_room(entry.group)} bytes of "
             f"the host room stayed held by other reads' leases or pending puts for "
-            f"put_wait_ms ({wait_ms} ms); read it again later, or inline (Get)"
+            f"{waited_s:g} s; read it again later, or inline (Get)"
         )
 
     def _half_room_blocks(self, entry: NamespaceEntry) -> int:
@@ -368,7 +371,7 @@ class Reads:
         host_only: bool = False,
         start: int = 0,
         limit: int | None = None,
-        wait_room: bool = False,
+        wait_room: float | None = None,
     ) -> _Pinned | None:
         """Pin the ready prefix and reserve host slots for its disk-only blocks, from
         ``start`` on (the caller does not read the blocks before it) up to ``limit``.
@@ -385,10 +388,13 @@ class Reads:
         Room that only a writer can make (see :mod:`kvstore.tiering`) is waited for as
         a put waits (:meth:`StoreParts.wait_for_writer`, up to ``put_wait_ms``): the
         blocks are on disk, and a read that gave up on them would be a miss. So is room
-        that only other reads' leases hold, with ``wait_room`` (see :meth:`acquire`):
-        until ``put_wait_ms``, a window that would get no block is not cut to nothing.
+        that only other reads' leases hold, for ``wait_room`` seconds (see
+        :meth:`acquire`): until then a window that would get no block is not cut to
+        nothing.
         """
-        deadline = time.monotonic() + self._parts.config.put_wait_ms / 1000
+        now = time.monotonic()
+        deadline = now + self._parts.config.put_wait_ms / 1000
+        room_by = None if wait_room is None else now + wait_room
         while True:
             with self._parts.lock:
                 self._parts.check_open()
@@ -411,12 +417,14 @@ class Reads:
                     node.pins += 1
                 if in_place:
                     return _pinned(nodes, {}, ready)
-                fresh = self._promotion_slots(nodes, promote_all, deadline, start, wait_room)
+                fresh = self._promotion_slots(nodes, promote_all, deadline, start, room_by)
                 if fresh is not None:
                     return _pinned(nodes, fresh, ready)
                 tiers = self._parts.tiers
-                if not tiers.writer_blocked:  # pinned room: ends with a lease (changed)
-                    self._parts.changed.wait(max(0.0, min(0.05, deadline - time.monotonic())))
+                if not (tiers.writer_blocked and time.monotonic() < deadline):
+                    assert room_by is not None  # room held by leases: freed as they end
+                    # (each end notifies ``changed``)
+                    self._parts.changed.wait(max(0.0, min(0.05, room_by - time.monotonic())))
                     continue
                 behind = tiers.behind_blocked
             self._parts.wait_for_writer(nodes[0].size, deadline, behind)
@@ -427,12 +435,13 @@ class Reads:
         promote_all: bool,
         deadline: float,
         start: int = 0,
-        wait_room: bool = False,
+        room_by: float | None = None,
     ) -> dict[int, int] | None:
         """Host slots for the disk-only blocks of the pinned ``nodes`` from ``start`` on
         (see :meth:`_pin_prefix`); None, with ``nodes`` unpinned and nothing allocated,
-        when the disk writer is behind, or (``wait_room``) when not one block from
-        ``start`` gets a slot, and ``deadline`` has not passed. Under the lock."""
+        when the disk writer is behind and ``deadline`` has not passed, or when not one
+        block from ``start`` gets a slot and ``room_by`` has not passed. Under the
+        lock."""
         tiers = self._parts.tiers
         tiers.writer_blocked = tiers.behind_blocked = False
         fresh: dict[int, int] = {}
@@ -444,8 +453,10 @@ class Reads:
             if offset is not None:
                 fresh[i] = offset
                 continue
-            no_room = wait_room and promote_all and i == start
-            if (tiers.writer_blocked or no_room) and time.monotonic() < deadline:
+            now = time.monotonic()
+            behind = tiers.writer_blocked and now < deadline
+            no_room = room_by is not None and promote_all and i == start and now < room_by
+            if behind or no_room:
                 for taken in fresh.values():
                     self._parts.arena.free(taken)
                 for late in nodes[start:]:

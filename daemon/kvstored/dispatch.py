@@ -4,7 +4,8 @@ and the key chains of requests.
 
 Store calls lock, hash and copy block bytes, so they run on a bounded thread pool
 (``workers``) via ``run_in_executor``; calls that may wait a long time use pools of their
-own so they cannot fill the first: Lookups with ``wait_pending_s`` one, event streams
+own so they cannot fill the first: Lookups with ``wait_pending_s`` one (and Acquires
+waiting for host room, kvstored.read_handlers), event streams
 another, puts waiting for the disk writer (back-pressure) a third, so that one
 tenant's puts on a slow disk never delay another tenant's lookups; explains (``kvctl
 why``) run one at a time on a paced thread of their own, a bounded queue before it

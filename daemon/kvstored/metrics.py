@@ -83,8 +83,8 @@ STORE_COUNTERS = {
     "room_refused": (
         "kvstore_reads_refused_for_room",
         "Acquires refused (RESOURCE_EXHAUSTED) because not one block of their window got "
-        "a host slot within put_wait_ms: the room was held by other reads' leases or "
-        "pending puts.",
+        "a host slot while they waited put_wait_ms for room (on the waiting pool): other "
+        "reads' leases or pending puts held it.",
     ),
     "dropped": (
         "kvstore_blocks_removed",

@@ -14,7 +14,7 @@ from typing import Any
 from kvproto.v1 import data_frames
 from kvproto.v1 import kvstore_pb2 as pb
 from kvproto.v1.limits import MAX_READS_PER_PREFIX, MAX_REPORTED_PREFIXES
-from kvstore.errors import InvalidArgument, LeaseError, StoreError
+from kvstore.errors import InvalidArgument, LeaseError, NoRoom, StoreError
 from kvstore.host.slot_runs import slot_runs
 from kvstore.keys import BlockKey, NamespaceSpec
 from kvstored import convert, why
@@ -221,7 +221,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
     _release_done(calls, request.release_lease_ids, caller)
     owner = calls.owners.owner_of(context)
 
-    def acquire(quick: bool = False) -> pb.AcquireResponse:
+    def acquire(quick: bool = False, room_wait_s: float = 0.0) -> pb.AcquireResponse:
         spec, keys, _ = calls.read_chain(
             request.ns_id, request.tokens, request.extra_keys, caller, quick
         )
@@ -243,7 +243,7 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
         # wait_room: an empty answer would read as the prefix's end (Namespace.windows)
         got = calls.store.acquire(
             spec.ns_id, keys, ttl, host_only=quick, count=not request.counted, start=start,
-            wait_room=True,
+            wait_room=room_wait_s,
         )  # fmt: skip
         if got is None:  # a block is on disk only: promoting it waits on the disk
             raise NeedsPool
@@ -258,7 +258,19 @@ async def Acquire(calls: Calls, request: pb.AcquireRequest, context: Ctx) -> pb.
             calls.store.read_ahead(spec.ns_id, chain[: ended + window], ended)
         return response
 
-    return await calls.run_quick(acquire)
+    try:
+        return await calls.run_quick(acquire)
+    except NoRoom as refused:
+        # not one host slot for the window now: wait for room on the waiting pool,
+        # within the caller's share of it, never on a store worker that other calls need
+        wait_s = calls.config.put_wait_ms / 1000
+        parked, answer = await calls.run_parked(calls.wait_shares, caller, acquire, False, wait_s)
+        if not parked:
+            raise NoRoom(
+                f"{refused}; this caller waits for room in its share of calls already"
+            ) from None
+        assert answer is not None
+        return answer
 
 
 @grpc_errors
