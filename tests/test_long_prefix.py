@@ -10,9 +10,6 @@ streamed from disk) and inline.
 from __future__ import annotations
 
 import asyncio
-import functools
-import secrets
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -20,18 +17,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import (
-    Daemon,
-    block_bytes_for,
-    damage_in_disk_file,
-    kv_stub,
-    store_snapshot,
-    wait_for,
-    write_secret,
-)
+from conftest import Daemon, block_bytes_for, damage_in_disk_file, kv_stub, store_snapshot
 
+from kvbench import torture_readers as readers
 from kvclient import AsyncKVClient, InvalidArgumentError, KVClient, Namespace
-from kvclient.errors import KVStoreError, OutOfSpaceError
+from kvclient.errors import OutOfSpaceError
 from kvproto.v1 import kvstore_pb2 as pb
 from kvstore.keys import NamespaceSpec
 from kvstore.store import Store, StoreConfig
@@ -188,66 +178,9 @@ def test_the_connectors_window_must_be_positive() -> None:
 
 # --- reads never wait on themselves (#66) ------------------------------------------------
 
-TENANT_QUOTA = 16 << 20  # each tenant's host room: windows of 8 MiB are read ahead in shares
-TENANT_BLOCKS = 4 * TENANT_QUOTA // BLOCK  # each prefix 4x its tenant's room
+QUOTA_MIB = 16  # each tenant's host room: windows of 8 MiB are read ahead in shares
+TENANT_BLOCKS = 4 * (QUOTA_MIB << 20) // BLOCK  # each prefix 4x its tenant's room
 READERS = 6  # more readers than the daemon's promotion threads and its store workers
-
-
-def tenants_config(folder: Path, n: int) -> tuple[Path, list[str]]:
-    """A config of ``n`` tenants with a host quota of TENANT_QUOTA each, and their tokens."""
-    tokens = [secrets.token_hex(16) for _ in range(n)]
-    lines = []
-    for i, token in enumerate(tokens):
-        file = write_secret(folder / f"t{i}.token", token + "\n")
-        lines += [f"[tenants.t{i}]", f'token_file = "{file}"', f'host_bytes = "{TENANT_QUOTA}"']
-    config = folder / "tenants.toml"
-    config.write_text("\n".join(lines) + "\n")
-    return config, tokens
-
-
-def read_windows(addr: str, token: str, seed: int, first: threading.Event | None) -> int | str:
-    """Blocks of tenant ``seed``'s prefix read window by window (each checked), or the
-    error that ended the read; sets ``first`` once a window came back."""
-    tokens, rows = chain_of(seed, TENANT_BLOCKS)
-    try:
-        with KVClient(addr, token=token, timeout=30) as client:
-            ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
-            got = 0
-            for lease in ns.windows(tokens):
-                at = lease.first_block
-                if not np.array_equal(np.stack(lease.views), rows[at : at + lease.n_blocks]):
-                    return f"window at {at}: wrong bytes"
-                got += lease.n_blocks
-                if first is not None:
-                    first.set()
-            return got
-    except KVStoreError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
-def wait_indexed(addr: str, tokens: list[str]) -> None:
-    """Wait until the restarted daemon's index (loaded behind its start) holds each
-    tenant's whole prefix again: the reads after it all go to the disk tier at once."""
-    for i, token in enumerate(tokens):
-        assert wait_for(functools.partial(indexed, addr, token, i), timeout=60)
-
-
-def indexed(addr: str, token: str, seed: int) -> bool:
-    with KVClient(addr, token=token) as client:
-        ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
-        return ns.lookup(prefix_of(seed, TENANT_BLOCKS)).blocks == TENANT_BLOCKS
-
-
-def prefix_of(seed: int, blocks: int) -> list[int]:
-    return list(range(seed * 100_000, seed * 100_000 + blocks * TOKENS))
-
-
-def chain_of(seed: int, blocks: int) -> tuple[list[int], np.ndarray]:
-    tokens = prefix_of(seed, blocks)
-    rows = np.frombuffer(
-        b"".join(block_bytes_for(seed, i, BLOCK) for i in range(blocks)), np.uint8
-    ).reshape(blocks, BLOCK)
-    return tokens, rows
 
 
 @pytest.mark.timeout(240)
@@ -256,36 +189,37 @@ def test_many_tenants_read_long_prefixes_at_once_after_a_restart(
 ) -> None:
     """Six tenants (16 MiB host quota each) read 64 MiB prefixes with windows() at once,
     right after a restart: every disk read ahead is in flight at the same time. Each
-    gets its whole prefix (before #66 the promotion threads waited on work queued to
-    their own pool: every read hung for good). Then a SIGTERM while such reads are in
-    flight stops the daemon (exit 0)."""
-    config, tokens = tenants_config(tmp_path, READERS)
+    gets its whole prefix, every block checked (before #66 the promotion threads waited
+    on work queued to their own pool: every read hung for good). Then a SIGTERM while
+    such reads are in flight stops the daemon (exit 0). The same as benchmarks/
+    torture.py's readers part, smaller."""
+    config, tokens = readers.tenants_config(tmp_path, READERS, QUOTA_MIB)
     daemon = kvstored_factory(
-        host_bytes=f"{READERS * (TENANT_QUOTA >> 20) + 16}MiB",
-        disk_bytes=f"{READERS * 4 * (TENANT_QUOTA >> 20) + 64}MiB",
+        host_bytes=f"{READERS * QUOTA_MIB + 16}MiB",
+        disk_bytes=f"{READERS * 4 * QUOTA_MIB + 64}MiB",
         extra_args=("--config", str(config)),
     )
-    for i, token in enumerate(tokens):
-        with KVClient(daemon.addr, token=token) as client:
-            ns = client.namespace("long", TOKENS, block_bytes=BLOCK)
-            put_tokens, rows = chain_of(i, TENANT_BLOCKS)
-            assert ns.put(put_tokens, rows).stored == TENANT_BLOCKS
-    daemon.restart()  # the blocks are on disk only
-    wait_indexed(daemon.addr, tokens)
+    assert readers.put_prefixes(daemon.addr, tokens, TENANT_BLOCKS) == READERS * TENANT_BLOCKS
+    assert readers.restart_indexed(daemon, tokens, TENANT_BLOCKS) == 0  # on disk only
     with ThreadPoolExecutor(READERS) as pool:
-        reads = [pool.submit(read_windows, daemon.addr, t, i, None) for i, t in enumerate(tokens)]
-        done, late = wait(reads, timeout=120)
+        reads = [
+            pool.submit(readers.read_windows, daemon.addr, token, i, None)
+            for i, token in enumerate(tokens)
+        ]
+        _, late = wait(reads, timeout=120)
         assert not late, "reads still waiting after 120 s (a wedged read path)"
         assert [r.result() for r in reads] == [TENANT_BLOCKS] * READERS
     # SIGTERM with reads in flight: the daemon stops, and each read ends (whole or refused)
-    daemon.restart()
-    wait_indexed(daemon.addr, tokens)
-    first = threading.Event()
+    readers.restart_indexed(daemon, tokens, TENANT_BLOCKS)
+    seen = readers.Windows(1)
     with ThreadPoolExecutor(READERS) as pool:
-        reads = [pool.submit(read_windows, daemon.addr, t, i, first) for i, t in enumerate(tokens)]
-        assert first.wait(60), "no window came back in 60 s"
+        reads = [
+            pool.submit(readers.read_windows, daemon.addr, token, i, seen)
+            for i, token in enumerate(tokens)
+        ]
+        assert seen.enough.wait(60), "no window came back in 60 s"
         assert daemon.stop() == 0
-        done, late = wait(reads, timeout=60)
+        _, late = wait(reads, timeout=60)
         assert not late
 
 

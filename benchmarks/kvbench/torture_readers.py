@@ -21,6 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Protocol
 
 from kvbench.servers import write_secret
 from kvbench.torture_kit import TOKENS, Kvstored, block_of, tokens_of
@@ -32,6 +33,16 @@ MODEL = "readers"
 CALL_TIMEOUT_S = 60.0  # each call's deadline (a wedged daemon shows as timeouts)
 READS_TIMEOUT_S = 300.0  # the longest the part waits for its reads
 Row = tuple[str, str, bool]
+
+
+class Restartable(Protocol):
+    """A kvstored child this part (or a test) stops and starts again."""
+
+    addr: str
+
+    def stop(self) -> int: ...
+
+    def start(self) -> object: ...
 
 
 def part_readers(work: Path, quick: bool) -> tuple[list[str], list[Row]]:
@@ -50,27 +61,44 @@ def part_readers(work: Path, quick: bool) -> tuple[list[str], list[Row]]:
     return body, rows
 
 
+def tenants_config(folder: Path, n: int, quota_mib: int) -> tuple[Path, list[str]]:
+    """A config of ``n`` tenants (t0, t1, ...) with a host quota of ``quota_mib`` each,
+    and their tokens."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokens = [secrets.token_hex(16) for _ in range(n)]
+    lines = []
+    for i, token in enumerate(tokens):
+        path = write_secret(folder / f"t{i}.token", token + "\n")
+        lines += [f"[tenants.t{i}]", f'token_file = "{path}"', f'host_bytes = "{quota_mib} MiB"']
+    config = folder / "kvstored.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return config, tokens
+
+
+def put_prefixes(addr: str, tokens: list[str], blocks: int) -> int:
+    """Put prefix ``i`` (``blocks`` blocks) as the tenant of ``tokens[i]``: blocks stored."""
+    stored = 0
+    for i, token in enumerate(tokens):
+        with KVClient(addr, token=token, timeout=CALL_TIMEOUT_S) as client:
+            ns = client.namespace(MODEL, TOKENS, block_bytes=BLOCK)
+            rows = [block_of(i, b, BLOCK) for b in range(blocks)]
+            stored += ns.put(tokens_of(i, blocks), rows).stored
+    return stored
+
+
 def many_tenants(
     work: Path, tenants: int, quota_mib: int, blocks: int, body: list[str]
 ) -> list[Row]:
-    work.mkdir(parents=True, exist_ok=True)
-    tokens = [secrets.token_hex(16) for _ in range(tenants + 1)]  # the last: the bystander
-    lines = []
-    for i, token in enumerate(tokens):
-        path = write_secret(work / f"t{i}.token", token + "\n")
-        lines += [f"[tenants.t{i}]", f'token_file = "{path}"', f'host_bytes = "{quota_mib} MiB"']
-    (work / "kvstored.toml").write_text("\n".join(lines) + "\n")
+    # the last tenant: the bystander
+    config, tokens = tenants_config(work, tenants + 1, quota_mib)
     daemon = Kvstored(
-        work / "daemon", token=tokens[0], config=str(work / "kvstored.toml"),
+        work / "daemon", token=tokens[0], config=str(config),
         host_bytes=f"{(tenants + 1) * quota_mib + 16}MiB",
         disk_bytes=f"{tenants * blocks * BLOCK * 2 >> 20}MiB",
     )  # fmt: skip
     daemon.start()
     try:
-        for i, token in enumerate(tokens[:-1]):
-            with KVClient(daemon.addr, token=token, timeout=CALL_TIMEOUT_S) as client:
-                ns = client.namespace(MODEL, TOKENS, block_bytes=BLOCK)
-                ns.put(tokens_of(i, blocks), [block_of(i, b, BLOCK) for b in range(blocks)])
+        put_prefixes(daemon.addr, tokens[:-1], blocks)
         rows = [read_at_once(daemon, tokens, blocks, body)]
         rows.append(sigterm_while_reading(daemon, tokens, blocks))
     finally:
@@ -78,13 +106,13 @@ def many_tenants(
     return rows
 
 
-def restart_indexed(daemon: Kvstored, tokens: list[str], blocks: int) -> int:
+def restart_indexed(daemon: Restartable, tokens: list[str], blocks: int) -> int:
     """SIGTERM and start again, then wait until the index (loaded behind the start)
-    holds every prefix: the exit code of the stop."""
+    holds the prefix of each of ``tokens``' tenants: the exit code of the stop."""
     code = daemon.stop()
     daemon.start()
     deadline = time.monotonic() + READS_TIMEOUT_S
-    for i, token in enumerate(tokens[:-1]):
+    for i, token in enumerate(tokens):
         with KVClient(daemon.addr, token=token, timeout=CALL_TIMEOUT_S) as client:
             ns = client.namespace(MODEL, TOKENS, block_bytes=BLOCK)
             while ns.lookup(tokens_of(i, blocks)).blocks < blocks:
@@ -151,7 +179,7 @@ def bystander(addr: str, token: str, stop: threading.Event) -> tuple[list[float]
 
 
 def read_at_once(daemon: Kvstored, tokens: list[str], blocks: int, body: list[str]) -> Row:
-    restart_indexed(daemon, tokens, blocks)
+    restart_indexed(daemon, tokens[:-1], blocks)
     stop = threading.Event()
     with ThreadPoolExecutor(len(tokens)) as pool:
         probe = pool.submit(bystander, daemon.addr, tokens[-1], stop)
@@ -185,7 +213,7 @@ def read_at_once(daemon: Kvstored, tokens: list[str], blocks: int, body: list[st
 
 
 def sigterm_while_reading(daemon: Kvstored, tokens: list[str], blocks: int) -> Row:
-    restart_indexed(daemon, tokens, blocks)
+    restart_indexed(daemon, tokens[:-1], blocks)
     readers = len(tokens) - 1
     seen = Windows(readers)  # about one window each: every reader's read-ahead in flight
     with ThreadPoolExecutor(readers) as pool:
