@@ -30,6 +30,11 @@ from pathlib import Path
 
 from kvbench.vllm_chat import ENGINE_ENV, transfer_config
 
+# best tokens recorded per step: two engines whose passes differ in shape (a chunk of
+# 1024 tokens against a loaded prefix and one block) may break a near tie of a random
+# tiny model's logits either way, so outputs are compared as distributions too
+TOP_LOGPROBS = 5
+
 
 def make_model(directory: Path, hybrid: bool = False) -> Path:
     """A tiny random Llama with a word-level tokenizer in ``directory`` (offline): 4
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         seed=0,
         kv_transfer_config=transfer_config(args.connector, json.loads(args.extra)),
     )
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=1)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, logprobs=TOP_LOGPROBS)
     if args.warmup:  # the engine's first-call costs, for the longest prompt's shapes
         longest = max(len(p["tokens"]) for p in prompts)
         warm = TokensPrompt(prompt_token_ids=[31000 + i % 997 for i in range(longest)])
@@ -87,6 +92,11 @@ def run(args: argparse.Namespace) -> int:
                 "cached": int(output.num_cached_tokens or 0),
                 "tokens": list(completion.token_ids),
                 "logprobs": logprobs,
+                # each step's best tokens and their logprobs (JSON keys: token ids)
+                "top": [
+                    {str(token): float(entry.logprob) for token, entry in step.items()}
+                    for step in completion.logprobs or []
+                ],
                 "seconds": seconds,
             }
         )

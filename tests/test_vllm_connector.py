@@ -151,6 +151,20 @@ def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
     )
 
 
+def assert_same_distribution(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """The first step's best tokens have the same logprobs in both: all but one within
+    1e-3, that one within two bf16 steps of a logit near 1 (2**-6). Not the same token: a
+    bf16 tiny random model's best two can tie within 1e-4, and a pass of another shape (a
+    prompt computed in chunks against one loaded and finished in one block) rounds one
+    logit to the next bf16 value and breaks the tie either way; KV that differs moves
+    every logprob."""
+    top_got, top_want = got["top"][0], want["top"][0]
+    common = top_got.keys() & top_want.keys()
+    assert len(common) >= 4, (top_got, top_want)
+    gaps = sorted(abs(top_got[token] - top_want[token]) for token in common)
+    assert gaps[-2] < 1e-3 and gaps[-1] < 2**-6, (top_got, top_want)
+
+
 def test_engines_reuse_prefixes_through_kvstore_and_a_router_follows_them(
     kvstored_factory: Callable[..., Daemon],
     model_dir: Path,
@@ -403,7 +417,7 @@ def test_two_engines_on_one_long_prompt_compute_it_once(
     cached = sorted(results[name][0]["cached"] for name in ("one", "two"))
     # one engine computed the prefix; the other waited for it and loaded 63 blocks
     assert cached == [0, 63 * BLOCK]
-    assert results["one"][0]["tokens"] == results["two"][0]["tokens"]
+    assert_same_distribution(results["one"][0], results["two"][0])
 
 
 def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_reuses_across_engines(
