@@ -5,8 +5,9 @@ bounds derived from the configured caps, never timings:
 
 - A tenant with a 16 MiB host quota opens Get streams of a 48 MiB chain (3x its room)
   and reads none of them. A get longer than the room copies one window per call
-  (``truncated``: the client calls again), each window's bytes counted against the
-  tenant's share of ``get_buffer_bytes`` until its stream ends; a Get past the share
+  (``truncated``: the client calls again), each window counted twice (its copy, the
+  messages gRPC queues) against the tenant's share of ``get_buffer_bytes`` until its
+  call is done; a Get past the share
   waits ``put_wait_ms`` and is refused (RESOURCE_EXHAUSTED). Before, each stream
   copied the whole chain (+48 MiB a stream).
 - 64-byte blocks carrying 256 tokens each (1 KiB of token ids a block) churn through
@@ -48,9 +49,9 @@ def rss_bytes(daemon: Daemon) -> int:
 # --- Get streams nobody reads -----------------------------------------------------------
 
 QUOTA = 16 * MiB  # tenant a's host room
-GET_BUFFERS = 24 * MiB  # a, b and the admin: 8 MiB each, windows of 2 MiB
+GET_BUFFERS = 24 * MiB  # a, b and the admin: 8 MiB each
 SHARE = GET_BUFFERS // 3
-WINDOW = SHARE // 4
+WINDOW = SHARE // 8  # a copied window: 1 MiB, held twice (the copy, the messages)
 BLOCK = 256 << 10
 TOKENS = 16
 BLOCKS = 3 * QUOTA // BLOCK  # 48 MiB: 3x the tenant's room
@@ -115,9 +116,9 @@ def test_get_streams_nobody_reads_hold_one_window_each_within_the_tenants_share(
         for header in headers:
             assert 0 < header.n_blocks * BLOCK <= WINDOW and header.truncated
             assert header.ready_blocks == BLOCKS
-        # the share holds SHARE // WINDOW windows; the other streams waited for one,
-        # then were refused with the reason
-        assert len(streams) == SHARE // WINDOW
+        # the share holds four windows; the other streams waited for one, then were
+        # refused with the reason
+        assert len(streams) == SHARE // (2 * WINDOW) == 4
         assert refused and all(
             e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "get_buffer_bytes" in e.details()
             for e in refused

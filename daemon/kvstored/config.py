@@ -38,8 +38,9 @@ from kvstore.policy import OVERFLOW_POLICIES
 from kvstore.shared.format import mac_key
 from kvstore.shared.tier import SharedConfig
 from kvstore.store import ADMISSION_POLICIES, DEFAULT_PRIORITY, StoreConfig
-from kvstored import hostinfo, paths
+from kvstored import auto_sizes, paths
 from kvstored.auth import TenantConfig, parse_tenants, read_secret
+from kvstored.auto_sizes import DISK_SIZE_FILE, _auto_disk, _auto_disk_bytes, _auto_host_bytes
 from kvstored.config_values import (
     MAX_BYTES,
     MAX_LEASE_S,
@@ -111,64 +112,11 @@ class Key:
         return "--" + self.name.replace("_", "-")
 
 
-AUTO_HOST_MAX = 4 << 30
-AUTO_DISK_MAX = 64 << 30
-DISK_SIZE_FILE = "kvstored-disk-bytes"  # in disk_dir: the size chosen at the first start
-MIN_AUTO_DISK_BYTES = 64 << 20  # an automatic disk size below this is no tier at all
+# what other modules take from here (kvstored.auto_sizes holds them)
+AUTO_HOST_MAX, MIN_AUTO_DISK_BYTES = auto_sizes.AUTO_HOST_MAX, auto_sizes.MIN_AUTO_DISK_BYTES
+FULL_DISK_SOURCE = auto_sizes.FULL_DISK_SOURCE
+keep_disk_bytes, kept_disk_bytes = auto_sizes.keep_disk_bytes, auto_sizes.kept_disk_bytes
 MIN_COMMON_REGION_BYTES = 1 << 20  # what tenants' own arena regions leave for the rest
-FULL_DISK_SOURCE = "the file system is full, 25% of its size, chosen again at the next start"
-
-
-def _auto_host_bytes(_: Mapping[str, Any]) -> int:
-    """25% of the machine's memory (its cgroup limit in a container), 64 MiB .. 4 GiB,
-    so that restarts on one machine get one size; lowered to half of what is
-    available at start only when memory is that short."""
-    size = min(AUTO_HOST_MAX, hostinfo.mem_total_bytes() // 4)
-    size = min(size, hostinfo.mem_available_bytes() // 2)
-    return max(64 << 20, size) >> 20 << 20
-
-
-def kept_disk_bytes(disk_dir: str) -> int | None:
-    """The automatic disk size kept in ``disk_dir`` at its first start (None: none kept)."""
-    try:
-        text = (Path(disk_dir) / DISK_SIZE_FILE).read_text()
-        return parse_size(tomllib.loads(text)["disk_bytes"])
-    except (OSError, KeyError, ValueError, tomllib.TOMLDecodeError):
-        return None
-
-
-def keep_disk_bytes(disk_dir: str, value: int) -> None:
-    """Write the automatic disk size into ``disk_dir`` so later starts keep it."""
-    path = Path(disk_dir) / DISK_SIZE_FILE
-    path.write_text(
-        "# Chosen by kvstored at the first start on this directory: 25% of the free disk,\n"
-        f"# at most {format_size(AUTO_DISK_MAX)}. Set disk_bytes to change it, or delete this\n"
-        "# file to choose again from the free space.\n"
-        f"disk_bytes = {value}  # {format_size(value)}\n"
-    )
-
-
-def _auto_disk_bytes(resolved: Mapping[str, Any]) -> int:
-    return _auto_disk(resolved["disk_dir"])[0]
-
-
-def _auto_disk(disk_dir: str) -> tuple[int, str]:
-    """The automatic disk size and its source: the one kept in ``disk_dir``; else 25% of
-    the free space; else, on a file system too full for that (under
-    MIN_AUTO_DISK_BYTES) but large enough for a tier, 25% of its size for this start
-    only (not kept: the tier waits for room, as it does when its files cannot be
-    created); else the too small size, which preflight refuses."""
-    if not disk_dir:
-        return 0, "default (auto)"
-    kept = kept_disk_bytes(disk_dir)
-    if kept is not None:
-        return kept, f"default (auto, kept in disk_dir/{DISK_SIZE_FILE})"
-    free_quarter = min(AUTO_DISK_MAX, hostinfo.disk_free_bytes(disk_dir) // 4) >> 20 << 20
-    if free_quarter < MIN_AUTO_DISK_BYTES:
-        size_quarter = min(AUTO_DISK_MAX, hostinfo.disk_size_bytes(disk_dir) // 4) >> 20 << 20
-        if size_quarter >= MIN_AUTO_DISK_BYTES:
-            return size_quarter, f"default (auto: {FULL_DISK_SOURCE})"
-    return free_quarter, "default (auto)"
 
 
 KEYS: tuple[Key, ...] = (
@@ -232,8 +180,10 @@ KEYS: tuple[Key, ...] = (
         "block bytes Get streams hold copied out of the store at once, all callers "
         "together; each tenant (and the admin) at most its share (this / (tenants + 1)). "
         "A get the host tier cannot pin whole copies one window per call (at most "
-        "window_bytes and a quarter of the share; the client calls again); past the "
-        "share it waits put_wait_ms for bytes to be freed, then RESOURCE_EXHAUSTED",
+        "window_bytes and an eighth of the share; the client calls again), counted "
+        "twice (the copy, and its messages queued in gRPC) until the call is done; "
+        "past the share it waits put_wait_ms for bytes to be freed, then "
+        "RESOURCE_EXHAUSTED",
         _size_between(1 << 20, MAX_BYTES)),
     Key("arena_dir", "path", parse_path, "/dev/shm",
         "directory of the shared arena file (a tmpfs: its pages are the host tier)"),
@@ -340,8 +290,9 @@ KEYS: tuple[Key, ...] = (
         "bits, as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)"),
     Key("kv_events_buffer_bytes", "size", parse_size, 64 << 20,
         "KV events: the tier changes waiting for the publisher, at most this many bytes "
-        "(token ids included); as much again of batches kept for replay and queued for "
-        "subscribers that read slowly (past it the oldest go)",
+        "(token ids included); as much again of batches kept for replay (past it the "
+        "oldest go), and of batches queued for each subscriber that reads slowly (ZMQ "
+        "then drops its new ones)",
         _size_between(1 << 20, MAX_BYTES)),
 )
 KEYS_BY_NAME: dict[str, Key] = {k.name: k for k in KEYS}

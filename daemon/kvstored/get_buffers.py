@@ -7,9 +7,12 @@ them) copies its blocks into a buffer of the daemon's, which the stream holds un
 its last message is sent: for a client that stops reading, until the call ends. So:
 
 - such a Get copies one window per call (:meth:`GetBuffers.window_bytes`:
-  ``window_bytes``, and at most a quarter of a caller's share) and says ``truncated``:
-  the client calls again from the next block (kvclient.reads does);
-- each window's bytes are held against ``get_buffer_bytes`` (all callers together)
+  ``window_bytes``, and at most an eighth of a caller's share) and says
+  ``truncated``: the client calls again from the next block (kvclient.reads does);
+- a window is held as COPIES times its bytes: the copy, and as much again in the
+  messages made of it, which gRPC queues whole for a client that does not read (a
+  stream's write completes before the client took the bytes in);
+- what each window holds is counted against ``get_buffer_bytes`` (all callers together)
   and against its caller's share of it (``get_buffer_bytes // (tenants + 1)``: each
   tenant's, and the admin's) from before the copy until the call is done: gRPC holds
   the last messages of a stream after the handler returned, until the client read
@@ -32,6 +35,8 @@ import contextlib
 from kvstore.errors import OutOfSpace
 from kvstored.auth import Caller
 
+COPIES = 2  # what a window of a Get holds: its copy, and the messages made of it
+
 
 class GetBuffers:
     """The bytes Get streams hold copied, per caller and in all (see the module
@@ -45,10 +50,10 @@ class GetBuffers:
         self._freed = asyncio.Event()  # set (and replaced) each time bytes are given back
 
     def window_bytes(self, window_bytes: int) -> int:
-        """The bytes one Get copies at most: ``window_bytes``, and a quarter of a
-        caller's share, so that a caller's four streams that are not read leave the
-        rest of the daemon's buffers to the others."""
-        return max(1, min(window_bytes, self.share // 4))
+        """The bytes one Get copies at most: ``window_bytes``, and an eighth of a
+        caller's share (a window holds COPIES times its bytes), so that four streams
+        of a caller that does not read them fill its share, never another's."""
+        return max(1, min(window_bytes, self.share // (4 * COPIES)))
 
     def held_by(self, caller: Caller) -> int:
         return self._held.get(_who(caller), 0)

@@ -22,6 +22,7 @@ from kvstored.auth import Caller
 from kvstored.config import GET_CHUNK_BYTES
 from kvstored.dispatch import Calls, Ctx, NeedsPool
 from kvstored.errors import grpc_errors
+from kvstored.get_buffers import COPIES
 
 MAX_WAIT_PENDING_S = 300.0
 
@@ -72,7 +73,7 @@ async def Get(
     caller = calls.access.caller(context)
     plan = await calls.run_quick(functools.partial(_open_read, calls, request, caller))
     if plan.copy is not None:  # one window, copied: its bytes held until the call is done
-        held = plan.copy.n_bytes
+        held = COPIES * plan.copy.n_bytes  # the copy, and its messages in gRPC's queue
         await calls.get_buffers.take(caller, held, calls.config.put_wait_ms / 1000)
         context.add_done_callback(_giver(calls, caller, held))
         plan = await calls.run(_copy_window, calls, plan.copy)
