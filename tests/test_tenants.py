@@ -170,6 +170,11 @@ def test_local_calls_need_the_token_frame_first(tenancy: Tenancy) -> None:
         assert "not valid" in frames.parse_error(body)[1]
         status, _ = _local_call(sock, b"ServerInfo", b"")  # still nobody
         assert status == unauthenticated
+        # the right token, but a proof over another uid than this connection's: what
+        # a relay between a client of that uid and the daemon would pass on
+        status, body = _prove(sock, tenancy.tokens["b"], client_uid=65534)
+        assert status == unauthenticated
+        assert "not valid" in frames.parse_error(body)[1]
         status, _ = _prove(sock, tenancy.tokens["b"])
         assert status == frames.OK  # (and the daemon proved it back: _prove checks)
         status, body = _local_call(sock, b"ServerInfo", b"")
@@ -177,16 +182,18 @@ def test_local_calls_need_the_token_frame_first(tenancy: Tenancy) -> None:
         assert pb.ServerInfoResponse.FromString(body).tenant == "b"
 
 
-def _prove(sock: socket.socket, token: str) -> tuple[int, bytes]:
+def _prove(sock: socket.socket, token: str, client_uid: int | None = None) -> tuple[int, bytes]:
     """The client's side of the local-call challenge (kvproto.v1.challenge) -> the
-    answer to its @auth; an OK answer must carry the daemon's proof."""
+    answer to its @auth; an OK answer must carry the daemon's proof. ``client_uid``:
+    the uid the proof claims (default: this process's)."""
     nonce = challenge.new_nonce()
     status, daemon_nonce = _local_call(sock, frames.HELLO_NAME, nonce)
     assert status == frames.OK
     peer = frames.peer_credentials(sock)
-    transcript = challenge.Transcript.of_client(
-        challenge.LOCAL_CALLS, nonce, daemon_nonce, peer[1] if peer else None
-    )
+    transcript = challenge.Transcript(
+        challenge.LOCAL_CALLS, nonce, daemon_nonce,
+        os.geteuid() if client_uid is None else client_uid, peer[1] if peer else -1,
+    )  # fmt: skip
     key = challenge.token_key(token)
     status, body = _local_call(sock, frames.AUTH_NAME, transcript.client_proof(key))
     if status == frames.OK:

@@ -3,8 +3,18 @@
 - **Token** (a daemon with tenants, see kvstored.auth): ``KVClient(token=...)``, else
   ``$KVSTORE_TOKEN``, else the file named by ``$KVSTORE_TOKEN_FILE``. gRPC calls carry
   it as ``authorization: Bearer <token>``, added by a channel interceptor so every
-  call has it (unary, streams, the session, the GPU service); each local-call
-  connection sends it in its first frame (kvproto.v1.local_calls).
+  call has it (unary, streams, the session, the GPU service). The local-call and arena
+  hand-out sockets never carry it: the client proves it over fresh nonces and wants
+  the daemon's proof back before it sends a call or maps an fd (kvproto.v1.challenge),
+  so a listener that took one of those paths learns nothing it can reuse.
+- **The limit, on a unix socket**: gRPC's metadata goes to whatever listens at the
+  path, and grpc dials the path itself (no peer check can come between). What keeps
+  a stranger from listening there is :meth:`Credentials.check_socket`: the socket and
+  its directory must belong to the daemon's user (or root) and the directory must not
+  be writable by others. So a process of the daemon's own uid (or root) that may
+  write the socket directory can still swap the gRPC socket and read the token: run
+  engines as users of their own, with the directory read-only to them (as
+  deploy/kubernetes/daemonset.yaml does), never as the daemon's uid.
 - **TLS** for a TCP address: ``KVClient(tls=TLS(ca_file=...))``, else
   ``$KVSTORE_TLS_CA`` (the CA that signed the daemon's certificate), with
   ``$KVSTORE_TLS_CERT`` / ``$KVSTORE_TLS_KEY`` for a daemon that asks for client

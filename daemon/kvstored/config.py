@@ -223,8 +223,9 @@ KEYS: tuple[Key, ...] = (
         "serve short calls to same-host clients on a plain unix socket beside the gRPC "
         "one (a round trip ~10x cheaper); false: gRPC only"),
     Key("max_connections_per_user", "int", parse_int, 1024,
-        "most local-call connections one user (uid) holds at once; past it a new one "
-        "is closed at once (one line in the log, rate-limited)", _between(1, 1 << 20)),
+        "most connections one user (uid) holds at once on each of the local-call and "
+        "arena hand-out sockets; past it a new one is closed at once (one line in the "
+        "log, rate-limited)", _between(1, 1 << 20)),
     Key("socket_mode", "choice", _choice(SOCKET_MODES), "0600",
         "file mode of the daemon's unix sockets: 0600 (its own user only); 0660 (its "
         "group too) or 0666 (every user) let tenants that run as other users connect, "
