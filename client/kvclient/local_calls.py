@@ -415,6 +415,21 @@ class LocalCalls:
         conn.owed.append(_Owed(name, on_answer))
         self._put_back(conn)
 
+    def peer_gone(self) -> bool:
+        """Whether the idle connection the next call takes was closed by the daemon
+        (a daemon that was killed, or stopped): one non-blocking peek, no I/O effect.
+        False when there is none to look at."""
+        with self._lock:
+            conn = self._idle[-1] if self._idle and self._pid == os.getpid() else None
+            if conn is None:
+                return False
+            try:
+                return conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except (BlockingIOError, InterruptedError):
+                return False  # open, nothing to read
+            except OSError:
+                return True  # reset
+
     def poll_owed(self) -> None:
         """Read the owed answers that have arrived on the idle connections, without
         waiting for the rest (a connection that fails is closed: see _Owed.lost)."""

@@ -152,6 +152,11 @@ class Put:
         sent_at = time.monotonic()
         release = conn.accounting.release_later
         if staged is not None and not wait:  # copy into the staged slots, then commit
+            if conn.local is not None and conn.local.peer_gone():
+                # the daemon that staged them went away (kill -9, restart): they may be
+                # another daemon's slots now, holding others' blocks; never write them
+                stash.forget(request)
+                raise StagedSlotsLost("the local-call socket was closed by the daemon")
             try:
                 yield Work(self.blocks.write, (arena.mapping, staged, self.start))
             except BaseException:
