@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -54,19 +54,28 @@ def run_shares(pool: ThreadPoolExecutor, work: Callable[[T], R], shares: Sequenc
     others offered to ``pool``; each share no pool thread has started by the time this
     thread comes to it is taken back and run here. This thread so waits only on shares
     that are running, never on work queued behind others (behind itself, when it is a
-    thread of ``pool``): no pool can wait on its own queue."""
+    thread of ``pool``): no pool can wait on its own queue.
+
+    A share that raises ends the rest: those not started are cancelled, and those
+    running are waited for before the error is raised, since the caller then frees the
+    slots they write into."""
     futures: list[Future[R] | None] = []
     for share in shares[1:]:
         try:
             futures.append(pool.submit(work, share))
         except RuntimeError:  # the pool shut down (the store closes): run it here
             futures.append(None)
-    results = [work(shares[0])]
-    for share, future in zip(shares[1:], futures, strict=True):
-        if future is None or future.cancel():
-            results.append(work(share))
-        else:
-            results.append(future.result())  # running: a disk read, which ends
+    try:
+        results = [work(shares[0])]
+        for share, future in zip(shares[1:], futures, strict=True):
+            if future is None or future.cancel():
+                results.append(work(share))
+            else:
+                results.append(future.result())  # running: a disk read, which ends
+    except BaseException:
+        running = [f for f in futures if f is not None and not f.cancel()]
+        wait(running)  # disk reads, which end
+        raise
     return results
 
 

@@ -421,9 +421,12 @@ class Reads:
                 if fresh is not None:
                     return _pinned(nodes, fresh, ready)
                 tiers = self._parts.tiers
-                if not (tiers.writer_blocked and time.monotonic() < deadline):
-                    assert room_by is not None  # room held by leases: freed as they end
-                    # (each end notifies ``changed``)
+                # None without ``room_by`` is always the writer behind (decided by
+                # _promotion_slots' own clock: not read again here, where the deadline
+                # may have passed since); with ``room_by`` it may be either
+                if room_by is not None and (
+                    not tiers.writer_blocked or time.monotonic() >= deadline
+                ):  # room held by leases: freed as they end (each end notifies ``changed``)
                     self._parts.changed.wait(max(0.0, min(0.05, room_by - time.monotonic())))
                     continue
                 behind = tiers.behind_blocked

@@ -43,3 +43,29 @@ def test_read_ahead_is_skipped_when_busy_and_waited_for_with_a_bound() -> None:
     finally:
         gate.set()
         threads.close()
+
+
+def test_a_share_that_fails_ends_the_rest_only_after_the_running_ones() -> None:
+    """The caller frees the slots its shares read into when one fails: the others must
+    have stopped writing by then (started ones waited for, queued ones never run)."""
+    started, release = threading.Event(), threading.Event()
+    wrote: list[int] = []
+
+    def work(share: int) -> int:
+        if share == 0:
+            assert started.wait(30)  # the pool's share runs before this one fails
+            release.set()
+            raise OSError("a disk read failed")
+        started.set()
+        assert release.wait(30)
+        wrote.append(share)
+        return share
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            run_shares(pool, work, [0, 1, 2])
+        except OSError:
+            ended_with = list(wrote)
+        else:
+            raise AssertionError("the failed share's error was not raised")
+    assert ended_with == [1]  # share 1 finished before the error came out; 2 never ran

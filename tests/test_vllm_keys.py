@@ -268,10 +268,15 @@ def test_the_model_id_changes_with_the_config_and_the_engines_overrides(tmp_path
         num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)]
     )
 
-    def model_id(path: Path, overrides: dict[str, Any]) -> str:
+    def model_id(path: Path, overrides: Any, **engine_config: Any) -> str:
+        model_config = SimpleNamespace(
+            model=str(path), revision=None, hf_overrides=overrides, dtype=torch.bfloat16,
+            quantization=None, hf_config=None,
+        )  # fmt: skip
+        vars(model_config).update(engine_config)
         engine = SimpleNamespace(
             device_config=SimpleNamespace(device_type="cpu"),
-            model_config=SimpleNamespace(model=str(path), revision=None, hf_overrides=overrides),
+            model_config=model_config,
             parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         )
         return EngineLayout.of(engine, kv_config, ConnectorSettings()).model  # type: ignore[arg-type]
@@ -279,3 +284,17 @@ def test_the_model_id_changes_with_the_config_and_the_engines_overrides(tmp_path
     assert model_id(base, {}) != model_id(longer, {})
     assert model_id(base, {"rope_theta": 500000.0}) != model_id(base, {})
     assert model_id(base, {}) == model_id(base, {})
+    # the engine's compute dtype and quantization change the KV, the cache's layout not
+    assert model_id(base, {}, dtype=torch.float16) != model_id(base, {})
+    assert model_id(base, {}, quantization="fp8") != model_id(base, {})
+
+    # a function of overrides is known by the config it made, not by its name
+    def overrides(config: Any) -> Any:
+        return config
+
+    def made(rope_theta: float) -> SimpleNamespace:
+        return SimpleNamespace(to_dict=lambda: {"model_type": "llama", "rope_theta": rope_theta})
+
+    assert model_id(base, overrides, hf_config=made(1e4)) != model_id(
+        base, overrides, hf_config=made(5e5)
+    )

@@ -66,7 +66,7 @@ def test_why_walks_only_as_far_as_each_namespace_holds_the_prompt(
         open_ns(store, f"theirs-{i}", "b")
     hashed.clear()
     keys = store.keys_for(mine.ns_id, prompt)
-    answer = why.explain(store, mine, keys, prompt, [], Caller("a"))
+    answer = why.explain(store, mine, keys, prompt, [], Caller("a"), why.Pacer())
     assert (answer.reason, answer.other_ns) == ("other_namespace", holder.ns_id)
     spent = sum(hashed) - len(keys)  # (the caller's own chain, hashed once)
     # one block for each empty namespace, 1 + 2 + 4 + 8 + 16 for the holder
@@ -93,7 +93,7 @@ def test_why_costs_a_tenant_the_same_whatever_other_tenants_hold(
 
     def spent() -> int:
         hashed.clear()
-        why.explain(store, mine, keys, prompt, [], Caller("a"))
+        why.explain(store, mine, keys, prompt, [], Caller("a"), why.Pacer())
         return sum(hashed)
 
     alone = spent()
@@ -104,5 +104,5 @@ def test_why_costs_a_tenant_the_same_whatever_other_tenants_hold(
     assert spent() == alone
     assert listed == [1, 1]  # its own namespace, not the other tenant's 500
     # the admin sees every namespace: it finds theirs
-    answer = why.explain(store, mine, keys, prompt, [], Caller("", admin=True))
+    answer = why.explain(store, mine, keys, prompt, [], Caller("", admin=True), why.Pacer())
     assert answer.reason == "other_namespace"

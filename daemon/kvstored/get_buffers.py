@@ -85,9 +85,11 @@ class GetBuffers:
         self._freed = asyncio.Event()
 
     def _fits(self, who: str, nbytes: int) -> bool:
-        if not self.held:  # (one window larger than a share goes through alone)
-            return True
         mine = self._held.get(who, 0)
+        if not mine:  # a window larger than a share (one block of a big model) goes
+            # through while its caller holds nothing, within the total or alone: one
+            # caller's stalled stream never shuts the others out
+            return self.held + nbytes <= self.total or not self.held
         return mine + nbytes <= self.share and self.held + nbytes <= self.total
 
     def _refusal(self, who: str, nbytes: int, wait_s: float) -> str:

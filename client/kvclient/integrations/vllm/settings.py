@@ -209,13 +209,22 @@ class EngineLayout:
 
 
 def _config_overrides(model_config: Any) -> dict[str, Any]:
-    """What the engine changes in the model's config (vLLM's ``hf_overrides``): part of
-    the model id, as the config is. A function is named by its qualified name: the id
-    cannot see what it does, but an engine started with another sees another id."""
-    overrides = model_config.hf_overrides
+    """What the engine changes beside the model's files, part of the model id as the
+    config is: vLLM's ``hf_overrides`` (a function by the config it made, overrides
+    applied: its name says nothing of what it does), the compute dtype and the
+    quantization (either changes the KV while the cache's layout may stay the same)."""
+    overrides = getattr(model_config, "hf_overrides", None)
     if callable(overrides):
-        return {"hf_overrides_fn": f"{overrides.__module__}.{overrides.__qualname__}"}
-    return dict(overrides or {})
+        made: dict[str, Any] = {"hf_config": model_config.hf_config.to_dict()}
+    else:
+        made = dict(overrides or {})
+    dtype = getattr(model_config, "dtype", None)
+    if dtype is not None:
+        made["engine_dtype"] = str(dtype).removeprefix("torch.")
+    quantization = getattr(model_config, "quantization", None)
+    if quantization:
+        made["engine_quantization"] = str(quantization)
+    return made
 
 
 def _check_storable(specs: list[Any]) -> None:
