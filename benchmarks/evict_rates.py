@@ -19,7 +19,6 @@ and every round's in order, and writes ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -125,18 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/evict_rates.md")
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker()))
-        return 0
-    if args.before is None:
-        parser.error("--before is required")
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    runs = checkouts.workers_in_turns(Path(__file__).resolve(), args, [])
-    text = render(runs, args)
-    args.out.write_text(text)
-    print(text)
-    return 0
+    return checkouts.main_in_turns(parser, args, Path(__file__).resolve(), worker, [], render)
 
 
 if __name__ == "__main__":

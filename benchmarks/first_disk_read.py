@@ -23,7 +23,6 @@ The report gives each checkout's median of each, best round first, every round a
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -120,18 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/first_disk_read.md")
     args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(worker(args.chains)))
-        return 0
-    if args.before is None:
-        parser.error("--before is required")
-    runs = checkouts.workers_in_turns(
-        Path(__file__).resolve(), args, ["--chains", str(args.chains)]
-    )
-    text = render(runs, args)
-    args.out.write_text(text)
-    print(text)
-    return 0
+    return checkouts.main_in_turns(
+        parser, args, Path(__file__).resolve(), lambda: worker(args.chains),
+        ["--chains", str(args.chains)], render,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

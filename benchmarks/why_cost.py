@@ -21,7 +21,6 @@ reversed every other round; the report gives every round's figures and writes
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import secrets
 import statistics
@@ -197,16 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds, --explainers and --seconds must be positive, --namespaces >= 2")
     worker_args = ["--namespaces", str(args.namespaces), "--explainers", str(args.explainers),
                    "--seconds", str(args.seconds)]  # fmt: skip
-    if args.worker:
-        print(json.dumps(worker(args.namespaces, args.explainers, args.seconds)))
-        return 0
-    if args.before is None:
-        parser.error("--before is required")
-    runs = checkouts.workers_in_turns(Path(__file__).resolve(), args, worker_args)
-    text = render(runs, args)
-    args.out.write_text(text)
-    print(text)
-    return 0
+    return checkouts.main_in_turns(
+        parser, args, Path(__file__).resolve(),
+        lambda: worker(args.namespaces, args.explainers, args.seconds), worker_args, render,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

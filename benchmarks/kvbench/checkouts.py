@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,29 @@ def workers_in_turns(
         print(f"round {r + 1} of {args.rounds}: {side}", flush=True)
         runs[side].append(run_worker(script, trees[side], worker_args))
     return runs
+
+
+def main_in_turns(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    script: Path,
+    worker: Callable[[], Any],
+    worker_args: list[str],
+    render: Callable[[dict[str, list[Any]], argparse.Namespace], str],
+) -> int:
+    """A before/after program's main after its arguments are checked: as a worker
+    (``--worker``), print ``worker()``'s answer as JSON; else run the workers in turns
+    (:func:`workers_in_turns` of ``script``, the program's own), write ``render(runs, args)``
+    to ``args.out`` and print it."""
+    if args.worker:
+        print(json.dumps(worker()))
+        return 0
+    if args.before is None:
+        parser.error("--before is required")
+    text = render(workers_in_turns(script, args, worker_args), args)
+    args.out.write_text(text)
+    print(text)
+    return 0
 
 
 def in_turns(rounds: int) -> Iterator[tuple[int, int, str]]:
