@@ -63,6 +63,7 @@ def run_engine(
     barrier: Path | None = None,
     chunk_tokens: int | None = None,
     between: dict[str, Callable[[], None]] | None = None,
+    lora_rank: int = 0,
 ) -> tuple[list[dict[str, Any]], str]:
     """One engine process over ``prompts`` -> (its results, its log). ``addr`` None:
     no connector (and vLLM's own prefix cache on); else the kvstore connector with
@@ -85,6 +86,8 @@ def run_engine(
         command += ["--no-prefix-caching"]
     if chunk_tokens is not None:  # chunked prefill: a long prompt over several steps
         command += ["--max-num-batched-tokens", str(chunk_tokens)]
+    if lora_rank:
+        command += ["--lora-rank", str(lora_rank)]
     if barrier is not None:
         command += ["--barrier", str(barrier), "--ready", str(tmp_path / f"{name}.ready")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE")}
@@ -418,6 +421,40 @@ def test_two_engines_on_one_long_prompt_compute_it_once(
     # one engine computed the prefix; the other waited for it and loaded 63 blocks
     assert cached == [0, 63 * BLOCK]
     assert_same_distribution(results["one"][0], results["two"][0])
+
+
+def test_a_lora_adapter_loads_only_kv_computed_with_its_weights(
+    kvstored: Daemon, model_dir: Path, tmp_path: Path
+) -> None:
+    """A real engine with vLLM's LoRA on: a prompt computed with an adapter is loaded
+    again only with the same weights (under another name too), never for the base model
+    or another adapter; loaded, it answers as it did computed (#66: the connector once
+    keyed by tokens alone, and served an adapter's KV to the base model)."""
+    def make_lora(name: str, seed: int) -> str:
+        path = tmp_path / name
+        subprocess.run(
+            [sys.executable, str(ENGINE), "make-lora", str(path), "--base", str(model_dir),
+             "--seed", str(seed)],
+            check=True, capture_output=True, timeout=ENGINE_TIMEOUT_S,
+        )  # fmt: skip
+        return str(path)
+
+    sql = make_lora("sql", 1)
+    sql_copy = tmp_path / "sql-copy"
+    shutil.copytree(sql, sql_copy)
+    other = make_lora("other", 2)
+    prompts = [
+        {"tokens": PROMPT_A, "lora": {"name": "sql", "id": 1, "path": sql}},
+        {"tokens": PROMPT_A},  # the base model
+        {"tokens": PROMPT_A, "lora": {"name": "other", "id": 2, "path": other}},
+        {"tokens": PROMPT_A, "lora": {"name": "sql-copy", "id": 3, "path": str(sql_copy)}},
+    ]
+    results, _ = run_engine(model_dir, tmp_path, prompts, addr=kvstored.addr, lora_rank=8)
+    assert [r["cached"] for r in results] == [0, 0, 0, 7 * BLOCK]
+    assert_same_distribution(results[3], results[0])  # the same weights' KV, loaded
+    # the adapter changes the answer: KV of the base model in its place would show
+    with pytest.raises(AssertionError):
+        assert_same_distribution(results[1], results[0])
 
 
 def test_a_hybrid_model_keeps_vllms_hybrid_manager_and_reuses_across_engines(

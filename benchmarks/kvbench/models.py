@@ -90,3 +90,42 @@ def save_random_llama(directory: str | Path, preset: str = "vllm-tiny", *, seed:
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="t1", eos_token="t2"
     ).save_pretrained(path)
     return path
+
+
+def save_random_lora(
+    directory: str | Path, base: str | Path, *, rank: int = 8, seed: int = 0
+) -> Path:
+    """Save a seeded random LoRA adapter (PEFT's files: ``adapter_config.json`` and
+    ``adapter_model.safetensors``) on the q and v projections of the Llama in ``base``
+    to ``directory``; idempotent. Its deltas are large enough to change the model's
+    answers, so KV computed with it differs from the base model's."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    if (path / "adapter_config.json").exists():
+        return path
+    config = json.loads((Path(base) / "config.json").read_text())
+    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    head_dim = int(config.get("head_dim") or hidden // int(config["num_attention_heads"]))
+    outputs = {
+        "q_proj": int(config["num_attention_heads"]) * head_dim,
+        "v_proj": int(config["num_key_value_heads"]) * head_dim,
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(layers):
+        for module, out in outputs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, hidden, generator=generator)
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, rank, generator=generator)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
+              str(path / "adapter_model.safetensors"))  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(outputs),
+        "base_model_name_or_path": str(base),
+    }))  # fmt: skip
+    return path
