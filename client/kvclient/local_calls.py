@@ -423,12 +423,18 @@ class LocalCalls:
             conn = self._idle[-1] if self._idle and self._pid == os.getpid() else None
             if conn is None:
                 return False
+            # (non-blocking for the peek: a socket with a timeout waits that long for a
+            # byte before Python even tries the recv, MSG_DONTWAIT or not)
+            timeout = conn.sock.gettimeout()
+            conn.sock.setblocking(False)
             try:
-                return conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+                return conn.sock.recv(1, socket.MSG_PEEK) == b""
             except (BlockingIOError, InterruptedError):
                 return False  # open, nothing to read
             except OSError:
                 return True  # reset
+            finally:
+                conn.sock.settimeout(timeout)
 
     def poll_owed(self) -> None:
         """Read the owed answers that have arrived on the idle connections, without
