@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from conftest import Daemon, in_forked_child, wait_for
 
-from kvclient import KVClient, arena_path
+from kvclient import KVClient, NamespaceNotFoundError, arena_path
 from kvctl.cli import main as kvctl
 
 BLOCK_TOKENS = 16
@@ -267,6 +267,38 @@ def test_client_survives_a_killed_and_restarted_daemon(kvstored) -> None:
         # the daemon that came back cleaned up the dead one's arena file
         leftovers = [p for p in os.listdir(kvstored.arena_dir) if p.startswith("kvstore-")]
         assert len(leftovers) == 1
+
+
+@pytest.mark.parametrize("use_arena", [True, False], ids=["arena", "inline"])
+def test_a_namespace_handle_keeps_working_after_its_daemon_forgot_the_namespace(
+    kvstored_factory: Callable[..., Daemon], use_arena: bool
+) -> None:
+    """A daemon without a disk tier forgets its namespaces when it restarts (one with a
+    disk tier forgets one it had no time to write before a kill -9): the handles of the
+    clients that opened them got NOT_FOUND on every call (CI failure of #66's
+    kill -9 test). The client opens the namespace again, and the calls answer as on a
+    fresh daemon: a miss, then a put that is stored and read back. A handle of
+    DescribeNamespace in a client that did not open it (whose layout that client never
+    declared) stays NOT_FOUND."""
+    daemon = kvstored_factory(disk_bytes=0)
+    tokens = list(range(9000, 9000 + 3 * BLOCK_TOKENS))
+    with KVClient(daemon.addr, use_arena=use_arena) as client, KVClient(daemon.addr) as other:
+        ns = client.namespace(MODEL, BLOCK_TOKENS, BLOCK_BYTES, name="forgotten")
+        described = other.open_namespace(ns.ns_id)
+        assert ns.put(tokens, blocks_for(tokens, 3)).stored == 3
+        daemon.kill()
+        daemon.start()
+        assert ns.lookup(tokens).blocks == 0
+        assert ns.put(tokens, blocks_for(tokens, 3)).stored == 3
+        assert np.array_equal(ns.get(tokens).blocks, blocks_for(tokens, 3))
+        daemon.kill()
+        daemon.start()
+        assert ns.put_nowait(tokens, blocks_for(tokens, 3)).result(30).stored == 3
+        assert ns.lookup(tokens).blocks == 3
+        daemon.kill()
+        daemon.start()
+        with pytest.raises(NamespaceNotFoundError):
+            described.lookup(tokens)
 
 
 def mapped_inode(inode: int) -> bool:

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -42,6 +42,7 @@ from kvclient.errors import (
     DaemonUnavailableError,
     InvalidArgumentError,
     KVStoreError,
+    NamespaceNotFoundError,
     error_from_rpc,
 )
 from kvclient.fork_safety import renew_in_child
@@ -65,6 +66,7 @@ from kvproto.v1.results import Event, NamespaceInfo, PutResult, ServerInfo, Stat
 from kvstore.host.slot_epochs import SlotEpochs
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StagedSlotsLost(Exception):
@@ -112,6 +114,7 @@ class Connection:
         self.closed = False
         self._lock = threading.Lock()
         self._stashes: dict[str, SlotStash] = {}  # arena puts' staged slots, per namespace
+        self._opens: dict[str, Any] = {}  # ns_id -> the OpenNamespace that opened it
         renew_in_child(self)
 
     def _after_fork_in_child(self) -> None:
@@ -319,10 +322,38 @@ class Connection:
 
     def open_namespace(self, name: str, request: Any) -> Op[NamespaceInfo]:
         """OpenNamespace or DescribeNamespace; maps the arena now (a connect step,
-        not the first get's)."""
+        not the first get's). An OpenNamespace is kept to open it again
+        (:meth:`reopening`)."""
         info = wire.namespace_info((yield from self.call(name, request)))
+        if name == "OpenNamespace":
+            with self._lock:
+                self._opens[info.ns_id] = request
         yield from self.refresh()
         return info
+
+    def reopening(self, ns_id: str, make: Callable[[], Op[T]]) -> Op[T]:
+        """The op ``make()`` of namespace ``ns_id``; where the daemon does not know the
+        namespace (NOT_FOUND) and this client opened it, opened again and ``make()``
+        once more.
+
+        A daemon forgets a namespace it had no time to write to its disk tier (a
+        kill -9 right after the open) and every namespace without a disk tier: after
+        its restart the client's handles keep working as they did, with misses where
+        the blocks went. A namespace opened by DescribeNamespace (its layout is not
+        this client's to declare) stays NOT_FOUND."""
+        try:
+            return (yield from make())
+        except NamespaceNotFoundError:
+            with self._lock:
+                request = self._opens.get(ns_id)
+            if request is None:
+                raise
+            reopened = wire.namespace_info((yield from self.call("OpenNamespace", request)))
+            if reopened.ns_id != ns_id:  # (a name bound to another namespace meanwhile)
+                raise
+            log.info("kvstored at %s did not know namespace %s (restarted): opened it "
+                     "again", self.addr, ns_id)  # fmt: skip
+        return (yield from make())
 
     # -- events ---------------------------------------------------------------------
 

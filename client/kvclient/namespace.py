@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from kvclient.sync_client import KVClient
 
 Tokens = Sequence[int] | np.ndarray
+T = TypeVar("T")
 
 
 class _Namespace:
@@ -52,13 +53,17 @@ class _Namespace:
         )
 
     def _why(self, tokens: Tokens, extra_keys: ExtraKeys) -> Op[MissReason]:
-        return reads.why(self._conn, self.info, tokens, extra_keys)
+        return self._reopening(lambda: reads.why(self._conn, self.info, tokens, extra_keys))
 
     def _lookup(self, tokens: Tokens, extra_keys: ExtraKeys, wait_s: float) -> Op[LookupResult]:
-        return reads.lookup(self._conn, self.info, tokens, extra_keys, wait_s)
+        return self._reopening(
+            lambda: reads.lookup(self._conn, self.info, tokens, extra_keys, wait_s)
+        )
 
     def _get(self, tokens: Tokens, extra_keys: ExtraKeys, out: np.ndarray | None) -> Op[GetResult]:
-        return reads.Get(self._conn, self.info, tokens, extra_keys, out).run()
+        return self._reopening(
+            lambda: reads.Get(self._conn, self.info, tokens, extra_keys, out).run()
+        )
 
     def _acquire(
         self,
@@ -72,7 +77,9 @@ class _Namespace:
         request = reads.acquire_request(
             self.info, tokens, extra_keys, max_blocks, ttl_s, start, read_ahead
         )
-        arena, table, lease_id, ready = yield from reads.acquire(self._conn, request)
+        arena, table, lease_id, ready = yield from self._reopening(
+            lambda: reads.acquire(self._conn, request)
+        )
         lease = BlockLease(self._conn, arena, table, self.block_bytes, self.block_tokens, lease_id)
         lease.first_block = start
         lease.ready_blocks = max(ready, start + lease.n_blocks)
@@ -108,9 +115,21 @@ class _Namespace:
                 return  # the prefix ends here (else the host tier held less than a window)
 
     def _put(
+        self, tokens: Tokens, blocks: Any, start: int, priority: int | None, extra: ExtraKeys,
+        wait: bool,
+    ) -> Op[PendingPut]:  # fmt: skip
+        """A put, sent (its outcome pending: see :meth:`kvclient.writes.Put.send`)."""
+        put = writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra)
+        return self._reopening(lambda: put.send(wait))
+
+    def _put_waited(
         self, tokens: Tokens, blocks: Any, start: int, priority: int | None, extra: ExtraKeys
-    ) -> writes.Put:
-        return writes.Put(self._conn, self.info, tokens, blocks, start, priority, extra)
+    ) -> Op[PutResult]:
+        pending = yield from self._put(tokens, blocks, start, priority, extra, wait=True)
+        return (yield from pending.wait(None))
+
+    def _reopening(self, make: Callable[[], Op[T]]) -> Op[T]:
+        return self._conn.reopening(self.ns_id, make)
 
     def _claim(
         self, tokens: Tokens, start: int, ttl_s: float | None, priority: int | None,
@@ -119,14 +138,21 @@ class _Namespace:
         request = claims.reserve_request(
             self.ns_id, self.block_tokens, tokens, start, ttl_s, priority, extra_bytes(extra_keys)
         )
-        return claims.claim(self._conn, self.info, request, start)
+        return self._reopening(lambda: claims.claim(self._conn, self.info, request, start))
 
     def _set_priority(
         self, tokens: Tokens, priority: int, duration_s: float | None, start: int,
         extra_keys: ExtraKeys,
     ) -> Op[int]:  # fmt: skip
-        return writes.set_priority(
-            self._conn, self.info, tokens, priority, duration_s, start, extra_keys
+        return self._reopening(
+            lambda: writes.set_priority(
+                self._conn, self.info, tokens, priority, duration_s, start, extra_keys
+            )
+        )
+
+    def _delete(self, tokens: Tokens, start: int, extra_keys: ExtraKeys) -> Op[int]:
+        return self._reopening(
+            lambda: writes.delete(self._conn, self.info, tokens, start, extra_keys)
         )
 
 
@@ -235,8 +261,8 @@ class Namespace(_Namespace):
         """Store ``blocks[i]`` as the block ``start + i`` of ``tokens``' chain and wait
         for the daemon's answer. Blocks before ``start`` must already be stored (else
         the offer is refused)."""
-        put = self._put(tokens, blocks, start, priority, extra_keys)
-        return self.client._drive(writes.put(put))
+        op = self._put_waited(tokens, blocks, start, priority, extra_keys)
+        return self.client._drive(op)
 
     def put_nowait(
         self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
@@ -245,7 +271,8 @@ class Namespace(_Namespace):
         """Like :meth:`put`, but return once the bytes are in the daemon's arena: a
         :class:`kvclient.puts_ahead.PendingPut` whose ``result()`` gives the counts or
         the daemon's error. Without the arena the put is whole when this returns."""
-        return self.client._drive(self._put(tokens, blocks, start, priority, extra_keys).send())
+        op = self._put(tokens, blocks, start, priority, extra_keys, wait=False)
+        return self.client._drive(op)
 
     # -- early reuse ----------------------------------------------------------------
 
@@ -276,7 +303,7 @@ class Namespace(_Namespace):
 
     def delete(self, tokens: Tokens, start: int = 0, *, extra_keys: ExtraKeys = ()) -> int:
         """Remove block ``start`` of the chain and everything below it; returns blocks removed."""
-        return self.client._drive(writes.delete(self._conn, self.info, tokens, start, extra_keys))
+        return self.client._drive(self._delete(tokens, start, extra_keys))
 
     def set_priority(
         self,
@@ -354,15 +381,15 @@ class AsyncNamespace(_Namespace):
         self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
         extra_keys: ExtraKeys = (),
     ) -> PutResult:  # fmt: skip
-        put = self._put(tokens, blocks, start, priority, extra_keys)
-        return await self.client._drive(writes.put(put))
+        op = self._put_waited(tokens, blocks, start, priority, extra_keys)
+        return await self.client._drive(op)
 
     async def put_nowait(
         self, tokens: Tokens, blocks: Any, start: int = 0, priority: int | None = None, *,
         extra_keys: ExtraKeys = (),
     ) -> PendingPut:  # fmt: skip
-        put = self._put(tokens, blocks, start, priority, extra_keys)
-        return await self.client._drive(put.send())
+        op = self._put(tokens, blocks, start, priority, extra_keys, wait=False)
+        return await self.client._drive(op)
 
     async def claim(
         self, tokens: Tokens, start: int = 0, *, ttl_s: float | None = None,
@@ -376,8 +403,7 @@ class AsyncNamespace(_Namespace):
     async def delete(
         self, tokens: Tokens, start: int = 0, *, extra_keys: ExtraKeys = ()
     ) -> int:
-        op = writes.delete(self._conn, self.info, tokens, start, extra_keys)
-        return await self.client._drive(op)
+        return await self.client._drive(self._delete(tokens, start, extra_keys))
 
     async def set_priority(
         self, tokens: Tokens, priority: int, duration_s: float | None = None, *,

@@ -5,7 +5,7 @@ blocks findable soon after, not the counts of what was stored. So every arena pu
 (:mod:`kvclient.writes`) copies its blocks into slots, sends the message that commits
 them (a Reserve naming staged slots with ``commit=true``, or a Commit), and does not
 wait: it returns a :class:`PendingPut` (``Namespace.put_nowait``). ``Namespace.put``
-sends the same way and waits for that outcome (:func:`kvclient.writes.put`).
+sends the same way and waits for that outcome (:meth:`kvclient.Namespace.put`).
 
 The answer is read later: by this client's next call on that connection, by a later
 put that needs the slots the answer sets aside, or by :meth:`PendingPut.result`. It

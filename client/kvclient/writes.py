@@ -282,12 +282,6 @@ class Put:
         return total
 
 
-def put(put: Put) -> Op[PutResult]:
-    """A put that waits for its outcome."""
-    pending = yield from put.send(wait=True)
-    return (yield from pending.wait(None))
-
-
 def abandon_quietly(conn: Connection, lease_id: int) -> Op[None]:
     """Drop a write lease after a failed copy; the lease expiring does it otherwise."""
     try:
