@@ -1,14 +1,16 @@
-"""Every command in README.md and in the examples' docstrings runs as written.
+"""Every command in README.md, in the docs site's pages and in the examples' docstrings
+runs as written.
 
-The commands are extracted from the documents, not copied here, so a README that gains
-a command this test does not know how to run fails it. Each runs the way a new user
-would run it after the quick start: ``kvstored`` with no arguments (its default socket
-under a temporary ``XDG_RUNTIME_DIR``), then the kvctl commands, the README's Python
-snippet and the examples against it. Two kinds are checked by an equivalent instead of
-being run: installs (pip's resolver in a fresh venv, ``--dry-run``: that the examples'
-install step picks the CPU build of torch) and ``vllm serve`` (its connector config is
-the one the vLLM connector's tests run); ``kvctl bench --quick`` runs in
-test_bench_smoke.py. Placeholders (``NAMESPACE``, ``MODEL``) are filled in.
+The commands are extracted from the documents (:mod:`kvbench.documents`), not copied
+here, so a page that gains a command this test does not know how to run fails it.
+Each runs the way a new user would run it after the quick start: ``kvstored`` with no
+arguments (its default socket under a temporary ``XDG_RUNTIME_DIR``), then the kvctl
+commands, the documents' Python snippets and the examples against it. Two kinds are
+checked by an equivalent instead of being run: installs (pip's resolver in a fresh
+venv, ``--dry-run``: that the examples' install step picks the CPU build of torch) and
+``vllm serve`` (its connector config is the one the vLLM connector's tests run);
+``kvctl bench --quick`` runs in test_bench_smoke.py. Placeholders (``NAMESPACE``,
+``MODEL``) are filled in.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbench.vllm_server import readme_bash_lines
+from kvbench import documents
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -43,15 +45,16 @@ NOT_RUN = {  # command prefix -> why it is not run here
 
 
 def readme_commands() -> list[str]:
-    """Lines of the README's ```bash blocks, comments stripped."""
-    return readme_bash_lines()
+    """Lines of the README's and the docs pages' ```bash blocks, comments stripped."""
+    return documents.bash_lines()
 
 
 VLLM_CLIENT = "# the OpenAI-compatible server above"  # test_vllm_serve.py runs that one
 
 
 def readme_python_snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    """The README's and the docs pages' ```python blocks."""
+    return documents.fenced_blocks("python")
 
 
 def docstring_commands() -> list[str]:
@@ -247,6 +250,37 @@ def test_an_example_without_a_daemon_says_so_in_one_line(tmp_path: Path) -> None
         assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
         assert proc.stderr.startswith(f"{script}: no kvstored to talk to (")
         assert "start one with `kvstored`" in proc.stderr
+
+
+# the distribution's name; nothing is published under it on a package index (yet)
+DISTRIBUTION = re.compile(r"""^["']?kvstore[-_]offload\b""")
+
+
+def index_installs(text: str) -> list[str]:
+    """Lines of ``text`` that install kvstore by its distribution's name, which pip
+    would look up on a package index (a wheel file, ``dist/kvstore_offload-*.whl``,
+    or a checkout's path is not such a name)."""
+    found = []
+    for line in text.splitlines():
+        if re.search(r"\binstall\b", line) and any(
+            DISTRIBUTION.match(word) and not word.rstrip("\"'`").endswith(".whl")
+            for word in re.split(r"[\s`]+", line)
+        ):
+            found.append(line.strip())
+    return found
+
+
+def test_no_document_installs_kvstore_from_a_package_index() -> None:
+    """Nothing is published as ``kvstore-offload`` (#69 item 2: a newcomer's ``pip
+    install kvstore-offload`` failed): the README, the docs site and deploy/ install a
+    wheel built from the checkout, or the checkout itself, or build the image from it."""
+    assert index_installs("RUN pip install kvstore-offload==0.1.0")  # what it finds
+    assert not index_installs("pip install dist/kvstore_offload-0.1.0-cp311-linux.whl")
+    documents = [README, *(p for p in sorted((REPO / "docs").rglob("*.md"))
+                           if p.name != "changelog.md")]  # fmt: skip
+    documents += [p for p in sorted((REPO / "deploy").rglob("*")) if p.is_file()]
+    promised = {str(p.relative_to(REPO)): index_installs(p.read_text()) for p in documents}
+    assert not {p: lines for p, lines in promised.items() if lines}
 
 
 def test_the_docs_stand_on_their_own() -> None:

@@ -1,8 +1,9 @@
-"""vLLM's OpenAI-compatible server started by the README's CPU line, as written.
+"""vLLM's OpenAI-compatible server started by the documented CPU line, as written.
 
-The README's line (``python -m vllm.entrypoints.openai.api_server ...`` with the
-variables it sets before it) is read from README.md, so what the tests and benchmarks
-run is what a user runs; only the real model's directory (the line's ``$(...)``),
+The line (``python -m vllm.entrypoints.openai.api_server ...`` with the variables it
+sets before it) is read from the docs site's vLLM quickstart
+(:func:`kvbench.documents.bash_lines`), so what the tests and benchmarks run is what a
+user runs; only the real model's directory (the line's ``$(...)``),
 loopback and a port are filled in. The server runs in its own process group and is
 stopped with all of it (its engine core is a child).
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -24,37 +24,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvbench.documents import bash_lines
 from kvbench.harness import free_tcp_port
 from kvbench.vllm_chat import ENGINE_ENV
 
-REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 400
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 MODEL_ARG = "$(.venv/bin/python -m kvclient.smollm2)"
 
 
-def readme_bash_lines() -> list[str]:
-    """Lines of the README's ```bash blocks, comments stripped."""
-    lines = []
-    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
-        for line in block.splitlines():
-            line = re.sub(r"\s+#\s.*$", "", line).strip()
-            if line:
-                lines.append(line)
-    return lines
-
-
 def readme_server_command(model: Path) -> tuple[list[str], dict[str, str]]:
-    """The README's CPU server line, with ``model`` for its ``$(...)``; and the
-    variables the line sets before the command."""
-    line = next(c for c in readme_bash_lines() if SERVER_MODULE in c)
+    """The documented CPU server line (docs/quickstart/vllm-server.md), with ``model``
+    for its ``$(...)``; and the variables the line sets before the command."""
+    line = next(c for c in bash_lines() if SERVER_MODULE in c)
     args = shlex.split(line)
     env = {}
     while "=" in args[0]:
         name, _, value = args.pop(0).partition("=")
         env[name] = value
     if args[0] != ".venv/bin/python" or MODEL_ARG not in args:
-        raise ValueError(f"the README's server line changed shape: {line}")
+        raise ValueError(f"the documented server line changed shape: {line}")
     args[0] = sys.executable
     args[args.index(MODEL_ARG)] = str(model)
     return args, env
