@@ -1,0 +1,253 @@
+"""kvstore as a secondary tier of vLLM's native offloading, driven as vLLM drives it.
+
+vLLM refuses to start its offloading on CPU, so these tests do what vLLM's own tier
+tests do (``tests/v1/kv_offload/tiering/test_fs_tier.py``): they build vLLM's
+``TieringOffloadingSpec`` from an ``OffloadingConfig`` whose ``secondary_tiers`` name
+kvstore's tier by ``module_path``, let vLLM make its CPU primary tier and, through its
+``SecondaryTierFactory``, our tier; then they write chunks into the primary tier's
+memoryview and call the tier's interface step by step, against a real kvstored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import Daemon, in_forked_child, wait_for
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.factory")
+
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (  # noqa: E402
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
+from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+
+from kvclient.integrations.vllm.secondary_tier import KVStoreTier  # noqa: E402
+
+CHUNK_BYTES = 64 << 10  # one chunk: 2 layers x 16 tokens of a small model, say
+PRIMARY_CHUNKS = 16
+TIER = "kvclient.integrations.vllm.secondary_tier"
+STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+_job_ids = itertools.count(1)
+
+
+def offloading_spec(daemon: Daemon, **tier: object) -> TieringOffloadingSpec:
+    """vLLM's tiering spec of a small engine, kvstore its one secondary tier."""
+    tier_config = {"type": "kvstore", "module_path": TIER, "addr": daemon.addr,
+                   "retry_after_s": 0.2, **tier}  # fmt: skip
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=CHUNK_BYTES,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
+                      "secondary_tiers": [tier_config]},  # fmt: skip
+        engine_id=f"engine-{uuid.uuid4().hex[:8]}",
+        model=OffloadingModelConfig(name="tier-test-model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),  # fmt: skip
+    )
+    return TieringOffloadingSpec(config)
+
+
+class Engine:
+    """One engine's scheduler side: vLLM's tiering manager, its primary tier's chunks
+    as rows, and our tier as vLLM's factory made it."""
+
+    def __init__(self, daemon: Daemon, **tier: object) -> None:
+        self.manager = offloading_spec(daemon, **tier).get_manager()
+        assert isinstance(self.manager, TieringOffloadingManager)
+        self.tier = self.manager.secondary_tiers[0]
+        assert isinstance(self.tier, KVStoreTier)
+        self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+
+    def close(self) -> None:
+        del self.rows  # (a view of vLLM's mmap: it is closed next)
+        self.manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def daemon(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
+    return kvstored_module_factory()
+
+
+@pytest.fixture
+def engine(daemon: Daemon) -> Iterator[Engine]:
+    made = Engine(daemon)
+    yield made
+    made.close()
+
+
+def chunk_key(name: str, i: int) -> OffloadKey:
+    """vLLM's key of chunk ``i`` of a prompt called ``name`` (a 32-byte block hash)."""
+    return make_offload_key(f"{name}/{i}".encode().ljust(32, b"."), 0)
+
+
+def content(key: OffloadKey) -> np.ndarray:
+    """A chunk's bytes, a function of its key: any process can check any other's."""
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+
+
+def job(keys: list[OffloadKey], chunk_ids: list[int], promotion: bool) -> TransferJob:
+    return TransferJob(
+        job_id=next(_job_ids), keys=keys, chunk_ids=np.array(chunk_ids, dtype=np.int64),
+        is_promotion=promotion, req_context=ReqContext(req_id="r"),
+    )  # fmt: skip
+
+
+def finish(tier: KVStoreTier, submitted: TransferJob, timeout: float = 30.0) -> JobResult:
+    """Poll get_finished_jobs, as vLLM does once a step, until ``submitted`` is done."""
+    done: list[JobResult] = []
+
+    def finished() -> bool:
+        done.extend(r for r in tier.get_finished_jobs() if r.job_id == submitted.job_id)
+        return bool(done)
+
+    assert wait_for(finished, timeout), f"job {submitted.job_id} never finished"
+    return done[0]
+
+
+def store(engine: Engine, keys: list[OffloadKey]) -> JobResult:
+    """Write the chunks into the primary tier's first rows and cascade them to kvstore."""
+    for row, key in enumerate(keys):
+        engine.rows[row] = content(key)
+    submitted = job(keys, list(range(len(keys))), promotion=False)
+    engine.tier.submit_store(submitted)
+    return finish(engine.tier, submitted)
+
+
+def load(engine: Engine, keys: list[OffloadKey], first_row: int = 8) -> JobResult:
+    """Promote the chunks into zeroed primary rows from ``first_row`` on."""
+    rows = list(range(first_row, first_row + len(keys)))
+    engine.rows[rows] = 0
+    submitted = job(keys, rows, promotion=True)
+    engine.tier.submit_load(submitted)
+    return finish(engine.tier, submitted)
+
+
+def lookup(tier: KVStoreTier, keys: list[OffloadKey], timeout: float = 30.0) -> list[LookupResult]:
+    """One request's lookups, step after step until no answer is RETRY (vLLM's
+    scheduler asks again each step; the tier's thread answers a step's batch)."""
+    ctx = ReqContext(req_id=uuid.uuid4().hex)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            results = [tier.lookup(key, ctx) for key in keys]
+            if LookupResult.RETRY not in results:
+                return results
+            assert time.monotonic() < deadline, "lookups still RETRY"
+            tier.on_schedule_end(STEP)
+            time.sleep(0.01)
+    finally:
+        tier.on_request_finished(ctx)
+
+
+def test_vllm_loads_the_tier_from_its_config_and_a_store_is_loaded_back(engine: Engine) -> None:
+    keys = [chunk_key("store-load", i) for i in range(4)]
+    # nothing stored yet: every chunk a miss
+    assert lookup(engine.tier, keys) == [LookupResult.MISS] * 4
+    # cascade 4 chunks from the primary tier to kvstore
+    stored = store(engine, keys)
+    assert stored.success and stored.transfer_bytes == 4 * CHUNK_BYTES
+    assert lookup(engine.tier, keys) == [LookupResult.HIT] * 4
+    # promote them into other primary rows: the bytes that were stored
+    loaded = load(engine, keys)
+    assert loaded.success
+    for row, key in enumerate(keys, start=8):
+        assert np.array_equal(engine.rows[row], content(key))
+    engine.tier.drain_jobs()  # nothing in flight: returns at once
+    assert not engine.tier.has_pending_work()
+
+
+def test_a_second_engine_in_another_process_loads_what_the_first_stored(
+    daemon: Daemon, engine: Engine
+) -> None:
+    keys = [chunk_key("shared", i) for i in range(3)]
+    assert store(engine, keys).success
+
+    def other_engine() -> bool:  # a process of its own: its own vLLM manager and tier
+        second = Engine(daemon)
+        try:
+            if lookup(second.tier, keys) != [LookupResult.HIT] * 3:
+                return False
+            if not load(second, keys, first_row=0).success:
+                return False
+            return all(np.array_equal(second.rows[i], content(k)) for i, k in enumerate(keys))
+        finally:
+            second.close()
+
+    assert in_forked_child(other_engine, timeout=60) == 0
+
+
+def test_a_chunk_never_stored_is_a_miss_and_its_load_fails(engine: Engine) -> None:
+    there, absent = chunk_key("miss", 0), chunk_key("miss", 1)
+    assert store(engine, [there]).success
+    assert lookup(engine.tier, [there, absent]) == [LookupResult.HIT, LookupResult.MISS]
+    # a load of both (the absent one evicted since its lookup, say): the job fails
+    # and names the chunk it did load
+    result = load(engine, [there, absent])
+    assert not result.success and list(result.successful_keys or ()) == [there]
+    assert np.array_equal(engine.rows[8], content(there))
+
+
+def test_the_tier_outlives_a_daemon_killed_and_restarted(
+    kvstored_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    daemon = kvstored_factory()
+    engine = Engine(daemon)
+    try:
+        keys = [chunk_key("restart", i) for i in range(2)]
+        assert store(engine, keys).success
+        daemon.kill()  # kill -9: no drain, no goodbye
+        # the daemon is gone: misses and failed jobs, nothing raised into vLLM
+        assert lookup(engine.tier, keys) == [LookupResult.MISS] * 2
+        assert not load(engine, keys).success
+        assert not store(engine, [chunk_key("restart", 9)]).success
+        # a new daemon with empty tiers (its arena and disk elsewhere): the old chunks
+        # are gone, and the tier stores and loads again
+        os.makedirs(tmp_path / "arena2")
+        daemon.restart(arena_dir=str(tmp_path / "arena2"), disk_dir=str(tmp_path / "disk2"))
+        fresh = [chunk_key("restart", 10)]
+
+        def stores_again() -> bool:  # (misses for retry_after_s after the last failure)
+            return store(engine, fresh).success and lookup(engine.tier, fresh) == [
+                LookupResult.HIT
+            ]
+
+        assert wait_for(stores_again, 30)
+        assert lookup(engine.tier, keys) == [LookupResult.MISS] * 2
+        assert load(engine, fresh).success
+        assert np.array_equal(engine.rows[8], content(fresh[0]))
+    finally:
+        engine.close()
+
+
+def test_a_setting_out_of_range_is_refused_when_vllm_builds_the_tier(daemon: Daemon) -> None:
+    with pytest.raises(ValueError, match="priority must be in 0..100"):
+        Engine(daemon, priority=101)
+    with pytest.raises(TypeError, match="unknown_key"):
+        Engine(daemon, unknown_key=1)
