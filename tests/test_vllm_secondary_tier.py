@@ -11,10 +11,7 @@ memoryview and call the tier's interface step by step, against a real kvstored.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,69 +21,30 @@ from conftest import Daemon, in_forked_child, wait_for
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory")
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
-    LookupResult,
-    OffloadKey,
-    ReqContext,
-    ScheduleEndContext,
-    make_offload_key,
-)
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey, make_offload_key  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import JobResult  # noqa: E402
 
+from kvbench.tiering import (  # noqa: E402
+    KVSTORE_TIER,
+    TierEngine,
+    finish_jobs,
+    lookup_all,
+    transfer_job,
+)
 from kvclient.integrations.vllm.secondary_tier import KVStoreTier  # noqa: E402
 
 CHUNK_BYTES = 64 << 10  # one chunk: 2 layers x 16 tokens of a small model, say
 PRIMARY_CHUNKS = 16
-TIER = "kvclient.integrations.vllm.secondary_tier"
-STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-_job_ids = itertools.count(1)
 
 
-def offloading_spec(daemon: Daemon, **tier: object) -> TieringOffloadingSpec:
-    """vLLM's tiering spec of a small engine, kvstore its one secondary tier."""
-    tier_config = {"type": "kvstore", "module_path": TIER, "addr": daemon.addr,
-                   "retry_after_s": 0.2, **tier}  # fmt: skip
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=CHUNK_BYTES,
-        enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": PRIMARY_CHUNKS * CHUNK_BYTES,
-                      "secondary_tiers": [tier_config]},  # fmt: skip
-        engine_id=f"engine-{uuid.uuid4().hex[:8]}",
-        model=OffloadingModelConfig(name="tier-test-model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),  # fmt: skip
-    )
-    return TieringOffloadingSpec(config)
-
-
-class Engine:
-    """One engine's scheduler side: vLLM's tiering manager, its primary tier's chunks
-    as rows, and our tier as vLLM's factory made it."""
+class Engine(TierEngine):
+    """An engine whose one secondary tier is kvstore's, at ``daemon``."""
 
     def __init__(self, daemon: Daemon, **tier: object) -> None:
-        self.manager = offloading_spec(daemon, **tier).get_manager()
-        assert isinstance(self.manager, TieringOffloadingManager)
-        self.tier = self.manager.secondary_tiers[0]
+        config = {"type": "kvstore", "module_path": KVSTORE_TIER, "addr": daemon.addr,
+                  "retry_after_s": 0.2, **tier}  # fmt: skip
+        super().__init__(config, CHUNK_BYTES, PRIMARY_CHUNKS)
         assert isinstance(self.tier, KVStoreTier)
-        self.rows = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
-
-    def close(self) -> None:
-        del self.rows  # (a view of vLLM's mmap: it is closed next)
-        self.manager.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -112,58 +70,27 @@ def content(key: OffloadKey) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
 
 
-def job(keys: list[OffloadKey], chunk_ids: list[int], promotion: bool) -> TransferJob:
-    return TransferJob(
-        job_id=next(_job_ids), keys=keys, chunk_ids=np.array(chunk_ids, dtype=np.int64),
-        is_promotion=promotion, req_context=ReqContext(req_id="r"),
-    )  # fmt: skip
-
-
-def finish(tier: KVStoreTier, submitted: TransferJob, timeout: float = 30.0) -> JobResult:
-    """Poll get_finished_jobs, as vLLM does once a step, until ``submitted`` is done."""
-    done: list[JobResult] = []
-
-    def finished() -> bool:
-        done.extend(r for r in tier.get_finished_jobs() if r.job_id == submitted.job_id)
-        return bool(done)
-
-    assert wait_for(finished, timeout), f"job {submitted.job_id} never finished"
-    return done[0]
-
-
 def store(engine: Engine, keys: list[OffloadKey]) -> JobResult:
     """Write the chunks into the primary tier's first rows and cascade them to kvstore."""
     for row, key in enumerate(keys):
         engine.rows[row] = content(key)
-    submitted = job(keys, list(range(len(keys))), promotion=False)
+    submitted = transfer_job(keys, list(range(len(keys))), promotion=False)
     engine.tier.submit_store(submitted)
-    return finish(engine.tier, submitted)
+    return finish_jobs(engine.tier, [submitted.job_id])[submitted.job_id]
 
 
 def load(engine: Engine, keys: list[OffloadKey], first_row: int = 8) -> JobResult:
     """Promote the chunks into zeroed primary rows from ``first_row`` on."""
     rows = list(range(first_row, first_row + len(keys)))
     engine.rows[rows] = 0
-    submitted = job(keys, rows, promotion=True)
+    submitted = transfer_job(keys, rows, promotion=True)
     engine.tier.submit_load(submitted)
-    return finish(engine.tier, submitted)
+    return finish_jobs(engine.tier, [submitted.job_id])[submitted.job_id]
 
 
-def lookup(tier: KVStoreTier, keys: list[OffloadKey], timeout: float = 30.0) -> list[LookupResult]:
-    """One request's lookups, step after step until no answer is RETRY (vLLM's
-    scheduler asks again each step; the tier's thread answers a step's batch)."""
-    ctx = ReqContext(req_id=uuid.uuid4().hex)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            results = [tier.lookup(key, ctx) for key in keys]
-            if LookupResult.RETRY not in results:
-                return results
-            assert time.monotonic() < deadline, "lookups still RETRY"
-            tier.on_schedule_end(STEP)
-            time.sleep(0.01)
-    finally:
-        tier.on_request_finished(ctx)
+def lookup(tier: object, keys: list[OffloadKey]) -> list[LookupResult]:
+    assert isinstance(tier, KVStoreTier)
+    return lookup_all(tier, keys)
 
 
 def test_vllm_loads_the_tier_from_its_config_and_a_store_is_loaded_back(engine: Engine) -> None:
