@@ -1,7 +1,8 @@
 """KV codecs on a real model: what fp8, int8 and int4 cost in accuracy, and what they save.
 
 A program, not a test. On SmolLM2-135M-Instruct (:mod:`kvclient.smollm2`, bfloat16 on
-CPU) and real English text the project ships (LICENSE, README.md):
+CPU) and real English text the project ships (LICENSE, README.md, docs/design.md: the
+README alone became too short for the default lengths when it shrank to a page, #69):
 
 1. The model computes the KV of a prefix of ``--prefix`` tokens once; the adapter
    (:class:`kvclient.hf.HFPrefixCache`) stores it in one namespace per codec of a real
@@ -59,7 +60,8 @@ TARGET_DECODE = 2e9
 
 
 def text_tokens(tokenizer: Any, n: int) -> list[int]:
-    text = "\n\n".join((REPO / name).read_text() for name in ("LICENSE", "README.md"))
+    names = ("LICENSE", "README.md", "docs/design.md")
+    text = "\n\n".join((REPO / name).read_text() for name in names)
     ids = tokenizer(text)["input_ids"]
     if len(ids) < n:
         raise SystemExit(f"the shipped text has {len(ids)} tokens, fewer than {n}")
@@ -236,10 +238,10 @@ def report(r: dict[str, Any]) -> str:
         "",
         f"Measured {meta['date']} by `benchmarks/codec_accuracy.py` on {meta['cpus']} CPUs "
         f"(Python {meta['python']}, torch {meta['torch']}): SmolLM2-135M-Instruct in "
-        f"bfloat16, real text the project ships (LICENSE, README.md). The KV of the first "
-        f"{meta['prefix']} tokens was stored under each codec in a real kvstored, which was "
-        f"then restarted: every block came back from the disk tier, decoded. The next "
-        f"{meta['scored']} tokens were scored with that prefix loaded. Blocks of "
+        f"bfloat16, real text the project ships (LICENSE, README.md, docs/design.md). The KV "
+        f"of the first {meta['prefix']} tokens was stored under each codec in a real "
+        f"kvstored, which was then restarted: every block came back from the disk tier, "
+        f"decoded. The next {meta['scored']} tokens were scored with that prefix loaded. Blocks of "
         f"{BLOCK_TOKENS} tokens ({block // 1024} KiB in bfloat16: 30 layers, 3 KV heads of "
         "64).",
         "",

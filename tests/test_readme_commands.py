@@ -76,9 +76,43 @@ def test_the_documents_have_the_commands_this_test_runs() -> None:
 
 
 def test_the_readme_test_command_is_what_ci_runs() -> None:
-    test_command = next(c for c in readme_commands() if "pytest" in c)
+    """The README's "Run the tests" line (and the install page's copy) is .ci/run's,
+    and it builds the docs site strictly before the tests."""
+    test_commands = {c for c in readme_commands() if "pytest" in c}
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert ci == test_command
+    assert test_commands == {ci}
+    assert ".venv/bin/mkdocs build --strict && " in ci
+
+
+def test_the_docs_site_reference_is_made_from_the_config_table_and_the_proto() -> None:
+    """The site's reference pages come from kvstored.config.KEYS and the .proto files
+    at every build (scripts/docs_reference.py, an mkdocs hook): every key, flag,
+    environment variable, service, method and message is on them."""
+    pytest.importorskip("mkdocs")
+    from kvproto.v1 import gpu_pb2, kvstore_pb2
+    from kvstored.config import KEYS
+
+    spec = importlib.util.spec_from_file_location("docs_reference",
+                                                  REPO / "scripts" / "docs_reference.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    config = hook.config_page()
+    for key in KEYS:
+        assert f"| `{key.name}` | `{key.flag}` | `{key.env}` |" in config, key.name
+    proto = hook.proto_page()
+    for module in (kvstore_pb2, gpu_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            assert f"### service {service.full_name}" in proto
+            for method in service.methods:
+                assert f"| `{method.name}` |" in proto, method.full_name
+        for message in module.DESCRIPTOR.message_types_by_name.values():
+            assert f"### {message.name}\n" in proto, message.name
+    # a field's comment is on its row (NamespaceSpec.hash_algorithm's trailing comment)
+    assert '| `hash_algorithm` | 11 | string | "sha256" \\| "xxh3-128" |' in proto
+    # the operator's manual is deploy/README.md itself, its links into docs/ kept
+    deploy = hook.deploy_page()
+    assert "## Metrics" in deploy and "](../README.md" not in deploy
 
 
 def test_the_examples_install_step_picks_the_cpu_build_of_torch(tmp_path: Path) -> None:
@@ -117,8 +151,9 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
            if not k.startswith(("KVSTORED_", "KVSTORE_ADDR"))}
     env.update(XDG_RUNTIME_DIR=str(run_dir), XDG_DATA_HOME=str(home / "data"),
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
-    quick_start = next(c for c in readme_commands() if c.endswith("kvstored"))
-    daemon_cmd = quick_start.rsplit("&&", 1)[1].split()  # after the install steps
+    quick_starts = {c for c in readme_commands() if c.endswith("kvstored")}
+    assert len(quick_starts) == 1, quick_starts  # the README's and the install page's
+    daemon_cmd = quick_starts.pop().rsplit("&&", 1)[1].split()  # after the install steps
     assert daemon_cmd == [".venv/bin/kvstored"]
     log = open(home / "kvstored.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([str(BIN / "kvstored")], env=env, stdout=log,
