@@ -151,7 +151,9 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     (engine API churn): each has its own budget of lines, docstrings included."""
     client = FOLDERS["kvclient"]
     wings = client / "integrations"
-    assert lines(client, without=wings) <= 5300  # (+300: windows of long prefixes, issue 55)
+    # (+300: windows of long prefixes, issue 55; +30: a namespace handle outlives the
+    # daemon's memory of its namespace, opened again: #66's CI failure)
+    assert lines(client, without=wings) <= 5330
     assert lines(FOLDERS["kvctl"]) <= 920  # (+50 `kvctl why`, issue 43; +50 short prompts, 58)
     # (+20: one helper escapes every string a client chose, issue 66)
     # (+20: the one-launch page copy, issue 59; +10: loads window by window, issue 55;
