@@ -176,5 +176,7 @@ def test_the_tier_outlives_a_daemon_killed_and_restarted(
 def test_a_setting_out_of_range_is_refused_when_vllm_builds_the_tier(daemon: Daemon) -> None:
     with pytest.raises(ValueError, match="priority must be in 0..100"):
         Engine(daemon, priority=101)
+    with pytest.raises(ValueError, match="Locality"):
+        Engine(daemon, locality="nearby")  # vLLM's tiers take LOCAL or REMOTE
     with pytest.raises(TypeError, match="unknown_key"):
         Engine(daemon, unknown_key=1)

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     OffloadKey,
     ReqContext,
@@ -134,6 +135,7 @@ class KVStoreTier(SecondaryTierManager):
         lookup_timeout_s: float = 0.5,
         io_timeout_s: float = 10.0,
         retry_after_s: float = 5.0,
+        locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         """``addr``: kvstored's address (default KVSTORE_ADDR or the default socket);
@@ -142,8 +144,10 @@ class KVStoreTier(SecondaryTierManager):
         token, where the daemon has tenants; ``priority`` (0..100) and ``codec`` of
         the stored chunks; ``lookup_timeout_s`` and ``io_timeout_s``: each lookup's
         and each copy's deadline; ``retry_after_s``: misses without asking after a
-        failed call. ValueError for a setting out of range."""
+        failed call; ``locality``: LOCAL or REMOTE, as vLLM's tiers say (for its
+        per-request tier filters). ValueError for a setting out of range."""
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
         for name, value in (
             ("lookup_timeout_s", lookup_timeout_s), ("io_timeout_s", io_timeout_s),
             ("retry_after_s", retry_after_s),
