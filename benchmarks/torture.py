@@ -847,8 +847,9 @@ def render(sections: list[Section], quick: bool, elapsed: float, command: str) -
     for section in sections:
         for target, measured, ok in section.checks:
             lines.append(f"| {target} | {measured} | {'yes' if ok else '**NO**'} |")
-    lines += ["", "The durability each admission mode promises is in README.md (Durability) "
-              "and deploy/README.md; the crash part checks it.", ""]
+    lines += ["", "The durability each admission mode promises is in "
+              "docs/operations/configuration.md (Durability) and deploy/README.md; the crash "
+              "part checks it.", ""]
     for section in sections:
         lines += [f"## {section.title}", "", *section.body, ""]
     return "\n".join(lines)

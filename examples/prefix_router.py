@@ -1,9 +1,9 @@
 """A prefix router over kvstored's KV events: which node holds most of a prompt.
 
 Each kvstored started with ``kv_events_listen`` publishes, in vLLM's KV event format,
-every block that enters or leaves its host, disk and shared tiers (README.md, "Routing
-by prefix"). This router subscribes to several daemons and keeps, per node, the blocks
-it holds; asked for a prompt, it answers the node holding its longest prefix.
+every block that enters or leaves its host, disk and shared tiers
+(docs/operations/events.md). This router subscribes to several daemons and keeps, per
+node, the blocks it holds; asked for a prompt, it answers the node holding its longest prefix.
 
 It bridges through tokens, as llm-d's scorer does: a ``BlockStored`` carries each
 block's tokens and its parent's hash, so the router learns "the block after P with
@@ -20,7 +20,7 @@ router would listen for good), and prints the chosen node and the tokens it hold
 
 A router that starts after the blocks were stored learns them from each node's replay
 socket (``kv_events_replay_listen``, the second address of ``--node``): it subscribes
-first, then asks for every kept batch from seq 0, as README.md says (a DEALER sends
+first, then asks for every kept batch from seq 0, as docs/operations/events.md says (a DEALER sends
 ``["", start_seq]``; the answers are ``["", topic, seq, payload]``, then
 ``["", "", -1, ""]``), and skips the live batches the replay already covered.
 """

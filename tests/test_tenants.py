@@ -748,7 +748,7 @@ def test_token_less_large_calls_leave_the_daemons_memory_as_it_was(
 
 
 def test_token_guesses_on_the_local_socket_are_held_back_too(tenancy: Tenancy) -> None:
-    """The README's promise on the local socket as on gRPC (#56 item 13): past
+    """The promise of docs/operations/tenants.md on the local socket as on gRPC (#56 item 13): past
     BAD_TOKEN_FREE refusals, a process that keeps guessing tokens over one connection
     is answered BAD_TOKEN_DELAY_S late each time (before: never held)."""
     from kvstored.auth import BAD_TOKEN_DELAY_S, BAD_TOKEN_FREE

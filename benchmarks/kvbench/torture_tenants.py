@@ -386,7 +386,7 @@ def part_tenants(work: Path, quick: bool) -> tuple[list[str], list[tuple[str, st
     body += ["", f"One daemon with tenants a and b on its unix socket, each with a host quota "
              f"(its own arena region); exit code at stop {code}. Tenant isolation between "
              "processes of one user is not claimed: they can open the arena file and the "
-             "daemon's descriptors (README, Security); tests/test_tenants.py checks a "
+             "daemon's descriptors (docs/operations/tenants.md); tests/test_tenants.py checks a "
              "process of another user."]
     held = all(ok for _, _, ok in rows) and code == 0
     failed = [what for what, _, ok in rows if not ok]

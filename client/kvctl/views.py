@@ -342,7 +342,10 @@ def render_tenants(tenants: list[JSONDict]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
-    trust = "a host quota is a tenant's own arena region; one user is one trust domain (README)"
+    trust = (
+        "a host quota is a tenant's own arena region; one user is one trust domain "
+        "(docs/operations/tenants.md)"
+    )
     return "\n".join([*(line.rstrip() for line in lines), trust])
 
 
