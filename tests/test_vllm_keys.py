@@ -60,23 +60,26 @@ class Engine:
         self.worker.register({"l0": self.pages[0], "l1": self.pages[1]}, num_blocks=64)
         self.next_block = 1
 
-    def serve(self, request: Request) -> int:
+    def serve(self, request: Request, local: int = 0) -> int:
         """Prefill ``request`` (loading what kvstore gives, storing what it computed)
-        -> the prompt tokens kvstore gave."""
-        hit = self.scheduler.matched(request, 0)
+        -> the prompt tokens kvstore gave; ``local``: the prompt tokens vLLM's own
+        prefix cache held (vLLM asks the connector for the tokens after them)."""
+        hit = self.scheduler.matched(request, local)
         assert hit is not None
         n = -(-request.num_prompt_tokens // BLOCK)
         ids = list(range(self.next_block, self.next_block + n))
         self.next_block += n
         blocks = SimpleNamespace(get_block_ids=lambda: (ids,))
         self.scheduler.allocated(request, blocks, hit)  # type: ignore[arg-type]
-        new = SimpleNamespace(req_id=request.request_id, block_ids=(ids,), num_computed_tokens=hit)
+        new = SimpleNamespace(
+            req_id=request.request_id, block_ids=(ids,), num_computed_tokens=local + hit
+        )
         no_cached = SimpleNamespace(
             req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
         )
         step = SimpleNamespace(
             scheduled_new_reqs=[new], scheduled_cached_reqs=no_cached,
-            num_scheduled_tokens={request.request_id: request.num_prompt_tokens - hit},
+            num_scheduled_tokens={request.request_id: request.num_prompt_tokens - local - hit},
         )  # fmt: skip
         plan = self.scheduler.plan(step)  # type: ignore[arg-type]
         self.worker.load(plan)
@@ -298,3 +301,34 @@ def test_the_model_id_changes_with_the_config_and_the_engines_overrides(tmp_path
     assert model_id(base, overrides, hf_config=made(1e4)) != model_id(
         base, overrides, hf_config=made(5e5)
     )
+
+
+# -- the connector's stats --------------------------------------------------------------
+
+
+def test_the_hit_rate_counts_only_what_kvstore_was_asked_for_and_served(engine: Engine) -> None:
+    """vLLM asks the connector for the tokens after those its own prefix cache holds:
+    only those count as asked (``lookup_tokens``), and ``hit_rate`` is the share of
+    them kvstore served. (Counting the prompt's every block read 0.5 for a request
+    kvstore served whole, and 0.0 for one vLLM held whole.)"""
+    from kvclient.integrations.vllm.stats import KVStoreStats
+
+    counts = engine.scheduler.counts
+    assert engine.serve(vllm_request(PROMPT)) == 0  # computed and stored: 4 blocks asked
+    KVStoreStats.take(counts)  # (the next interval starts at 0)
+    # vLLM's prefix cache holds blocks 0..1; kvstore serves blocks 2..3, all it was asked
+    assert engine.serve(vllm_request(PROMPT), local=2 * BLOCK) == 2 * BLOCK
+    # vLLM holds every loadable block: kvstore is asked for nothing
+    assert engine.serve(vllm_request(PROMPT), local=4 * BLOCK) == 0
+    stats = KVStoreStats.take(counts)
+    assert stats is not None
+    shown = stats.reduce()
+    assert (shown["lookup_tokens"], shown["hit_tokens"], shown["hit_rate"]) == (8, 8, 1.0)
+
+    # another prompt sharing block 0 with vLLM's cache: blocks 1..3 asked, none held
+    other = PROMPT[:BLOCK] + [t + 1000 for t in PROMPT[BLOCK:]]
+    assert engine.serve(vllm_request(other), local=BLOCK) == 0
+    stats = KVStoreStats.take(counts)
+    assert stats is not None
+    shown = stats.reduce()
+    assert (shown["lookup_tokens"], shown["hit_tokens"], shown["hit_rate"]) == (12, 0, 0.0)

@@ -460,6 +460,46 @@ def test_connector_stats_sum_the_sides_and_reduce_to_one_log_line() -> None:
     assert total.is_empty()
 
 
+def test_every_connector_counter_is_on_metrics_at_0_from_the_start() -> None:
+    """vLLM's front end builds the connector's Prometheus metrics at start-up: every
+    ``vllm:kvstore_*`` series is on ``/metrics`` at 0 from then on, before the first
+    request (a dashboard has a line to draw, a rate() a first sample)."""
+    import prometheus_client
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from kvclient.integrations.vllm.stats import FIELDS
+
+    transfer = KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="kvclient.vllm",
+        kv_role="kv_both",
+    )  # fmt: skip
+    unregister_vllm_metrics()  # (as vLLM's own logger does before it registers)
+    try:
+        prom = KVConnectorProm(VllmConfig(kv_transfer_config=transfer), ["engine"], {0: ["0"]})
+        samples = {
+            sample.name: sample.value
+            for metric in prometheus_client.REGISTRY.collect()
+            for sample in metric.samples
+            if sample.name.startswith("vllm:kvstore_") and sample.name.endswith("_total")
+        }
+        exported = {f"vllm:kvstore_{name.replace('_ms', '_seconds')}_total" for name in FIELDS}
+        assert samples == dict.fromkeys(exported, 0.0)
+        prom.observe({"hit_tokens": 48, "load_ms": 1500.0})
+        samples = {
+            sample.name: sample.value
+            for metric in prometheus_client.REGISTRY.collect()
+            for sample in metric.samples
+            if sample.name in ("vllm:kvstore_hit_tokens_total", "vllm:kvstore_load_seconds_total")
+        }
+        assert samples == {
+            "vllm:kvstore_hit_tokens_total": 48.0, "vllm:kvstore_load_seconds_total": 1.5
+        }  # fmt: skip
+    finally:
+        unregister_vllm_metrics()
+
+
 def test_a_hybrid_load_that_fails_is_reported_by_request_and_never_waited_for(
     kvstored: Daemon,
 ) -> None:

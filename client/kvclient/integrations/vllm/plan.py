@@ -140,6 +140,12 @@ class RequestState:
     def loadable_blocks(self) -> int:
         return max(len(self.prompt) - 1, 0) // self.block_size
 
+    @property
+    def asked_blocks(self) -> int:
+        """The blocks kvstore is asked for: the loadable ones after those vLLM's own
+        prefix cache holds (the denominator of the connector's hit rate)."""
+        return max(self.loadable_blocks - self.local, 0)
+
     def matched(self, local_tokens: int, stored_blocks: int) -> int:
         """Record a lookup (kvstore holds ``stored_blocks`` of the prompt; vLLM's cache
         ``local_tokens``) -> the tokens to load beyond the local hit."""

@@ -156,9 +156,11 @@ class SchedulerSide:
         state = self.requests.get(request.request_id)
         if state is not None:
             state.allocated(external_tokens)
-            # once per request: what was asked and what kvstore gave (vLLM's stats)
-            self.counts["lookup_tokens"] += state.full_blocks * state.block_size
-            self.counts["hit_tokens"] += external_tokens
+            # once per request: what kvstore was asked for (the blocks after vLLM's own
+            # prefix cache) and what it served of them: hit_rate is kvstore's (stats.py)
+            if state.keys is not None:
+                self.counts["lookup_tokens"] += state.asked_blocks * state.block_size
+                self.counts["hit_tokens"] += external_tokens
             if self.layout.hybrid and external_tokens > 0:  # an asynchronous load
                 state.block_ids = own_ids(blocks.get_block_ids())
                 load = state.take_load(request.request_id)
