@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -265,12 +266,113 @@ def test_a_save_carries_the_claim_it_fills() -> None:
 
 def test_settings_refuse_unknown_keys_and_bad_values() -> None:
     assert ConnectorSettings.from_extra({}).early_reuse is True
-    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['adr'\]"):
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['adr'\] in kv_connector_extra"):
         ConnectorSettings.from_extra({"adr": "unix:///x"})
     with pytest.raises(ValueError, match="lookup_timeout_s must be > 0"):
         ConnectorSettings.from_extra({"lookup_timeout_s": 0})
     with pytest.raises(ValueError, match="priority must be in 0..100"):
         ConnectorSettings.from_extra({"priority": 101})
+
+
+def test_settings_come_from_the_environment(tmp_path: Path) -> None:
+    env = {
+        "KVSTORE_ADDR": "unix:///run/kv.sock", "KVSTORE_PRIORITY": "70",
+        "KVSTORE_EARLY_REUSE": "false", "KVSTORE_IO_TIMEOUT_S": "2.5",
+        "KVSTORE_TLS_CA": "/etc/ca.pem",  # the client's own variable, not a setting
+        "KVSTORE_MODEL": "",  # empty: not set
+    }  # fmt: skip
+    settings = ConnectorSettings.from_extra({}, env)
+    assert (settings.addr, settings.priority) == ("unix:///run/kv.sock", 70)
+    assert (settings.early_reuse, settings.io_timeout_s, settings.model) == (False, 2.5, None)
+    assert ConnectorSettings.from_extra({}).priority is None  # no env given: none read
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("kvstore.yaml", "priority: 60\nearly_reuse: no\ncodec: fp8\naddr: null\n"),
+        ("kvstore.yml", "priority: 60\nearly_reuse: false\ncodec: fp8\n"),
+        ("kvstore.toml", 'priority = 60\nearly_reuse = false\ncodec = "fp8"\n'),
+        ("kvstore.json", '{"priority": 60, "early_reuse": false, "codec": "fp8"}'),
+    ],
+)
+def test_settings_come_from_a_yaml_toml_or_json_file(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    for settings in (  # the file named in the JSON config, or by the environment
+        ConnectorSettings.from_extra({"config_file": str(path)}),
+        ConnectorSettings.from_extra({}, {"KVSTORE_CONFIG_FILE": str(path)}),
+    ):
+        assert (settings.priority, settings.early_reuse, settings.codec) == (60, False, "fp8")
+        assert settings.addr is None and settings.lookup_timeout_s == 0.5  # defaults
+
+
+def test_settings_take_the_json_config_over_the_environment_over_the_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kvstore.yaml"
+    path.write_text("priority: 10\nlookup_timeout_s: 1\nio_timeout_s: 20\n")
+    env = {
+        "KVSTORE_CONFIG_FILE": str(path), "KVSTORE_PRIORITY": "20",
+        "KVSTORE_LOOKUP_TIMEOUT_S": "2",
+    }  # fmt: skip
+    settings = ConnectorSettings.from_extra({"priority": 30}, env)
+    assert settings.priority == 30  # kv_connector_extra_config
+    assert settings.lookup_timeout_s == 2.0  # env
+    assert settings.io_timeout_s == 20.0  # the file
+    assert settings.retry_after_s == 5.0  # the default
+    # the JSON config's config_file over the environment's
+    other = tmp_path / "other.toml"
+    other.write_text("io_timeout_s = 30\n")
+    assert ConnectorSettings.from_extra({"config_file": str(other)}, env).io_timeout_s == 30.0
+
+
+def test_a_bad_setting_is_one_error_naming_the_key_and_its_source(tmp_path: Path) -> None:
+    def refused(extra: dict[str, object], env: dict[str, str] | None = None) -> str:
+        with pytest.raises(ValueError) as caught:
+            ConnectorSettings.from_extra(extra, env)
+        text = str(caught.value)
+        assert text.startswith("KVStoreConnector: ") and "\n" not in text
+        return text
+
+    yaml_file = tmp_path / "kvstore.yaml"
+    yaml_file.write_text("priority: 50\nadr: unix:///x\n")
+    assert f"unknown key(s) ['adr'] in file {yaml_file}" in refused({"config_file": str(yaml_file)})
+    yaml_file.write_text("priority: 101\n")
+    assert refused({"config_file": str(yaml_file)}) == (
+        f"KVStoreConnector: priority must be in 0..100 (file {yaml_file})"
+    )
+    assert refused({}, {"KVSTORE_PRIORITY": "high"}) == (
+        "KVStoreConnector: priority must be an integer, not 'high' (env KVSTORE_PRIORITY)"
+    )
+    assert "early_reuse must be true or false, not 'maybe' (env KVSTORE_EARLY_REUSE)" in refused(
+        {}, {"KVSTORE_EARLY_REUSE": "maybe"}
+    )
+    assert refused({"priority": "50"}) == (
+        "KVStoreConnector: priority must be an integer, not '50' (kv_connector_extra_config)"
+    )
+    assert "io_timeout_s must be a number, not True" in refused({"io_timeout_s": True})
+    not_finite = {"KVSTORE_LOOKUP_TIMEOUT_S": "nan"}
+    assert "lookup_timeout_s must be a finite number" in refused({}, not_finite)
+    toml_file = tmp_path / "kvstore.toml"
+    toml_file.write_text("priority = \n")
+    assert f"{toml_file} is not valid TOML" in refused({"config_file": str(toml_file)})
+    yaml_file.write_text("priority: [1\n")
+    assert f"{yaml_file} is not valid YAML" in refused({}, {"KVSTORE_CONFIG_FILE": str(yaml_file)})
+    yaml_file.write_text("- priority\n")
+    named = {"config_file": str(yaml_file)}
+    assert f"{yaml_file} holds a list, not a table of settings" in refused(named)
+    yaml_file.write_text("config_file: other.yaml\n")
+    assert "config_file cannot be set in the file itself" in refused(named)
+    ini = tmp_path / "kvstore.ini"
+    ini.write_text("priority=1\n")
+    assert "config_file must end in .yaml, .yml, .toml or .json" in refused(
+        {"config_file": str(ini)}
+    )
+    missing = tmp_path / "missing.yaml"
+    assert f"cannot read the connector's config file from {missing}" in refused(
+        {}, {"KVSTORE_CONFIG_FILE": str(missing)}
+    )
 
 
 def test_settings_read_the_token_from_its_file(tmp_path) -> None:  # noqa: ANN001

@@ -5,7 +5,9 @@ and restarts.
         "kv_connector_module_path": "kvclient.vllm", "kv_role": "kv_both"}'
 
 or ``LLM(model, kv_transfer_config={...the same keys...})``. Settings go in
-``kv_connector_extra_config`` (:class:`ConnectorSettings`); none is needed next to a
+``kv_connector_extra_config``, in ``KVSTORE_<SETTING>`` environment variables or in a
+YAML, TOML or JSON file (``config_file`` / ``KVSTORE_CONFIG_FILE``), the JSON over the
+environment over the file (:class:`ConnectorSettings`); none is needed next to a
 kvstored on its default socket.
 
 Who calls what (vLLM's ``KVConnectorBase_V1``), and what this connector does then:
@@ -80,6 +82,7 @@ once per reason and counted in the stats (``unkeyed_*_requests``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -140,7 +143,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self.settings = ConnectorSettings.from_extra(dict(transfer.kv_connector_extra_config))
+        self.settings = ConnectorSettings.from_extra(
+            dict(transfer.kv_connector_extra_config), os.environ
+        )
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

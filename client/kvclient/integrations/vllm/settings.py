@@ -4,9 +4,14 @@ supports, the engine's KV layout as a kvstore block and the namespaces of one en
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+import math
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_args, get_type_hints
 
 import vllm
 
@@ -15,7 +20,13 @@ from kvclient.integrations.weights import weights_id
 from kvclient.namespace import Namespace
 from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
+from kvproto.v1.tls import read_file
 from kvstore.keys import MAX_BLOCK_TOKENS, MIN_BLOCK_TOKENS, layout_fields
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -29,30 +40,82 @@ SUPPORTED_VLLM = ((0, 32), (0, 33))
 POLL_PENDING_S = 0.02  # early reuse: least time between two lookups of a waiting request
 
 
+ENV_PREFIX = "KVSTORE_"  # a setting's environment variable: KVSTORE_<SETTING>
+EXTRA = "kv_connector_extra_config"
+CONFIG_SUFFIXES = (".yaml", ".yml", ".toml", ".json")
+
+
+def _setting(default: Any, help: str, check: Callable[[Any], str | None] | None = None) -> Any:
+    """A row of the settings table: its default, what it does (the docs' reference)
+    and a check of its value (-> the problem, or None)."""
+    return field(default=default, metadata={"help": help, "check": check})
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be > 0"
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """``kv_connector_extra_config`` keys (all optional)."""
+    """The connector's settings: one table (these fields: name, type, default, help,
+    check) read from three sources, a later one over an earlier one::
 
-    addr: str | None = None  # kvstored address; default: KVSTORE_ADDR or the default socket
-    priority: int | None = None  # of stored blocks (0..100); default: the daemon's
-    early_reuse: bool = True  # wait for blocks another engine is computing; claim ours
-    # longest a request waits for another engine's claim to deliver its next block
-    early_reuse_wait_s: float = 10.0
-    store_replies: bool = True  # store the reply's full blocks too (False: the prompt's)
-    lookup_timeout_s: float = 0.5  # scheduler's calls (lookup, claim): deadline each
-    io_timeout_s: float = 10.0  # worker's calls (loads, saves): deadline each
-    retry_after_s: float = 5.0  # after a failed call, answer misses this long
-    model: str | None = None  # model id in the namespace; default: its weights' digest
-    namespace: str = ""  # a name to bind the (unsalted) namespace to, checked at start
-    load_failure_policy: str = "recompute"  # vLLM's kv_load_failure_policy
-    # a daemon with tenants: the file holding this engine's token (default
-    # KVSTORE_TOKEN / KVSTORE_TOKEN_FILE). No key takes the token itself: vLLM logs
-    # its configuration, kv_connector_extra_config included.
-    token_file: str = ""
-    codec: str = "exact"  # of the disk and shared tiers (kvstore.codecs: fp8, int8, int4)
-    # a load pins this many bytes of blocks at a time (a prefix longer than the daemon's
-    # host tier is loaded window by window: kvclient.Namespace.windows)
-    window_bytes: int = 64 << 20
+        defaults < a config file < environment variables < kv_connector_extra_config
+
+    - ``kv_connector_extra_config``: the JSON of vLLM's ``--kv-transfer-config``, the
+      most specific (one engine's command line), so it wins.
+    - ``KVSTORE_<SETTING>`` (``KVSTORE_PRIORITY=70``, ``KVSTORE_EARLY_REUSE=false``):
+      a deployment's, for every engine started in it. An empty variable is not set;
+      other ``KVSTORE_*`` variables (the client's ``KVSTORE_TOKEN``, ``KVSTORE_TLS_*``)
+      are not settings and are left alone.
+    - a file, named by ``config_file`` (in the JSON config, or ``KVSTORE_CONFIG_FILE``):
+      ``.yaml``/``.yml``, ``.toml`` or ``.json``, one flat table of settings, shared by
+      the engines that name it.
+
+    An unknown key (in the JSON config or the file) or a bad value is one ValueError
+    naming the key and its source; the engine does not start."""
+
+    addr: str | None = _setting(
+        None, "kvstored address (KVSTORE_ADDR is this setting); default: the default socket"
+    )
+    priority: int | None = _setting(
+        None, "of stored blocks (0..100); default: the daemon's",
+        lambda v: None if v is None or 0 <= v <= 100 else "must be in 0..100",
+    )  # fmt: skip
+    early_reuse: bool = _setting(True, "wait for blocks another engine is computing; claim ours")
+    early_reuse_wait_s: float = _setting(
+        10.0, "longest a request waits for another engine's claim to deliver its next block",
+        _positive,
+    )  # fmt: skip
+    store_replies: bool = _setting(True, "store the reply's full blocks too (false: the prompt's)")
+    lookup_timeout_s: float = _setting(
+        0.5, "the scheduler's calls (lookup, claim): deadline each", _positive
+    )
+    io_timeout_s: float = _setting(
+        10.0, "the worker's calls (loads, saves): deadline each", _positive
+    )
+    retry_after_s: float = _setting(5.0, "after a failed call, answer misses this long")
+    model: str | None = _setting(None, "model id in the namespace; default: its weights' digest")
+    namespace: str = _setting("", "a name to bind the (unsalted) namespace to, checked at start")
+    load_failure_policy: str = _setting(
+        "recompute", "vLLM's kv_load_failure_policy: recompute or fail",
+        lambda v: None if v in ("recompute", "fail") else "is 'recompute' or 'fail'",
+    )  # fmt: skip
+    # No key takes the token itself: vLLM logs its configuration, kv_connector_extra_config
+    # included.
+    token_file: str = _setting(
+        "", "a daemon with tenants: the file holding this engine's token (unset: the "
+        "client's KVSTORE_TOKEN); KVSTORE_TOKEN_FILE is this setting",
+    )  # fmt: skip
+    codec: str = _setting("exact", "of the disk and shared tiers (kvstore.codecs: fp8, int8, int4)")
+    window_bytes: int = _setting(
+        64 << 20, "a load pins this many bytes of blocks at a time (a prefix longer than the "
+        "daemon's host tier is loaded window by window: kvclient.Namespace.windows)", _positive,
+    )  # fmt: skip
+    config_file: str = _setting(
+        "", "a .yaml/.yml, .toml or .json file of these settings (below the environment and "
+        "the JSON config)",
+    )  # fmt: skip
 
     def token(self) -> str | None:
         """The token from ``token_file``; None: the client's default (environment)."""
@@ -64,25 +127,150 @@ class ConnectorSettings:
             raise ValueError(f"KVStoreConnector: {exc}") from None
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"KVStoreConnector: unknown kv_connector_extra_config key(s) {unknown}; "
-                f"known: {sorted(known)}"
-            )
-        settings = cls(**extra)
-        for name in ("early_reuse_wait_s", "lookup_timeout_s", "io_timeout_s"):
-            if not float(getattr(settings, name)) > 0:
-                raise ValueError(f"KVStoreConnector: {name} must be > 0")
-        if not int(settings.window_bytes) > 0:
-            raise ValueError("KVStoreConnector: window_bytes must be > 0")
-        if settings.priority is not None and not 0 <= int(settings.priority) <= 100:
-            raise ValueError("KVStoreConnector: priority must be in 0..100")
-        if settings.load_failure_policy not in ("recompute", "fail"):
-            raise ValueError("KVStoreConnector: load_failure_policy is 'recompute' or 'fail'")
-        return settings
+    def from_extra(
+        cls, extra: Mapping[str, Any], env: Mapping[str, str] | None = None
+    ) -> ConnectorSettings:
+        """The settings of ``kv_connector_extra_config`` over ``env`` (None: no
+        environment; the connector passes ``os.environ``) over the config file either
+        names, over the defaults; ValueError naming the key and source of a bad one."""
+        env = {} if env is None else env
+        table = {f.name: f for f in fields(cls)}
+        types = get_type_hints(cls)
+
+        def problem(name: str, reason: str, source: str) -> ValueError:
+            return ValueError(f"KVStoreConnector: {name} {reason} ({source})")
+
+        def known(layer: Mapping[str, object], source: str) -> None:
+            unknown = sorted(set(layer) - set(table), key=str)
+            if unknown:
+                raise ValueError(
+                    f"KVStoreConnector: unknown key(s) {unknown} in {source}; "
+                    f"known: {sorted(table)}"
+                )
+
+        known(extra, EXTRA)
+        from_env = {name: value for name in table if (value := env.get(ENV_PREFIX + name.upper()))}
+        layers: list[tuple[str, Mapping[str, object], bool]] = [  # (source, values, text)
+            (EXTRA, extra, False),
+            (f"env {ENV_PREFIX}{{}}", from_env, True),
+        ]
+
+        def value_of(name: str) -> tuple[Any, str] | None:
+            """The setting from the first layer that has it, parsed and checked."""
+            for label, layer, text in layers:
+                if name in layer:
+                    source = label.format(name.upper())
+                    try:
+                        value = _parse(types[name], layer[name], text)
+                    except ValueError as exc:
+                        raise problem(name, str(exc), source) from None
+                    check = table[name].metadata["check"]
+                    if check is not None and (why := check(value)):
+                        raise problem(name, why, source)
+                    return value, source
+            return None
+
+        named = value_of("config_file")
+        if named is not None and named[0]:
+            path, source = named
+            data = _read_config_file(path, source)
+            known(data, f"file {path}")
+            if "config_file" in data:
+                raise problem("config_file", "cannot be set in the file itself", f"file {path}")
+            layers.append((f"file {path}", data, False))
+        values = {name: found[0] for name in table if (found := value_of(name)) is not None}
+        return cls(**values)
+
+
+def _parse(kind: Any, raw: object, text: bool) -> Any:
+    """A setting's value of type ``kind`` (``bool``, ``int``, ``float``, ``str``, or
+    one of them ``| None``) from ``raw``; ``text``: an environment variable's string,
+    read as that type. ValueError saying what was expected otherwise: a JSON, YAML or
+    TOML value must have the type itself (``"50"`` is not a priority)."""
+    args = get_args(kind)
+    optional = type(None) in args
+    base = next(a for a in args if a is not type(None)) if args else kind
+    if raw is None and optional:
+        return None
+    if text and isinstance(raw, str):
+        if base is bool:
+            word = raw.strip().lower()
+            if word in ("1", "true", "yes", "on"):
+                return True
+            if word in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"must be true or false, not {raw!r}")
+        if base is int:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ValueError(f"must be an integer, not {raw!r}") from None
+        if base is float:
+            try:
+                raw = float(raw)
+            except ValueError:
+                raise ValueError(f"must be a number, not {raw!r}") from None
+    if base is bool and isinstance(raw, bool):
+        return raw
+    if base is int and isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    if base is float and isinstance(raw, int | float) and not isinstance(raw, bool):
+        if not math.isfinite(raw):
+            raise ValueError(f"must be a finite number, not {raw!r}")
+        return float(raw)
+    if base is str and isinstance(raw, str):
+        return raw
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    raise ValueError(f"must be {names[base]}, not {raw!r}")
+
+
+def _read_config_file(path: str, source: str) -> dict[str, object]:
+    """The table of settings in the file at ``path`` (named by ``source``): YAML, TOML
+    or JSON by its suffix, at most MAX_SETTINGS_FILE_BYTES; ValueError naming the file
+    otherwise."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in CONFIG_SUFFIXES:
+        raise ValueError(
+            f"KVStoreConnector: config_file must end in .yaml, .yml, .toml or .json, "
+            f"not {path!r} ({source})"
+        )
+    try:
+        text = read_file(path, "the connector's config file", regular=False).decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"KVStoreConnector: {path} is not UTF-8 text (byte {exc.start})") from None
+    except ValueError as exc:
+        raise ValueError(f"KVStoreConnector: {exc} ({source})") from None
+    kind = {".toml": "TOML", ".json": "JSON"}.get(suffix, "YAML")
+    data: object
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = _load_yaml(text)
+    except RecursionError:
+        raise ValueError(f"KVStoreConnector: {path} is nested too deeply to be read") from None
+    except ValueError as exc:  # the parser's error (TOML, JSON, YAML), in one line
+        reason = " ".join(str(exc).split())
+        raise ValueError(f"KVStoreConnector: {path} is not valid {kind}: {reason}") from None
+    if data is None:  # an empty YAML file
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"KVStoreConnector: {path} holds a {type(data).__name__}, not a table of settings"
+        )
+    return data
+
+
+def _load_yaml(text: str) -> object:
+    """YAML's ``safe_load`` (PyYAML: a dependency of vLLM), its errors as ValueError."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def check_vllm_version(version: str = vllm.__version__) -> None:
