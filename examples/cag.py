@@ -5,7 +5,10 @@ priority (kept in the host tier ahead of ordinary prompts). ``ask`` runs in any 
 process on the node -- after a restart of this program, or of the daemon (disk tier) --
 and answers each question with only the question (and the document's last partial
 block) prefilled: the prompt is document + question, and the document's blocks come
-from kvstore. ``demo`` (the default) stores, then asks from a second process.
+from kvstore. Each answer's time to first token is read against the prompt computed
+whole, measured right before and right after it: where those two differ more than the
+answer differs from them, the line says the machine is busy, not that kvstore is slow.
+``demo`` (the default) stores, then asks from a second process.
 
 The model is a Llama with seeded random weights (nothing is downloaded), so answers are
 noise; text is tokenized as bytes. Start a daemon first (``kvstored``), then:
@@ -28,6 +31,7 @@ import torch
 from daemon_check import daemon_address
 
 from kvbench.models import random_llama
+from kvbench.verdict import turn_verdict
 from kvclient import KVClient
 from kvclient.hf import HFPrefixCache
 
@@ -103,19 +107,29 @@ def ask(args: argparse.Namespace) -> int:
             kv.model(torch.tensor([doc[:64]], device=kv.device))
         for question in questions:
             prompt = doc + encode(f"\nQuestion: {question}\nAnswer: ")
+            before = full_prefill_s(kv, prompt)  # the prompt computed whole, around the turn
             out = kv.generate(prompt, max_new_tokens=args.answer_tokens, store=False)
+            after = full_prefill_s(kv, prompt)
             s = out.stats
-            t0 = time.perf_counter()
-            with torch.no_grad():  # what the same prompt costs without kvstore
-                kv.model(torch.tensor([prompt], device=kv.device), logits_to_keep=1)
-            full_s = time.perf_counter() - t0
             print(
                 f"question {question!r}: prompt {s.prompt_tokens} tokens, reused "
                 f"{s.reused_tokens} (host {s.host_blocks} / disk {s.disk_blocks} blocks), "
                 f"computed {s.computed_tokens}, TTFT {s.ttft_s * 1e3:.1f} ms "
-                f"vs {full_s * 1e3:.1f} ms full prefill, answer {len(out.tokens)} tokens"
+                f"(load {s.load_s * 1e3:.1f} ms), answer {len(out.tokens)} tokens"
             )
+            verdict = turn_verdict(s.ttft_s, s.load_s, (before, after))
+            print(f"  vs the prompt computed whole: {verdict.text}")
     return 0
+
+
+def full_prefill_s(kv: HFPrefixCache, prompt: list[int]) -> float:
+    """Seconds of one forward pass over the whole prompt, without kvstore."""
+    started = time.perf_counter()
+    with torch.no_grad():
+        kv.model(torch.tensor([prompt], device=kv.device), logits_to_keep=1)
+    if str(kv.device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
 
 
 def demo(args: argparse.Namespace) -> int:

