@@ -4,7 +4,8 @@ Protocol (every method is thread-safe; all key chains start at the namespace roo
 
 - ``open_namespace(spec)`` registers a namespace (idempotent; a different layout under
   the same ns_id raises LayoutMismatch). ``keys_for(ns_id, tokens)`` computes the chain.
-- ``lookup(ns_id, keys)`` -> longest ready prefix, per-tier counts, pending keys after it.
+- ``lookup(ns_id, keys)`` -> longest ready prefix, per-tier counts, pending keys after it;
+  ``lookup_many(ns_id, chains)``: a lookup of each chain, under one hold of the lock.
 - Inline data path: ``put(ns_id, keys, payloads, start)`` stores ``payloads[i]`` as the
   block ``keys[start + i]`` (each exactly ``block_bytes``); ``read(ns_id, keys, out)``
   copies the longest ready prefix into one contiguous buffer.
@@ -161,6 +162,7 @@ class Store:
         self._stack = TierStack(self._parts, self._writes)
         # each call of the protocol is served by the part that owns it
         self.lookup = self._reads.lookup
+        self.lookup_many = self._reads.lookup_many
         self.read = self._reads.read
         self.acquire = self._reads.acquire
         self.read_ahead = self._reads.read_ahead

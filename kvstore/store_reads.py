@@ -97,11 +97,17 @@ class Reads:
 
     # ------------------------------------------------------------------ read side
     def lookup(self, ns_id: str, keys: Sequence[BlockKey]) -> ReadyPrefix:
+        return self.lookup_many(ns_id, [keys])[0]
+
+    def lookup_many(self, ns_id: str, chains: Sequence[Sequence[BlockKey]]) -> list[ReadyPrefix]:
+        """:meth:`lookup` of each of ``chains`` (independent chains of one namespace),
+        under one hold of the lock: a batch costs one acquisition, not one per chain."""
         entry = self._parts.namespaces.entry(ns_id)
-        self._parts.namespaces.check_keys(entry, keys)
+        for keys in chains:
+            self._parts.namespaces.check_keys(entry, keys)
         with self._parts.lock:
             self._parts.expire()
-            return ready_prefix(self._parts.index, keys)
+            return [ready_prefix(self._parts.index, keys) for keys in chains]
 
     def why(self, ns_id: str, keys: Sequence[BlockKey]) -> MissReason:
         """Why ``keys`` are not served whole: the first block that is not, and the

@@ -65,6 +65,10 @@ def _unknown_ns_calls(stub: Any) -> dict[str, Callable[[], Any]]:
     t = TOKENS
     return {
         "Lookup": lambda: stub.Lookup(pb.LookupRequest(ns_id=UNKNOWN, tokens=t), timeout=5),
+        "LookupBatch": lambda: stub.LookupBatch(
+            pb.LookupBatchRequest(ns_id=UNKNOWN, chains=[pb.LookupBatchRequest.Chain(tokens=t)]),
+            timeout=5,
+        ),
         "Get": lambda: stub.Get(pb.GetRequest(ns_id=UNKNOWN, tokens=t), timeout=5),
         "Put": lambda: stub.Put(put_requests(UNKNOWN, t, b"x" * 4096, 1), timeout=5),
         "Reserve": lambda: stub.Reserve(pb.ReserveRequest(ns_id=UNKNOWN, tokens=t), timeout=5),

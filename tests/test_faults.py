@@ -455,7 +455,7 @@ def test_a_second_daemon_on_the_same_disk_dir_refuses_to_start(
 
 # --- bad bytes --------------------------------------------------------------------------
 
-UNARY = ["OpenNamespace", "Lookup", "Acquire", "Release", "ReportReads", "Reserve",
+UNARY = ["OpenNamespace", "Lookup", "LookupBatch", "Acquire", "Release", "ReportReads", "Reserve",
          "Commit", "Abandon", "Delete", "Clear", "SetPriority", "Stats"]
 
 

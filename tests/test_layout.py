@@ -152,8 +152,9 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     client = FOLDERS["kvclient"]
     wings = client / "integrations"
     # (+300: windows of long prefixes, issue 55; +30: a namespace handle outlives the
-    # daemon's memory of its namespace, opened again: #66's CI failure)
-    assert lines(client, without=wings) <= 5330
+    # daemon's memory of its namespace, opened again: #66's CI failure; +60: many
+    # lookups of a namespace in one call, lookup_batch, for vLLM's tier: issue 69)
+    assert lines(client, without=wings) <= 5390
     assert lines(FOLDERS["kvctl"]) <= 920  # (+50 `kvctl why`, issue 43; +50 short prompts, 58)
     # (+20: one helper escapes every string a client chose, issue 66)
     # (+20: the one-launch page copy, issue 59; +10: loads window by window, issue 55;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import stat
 from collections.abc import Callable
@@ -330,3 +331,93 @@ def test_an_async_call_that_outlives_its_timeout_is_a_request_timeout(daemon: Da
 
         asyncio.run(run())
         client_call(writer, "Abandon", pb.AbandonRequest(lease_id=lease))
+
+
+# --- LookupBatch: many lookups of one namespace in one call ----------------------------
+
+
+@pytest.mark.parametrize("route", ["local", "grpc"])
+def test_lookup_batch_answers_each_chain_as_its_own_lookup_would(
+    daemon: Daemon, route: str
+) -> None:
+    """Hits, partial hits, misses, extra keys, chains shorter than a block, a pending
+    block: each answer is the Lookup's. Chains past the daemon's bound
+    (max_blocks_per_request: 8192 blocks) go in more than one call, answered in order."""
+    with KVClient(daemon.addr, use_arena=None if route == "local" else False) as client:
+        ns = client.namespace(f"batch-{route}", 4, BLOCK_BYTES)
+        stored = list(range(3000, 3012))  # 3 blocks
+        assert ns.put(stored, np.full((3, BLOCK_BYTES), 1, np.uint8)).stored == 3
+        lora = [b"lora-1"]
+        lora_blocks = np.full((2, BLOCK_BYTES), 2, np.uint8)
+        assert ns.put(stored[:8], lora_blocks, extra_keys=lora).stored == 2
+        pending = list(range(3100, 3104))
+        client_call(client, "Reserve", pb.ReserveRequest(ns_id=ns.ns_id, tokens=pending))
+        long = list(range(40_000, 40_000 + 4 * 3000))  # 3000 blocks, never stored
+        prompts = [stored, stored[:6], stored + [1, 2, 3, 4], stored, stored[:8], stored[:3],
+                   [], list(range(7, 19)), pending, long, long, long]  # fmt: skip
+        extras = [(), (), (), [b"lora-2"], lora, (), (), (), (), (), lora, ()]
+        batch = ns.lookup_batch(prompts, extra_keys=extras)
+        assert [r.blocks for r in batch] == [3, 1, 3, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+        assert batch[8].pending_blocks == 1
+        assert batch == [ns.lookup(p, extra_keys=e) for p, e in zip(prompts, extras, strict=True)]
+        assert ns.lookup_batch(prompts[:3]) == batch[:3]  # extra keys: none by default
+        assert ns.lookup_batch([]) == []
+        assert (client._conn.local is not None) == (route == "local")
+        with pytest.raises(InvalidArgumentError, match="2 prompts but 1 extra_keys"):
+            ns.lookup_batch(prompts[:2], extra_keys=[()])
+
+        async def run() -> None:  # the asyncio client's, over the same route
+            use_arena = None if route == "local" else False
+            async with AsyncKVClient(daemon.addr, use_arena=use_arena) as aclient:
+                ans = await aclient.open_namespace(ns.ns_id)
+                assert await ans.lookup_batch(prompts, extra_keys=extras) == batch
+
+        asyncio.run(run())
+
+
+def test_lookup_batch_refuses_a_bad_chain_or_too_much_and_changes_nothing(
+    daemon: Daemon,
+) -> None:
+    """On the gRPC socket and the local one alike: a bad chain fails the whole call and
+    names it; more than max_blocks_per_request chains, or blocks, is refused with the
+    bound; an unknown namespace is NOT_FOUND. Nothing is pulled, counted or changed."""
+    with KVClient(daemon.addr) as local, KVClient(daemon.addr, use_arena=False) as remote:
+        ns = local.namespace("batch-refused", 4, BLOCK_BYTES)
+        good = list(range(4000, 4008))
+        assert ns.put(good, np.full((2, BLOCK_BYTES), 5, np.uint8)).stored == 2
+        limit = local.server_info().max_blocks_per_request
+        chain = pb.LookupBatchRequest.Chain
+        many_blocks = list(range(5000, 5000 + 4 * (limit // 2 + 1)))  # half the bound, +1
+        bad = [
+            ([chain(tokens=good), chain(tokens=[1, 2, -3, 4])], InvalidArgumentError,
+             "chains[1]: token"),
+            ([chain(tokens=good, extra_keys=[b"\0kvstore.block-extra.v1\0\x01"])],
+             InvalidArgumentError, "chains[0]: "),
+            ([chain()] * (limit + 1), InvalidArgumentError,
+             f"{limit + 1} chains in one LookupBatch, more than max_blocks_per_request={limit}"),
+            ([chain(tokens=many_blocks)] * 2, InvalidArgumentError,
+             f"{2 * (limit // 2 + 1)} blocks in one LookupBatch, more than "
+             f"max_blocks_per_request={limit}"),
+        ]  # fmt: skip
+        before = local.stats()
+        for client in (local, remote):
+            for chains, error, words in bad:
+                request = pb.LookupBatchRequest(ns_id=ns.ns_id, chains=chains)
+                with pytest.raises(error, match=re.escape(words)):
+                    client_call(client, "LookupBatch", request)
+            unknown = pb.LookupBatchRequest(ns_id="nope@000000000000", chains=[chain(tokens=good)])
+            with pytest.raises(NamespaceNotFoundError, match="nope@000000000000"):
+                client_call(client, "LookupBatch", unknown)
+        after = local.stats()
+        assert after.tier("host") == before.tier("host") and after.leases == before.leases
+        # and the same frames, raw, on the local socket
+        with connect(local_path(daemon)) as sock:
+            request = pb.LookupBatchRequest(ns_id=ns.ns_id, chains=[chain(tokens=good)] * 2)
+            status, body = raw_call(sock, b"LookupBatch", request.SerializeToString())
+            assert status == frames.OK
+            answers = pb.LookupBatchResponse.FromString(body).answers
+            assert [a.ready_blocks for a in answers] == [2, 2]
+            request = pb.LookupBatchRequest(ns_id=ns.ns_id, chains=[chain()] * (limit + 1))
+            status, body = raw_call(sock, b"LookupBatch", request.SerializeToString())
+            assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "max_blocks_per_request" in frames.parse_error(body)[1]

@@ -243,6 +243,7 @@ def test_a_tenant_cannot_list_read_write_or_clear_anothers_blocks(tenancy: Tenan
         stolen = Namespace(b, b._conn, mine.info)  # b names a's namespace by its id
         for attempt in (
             lambda: stolen.lookup(tokens),
+            lambda: stolen.lookup_batch([tokens, tokens_of(2, 1)]),
             lambda: stolen.get(tokens),
             lambda: stolen.put(tokens_of(2, 1), blocks_of(1, 4096, 9)),
             lambda: stolen.delete(tokens),

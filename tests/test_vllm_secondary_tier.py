@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import Daemon, in_forked_child, wait_for
+from test_metrics import metrics_url, rpc_count, scrape
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory")
 
@@ -47,9 +48,14 @@ class Engine(TierEngine):
         assert isinstance(self.tier, KVStoreTier)
 
 
+BATCH_BOUND = 8  # the module daemon's max_blocks_per_request: lookups split by it
+
+
 @pytest.fixture(scope="module")
 def daemon(kvstored_module_factory: Callable[..., Daemon]) -> Daemon:
-    return kvstored_module_factory()
+    return kvstored_module_factory(
+        max_blocks_per_request=BATCH_BOUND, metrics_listen="127.0.0.1:0"
+    )
 
 
 @pytest.fixture
@@ -108,6 +114,21 @@ def test_vllm_loads_the_tier_from_its_config_and_a_store_is_loaded_back(engine: 
         assert np.array_equal(engine.rows[row], content(key))
     engine.tier.drain_jobs()  # nothing in flight: returns at once
     assert not engine.tier.has_pending_work()
+
+
+def test_a_steps_lookups_are_one_call_per_batch(daemon: Daemon, engine: Engine) -> None:
+    """vLLM hands the tier a request's keys once a step; the tier asks the daemon in
+    one LookupBatch per max_blocks_per_request chunks (here 8), never a Lookup each,
+    and the answers are each chunk's own."""
+    keys = [chunk_key("batched", i) for i in range(12)]
+    assert store(engine, keys[::2]).success  # every other chunk
+    url = metrics_url(daemon)
+    before = scrape(url)
+    wanted = [LookupResult.HIT, LookupResult.MISS] * 6 + [LookupResult.MISS] * 3
+    assert lookup(engine.tier, keys + [chunk_key("batched", i) for i in range(12, 15)]) == wanted
+    after = scrape(url)
+    assert rpc_count(after, "Lookup") == rpc_count(before, "Lookup")
+    assert rpc_count(after, "LookupBatch") - rpc_count(before, "LookupBatch") == 2  # 8 + 7
 
 
 def test_a_second_engine_in_another_process_loads_what_the_first_stored(

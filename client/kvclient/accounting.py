@@ -12,7 +12,7 @@ one ``ReportReads`` (``release_lease_ids`` and ``prefixes``):
   ``wake`` hook;
 - at once when many prefixes are pending (``wake(now=True)``);
 - before any call whose answer a pin or an uncounted read could change (everything
-  but Acquire, Lookup and ServerInfo: :data:`UNORDERED`), so a client always sees its
+  but Acquire, the lookups and ServerInfo: :data:`UNORDERED`), so a client always sees its
   own releases and reads counted;
 - and an Acquire carries the pending releases itself (``release_lease_ids``).
 
@@ -32,7 +32,7 @@ DELAY_S = 0.05  # the longest a done lease or a read waits to be told
 REPORTED_PREFIXES = 1024  # pending prefixes that make the client send them at once
 # calls whose answer neither a block still pinned by this client nor a read it has not
 # reported can change: they need not wait for the accounting message
-UNORDERED = frozenset({"Acquire", "Lookup", "ServerInfo"})
+UNORDERED = frozenset({"Acquire", "Lookup", "LookupBatch", "ServerInfo"})
 
 # a get request: namespace, digest of its tokens, extra keys, max_blocks
 ReadKey = tuple[str, bytes, tuple[bytes, ...], int]

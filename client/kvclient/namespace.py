@@ -60,6 +60,13 @@ class _Namespace:
             lambda: reads.lookup(self._conn, self.info, tokens, extra_keys, wait_s)
         )
 
+    def _lookup_batch(
+        self, prompts: Sequence[Tokens], extra_keys: Sequence[ExtraKeys] | None
+    ) -> Op[list[LookupResult]]:
+        return self._reopening(
+            lambda: reads.lookup_batch(self._conn, self.info, prompts, extra_keys)
+        )
+
     def _get(self, tokens: Tokens, extra_keys: ExtraKeys, out: np.ndarray | None) -> Op[GetResult]:
         return self._reopening(
             lambda: reads.Get(self._conn, self.info, tokens, extra_keys, out).run()
@@ -172,6 +179,14 @@ class Namespace(_Namespace):
         """Longest cached prefix of ``tokens`` (and what other sessions are computing).
         ``wait_pending_s``: wait that long for pending blocks."""
         return self.client._drive(self._lookup(tokens, extra_keys, wait_pending_s))
+
+    def lookup_batch(
+        self, prompts: Sequence[Tokens], *, extra_keys: Sequence[ExtraKeys] | None = None
+    ) -> list[LookupResult]:
+        """:meth:`lookup` of each of ``prompts`` (``extra_keys[i]``: prompt i's), no
+        waiting: what many lookups answer, in one call per max_blocks_per_request
+        prompts or blocks (the daemon's bound) instead of one each."""
+        return self.client._drive(self._lookup_batch(prompts, extra_keys))
 
     def why(self, tokens: Tokens, *, extra_keys: ExtraKeys = ()) -> MissReason:
         """Why ``tokens`` are not served whole: the first block that is not, and the
@@ -332,6 +347,11 @@ class AsyncNamespace(_Namespace):
         self, tokens: Tokens, *, extra_keys: ExtraKeys = (), wait_pending_s: float = 0.0
     ) -> LookupResult:
         return await self.client._drive(self._lookup(tokens, extra_keys, wait_pending_s))
+
+    async def lookup_batch(
+        self, prompts: Sequence[Tokens], *, extra_keys: Sequence[ExtraKeys] | None = None
+    ) -> list[LookupResult]:
+        return await self.client._drive(self._lookup_batch(prompts, extra_keys))
 
     async def why(self, tokens: Tokens, *, extra_keys: ExtraKeys = ()) -> MissReason:
         return await self.client._drive(self._why(tokens, extra_keys))

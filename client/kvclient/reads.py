@@ -21,6 +21,7 @@ views of pinned slots (:class:`kvclient.arena_path.BlockViews`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,43 @@ def lookup(
 ) -> Op[LookupResult]:
     request = lookup_request(ns, tokens, extra_keys, wait_s)
     return result_messages.lookup_result((yield from conn.call("Lookup", request)))
+
+
+def lookup_batch(
+    conn: Connection,
+    ns: NamespaceInfo,
+    prompts: Sequence[Any],
+    extra_keys: Sequence[wire.ExtraKeys] | None,
+) -> Op[list[LookupResult]]:
+    """A lookup of each prompt (each with its own extra keys): one LookupBatch per
+    max_blocks_per_request prompts, or blocks, of the daemon's (ServerInfo)."""
+    if extra_keys is not None and len(extra_keys) != len(prompts):
+        raise InvalidArgumentError(
+            f"lookup_batch: {len(prompts)} prompts but {len(extra_keys)} extra_keys"
+        )
+    extras = extra_keys if extra_keys is not None else [()] * len(prompts)
+    chains = [
+        pb.LookupBatchRequest.Chain(
+            tokens=as_tokens(tokens).tolist(), extra_keys=wire.extra_bytes(extra)
+        )
+        for tokens, extra in zip(prompts, extras, strict=True)
+    ]
+    info, _ = yield from conn.refresh()
+    limit = info.max_blocks_per_request or max(len(chains), 1)  # 0: the daemon sets none
+    found: list[LookupResult] = []
+    start = 0
+    while start < len(chains):  # each call: at most `limit` chains and `limit` blocks
+        stop, blocks = start, 0
+        while stop < len(chains) and stop - start < limit:
+            blocks += len(chains[stop].tokens) // ns.block_tokens
+            if blocks > limit and stop > start:
+                break  # (a chain over the bound on its own goes alone: the daemon refuses it)
+            stop += 1
+        request = pb.LookupBatchRequest(ns_id=ns.ns_id, chains=chains[start:stop])
+        response = yield from conn.call("LookupBatch", request)
+        found += [result_messages.lookup_result(answer) for answer in response.answers]
+        start = stop
+    return found
 
 
 def why(

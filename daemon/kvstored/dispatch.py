@@ -288,8 +288,14 @@ class Calls:
         first (kvstore.tier_stack: a network wait, so a quick call moves to the pool
         when one could help); the third value counts them."""
         spec, keys = self.chain(ns_id, tokens, extra, caller, quick)
+        return spec, keys, self.pull(spec.ns_id, keys, quick)
+
+    def pull(self, ns_id: str, keys: Sequence[BlockKey], quick: bool = False) -> int:
+        """Pull the blocks the store's far tiers have after this node's ready prefix of
+        ``keys`` into the host tier -> how many (a network wait: a quick call raises
+        NeedsPool where one could help)."""
         if quick:
-            if self.store.far_gap(spec.ns_id, keys):
+            if self.store.far_gap(ns_id, keys):
                 raise NeedsPool
-            return spec, keys, 0
-        return spec, keys, self.store.pull(spec.ns_id, keys)
+            return 0
+        return self.store.pull(ns_id, keys)

@@ -1,6 +1,6 @@
-"""The read side of the KVStore servicer: Lookup, Get (a stream cut out of the arena
-slots, or of one window copied: kvstored.get_buffers), Acquire, Release and the batched
-read reports."""
+"""The read side of the KVStore servicer: Lookup, LookupBatch (many Lookups of one
+namespace in one call), Get (a stream cut out of the arena slots, or of one window
+copied: kvstored.get_buffers), Acquire, Release and the batched read reports."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from kvstore.keys import BlockKey, NamespaceSpec
 from kvstored import convert, why
 from kvstored.auth import Caller
 from kvstored.config import GET_CHUNK_BYTES
-from kvstored.dispatch import Calls, Ctx, NeedsPool
+from kvstored.dispatch import QUICK_BLOCKS, Calls, Ctx, NeedsPool
 from kvstored.errors import grpc_errors
 from kvstored.get_buffers import COPIES
 
@@ -64,6 +64,50 @@ async def Lookup(calls: Calls, request: pb.LookupRequest, context: Ctx) -> pb.Lo
     if request.explain:  # (explain looks in every namespace: its own paced thread)
         return await calls.run_explain(caller, lookup)
     return await calls.run_quick(lookup)
+
+
+@grpc_errors
+async def LookupBatch(
+    calls: Calls, request: pb.LookupBatchRequest, context: Ctx
+) -> pb.LookupBatchResponse:
+    """A Lookup of each chain (no waiting, no explain): every chain is checked and
+    hashed before any is pulled from a far tier or looked up, so a bad one changes
+    nothing; the lookups themselves hold the store's lock once (Store.lookup_many)."""
+    caller = calls.access.caller(context)
+    chains = request.chains
+    limit = calls.store.config.max_blocks_per_request
+    if len(chains) > limit:
+        raise InvalidArgument(
+            f"{len(chains)} chains in one LookupBatch, more than max_blocks_per_request={limit}"
+        )
+
+    def lookup_batch(quick: bool = False) -> pb.LookupBatchResponse:
+        spec = calls.access.spec(request.ns_id, caller)
+        n_blocks = sum(len(chain.tokens) // spec.block_tokens for chain in chains)
+        if n_blocks > limit:
+            raise InvalidArgument(
+                f"{n_blocks} blocks in one LookupBatch, more than max_blocks_per_request={limit}"
+            )
+        if quick and max(n_blocks, len(chains)) > QUICK_BLOCKS:
+            raise NeedsPool  # that much hashing would hold the event loop up
+        keyed: list[list[BlockKey]] = []
+        for i, chain in enumerate(chains):
+            try:
+                _, keys = calls.chain(spec.ns_id, chain.tokens, chain.extra_keys, caller, quick)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"chains[{i}]: {exc}") from None
+            keyed.append(keys)
+        pulled = [calls.pull(spec.ns_id, keys, quick) for keys in keyed]
+        found = calls.store.lookup_many(spec.ns_id, keyed)
+        return pb.LookupBatchResponse(answers=[
+            convert.lookup_response(
+                replace(result, shared_blocks=min(n, result.host_blocks)), spec.block_tokens,
+                len(keys),
+            )
+            for result, n, keys in zip(found, pulled, keyed, strict=True)
+        ])  # fmt: skip
+
+    return await calls.run_quick(lookup_batch)
 
 
 @grpc_errors

@@ -8,7 +8,7 @@ The servicer is one thin class: it makes its parts and names, for each RPC, the 
 that serves it. The parts: :class:`kvstored.dispatch.Calls` (the store, the settings,
 where a call runs: the quick path on the event loop or a thread pool, and the key
 chains of requests), :class:`kvstored.owners.Owners` (whose leases a call makes), and
-the handlers: :mod:`kvstored.read_handlers` (Lookup, Get, Acquire, Release,
+the handlers: :mod:`kvstored.read_handlers` (Lookup, LookupBatch, Get, Acquire, Release,
 ReportReads), :mod:`kvstored.write_handlers` (Put, Reserve, Commit, Abandon) and
 :mod:`kvstored.admin_handlers` (namespaces, server info, sessions, management, stats
 and events).
@@ -66,6 +66,7 @@ class KVStoreService:
         self.access = calls.access
         # each RPC and the handler that serves it, bound to the calls' parts
         self.Lookup = partial(read_handlers.Lookup, calls)
+        self.LookupBatch = partial(read_handlers.LookupBatch, calls)
         self.Get = partial(read_handlers.Get, calls)
         self.Acquire = partial(read_handlers.Acquire, calls)
         self.Release = partial(read_handlers.Release, calls)

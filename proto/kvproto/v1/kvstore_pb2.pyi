@@ -225,6 +225,27 @@ class LookupResponse(_message.Message):
     miss: MissReason
     def __init__(self, ready_blocks: _Optional[int] = ..., ready_tokens: _Optional[int] = ..., host_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., pending_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., miss: _Optional[_Union[MissReason, _Mapping]] = ...) -> None: ...
 
+class LookupBatchRequest(_message.Message):
+    __slots__ = ("ns_id", "chains")
+    class Chain(_message.Message):
+        __slots__ = ("tokens", "extra_keys")
+        TOKENS_FIELD_NUMBER: _ClassVar[int]
+        EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+        tokens: _containers.RepeatedScalarFieldContainer[int]
+        extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+        def __init__(self, tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    NS_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    ns_id: str
+    chains: _containers.RepeatedCompositeFieldContainer[LookupBatchRequest.Chain]
+    def __init__(self, ns_id: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[LookupBatchRequest.Chain, _Mapping]]] = ...) -> None: ...
+
+class LookupBatchResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[LookupResponse]
+    def __init__(self, answers: _Optional[_Iterable[_Union[LookupResponse, _Mapping]]] = ...) -> None: ...
+
 class GetRequest(_message.Message):
     __slots__ = ("ns_id", "tokens", "extra_keys", "start_block", "max_blocks")
     NS_ID_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class KVStoreStub:
                 request_serializer=kvproto_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvproto_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.LookupBatch = channel.unary_unary(
+                '/kvstore.v1.KVStore/LookupBatch',
+                request_serializer=kvproto_dot_v1_dot_kvstore__pb2.LookupBatchRequest.SerializeToString,
+                response_deserializer=kvproto_dot_v1_dot_kvstore__pb2.LookupBatchResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvstore.v1.KVStore/Get',
                 request_serializer=kvproto_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
@@ -171,6 +176,14 @@ class KVStoreServicer:
 
     def Lookup(self, request, context):
         """Read side.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LookupBatch(self, request, context):
+        """Many independent Lookups of one namespace in one call (a vLLM tier's chunks, a
+        router scoring many prompts): answers[i] is what a Lookup of chains[i] answers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -294,6 +307,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvproto_dot_v1_dot_kvstore__pb2.LookupRequest.FromString,
                     response_serializer=kvproto_dot_v1_dot_kvstore__pb2.LookupResponse.SerializeToString,
+            ),
+            'LookupBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupBatch,
+                    request_deserializer=kvproto_dot_v1_dot_kvstore__pb2.LookupBatchRequest.FromString,
+                    response_serializer=kvproto_dot_v1_dot_kvstore__pb2.LookupBatchResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
@@ -523,6 +541,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Lookup',
             kvproto_dot_v1_dot_kvstore__pb2.LookupRequest.SerializeToString,
             kvproto_dot_v1_dot_kvstore__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/LookupBatch',
+            kvproto_dot_v1_dot_kvstore__pb2.LookupBatchRequest.SerializeToString,
+            kvproto_dot_v1_dot_kvstore__pb2.LookupBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

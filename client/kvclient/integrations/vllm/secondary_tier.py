@@ -15,8 +15,8 @@ Protocol. Every method runs on vLLM's scheduler thread and returns at once:
 
 - ``lookup(key)``: vLLM's :class:`AsyncLookupManager` gathers a step's keys and hands
   them to its lookup thread once per step (``on_schedule_end``), one batch per request;
-  the thread asks the daemon (:meth:`KVStoreTier.present`) and ``lookup`` answers RETRY
-  until the verdict is in.
+  the thread asks the daemon (:meth:`KVStoreTier.present`: one LookupBatch per
+  max_blocks_per_request chunks) and ``lookup`` answers RETRY until the verdict is in.
 - ``submit_store`` / ``submit_load``: queued for one I/O thread, loads before stores (a
   load holds back a request; a store only holds primary slots). A store copies each
   chunk from the primary tier's memoryview straight into a slot of the daemon's arena
@@ -262,20 +262,19 @@ class KVStoreTier(SecondaryTierManager):
     # -- the lookup thread ------------------------------------------------------------
 
     def present(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Whether the daemon holds each chunk of ``keys``: one Lookup each (the keys
-        are chains of their own), False for the rest after a failed call."""
-        found: list[bool] = []
-        if self._outage.down:
+        """Whether the daemon holds each chunk of ``keys`` (each a chain of its own):
+        one LookupBatch per max_blocks_per_request chunks; all False after a failed call."""
+        if self._outage.down or not keys:
             return [False] * len(keys)
         try:
             ns = self._namespace(self._lookup_client)
-            for key in keys:
-                found.append(ns.lookup(CHUNK_TOKENS, extra_keys=chunk_extra(key)).blocks > 0)
+            extras = [chunk_extra(key) for key in keys]
+            found = ns.lookup_batch([CHUNK_TOKENS] * len(keys), extra_keys=extras)
         except KVStoreError as exc:
             self._outage.failed("lookup", "kvstore tier: lookup failed (%s); misses", exc)
-        else:
-            self._outage.answered()
-        return found + [False] * (len(keys) - len(found))
+            return [False] * len(keys)
+        self._outage.answered()
+        return [result.blocks > 0 for result in found]
 
     def _namespace(self, client: KVClient) -> Namespace:
         """The tier's namespace on ``client``, opened on first use (the daemon may come
