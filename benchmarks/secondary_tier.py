@@ -233,11 +233,16 @@ def render(runs: list[dict[str, Any]], args: argparse.Namespace, fs_kind: str) -
 NOTES = [
     "How each tier works, for reading the figures: vLLM hands a secondary tier chunks "
     "without their prefix, so kvstore's tier keeps each chunk as a chain of one block "
-    "and makes one call per chunk: a Lookup each, a `put_nowait` each (the bytes copied "
-    "into an arena slot, the commit not waited for), a `get` each (the bytes copied from "
-    "the arena into the primary slot). vLLM's `fs` tier checks a batch of files in one "
-    "C call and reads and writes with 16 threads each. The second process's figures "
-    "include its first call's connection, arena mapping and namespace.",
+    "and asks about a step's chunks in one LookupBatch (one call per "
+    "max_blocks_per_request chunks, 8192 by default), then makes one call per chunk "
+    "for the bytes: a `put_nowait` each (the bytes copied into an arena slot, the commit "
+    "not waited for), a `get` each (the bytes copied from the arena into the primary "
+    "slot). vLLM's `fs` tier checks a batch of files in one C call and reads and writes "
+    "with 16 threads each. The second process's figures include its first call's "
+    "connection, arena mapping and namespace.",
+    "",
+    "Before lookups were batched (a Lookup a chunk, commit d7eb6c5, same sizes, same "
+    "machine): kvstore's lookup 221.54 µs a chunk (180.90..304.52) beside fs's 13.17.",
 ]
 
 
