@@ -11,7 +11,10 @@ memoryview and call the tier's interface step by step, against a real kvstored.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
+import shlex
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -201,3 +204,27 @@ def test_a_setting_out_of_range_is_refused_when_vllm_builds_the_tier(daemon: Dae
         Engine(daemon, locality="nearby")  # vLLM's tiers take LOCAL or REMOTE
     with pytest.raises(TypeError, match="unknown_key"):
         Engine(daemon, unknown_key=1)
+
+
+def test_the_quickstarts_tier_config_is_what_vllm_builds_the_tier_from(daemon: Daemon) -> None:
+    """The GPU line of docs/quickstart/vllm-server.md (not run here: vLLM refuses this
+    offloading on CPU): its spec is one vLLM registers, and its tier entry, the address
+    aside, makes a tier through vLLM's factory that stores and looks up."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    page = (Path(__file__).parents[1] / "docs" / "quickstart" / "vllm-server.md").read_text()
+    lines = [b for b in re.findall(r"```console\n(.*?)```", page, re.S) if "secondary_tiers" in b]
+    assert len(lines) == 1, lines
+    args = shlex.split(lines[0])
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    extra = config["kv_connector_extra_config"]
+    assert config["kv_connector"] == "OffloadingConnector"
+    assert extra["spec_name"] in OffloadingSpecFactory._registry
+    (tier,) = extra["secondary_tiers"]
+    engine = Engine(daemon, **{k: v for k, v in tier.items() if k not in ("type", "addr")})
+    try:
+        keys = [chunk_key("quickstart", 0)]
+        assert store(engine, keys).success
+        assert lookup(engine.tier, keys) == [LookupResult.HIT]
+    finally:
+        engine.close()
