@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -373,6 +374,16 @@ def test_a_bad_setting_is_one_error_naming_the_key_and_its_source(tmp_path: Path
     assert f"cannot read the connector's config file from {missing}" in refused(
         {}, {"KVSTORE_CONFIG_FILE": str(missing)}
     )
+    # a FIFO is not read (it would hold the engine's start forever): refused at once
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    assert str(fifo) in refused({"config_file": str(fifo)})
+    # nested YAML aliases under a known key: a short error, not a message of the
+    # expanded value (300 MB from a 367-byte file before)
+    bomb = ["priority:", "  - &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    bomb += [f"  - &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 7)]
+    yaml_file.write_text("\n".join(bomb) + "\n")
+    assert len(refused({"config_file": str(yaml_file)})) < 1000
 
 
 def test_settings_read_the_token_from_its_file(tmp_path) -> None:  # noqa: ANN001

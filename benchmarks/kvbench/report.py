@@ -120,6 +120,7 @@ class Target:
     measured: str
     met: bool | None  # None: not measured in this run
     floor: str = "-"  # the same case's floor on this machine, where one applies
+    relative: bool = False  # a ratio to a baseline measured beside it in the run
 
 
 def targets(results: Sequence[Result]) -> list[Target]:
@@ -166,7 +167,8 @@ def targets(results: Sequence[Result]) -> list[Target]:
             memcpy = _baseline(results, "memcpy", "get", found) if found else None
             if found and memcpy and found.gbps and memcpy.gbps:
                 floor = f"{floor_system} {found.gbps / memcpy.gbps:.2f}x memcpy"
-        out.append(Target(name, goal, worst[1] if worst else "not measured", met, floor))
+        measured = worst[1] if worst else "not measured"
+        out.append(Target(name, goal, measured, met, floor, relative=True))
 
     for op in ("get", "put", "put-nowait"):
         name = "arena put sent ahead (put_nowait)" if op == "put-nowait" else f"arena {op}"
@@ -521,22 +523,18 @@ def print_summary(
     elapsed: float,
     quick: bool,
     stream: Any = None,
-    load: tuple[float, int] | None = None,
 ) -> None:
     """What a reader needs first: what ran, the goals, and why anything was skipped or
-    not judged. ``load``: (load average, CPUs), this machine's by default. A quick run
-    judges no goal (its cases are too small and short); on a busy machine
-    (:func:`kvbench.verdict.busy_machine`) a miss is not judged either: it may be the
-    machine's."""
+    not judged. A quick run judges no goal (its cases are too small and short); on a
+    busy machine (:func:`kvbench.verdict.busy_machine`) a miss of an absolute goal is not
+    judged either: it may be the machine's."""
     stream = stream or sys.stdout
     where = "its own daemon (a temp dir)" if bench.daemon is not None else bench.addr
     print(f"kvctl bench: {len(bench.results)} cases in {elapsed:.0f} s against {where}",
           file=stream)
-    if load is None:
-        load = (os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0, os.cpu_count() or 0)
-    busy = busy_machine(*load, memcpy_pairs(bench.results))
+    busy = busy_machine(memcpy_pairs(bench.results))
     goals = targets(bench.results)
-    states = [goal_state(t.met, quick, busy) for t in goals]
+    states = [goal_state(t.met, quick, busy, t.relative) for t in goals]
     if quick:
         print("quick run: a smoke check at small sizes, every case ran; no goal is judged "
               "(its cases are too small and short for the goals; a full run judges them: "

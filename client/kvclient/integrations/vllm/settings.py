@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import reprlib
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -199,29 +200,37 @@ def _parse(kind: Any, raw: object, text: bool) -> Any:
                 return True
             if word in ("0", "false", "no", "off"):
                 return False
-            raise ValueError(f"must be true or false, not {raw!r}")
+            raise ValueError(f"must be true or false, not {_shown(raw)}")
         if base is int:
             try:
                 return int(raw)
             except ValueError:
-                raise ValueError(f"must be an integer, not {raw!r}") from None
+                raise ValueError(f"must be an integer, not {_shown(raw)}") from None
         if base is float:
             try:
                 raw = float(raw)
             except ValueError:
-                raise ValueError(f"must be a number, not {raw!r}") from None
+                raise ValueError(f"must be a number, not {_shown(raw)}") from None
     if base is bool and isinstance(raw, bool):
         return raw
     if base is int and isinstance(raw, int) and not isinstance(raw, bool):
         return raw
     if base is float and isinstance(raw, int | float) and not isinstance(raw, bool):
         if not math.isfinite(raw):
-            raise ValueError(f"must be a finite number, not {raw!r}")
+            raise ValueError(f"must be a finite number, not {_shown(raw)}")
         return float(raw)
     if base is str and isinstance(raw, str):
         return raw
     names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    raise ValueError(f"must be {names[base]}, not {raw!r}")
+    raise ValueError(f"must be {names[base]}, not {_shown(raw)}")
+
+
+def _shown(raw: object) -> str:
+    """``raw`` for an error message, bounded: a value made of nested YAML aliases may
+    expand to millions of elements, whose whole repr would be hundreds of MB."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring = 2, 4, 4, 60
+    return shown.repr(raw)
 
 
 def _read_config_file(path: str, source: str) -> dict[str, object]:
@@ -235,7 +244,7 @@ def _read_config_file(path: str, source: str) -> dict[str, object]:
             f"not {path!r} ({source})"
         )
     try:
-        text = read_file(path, "the connector's config file", regular=False).decode()
+        text = read_file(path, "the connector's config file").decode()
     except UnicodeDecodeError as exc:
         raise ValueError(f"KVStoreConnector: {path} is not UTF-8 text (byte {exc.start})") from None
     except ValueError as exc:
