@@ -162,8 +162,10 @@ def test_each_wing_of_the_client_stays_within_its_size() -> None:
     # (+150: keys that carry what vLLM's block hashes fold in, issue 66)
     # (+370: kvstore as a secondary tier of vLLM's native offloading, issue 69; +220:
     # connector settings from the environment and a YAML/TOML/JSON file through one
-    # table, and a hit rate of kvstore's own, issue 69; +10: bounded error values)
-    assert lines(wings / "vllm") <= 2300  # (+200: hybrid models, issue 58)
+    # table, and a hit rate of kvstore's own, issue 69; +10: bounded error values; +30:
+    # the tier's namespace by page layout and the engine's model config where vLLM
+    # shows it, an outage of its own for lookups)
+    assert lines(wings / "vllm") <= 2330  # (+200: hybrid models, issue 58)
     # (+50: copies straight to CUDA, issue 45; +170: layer-wise loads into cache layers
     # with room, issue 59; +10: the rest of a long prefix in windows, issue 55)
     assert lines(wings / "hf") <= 1130

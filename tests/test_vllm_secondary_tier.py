@@ -33,9 +33,10 @@ from kvbench.tiering import (  # noqa: E402
     TierEngine,
     finish_jobs,
     lookup_all,
+    offloading_spec,
     transfer_job,
 )
-from kvclient.integrations.vllm.secondary_tier import KVStoreTier  # noqa: E402
+from kvclient.integrations.vllm.secondary_tier import KVStoreTier, tier_model  # noqa: E402
 
 CHUNK_BYTES = 64 << 10  # one chunk: 2 layers x 16 tokens of a small model, say
 PRIMARY_CHUNKS = 16
@@ -204,6 +205,23 @@ def test_a_setting_out_of_range_is_refused_when_vllm_builds_the_tier(daemon: Dae
         Engine(daemon, locality="nearby")  # vLLM's tiers take LOCAL or REMOTE
     with pytest.raises(TypeError, match="unknown_key"):
         Engine(daemon, unknown_key=1)
+
+
+def test_chunks_of_another_page_layout_are_another_namespace() -> None:
+    """vLLM's chunk key hashes tokens only: what makes two engines' chunk bytes differ
+    must be in the namespace. The page layout (NHD or HND) was not: an HND engine
+    loaded an NHD engine's chunks as hits (review of #69)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    spec = offloading_spec({"type": "kvstore", "module_path": KVSTORE_TIER}, CHUNK_BYTES, 4)
+    ids = {
+        tier_model(SimpleNamespace(config=replace(spec.config, kv_cache_layout=layout),
+                                   blocks_per_chunk=1), "m")  # fmt: skip
+        for layout in ("NHD", "HND", None)
+    }
+    assert len(ids) == 3, ids
+    assert tier_model(spec, "m") == tier_model(spec, "m")  # the same engine: the same
 
 
 def test_the_quickstarts_tier_config_is_what_vllm_builds_the_tier_from(daemon: Daemon) -> None:

@@ -55,6 +55,7 @@ from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -68,6 +69,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvclient.errors import KVStoreError
+from kvclient.integrations.vllm.settings import config_overrides
 from kvclient.integrations.weights import weights_id
 from kvclient.namespace import Namespace
 from kvclient.outages import Outage
@@ -95,16 +97,35 @@ def chunk_extra(key: OffloadKey) -> list[bytes]:
 def tier_model(spec: OffloadingSpec, model: str | None = None) -> str:
     """The namespace's model id: the model by its weights (or ``model``), and a digest
     of vLLM's own description of a chunk's bytes (the ``fs`` tier's FileMapper fields,
-    parallelism collapsed where vLLM says the bytes do not depend on it), its path
-    aside: the same weights loaded from two paths share their chunks."""
+    parallelism collapsed where vLLM says the bytes do not depend on it, and the KV
+    cache's page layout), its path aside: the same weights loaded from two paths share
+    their chunks.
+
+    A tier sees the engine through vLLM's ``OffloadingConfig``: the model's name and KV
+    dtype, not its ``--revision`` or ``--hf-overrides`` (vLLM's own ``fs`` tier keys its
+    files by the same fields). Where vLLM's current config is set, the model id takes
+    them as the connector does; elsewhere an engine that serves one name at another
+    revision or with overrides gives the tier ``model`` to keep its chunks apart."""
     fields = FileMapper.from_offloading_spec(
         root_dir="", offloading_spec=spec, blocks_per_file=spec.blocks_per_chunk,
         parallel_agnostic=True,
     ).get_run_config()  # fmt: skip
     fields.pop("model_name")
+    fields["kv_cache_layout"] = spec.config.kv_cache_layout or "default"
+    fields["canonical_layout"] = spec.config.canonical_layout
     layout = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     digest = hashlib.sha256(layout.encode()).hexdigest()[:16]
-    return f"{model or weights_id(spec.config.model.name)}:vllm-tier-{digest}"
+    return f"{model or _model_id(spec.config.model.name)}:vllm-tier-{digest}"
+
+
+def _model_id(name: str) -> str:
+    """``name`` by its weights, with the engine's revision and overrides where vLLM's
+    current config is set and serves that model (as :mod:`.settings` names it)."""
+    vllm_config = get_current_vllm_config_or_none()
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None or model_config.model != name:
+        return weights_id(name)
+    return weights_id(name, model_config.revision, config_overrides(model_config))
 
 
 class _Lookups(AsyncLookupManager):
@@ -172,7 +193,11 @@ class KVStoreTier(SecondaryTierManager):
         self._lookup_client = KVClient(addr, timeout=lookup_timeout_s, token=token)
         self._io_client = KVClient(addr, timeout=io_timeout_s, token=token)
         self._open: dict[int, Namespace] = {}
-        self._outage = Outage(log, retry_after_s, f"kvstore at {self._io_client.addr}")
+        # one outage each: a lookup past its short deadline under load is no reason to
+        # fail the loads and stores of the next retry_after_s, nor the reverse
+        where = f"kvstore at {self._io_client.addr}"
+        self._lookup_outage = Outage(log, retry_after_s, where)
+        self._outage = Outage(log, retry_after_s, where)  # loads and stores
         self._pending: deque[PendingPut] = deque()  # puts sent ahead, answers unread
         # submitted jobs (loads, stores), the I/O thread's results, and how many are
         # queued or running (drain_jobs waits for 0)
@@ -264,16 +289,16 @@ class KVStoreTier(SecondaryTierManager):
     def present(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Whether the daemon holds each chunk of ``keys`` (each a chain of its own):
         one LookupBatch per max_blocks_per_request chunks; all False after a failed call."""
-        if self._outage.down or not keys:
+        if self._lookup_outage.down or not keys:
             return [False] * len(keys)
         try:
             ns = self._namespace(self._lookup_client)
             extras = [chunk_extra(key) for key in keys]
             found = ns.lookup_batch([CHUNK_TOKENS] * len(keys), extra_keys=extras)
         except KVStoreError as exc:
-            self._outage.failed("lookup", "kvstore tier: lookup failed (%s); misses", exc)
+            self._lookup_outage.failed("lookup", "kvstore tier: lookup failed (%s); misses", exc)
             return [False] * len(keys)
-        self._outage.answered()
+        self._lookup_outage.answered()
         return [result.blocks > 0 for result in found]
 
     def _namespace(self, client: KVClient) -> Namespace:

@@ -366,7 +366,7 @@ class EngineLayout:
             )
         model_config = vllm_config.model_config
         model = settings.model or weights_id(
-            model_config.model, model_config.revision, _config_overrides(model_config)
+            model_config.model, model_config.revision, config_overrides(model_config)
         )
         parallel = vllm_config.parallel_config
         return cls(
@@ -405,7 +405,7 @@ class EngineLayout:
         return " ".join(f"{name}={getattr(self, name)}" for name in shown)
 
 
-def _config_overrides(model_config: Any) -> dict[str, Any]:
+def config_overrides(model_config: Any) -> dict[str, Any]:
     """What the engine changes beside the model's files, part of the model id as the
     config is: vLLM's ``hf_overrides`` (a function by the config it made, overrides
     applied: its name says nothing of what it does), the compute dtype and the
