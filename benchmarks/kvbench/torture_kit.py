@@ -225,6 +225,10 @@ def valid_requests(ns_id: str) -> dict[str, Any]:
             spec=pb.NamespaceSpec(model="fuzz", block_tokens=4, block_bytes=4096)
         ),
         "Lookup": pb.LookupRequest(ns_id=ns_id, tokens=tokens),
+        "LookupBatch": pb.LookupBatchRequest(ns_id=ns_id, chains=[
+            pb.LookupBatchRequest.Chain(tokens=tokens),
+            pb.LookupBatchRequest.Chain(tokens=tokens[:8], extra_keys=[b"x"]),
+        ]),  # fmt: skip
         "Acquire": pb.AcquireRequest(ns_id=ns_id, tokens=tokens),
         "Release": pb.ReleaseRequest(lease_id=12345),
         "ReportReads": pb.ReportReadsRequest(
