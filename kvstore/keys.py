@@ -30,7 +30,7 @@ import hashlib
 import struct
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NewType
 
 import numpy as np
@@ -48,6 +48,9 @@ DEFAULT_BLOCK_TOKENS = 16
 MAX_TOKEN_ID = 2**32 - 1
 MAX_BLOCK_BYTES = 1 << 30
 HASH_ALGORITHMS = ("sha256", "xxh3-128")
+# a namespace's declared fields that label it without being part of its digest, and
+# the most characters each may have
+LABELS = {"served_model": 256, "tokenizer": 4096}
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -85,6 +88,12 @@ class NamespaceSpec:
     vocab_size: int = 0  # 0: any uint32 token id is accepted
     # how its colder tiers keep its blocks (kvstore.codecs): part of its identity
     codec: str = "exact"
+    # labels, not identity (LABELS): the name its engine serves the model under, and
+    # where its tokenizer is (a Hugging Face id or a directory: kvctl --text). Kept and
+    # sent with the declared fields, outside the digest, so engines that serve the same
+    # weights under other names share its blocks; a re-open may relabel it
+    served_model: str = field(default="", compare=False)
+    tokenizer: str = field(default="", compare=False)
     digest: bytes = field(init=False, repr=False, compare=False)
     # stable printable id: model name plus the first 12 hex digits of the digest (kept,
     # not formatted per use: every event and lookup of a block names it)
@@ -112,9 +121,23 @@ class NamespaceSpec:
         """The declared fields, for persistence (LMDB) and the wire; digest excluded."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
+    def identity(self) -> dict[str, object]:
+        """The declared fields that make the namespace (its labels left out)."""
+        return {k: v for k, v in self.to_dict().items() if k not in LABELS}
+
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> NamespaceSpec:
         return cls(**data)  # type: ignore[arg-type]
+
+
+def relabel(held: NamespaceSpec, opened: NamespaceSpec) -> NamespaceSpec:
+    """``held`` (a namespace's spec) with the labels a re-open of it declares (its
+    non-empty ones: an engine that declares none leaves them as they are); ``held``
+    itself when that changes nothing."""
+    given = {k: getattr(opened, k) for k in LABELS if getattr(opened, k)}
+    if all(getattr(held, k) == v for k, v in given.items()):
+        return held
+    return replace(held, **given)
 
 
 def layout_fields(
@@ -146,6 +169,9 @@ def layout_bytes(
 def _validate(spec: NamespaceSpec) -> None:
     if not spec.model or len(spec.model) > 256:
         raise InvalidArgument("model must be a non-empty string of at most 256 characters")
+    for label, most in LABELS.items():
+        if not isinstance(getattr(spec, label), str) or len(getattr(spec, label)) > most:
+            raise InvalidArgument(f"{label} must be a string of at most {most} characters")
     if not MIN_BLOCK_TOKENS <= spec.block_tokens <= MAX_BLOCK_TOKENS:
         raise InvalidArgument(
             f"block_tokens must be in [{MIN_BLOCK_TOKENS}, {MAX_BLOCK_TOKENS}], "
@@ -185,7 +211,7 @@ def _namespace_digest(spec: NamespaceSpec) -> bytes:
     """SHA-256 over a canonical, length-prefixed encoding of every declared field (the
     codec only when it is not exact: namespaces from before codecs keep their keys)."""
     h = hashlib.sha256(b"kvstore.namespace.v1")
-    declared = spec.to_dict()
+    declared = spec.identity()
     if declared["codec"] == codecs.EXACT:
         del declared["codec"]
     for name, value in sorted(declared.items()):

@@ -52,7 +52,14 @@ from kvstore.host.placement import HostPlacement
 from kvstore.host_coding import HostCoding
 from kvstore.index import Index, NamespaceEntry
 from kvstore.index_load import IndexLoad
-from kvstore.keys import BlockKey, KeyChain, NamespaceSpec, chain_keys, tokens_array
+from kvstore.keys import (
+    BlockKey,
+    KeyChain,
+    NamespaceSpec,
+    chain_keys,
+    relabel,
+    tokens_array,
+)
 from kvstore.leases import LeaseTable
 from kvstore.namespaces import Namespaces
 from kvstore.results import ReadyPrefix
@@ -293,6 +300,11 @@ class Store:
             if entry is not None:
                 if entry.spec.digest != spec.digest:
                     raise LayoutMismatch(f"namespace {spec.ns_id} is open with a different layout")
+                relabelled = relabel(entry.spec, spec)
+                if relabelled is not entry.spec:
+                    entry.spec = relabelled
+                    if self._disk is not None:
+                        self._disk.save_namespace(relabelled.digest, relabelled.to_dict())
                 return entry.spec
             limit = self.config.tenant_max_namespaces
             group = self._parts.namespaces.groups.get(tenant_of(spec.tenant_salt))
@@ -374,6 +386,8 @@ class Store:
                     e.hits,
                     e.misses,
                     codec=e.spec.codec,
+                    served_model=e.spec.served_model,
+                    tokenizer=e.spec.tokenizer,
                     saved_bytes=(e.coded_blocks + e.host_coded_blocks) * (
                         e.spec.block_bytes - e.codec.encoded_bytes if e.codec else 0
                     ),

@@ -182,5 +182,18 @@ def test_known_answer_vector() -> None:
     assert chain_keys(spec, [1, 2])[0].hex()[:16] == KNOWN_KEY_PREFIX
 
 
+def test_the_served_model_and_tokenizer_are_labels_not_identity() -> None:
+    # a namespace records what serves it and where its tokenizer is (kvctl --text),
+    # but blocks stay shared across served names: its digest and ns_id are unchanged
+    spec = NamespaceSpec("m", block_tokens=2, block_bytes=64, served_model="chat",
+                         tokenizer="/models/m")  # fmt: skip
+    assert spec.digest.hex()[:16] == KNOWN_DIGEST_PREFIX
+    assert spec.ns_id == NamespaceSpec("m", block_tokens=2, block_bytes=64).ns_id
+    assert spec.to_dict()["served_model"] == "chat"  # persisted and sent with the spec
+    assert NamespaceSpec.from_dict(spec.to_dict()).tokenizer == "/models/m"
+    with pytest.raises(InvalidArgument, match="served_model"):
+        NamespaceSpec("m", block_bytes=64, served_model="x" * 257)
+
+
 KNOWN_DIGEST_PREFIX = "818c9b28e1b92fca"
 KNOWN_KEY_PREFIX = "2603d5a082800b61"

@@ -7,6 +7,7 @@ subprocess to check the exit code and the single stderr line end to end.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -391,3 +392,165 @@ def test_client_chosen_strings_are_printed_escaped(
     code, out, err = run(capsys, "--addr", daemon.addr, "lookup", "no-such-model", "1")
     assert code == 2 and len(err.splitlines()) == 1 and FORGED_SHOWN in err
     assert "\x1b" not in err and "\x07" not in err
+
+
+# -- text: lookup and why tokenize a prompt with the model's tokenizer -------------------
+
+TEXT = (
+    "A prompt that was computed before is loaded from kvstore, not computed again: "
+    "its first blocks come from the host arena, the rest from the disk tier."
+)
+MORE = " Then the prompt goes on with words that no request has sent before."
+TEXT_NAME = "ctl-text"
+SERVED = "smollm2-chat"
+
+
+def smollm2_tokens(model_dir: Path, text: str, chat: bool = False) -> list[int]:
+    """The token ids vLLM would compute for ``text`` (a completion, or one user
+    message of a chat request, the chat template applied)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if not chat:
+        return list(tokenizer(text).input_ids)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def text_ns(daemon: Daemon, smollm2_dir: Path) -> tuple[str, list[int], list[int]]:
+    """A namespace bound to TEXT_NAME that records its served model (SERVED) and its
+    tokenizer (the SmolLM2 directory), holding the full blocks of TEXT tokenized as a
+    completion and as a chat message -> (ns_id, the two token lists)."""
+    prompt, chat = smollm2_tokens(smollm2_dir, TEXT), smollm2_tokens(smollm2_dir, TEXT, True)
+    with KVClient(daemon.addr) as client:
+        ns = client.namespace("smol-weights", BLOCK_TOKENS, BLOCK_BYTES, name=TEXT_NAME,
+                              served_model=SERVED, tokenizer=str(smollm2_dir))  # fmt: skip
+        for tokens in (prompt, chat):
+            n = len(tokens) // BLOCK_TOKENS
+            stored = ns.put(tokens[: n * BLOCK_TOKENS], np.ones((n, BLOCK_BYTES), np.uint8))
+            assert stored.stored == n
+        return ns.ns_id, prompt, chat
+
+
+def test_lookup_and_why_take_text_tokenized_by_the_namespaces_tokenizer(
+    daemon: Daemon, text_ns: tuple[str, list[int], list[int]], smollm2_dir: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys,
+) -> None:  # fmt: skip
+    ns_id, prompt, chat = text_ns
+    blocks = len(prompt) // BLOCK_TOKENS
+    # --text, the namespace by its bound name, the tokenizer the namespace names
+    code, out, err = run(capsys, "--addr", daemon.addr, "lookup", TEXT_NAME, "--text", TEXT,
+                         "--json")  # fmt: skip
+    assert (code, err) == (0, "")
+    found = json.loads(out)
+    assert (found["ns_id"], found["request_tokens"]) == (ns_id, len(prompt))
+    assert (found["blocks"], found["tokens"]) == (blocks, blocks * BLOCK_TOKENS)
+    # the same text from a file and from stdin
+    text_file = tmp_path / "prompt.txt"
+    text_file.write_text(TEXT)
+    code, out, _ = run(capsys, "--addr", daemon.addr, "lookup", TEXT_NAME, "--text-file",
+                       str(text_file), "--json")  # fmt: skip
+    assert code == 0 and json.loads(out) == found
+    monkeypatch.setattr(sys, "stdin", io.StringIO(TEXT))
+    code, out, _ = run(capsys, "--addr", daemon.addr, "lookup", TEXT_NAME, "--text-file", "-",
+                       "--json")  # fmt: skip
+    assert code == 0 and json.loads(out) == found
+    # why, by the served model's name: served whole; the prompt that goes on misses
+    # at the first block past the stored ones, never stored
+    code, out, err = run(capsys, "--addr", daemon.addr, "why", SERVED, "--text", TEXT)
+    assert (code, err) == (0, "") and out.startswith(f"{ns_id}: all {blocks} blocks are served")
+    longer = smollm2_tokens(smollm2_dir, TEXT + MORE)
+    assert longer[: len(prompt)] == prompt and len(longer) // BLOCK_TOKENS > blocks + 1
+    code, out, _ = run(capsys, "--addr", daemon.addr, "why", SERVED, "--text", TEXT + MORE,
+                       "--json")  # fmt: skip
+    missed = json.loads(out)
+    assert code == 0 and (missed["block"], missed["reason"]) == (blocks, "never_stored")
+    assert missed["request_tokens"] == len(longer)
+    code, out, _ = run(capsys, "--addr", daemon.addr, "why", SERVED, "--text", TEXT + MORE)
+    assert out.strip().startswith(f"{ns_id}: block {blocks} of {len(longer) // BLOCK_TOKENS}: "
+                                  "never stored")  # fmt: skip
+    # --chat: the chat template around one user message, as a chat request's prompt
+    code, out, _ = run(capsys, "--addr", daemon.addr, "lookup", TEXT_NAME, "--text", TEXT,
+                       "--chat", "--json")  # fmt: skip
+    found = json.loads(out)
+    assert code == 0 and found["request_tokens"] == len(chat) != len(prompt)
+    assert found["blocks"] == len(chat) // BLOCK_TOKENS
+    # --model: a namespace that names no tokenizer takes one from the command line
+    code, out, err = run(capsys, "--addr", daemon.addr, "lookup", NAME, "--text", TEXT,
+                         "--model", str(smollm2_dir), "--json")  # fmt: skip
+    assert (code, err) == (0, "") and json.loads(out)["request_tokens"] == len(prompt)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["lookup", TEXT_NAME, "1", "2", "--text", TEXT], "token ids or --text"),
+        (["lookup", TEXT_NAME, "--file", "/dev/null", "--text", TEXT], "token ids or --text"),
+        (["lookup", TEXT_NAME, "--text", TEXT, "--text-file", "/dev/null"],
+         "--text or --text-file"),
+        (["why", TEXT_NAME, "--text-file", "/nonexistent/prompt.txt"],
+         "cannot read /nonexistent/prompt.txt"),
+        (["lookup", NAME, "--text", TEXT], "no tokenizer for namespace"),
+        (["lookup", TEXT_NAME, "--text", TEXT, "--model", "/nonexistent/model"],
+         "cannot load the tokenizer of /nonexistent/model"),
+        (["lookup", TEXT_NAME, "1", "2", "--chat"], "--chat and --model go with --text"),
+        (["lookup", TEXT_NAME, "--text", ""], "the text is empty"),
+    ],
+)
+def test_text_errors_are_one_line(
+    daemon: Daemon, ns_id: str, text_ns: tuple[str, list[int], list[int]], argv: list[str],
+    said: str, capsys,
+) -> None:  # fmt: skip
+    code, out, err = run(capsys, "--addr", daemon.addr, *argv)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("kvctl: error: ") and said in err, err
+
+
+def test_kvctl_imports_transformers_only_for_text(
+    daemon: Daemon, text_ns: tuple[str, list[int], list[int]]
+) -> None:
+    ns_id, prompt, _ = text_ns
+    script = (
+        "import sys\nfrom kvctl.cli import main\n"
+        f"assert main(['--addr', {daemon.addr!r}, 'lookup', {ns_id!r}, '1', '2', '3', '4']) == 0\n"
+        "assert 'transformers' not in sys.modules, 'imported for token ids'\n"
+        f"assert main(['--addr', {daemon.addr!r}, 'lookup', {ns_id!r}, '--text', {TEXT!r}]) == 0\n"
+        "assert 'transformers' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert f"of {len(prompt)} tokens cached" in proc.stdout
+
+
+def test_namespaces_show_the_served_model_beside_the_weights_id(
+    daemon: Daemon, text_ns: tuple[str, list[int], list[int]], smollm2_dir: Path, capsys
+) -> None:
+    ns_id, _, _ = text_ns
+    code, out, _ = run(capsys, "--addr", daemon.addr, "ls")
+    header = out.splitlines()[0].split()
+    assert header[:4] == ["NAMESPACE", "NAME", "MODEL", "SERVED"], header
+    row = next(line for line in out.splitlines() if line.startswith(ns_id)).split()
+    assert row[:4] == [ns_id, TEXT_NAME, "smol-weights", SERVED]
+    for argv, listed in ((["ls", "--json"], "namespaces"), (["status", "--json"], "namespaces")):
+        code, out, _ = run(capsys, "--addr", daemon.addr, *argv)
+        ns = {n["ns_id"]: n for n in json.loads(out)[listed]}[ns_id]
+        assert (ns["served_model"], ns["tokenizer"]) == (SERVED, str(smollm2_dir)), argv
+    code, out, _ = run(capsys, "--addr", daemon.addr, "top", "--once")
+    assert SERVED in next(line for line in out.splitlines() if line.startswith(ns_id))
+    # the served model is a label, not identity: the same layout under another served
+    # name (or none) is the same namespace, and its bound name still opens it; the
+    # newest name declared is the one shown
+    with KVClient(daemon.addr) as client:
+        assert client.namespace("smol-weights", BLOCK_TOKENS, BLOCK_BYTES).ns_id == ns_id
+        other = client.namespace("smol-weights", BLOCK_TOKENS, BLOCK_BYTES, name=TEXT_NAME,
+                                 served_model="smollm2-other")  # fmt: skip
+        assert other.ns_id == ns_id and other.info.served_model == "smollm2-other"
+        assert other.info.tokenizer == str(smollm2_dir)  # not declared: kept
+        again = client.namespace("smol-weights", BLOCK_TOKENS, BLOCK_BYTES, name=TEXT_NAME,
+                                 served_model=SERVED)  # fmt: skip
+        assert again.info.served_model == SERVED
+        assert client.open_namespace(ns_id).info.served_model == SERVED

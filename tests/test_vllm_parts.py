@@ -137,7 +137,9 @@ def test_a_layout_names_groups_windows_and_the_blocks_every_group_holds() -> Non
     ]
     engine = SimpleNamespace(
         device_config=SimpleNamespace(device_type="cpu"),
-        model_config=SimpleNamespace(model="m", revision=None),
+        model_config=SimpleNamespace(
+            model="m", revision=None, served_model_name=["m-chat", "m-alias"], tokenizer="org/m"
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
     )
     config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
@@ -146,6 +148,9 @@ def test_a_layout_names_groups_windows_and_the_blocks_every_group_holds() -> Non
     assert layout.hybrid and layout.group_layers == (2, 2) and layout.windows == (64, 0)
     assert layout.layer_names == ("l0", "l2", "l1", "l3")
     assert layout.model == "m:vllm-cpu-default-hma2w64+2f"
+    # its namespaces are labelled with the served model's (first) name and its tokenizer
+    labels = layout.namespace_fields(0, "")
+    assert (labels["served_model"], labels["tokenizer"]) == ("m-chat", "org/m")
     # computed 100 tokens: the next token's window starts at token 37, in block 2
     assert layout.first_held(100) == 2 and layout.first_held(10) == 0
     mamba = KVCacheGroupSpec(

@@ -38,6 +38,8 @@ LAYOUT_FIELDS = (
     "hash_algorithm",
     "vocab_size",
     "codec",
+    "served_model",  # labels, not layout (kvstore.keys.LABELS)
+    "tokenizer",
 )
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # data chunk size when the daemon does not say
@@ -106,6 +108,8 @@ def namespace_info(msg: pb.NamespaceInfo) -> NamespaceInfo:
         model=msg.spec.model,
         block_tokens=msg.block_tokens,
         block_bytes=msg.block_bytes,
+        served_model=msg.spec.served_model,
+        tokenizer=msg.spec.tokenizer,
     )
 
 

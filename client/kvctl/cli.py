@@ -3,8 +3,10 @@
     kvctl status [--tenants] [--json]
     kvctl top [--interval S] [--once] [--json]
     kvctl ls [--json]
-    kvctl lookup NAMESPACE (TOKENS... | --file F) [--json]
-    kvctl why NAMESPACE (TOKENS... | --file F) [--json]
+    kvctl lookup NAMESPACE (TOKENS... | --file F | --text T | --text-file F)
+                 [--model NAME_OR_PATH] [--chat] [--json]
+    kvctl why NAMESPACE (TOKENS... | --file F | --text T | --text-file F)
+              [--model NAME_OR_PATH] [--chat] [--json]
     kvctl clear [--ns NAMESPACE] --yes
     kvctl events [--count N [--follow]] [--from SEQ] [--duration S] [--ns NAMESPACE]
                  [--kind K] [--json]
@@ -15,9 +17,11 @@ command; without ``--token-file`` the token is ``$KVSTORE_TOKEN`` or the file
 ``$KVSTORE_TOKEN_FILE`` (a daemon with tenants: the admin token sees everything, and
 ``status --tenants`` needs it; TLS from ``$KVSTORE_TLS_CA`` and friends). A NAMESPACE is
 what ``kvctl ls`` shows: its id, its bound name, or its model when only one namespace
-has that model (a unique prefix of an id works too); anything else is one line listing
-the namespaces there are. ``events --count N`` is a tail: the last N buffered events,
-then exit (``--follow``: keep printing new ones).
+has that model or served model (a unique prefix of an id works too); anything else is
+one line listing the namespaces there are. ``lookup`` and ``why`` take the prompt as
+token ids or as text, tokenized with the model's tokenizer (:mod:`kvctl.prompts`).
+``events --count N`` is a tail: the last N buffered events, then exit (``--follow``:
+keep printing new ones).
 
 Each command is two steps kept apart: *collect* asks the daemon and returns plain
 JSON-ready dicts (exactly what ``--json`` prints), *render* turns those dicts into
@@ -51,6 +55,8 @@ from kvclient.address import ADDR_ENV, resolve_address
 from kvclient.errors import InvalidArgumentError, KVStoreError
 from kvclient.security import read_token_file
 from kvclient.sync_client import KVClient
+from kvctl.prompts import add_arguments as add_prompt_arguments
+from kvctl.prompts import prompt_tokens, wants_text
 from kvctl.views import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -137,33 +143,11 @@ def cmd_ls(client: KVClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def read_tokens(args: argparse.Namespace) -> list[int]:
-    """Token ids from argv or from a file (``-``: stdin) of whitespace-separated ints."""
-    if args.file is not None and args.tokens:
-        raise UsageError("give tokens on the command line or with --file, not both")
-    if args.file is not None:
-        try:
-            if args.file == "-":
-                text = sys.stdin.read()
-            else:
-                with open(args.file) as f:
-                    text = f.read()
-        except OSError as exc:
-            raise UsageError(f"cannot read {args.file}: {exc.strerror}") from None
-        words = text.split()
-    else:
-        words = args.tokens
-    if not words:
-        raise UsageError("no tokens given")
-    try:
-        return [int(w) for w in words]
-    except ValueError as exc:
-        raise UsageError(f"tokens must be integers: {exc}") from None
-
-
 def cmd_lookup(client: KVClient, args: argparse.Namespace) -> int:
     collect, render = (collect_why, render_why) if args.why else (collect_lookup, render_lookup)
-    data = collect(client, args.ns_id, read_tokens(args))
+    wants_text(args)  # options that do not go together: said before the daemon is asked
+    ns = client.open_namespace(resolve_namespace(client, args.ns_id))
+    data = collect(ns, prompt_tokens(args, ns.info))
     if args.json:
         _print_json(data)
     else:
@@ -300,8 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(why=why)
         p.add_argument("ns_id", metavar="NAMESPACE",
                        help="what kvctl ls shows: namespace id, bound name, or model (when unique)")
-        p.add_argument("tokens", metavar="TOKENS", nargs="*", help="token ids")
-        p.add_argument("--file", "-f", help="file of whitespace-separated token ids ('-': stdin)")
+        add_prompt_arguments(p)
         p.add_argument("--json", action="store_true", help="print JSON")
 
     p = command("clear", cmd_clear, "remove every block (of one namespace)")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
+from kvclient.namespace import Namespace
 from kvclient.sync_client import KVClient
 from kvproto.v1.results import Event, NamespaceStats, SharedStats, TierStats
 
@@ -178,14 +179,15 @@ def collect_namespaces(client: KVClient) -> list[JSONDict]:
 
 
 def resolve_namespace(client: KVClient, text: str) -> str:
-    """What a user typed (an id, a bound name, a model, a unique id prefix) -> an ns_id.
+    """What a user typed (an id, a bound name, a model or served model, a unique id
+    prefix) -> an ns_id.
 
     Raises UsageError naming the candidates when nothing or more than one matches.
     """
     namespaces = client.stats().namespaces
     for matches in (
         [ns for ns in namespaces if text in (ns.ns_id, ns.name)],
-        [ns for ns in namespaces if ns.model == text],
+        [ns for ns in namespaces if text in (ns.model, ns.served_model)],
         [ns for ns in namespaces if ns.ns_id.startswith(text)],
     ):
         if len(matches) == 1:
@@ -196,13 +198,13 @@ def resolve_namespace(client: KVClient, text: str) -> str:
     if not namespaces:
         raise UsageError(f"no namespace {text!r}: the daemon holds no namespaces yet")
     listed = ", ".join(
-        f"{ns.ns_id} ({', '.join(filter(None, (ns.name, ns.model)))})" for ns in namespaces
+        f"{ns.ns_id} ({', '.join(filter(None, (ns.name, ns.model, ns.served_model)))})"
+        for ns in namespaces
     )
     raise UsageError(f"no namespace {text!r}; there are: {listed} (see kvctl ls)")
 
 
-def collect_lookup(client: KVClient, ns_id: str, tokens: list[int]) -> JSONDict:
-    ns = client.open_namespace(resolve_namespace(client, ns_id))
+def collect_lookup(ns: Namespace, tokens: list[int]) -> JSONDict:
     hit = ns.lookup(tokens)
     return {
         "ns_id": ns.ns_id,
@@ -255,6 +257,7 @@ def render_namespaces(namespaces: Sequence[JSONDict], limit: int | None = None) 
             ns["ns_id"],
             ns["name"] or "-",
             ns["model"] or "-",
+            ns.get("served_model") or "-",
             str(ns["block_tokens"]),
             human_bytes(ns["block_bytes"]),
             str(ns["blocks"]),
@@ -266,8 +269,8 @@ def render_namespaces(namespaces: Sequence[JSONDict], limit: int | None = None) 
         for ns in shown
     ]
     table = format_table(
-        ["NAMESPACE", "NAME", "MODEL", "TOKENS/BLOCK", "BLOCK", "BLOCKS", "BYTES", "HIT RATE",
-         "CODEC", "SAVED"], rows, left=3,
+        ["NAMESPACE", "NAME", "MODEL", "SERVED", "TOKENS/BLOCK", "BLOCK", "BLOCKS", "BYTES",
+         "HIT RATE", "CODEC", "SAVED"], rows, left=4,
     )  # fmt: skip
     if len(shown) < len(ordered):
         table += f"\n... {len(ordered) - len(shown)} more"

@@ -6,8 +6,8 @@ import dataclasses
 import time
 from typing import Any
 
-from kvclient.sync_client import KVClient
-from kvctl.views import resolve_namespace, short_tokens_note
+from kvclient.namespace import Namespace
+from kvctl.views import short_tokens_note
 
 RULES = {  # how a lost block left its last tier (kvstore.misses.RULES)
     "priority": "evicted from {tier} by leaf-first priority (lowest priority, then least "
@@ -19,8 +19,7 @@ RULES = {  # how a lost block left its last tier (kvstore.misses.RULES)
 }
 
 
-def collect_why(client: KVClient, ns_id: str, tokens: list[int]) -> dict[str, Any]:
-    ns = client.open_namespace(resolve_namespace(client, ns_id))
+def collect_why(ns: Namespace, tokens: list[int]) -> dict[str, Any]:
     miss = ns.why(tokens)
     blocks = len(tokens) // ns.block_tokens
     return {

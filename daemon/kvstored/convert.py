@@ -54,6 +54,8 @@ def spec_from_proto(msg: pb.NamespaceSpec) -> NamespaceSpec:
         hash_algorithm=msg.hash_algorithm or "sha256",
         vocab_size=msg.vocab_size,
         codec=msg.codec or "exact",
+        served_model=msg.served_model,
+        tokenizer=msg.tokenizer,
     )
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.errors import InvalidArgument, LayoutMismatch, OutOfSpace, StoreError
-from kvstore.keys import NamespaceSpec
+from kvstore.keys import LABELS, NamespaceSpec
 
 log = logging.getLogger("kvstored.names")
 
@@ -77,12 +77,17 @@ class NamespaceNames:
         shown, name = name, _key(scope, name)
         with self._lock:
             bound = self._bound.get(name)
-            if bound is not None and bound[1] != spec.to_dict():
+            # labels (the served model, the tokenizer) may change under a name: the
+            # layout is what it binds
+            held = {} if bound is None else {
+                k: v for k, v in bound[1].items() if k not in LABELS
+            }
+            if bound is not None and held != spec.identity():
                 diff = ", ".join(
                     "tenant_salt changed"  # a salt never leaves the daemon
-                    if k == "tenant_salt" else f"{k}={bound[1].get(k)!r}->{v!r}"
-                    for k, v in spec.to_dict().items()
-                    if bound[1].get(k) != v
+                    if k == "tenant_salt" else f"{k}={held.get(k)!r}->{v!r}"
+                    for k, v in spec.identity().items()
+                    if held.get(k) != v
                 )
                 raise LayoutMismatch(
                     f"namespace name {shown!r} is bound to {bound[0]}; re-opened with a "
@@ -95,7 +100,7 @@ class NamespaceNames:
                 )
             opened = open_fn(spec)
             if bound is None:
-                self._add(name, (opened.ns_id, opened.to_dict()))
+                self._add(name, (opened.ns_id, opened.identity()))
                 self._append(name)
             return opened
 
@@ -137,7 +142,7 @@ class NamespaceNames:
             try:  # declared fields as this version has them (a field added since, such
                 # as codec, takes its default: a binding made before it still holds)
                 spec = NamespaceSpec.from_dict(value["spec"])  # type: ignore[arg-type]
-                self._add(name, (str(value["ns_id"]), spec.to_dict()))
+                self._add(name, (str(value["ns_id"]), spec.identity()))
             except (KeyError, TypeError, AttributeError, StoreError) as exc:
                 log.warning("skipping the binding of %r in %s: %s", name, path, exc)
         if old.exists():  # into the log once, then gone

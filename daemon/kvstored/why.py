@@ -150,6 +150,7 @@ def _ready_tokens(
 
 
 def differing(a: NamespaceSpec, b: NamespaceSpec) -> list[str]:
-    """The declared fields in which two namespaces differ (names only)."""
-    mine, theirs = a.to_dict(), b.to_dict()
+    """The declared fields in which two namespaces differ (names only; labels such as
+    the served model are not a difference: they do not make the namespace)."""
+    mine, theirs = a.identity(), b.identity()
     return [name for name in mine if mine[name] != theirs[name]]

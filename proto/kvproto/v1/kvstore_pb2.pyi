@@ -34,7 +34,7 @@ TIER_HOST: Tier
 TIER_DISK: Tier
 
 class NamespaceSpec(_message.Message):
-    __slots__ = ("model", "block_tokens", "block_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype", "rank", "world_size", "tenant_salt", "hash_algorithm", "vocab_size", "codec")
+    __slots__ = ("model", "block_tokens", "block_bytes", "num_layers", "num_kv_heads", "head_dim", "dtype", "rank", "world_size", "tenant_salt", "hash_algorithm", "vocab_size", "codec", "served_model", "tokenizer")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,8 @@ class NamespaceSpec(_message.Message):
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_tokens: int
     block_bytes: int
@@ -61,7 +63,9 @@ class NamespaceSpec(_message.Message):
     hash_algorithm: str
     vocab_size: int
     codec: str
-    def __init__(self, model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., hash_algorithm: _Optional[str] = ..., vocab_size: _Optional[int] = ..., codec: _Optional[str] = ...) -> None: ...
+    served_model: str
+    tokenizer: str
+    def __init__(self, model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., hash_algorithm: _Optional[str] = ..., vocab_size: _Optional[int] = ..., codec: _Optional[str] = ..., served_model: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("spec", "name")
@@ -585,7 +589,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("ns_id", "model", "block_tokens", "block_bytes", "blocks", "bytes", "hits", "misses", "name", "codec", "saved_bytes")
+    __slots__ = ("ns_id", "model", "block_tokens", "block_bytes", "blocks", "bytes", "hits", "misses", "name", "codec", "saved_bytes", "served_model", "tokenizer")
     NS_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -597,6 +601,8 @@ class NamespaceStats(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     ns_id: str
     model: str
     block_tokens: int
@@ -608,7 +614,9 @@ class NamespaceStats(_message.Message):
     name: str
     codec: str
     saved_bytes: int
-    def __init__(self, ns_id: _Optional[str] = ..., model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., name: _Optional[str] = ..., codec: _Optional[str] = ..., saved_bytes: _Optional[int] = ...) -> None: ...
+    served_model: str
+    tokenizer: str
+    def __init__(self, ns_id: _Optional[str] = ..., model: _Optional[str] = ..., block_tokens: _Optional[int] = ..., block_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., name: _Optional[str] = ..., codec: _Optional[str] = ..., saved_bytes: _Optional[int] = ..., served_model: _Optional[str] = ..., tokenizer: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "namespaces", "demotions", "promotions", "pending_blocks", "leases", "corrupt_reads", "disk_queue_bytes", "platform", "uptime_s", "counters", "staged_bytes", "disk_writable", "disk_fault", "tenants", "shared")

@@ -126,6 +126,8 @@ class NamespaceStats:
     name: str = ""  # bound name, "" if none (the daemon's, not the store's)
     codec: str = "exact"  # how its disk and shared tiers keep its blocks (kvstore.codecs)
     saved_bytes: int = 0  # bytes the codec saves: blocks encoded on disk and in host x bytes saved
+    served_model: str = ""  # the name its engine serves the model under ("": none declared)
+    tokenizer: str = ""  # where its tokenizer is: a Hugging Face id or a directory
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,3 +248,5 @@ class NamespaceInfo:
     model: str
     block_tokens: int
     block_bytes: int
+    served_model: str = ""  # labels (kvstore.keys.LABELS): the served model's name
+    tokenizer: str = ""  # and where its tokenizer is

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import reprlib
 import sys
 from collections.abc import Callable, Mapping
@@ -303,6 +304,10 @@ class UnstorableModel(Exception):
 STORABLE_KINDS = ("FullAttentionSpec", "SlidingWindowSpec")
 
 
+# fields of an EngineLayout that describe() leaves out: not what a mismatch is about
+UNSHOWN_FIELDS = ("layer_names", "served_model", "tokenizer")
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     """What makes this engine's blocks interchangeable with another's (the namespace).
@@ -323,6 +328,10 @@ class EngineLayout:
     layer_names: tuple[str, ...]
     group_layers: tuple[int, ...] = ()
     windows: tuple[int, ...] = ()
+    # labels of its namespaces, not layout: the name vLLM serves the model under and
+    # where its tokenizer is (kvctl lookup/why --text tokenize a prompt with it)
+    served_model: str = ""
+    tokenizer: str = ""
 
     @property
     def hybrid(self) -> bool:
@@ -381,6 +390,7 @@ class EngineLayout:
             layer_names=layer_names,
             group_layers=group_layers,
             windows=windows,
+            **served_labels(model_config),
         )
 
     def namespace_fields(self, rank: int, salt: str) -> dict[str, Any]:
@@ -397,12 +407,27 @@ class EngineLayout:
             rank=rank,
             world_size=self.world_size,
             tenant_salt=salt,
+            served_model=self.served_model,
+            tokenizer=self.tokenizer,
             **layout,
         )
 
     def describe(self) -> str:
-        shown = (f.name for f in fields(self) if f.name != "layer_names")
+        shown = (f.name for f in fields(self) if f.name not in UNSHOWN_FIELDS)
         return " ".join(f"{name}={getattr(self, name)}" for name in shown)
+
+
+def served_labels(model_config: Any) -> dict[str, str]:
+    """The labels of the engine's namespaces: the name vLLM serves the model under (its
+    first, where it was given several) and its tokenizer (a directory made absolute: a
+    kvctl started elsewhere finds it too)."""
+    served = getattr(model_config, "served_model_name", None) or getattr(model_config, "model", "")
+    if isinstance(served, list | tuple):
+        served = served[0] if served else ""
+    tokenizer = str(getattr(model_config, "tokenizer", "") or "")
+    if tokenizer and os.path.isdir(tokenizer):
+        tokenizer = os.path.abspath(tokenizer)
+    return {"served_model": str(served or ""), "tokenizer": tokenizer}
 
 
 def config_overrides(model_config: Any) -> dict[str, Any]:
