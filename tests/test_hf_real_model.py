@@ -29,6 +29,7 @@ def test_turn_two_reuses_turn_one_and_its_reply(kvstored: Daemon, smollm2_dir: P
     chat = make_chats(tokenizer, 1, 120)[0]
     with KVClient(kvstored.addr) as client:
         kv = HFPrefixCache(client, model, MODEL_ID, block_tokens=BLOCK)
+        assert kv.namespace.info.tokenizer == str(smollm2_dir)  # kvctl why --text finds it
         first_prompt = prompt_tokens(tokenizer, chat.ask(QUESTIONS[0]))
         first = kv.generate(first_prompt, 24, eos_token_id=tokenizer.eos_token_id)
         assert first.stats.reused_tokens == 0

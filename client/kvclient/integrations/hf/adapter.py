@@ -256,6 +256,7 @@ class HFPrefixCache:
             tenant_salt=tenant_salt,
             vocab_size=vocab,
             codec=codec,
+            tokenizer=str(getattr(model.config, "name_or_path", "") or ""),  # kvctl --text
             **self.layout.namespace_fields(),
         )
 
