@@ -80,6 +80,28 @@ def test_restart_keeps_committed_blocks(tmp_path: Path) -> None:
         s.verify_invariants()
 
 
+def test_a_namespaces_labels_survive_a_restart_and_a_reopen_relabels_it(tmp_path: Path) -> None:
+    # labels (served model, tokenizer) are kept with the namespace on disk; a re-open
+    # that declares others replaces them (kept across the next restart too), one that
+    # declares none leaves them; the ns_id never changes
+    def spec(**labels: str) -> NamespaceSpec:
+        return NamespaceSpec("m", block_tokens=TOKENS, block_bytes=BLOCK, **labels)
+
+    with make_store(tmp_path, host_blocks=8) as s:
+        ns = s.open_namespace(spec(served_model="chat", tokenizer="/models/m")).ns_id
+        assert ns == open_ns(s)
+    with make_store(tmp_path, host_blocks=8) as s:
+        (held,) = s.namespaces()
+        assert (held.ns_id, held.served_model, held.tokenizer) == (ns, "chat", "/models/m")
+        assert s.open_namespace(spec(served_model="chat-2")).served_model == "chat-2"
+        assert s.open_namespace(spec()).tokenizer == "/models/m"
+        assert [(n.served_model, n.tokenizer) for n in s.stats().namespaces] == [
+            ("chat-2", "/models/m")
+        ]
+    with make_store(tmp_path, host_blocks=8) as s:
+        assert s.namespace(ns).served_model == "chat-2"
+
+
 def test_corrupt_disk_record_is_a_miss(tmp_path: Path) -> None:
     with make_store(tmp_path, host_blocks=8, persist_on_close=True) as s:
         ns = open_ns(s)
