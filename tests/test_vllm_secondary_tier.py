@@ -15,12 +15,14 @@ import json
 import os
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Daemon, in_forked_child, wait_for
+from conftest import Daemon, wait_for
 from test_metrics import metrics_url, rpc_count, scrape
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.factory")
@@ -45,8 +47,9 @@ PRIMARY_CHUNKS = 16
 class Engine(TierEngine):
     """An engine whose one secondary tier is kvstore's, at ``daemon``."""
 
-    def __init__(self, daemon: Daemon, **tier: object) -> None:
-        config = {"type": "kvstore", "module_path": KVSTORE_TIER, "addr": daemon.addr,
+    def __init__(self, daemon: Daemon | str, **tier: object) -> None:
+        addr = daemon if isinstance(daemon, str) else daemon.addr
+        config = {"type": "kvstore", "module_path": KVSTORE_TIER, "addr": addr,
                   "retry_after_s": 0.2, **tier}  # fmt: skip
         super().__init__(config, CHUNK_BYTES, PRIMARY_CHUNKS)
         assert isinstance(self.tier, KVStoreTier)
@@ -138,21 +141,30 @@ def test_a_steps_lookups_are_one_call_per_batch(daemon: Daemon, engine: Engine) 
 def test_a_second_engine_in_another_process_loads_what_the_first_stored(
     daemon: Daemon, engine: Engine
 ) -> None:
+    assert store(engine, [chunk_key("shared", i) for i in range(3)]).success
+    # a process of its own, started afresh (not forked from this one, whose gRPC and
+    # vLLM threads a fork would copy mid-flight): its own vLLM manager and tier
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r}); import {Path(__file__).stem} as t; "
+            f"sys.exit(t.other_engine_loads_shared({daemon.addr!r}))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def other_engine_loads_shared(addr: str) -> int:
+    """In another process: 0 when its engine finds and loads the 3 "shared" chunks."""
     keys = [chunk_key("shared", i) for i in range(3)]
-    assert store(engine, keys).success
-
-    def other_engine() -> bool:  # a process of its own: its own vLLM manager and tier
-        second = Engine(daemon)
-        try:
-            if lookup(second.tier, keys) != [LookupResult.HIT] * 3:
-                return False
-            if not load(second, keys, first_row=0).success:
-                return False
-            return all(np.array_equal(second.rows[i], content(k)) for i, k in enumerate(keys))
-        finally:
-            second.close()
-
-    assert in_forked_child(other_engine, timeout=60) == 0
+    second = Engine(addr)
+    try:
+        if lookup(second.tier, keys) != [LookupResult.HIT] * 3:
+            return 2
+        if not load(second, keys, first_row=0).success:
+            return 3
+        same = all(np.array_equal(second.rows[i], content(k)) for i, k in enumerate(keys))
+        return 0 if same else 4
+    finally:
+        second.close()
 
 
 def test_a_chunk_never_stored_is_a_miss_and_its_load_fails(engine: Engine) -> None:
