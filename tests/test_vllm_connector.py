@@ -217,6 +217,9 @@ def check_engines_reuse_prefixes(
     with KVClient(kvstored.addr) as client:
         hit = vllm_namespace(client).lookup(PROMPT_A)
         assert (hit.blocks, hit.host_blocks) == (7, 7)
+        # the namespace names what vLLM serves and its tokenizer (kvctl --text)
+        info = vllm_namespace(client).info
+        assert (info.served_model, info.tokenizer) == (str(model_dir), str(model_dir))
 
     # a fresh engine gets all 7 blocks, and computes the same tokens; it loads the
     # same weights from another path (the model is named by its weights' digest)
