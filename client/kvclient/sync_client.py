@@ -151,7 +151,8 @@ class KVClient(BaseClient):
         head_dim, dtype, rank, world_size, tenant_salt, hash_algorithm, vocab_size,
         codec (how the daemon's disk and shared tiers keep its blocks: kvstore.codecs),
         and the labels served_model and tokenizer (what serves it and where its
-        tokenizer is, for kvctl --text: not part of its identity); ``name`` binds a name to it (checked against the layout when it exists)."""
+        tokenizer is, for kvctl --text: not part of its identity); ``name`` binds a
+        name to it (checked against the layout when it exists)."""
         info = self._drive(self._opened(model, block_tokens, block_bytes, name, layout))
         return Namespace(self, self._conn, info)
 
