@@ -237,14 +237,20 @@ def test_chunks_of_another_page_layout_are_another_namespace() -> None:
 
 
 def test_the_quickstarts_tier_config_is_what_vllm_builds_the_tier_from(daemon: Daemon) -> None:
-    """The GPU line of docs/quickstart/vllm-server.md (not run here: vLLM refuses this
-    offloading on CPU): its spec is one vLLM registers, and its tier entry, the address
-    aside, makes a tier through vLLM's factory that stores and looks up."""
+    """The GPU line of docs/quickstart/vllm-server.md and the README, the same in both
+    (not run here: vLLM refuses this offloading on CPU): its spec is one vLLM registers,
+    and its tier entry, the address aside, makes a tier through vLLM's factory that
+    stores and looks up."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    page = (Path(__file__).parents[1] / "docs" / "quickstart" / "vllm-server.md").read_text()
-    lines = [b for b in re.findall(r"```console\n(.*?)```", page, re.S) if "secondary_tiers" in b]
-    assert len(lines) == 1, lines
+    repo = Path(__file__).parents[1]
+    lines = [
+        block
+        for page in (repo / "docs" / "quickstart" / "vllm-server.md", repo / "README.md")
+        for block in re.findall(r"```console\n(.*?)```", page.read_text(), re.S)
+        if "secondary_tiers" in block
+    ]
+    assert len(lines) == 2 and lines[0] == lines[1], lines
     args = shlex.split(lines[0])
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     extra = config["kv_connector_extra_config"]
