@@ -14,8 +14,8 @@ The model is a Llama with seeded random weights (nothing is downloaded), so answ
 noise; text is tokenized as bytes. Start a daemon first (``kvstored``), then:
 
     python examples/cag.py                                  # demo
-    python examples/cag.py store --doc docs/reliability.md
-    python examples/cag.py ask --doc docs/reliability.md "What survives kill -9?" "What is a miss?"
+    python examples/cag.py store --doc docs/operations/configuration.md
+    python examples/cag.py ask --doc docs/operations/configuration.md "What survives kill -9?"
     python examples/cag.py --addr unix:///tmp/kv.sock --small demo
 """
 
