@@ -69,7 +69,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvclient.errors import KVStoreError
-from kvclient.integrations.vllm.settings import config_overrides
+from kvclient.integrations.vllm.settings import engine_model_id
 from kvclient.integrations.weights import weights_id
 from kvclient.namespace import Namespace
 from kvclient.outages import Outage
@@ -125,7 +125,7 @@ def _model_id(name: str) -> str:
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is None or model_config.model != name:
         return weights_id(name)
-    return weights_id(name, model_config.revision, config_overrides(model_config))
+    return engine_model_id(model_config)
 
 
 class _Lookups(AsyncLookupManager):

@@ -374,9 +374,7 @@ class EngineLayout:
                 f"{n}{f'w{w}' if w else 'f'}" for n, w in zip(group_layers, windows, strict=True)
             )
         model_config = vllm_config.model_config
-        model = settings.model or weights_id(
-            model_config.model, model_config.revision, config_overrides(model_config)
-        )
+        model = settings.model or engine_model_id(model_config)
         parallel = vllm_config.parallel_config
         return cls(
             model=f"{model}:vllm-{device}-{page_layout}",
@@ -428,6 +426,12 @@ def served_labels(model_config: Any) -> dict[str, str]:
     if tokenizer and os.path.isdir(tokenizer):
         tokenizer = os.path.abspath(tokenizer)
     return {"served_model": str(served or ""), "tokenizer": tokenizer}
+
+
+def engine_model_id(model_config: Any) -> str:
+    """The model an engine serves, by its weights at its revision and the overrides
+    that change its KV (:func:`config_overrides`): the connector's and the tier's id."""
+    return weights_id(model_config.model, model_config.revision, config_overrides(model_config))
 
 
 def config_overrides(model_config: Any) -> dict[str, Any]:
